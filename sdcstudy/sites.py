@@ -1,0 +1,77 @@
+"""Named sites of the model and the hook through which the outside world sees them.
+
+The model calls `hook(site, x, layer)` at every named point of its computation and uses what
+the hook returns. The default hook is the identity, which costs nothing after tracing.
+Lock-step taps, fault injection and ABFT are hooks composed from outside; the model knows
+nothing about them.
+
+A forward site (`attn_out`) sees the tensor itself. A site on a submodule's input (`attn_in`)
+is where a hook with a custom VJP sees the input gradient in the backward pass: the paper's
+`bwd/attn` and `bwd/ffn` sites are the cotangents at `attn_in` and `ffn_in`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import jax
+
+# Submodule boundaries (Ma et al., section 4: the four sites of Tables 1-2).
+ATTN_IN, ATTN_OUT = "attn_in", "attn_out"
+FFN_IN, FFN_OUT = "ffn_in", "ffn_out"
+
+# Inside the attention submodule.
+ATTN_NORM, ATTN_Q, ATTN_K, ATTN_V = "attn_norm", "attn_q", "attn_k", "attn_v"
+ATTN_SCORES, ATTN_PROBS, ATTN_CONTEXT = "attn_scores", "attn_probs", "attn_context"
+# Inside the FFN submodule.
+FFN_NORM, FFN_GATE, FFN_UP, FFN_ACT = "ffn_norm", "ffn_gate", "ffn_up", "ffn_act"
+# Outside the blocks (layer 0).
+EMBED, FINAL_NORM, LOGITS = "embed", "final_norm", "logits"
+
+BLOCK_SITES = (ATTN_NORM, ATTN_IN, ATTN_Q, ATTN_K, ATTN_V, ATTN_SCORES, ATTN_PROBS,
+               ATTN_CONTEXT, ATTN_OUT, FFN_NORM, FFN_IN, FFN_GATE, FFN_UP, FFN_ACT, FFN_OUT)
+MODEL_SITES = (EMBED, FINAL_NORM, LOGITS)
+ALL_SITES = BLOCK_SITES + MODEL_SITES
+
+# The paper's four comparison sites, as (contract name, model site, direction).
+PAPER_SITES = {
+    "fwd/attn": (ATTN_OUT, "fwd"),
+    "fwd/ffn": (FFN_OUT, "fwd"),
+    "bwd/attn": (ATTN_IN, "bwd"),
+    "bwd/ffn": (FFN_IN, "bwd"),
+}
+
+
+class Hook(Protocol):
+    def __call__(self, site: str, x: jax.Array, layer: int) -> jax.Array: ...
+
+
+def identity_hook(site: str, x: jax.Array, layer: int) -> jax.Array:
+    del site, layer
+    return x
+
+
+def compose(*hooks: Hook | None) -> Hook:
+    """Apply hooks left to right: `compose(inject, tap)` corrupts first, then compares."""
+    active = [h for h in hooks if h is not None and h is not identity_hook]
+    if not active:
+        return identity_hook
+    if len(active) == 1:
+        return active[0]
+
+    def composed(site: str, x: jax.Array, layer: int) -> jax.Array:
+        for h in active:
+            x = h(site, x, layer)
+        return x
+
+    return composed
+
+
+def only(sites: tuple[str, ...], fn: Callable[[str, jax.Array, int], jax.Array]) -> Hook:
+    """A hook that applies `fn` at the named sites and is the identity elsewhere."""
+    wanted = frozenset(sites)
+
+    def hook(site: str, x: jax.Array, layer: int) -> jax.Array:
+        return fn(site, x, layer) if site in wanted else x
+
+    return hook
