@@ -249,6 +249,11 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     elif annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # PyYAML reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif annotation is str:
         if isinstance(value, str):
             return value

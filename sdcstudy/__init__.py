@@ -1,0 +1,28 @@
+"""sdcstudy: a JAX/XLA research harness for silent data corruption in LLM training.
+
+`import sdcstudy` imports no JAX: public names below load their module on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# Public name -> submodule that defines it. Add a line here to export another name lazily.
+_LAZY = {
+    "load_hf_checkpoint": "hf",
+    "logits": "hf",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

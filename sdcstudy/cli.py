@@ -1,0 +1,123 @@
+"""`sdcstudy ...` and `python -m sdcstudy ...`.
+
+Problems a user can fix end with one sentence on stderr and exit code 2; a training that
+diverges ends with exit code 1; an interrupt with 130. JAX is imported only by the commands
+that need it, after the determinism flags are set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import config as C
+from .config import UserError
+
+DEMO_STEPS = 300
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set optim.lr=1e-3 (repeatable)")
+    p.add_argument("--out", type=Path, default=None, help="run folder (default runs/NAME-TIME)")
+
+
+def _progress(args) -> bool:
+    return not getattr(args, "no_progress", False)
+
+
+def cmd_run(args) -> int:
+    cfg = C.load(args.config, args.overrides)
+    if args.resume and args.out is None:
+        raise UserError("--resume needs --out RUN_DIR, the run folder to continue.")
+    from . import train
+
+    summary = train.run(cfg, args.out, resume=args.resume, stop_after=args.stop_after,
+                        progress=_progress(args))
+    print(f"run folder: {summary['run_dir']}")
+    if summary["steps_done"] < summary["steps"]:
+        print(f"stopped after step {summary['steps_done']} of {summary['steps']}; continue "
+              f"with: sdcstudy run {args.config} --out {summary['run_dir']} --resume")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from . import demo
+
+    demo.main(args.out, steps=args.steps, progress=_progress(args))
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from . import doctor
+
+    return doctor.main(json_path=args.json, keep=args.keep)
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    return bench.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sdcstudy",
+        description="Silent data corruption in LLM training: paired-node experiments in JAX.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("demo", help="train the tiny model on the built-in corpus and summarise")
+    p.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo-TIME)")
+    p.add_argument("--steps", type=int, default=DEMO_STEPS, help=argparse.SUPPRESS)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("run", help="run one experiment from a YAML config")
+    p.add_argument("config", type=Path, help="YAML config (keys it omits take defaults)")
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue the run folder given by --out")
+    p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="checkpoint and stop after this step (continue later with --resume)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("doctor", help="determinism self-test and environment fingerprint")
+    p.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
+    p.add_argument("--keep", type=Path, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("bench", help="performance benchmarks")
+    from .bench import add_bench_args
+
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from . import determinism
+
+    determinism.configure()
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"sdcstudy: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"sdcstudy: {e or 'interrupted'}", file=sys.stderr)
+        return 130
+    except Exception as e:
+        from .train import NonFiniteError
+
+        if isinstance(e, NonFiniteError):
+            print(f"sdcstudy: error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
