@@ -128,7 +128,7 @@ class Trainer:
         loss, grads = accumulate_gradients(self.loss, state["params"], batch["tokens"],
                                            batch.get("mask"))
         new_state = apply_update(self.tx, state, grads)
-        metrics = {"loss/healthy": loss, "grad/norm": optax.global_norm(grads),
+        metrics = {"loss/healthy": loss, "grad/norm": optax.tree.norm(grads),
                    "lr": self.schedule(state["step"])}
         return new_state, metrics
 
