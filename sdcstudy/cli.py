@@ -55,6 +55,13 @@ def cmd_doctor(args) -> int:
     return doctor.main(json_path=args.json, keep=args.keep)
 
 
+def cmd_profiles(args) -> int:
+    from . import profiles
+
+    print(profiles.listing())
+    return 0
+
+
 def cmd_bench(args) -> int:
     from . import bench
 
@@ -87,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     p.add_argument("--keep", type=Path, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("profiles", help="list the fault profiles (node zoo)")
+    p.set_defaults(func=cmd_profiles)
 
     p = sub.add_parser("bench", help="performance benchmarks")
     from .bench import add_bench_args

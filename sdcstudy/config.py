@@ -68,7 +68,8 @@ class MeshConfig:
 
 @dataclass
 class SuspectConfig:
-    profile: str = "healthy"
+    profile: str = "healthy"  # a zoo name (`sdcstudy profiles`) or a YAML profile file
+    log_limit: int = 64  # corruptions logged per (site, layer, spec, microstep); all are counted
 
 
 @dataclass

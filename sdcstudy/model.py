@@ -201,7 +201,14 @@ def apply(graphdef, params, tokens_BL, *, hook: Hook = identity_hook, tp_axis: s
 def token_losses(graphdef, params, tokens_BL1, mask_BL=None, *, hook: Hook = identity_hook,
                  tp_axis: str | None = None):
     """Sum of next-token negative log-likelihoods and the number of counted tokens."""
-    inputs_BL, targets_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
+    return sequence_losses(graphdef, params, tokens_BL1[:, :-1], tokens_BL1[:, 1:], mask_BL,
+                           hook=hook, tp_axis=tp_axis)
+
+
+def sequence_losses(graphdef, params, inputs_BL, targets_BL, mask_BL=None, *,
+                    hook: Hook = identity_hook, tp_axis: str | None = None):
+    """Like `token_losses` with inputs and targets given apart, as sequence parallelism needs
+    (each tp rank holds its own slice of both; the sums are then this rank's part)."""
     logits_BLV = apply(graphdef, params, inputs_BL, hook=hook, tp_axis=tp_axis)
     logp_BLV = jax.nn.log_softmax(logits_BLV, axis=-1)
     nll_BL = -jnp.take_along_axis(logp_BLV, targets_BL[..., None], axis=-1)[..., 0]

@@ -17,6 +17,13 @@ from .config import UserError
 
 CONFIG, ENV, METRICS, SUMMARY, CHECKPOINTS = (
     "config.yaml", "env.json", "metrics.jsonl", "summary.json", "checkpoints")
+FAULTS, MISMATCH, ABFT = "faults.parquet", "mismatch.parquet", "abft.parquet"
+
+# Contract columns of the Parquet tables.
+FAULT_COLUMNS = ("step", "microstep", "layer", "site", "tp_rank", "node", "kind", "bit",
+                 "flat_index", "original", "corrupted")
+MISMATCH_COLUMNS = ("step", "microstep", "layer", "site", "tp_rank", "mismatches", "elements",
+                    "severity", "max_rel_err", "nonfinite")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -123,3 +130,34 @@ def write_rows(path: Path, rows: Iterable[dict]) -> None:
 def json_load(path: Path):
     with open(path) as f:
         return json.load(f)
+
+
+class TableLog:
+    """Rows of one Parquet table, kept in memory and rewritten atomically on `flush`.
+
+    On resume the rows of steps after the checkpoint are dropped, as the steps will be redone.
+    """
+
+    def __init__(self, path: Path, columns: tuple[str, ...], keep_below_step: int | None = None):
+        self.path, self.columns = Path(path), columns
+        self.rows: list[dict] = []
+        if keep_below_step is not None and self.path.exists():
+            old = read_parquet(self.path)
+            self.rows = old[old["step"] < keep_below_step].to_dict("records")
+
+    def extend(self, rows: list[dict]) -> None:
+        self.rows.extend(rows)
+
+    def flush(self) -> None:
+        import pandas as pd
+
+        frame = pd.DataFrame(self.rows, columns=list(self.columns))
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        frame.to_parquet(tmp, index=False)
+        os.replace(tmp, self.path)
+
+
+def read_parquet(path: Path):
+    import pandas as pd
+
+    return pd.read_parquet(path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -24,10 +25,11 @@ from tqdm.auto import tqdm
 
 from . import config as C
 from . import data as D
-from . import determinism, digest, mesh as M, model, runfolder as RF
+from . import determinism, digest, mesh as M, model, profiles, runfolder as RF
+from . import faults as F
 from .checkpoint import Checkpointer
 from .config import Config, UserError
-from .sites import Hook, identity_hook
+from .sites import Hook, compose, identity_hook
 
 
 class NonFiniteError(RuntimeError):
@@ -66,45 +68,51 @@ def make_optimizer(o: C.OptimConfig, steps: int) -> optax.GradientTransformation
 # --- the step ---------------------------------------------------------------------------------
 
 
-def accumulate_gradients(loss_fn: Callable, params, tokens_MBL1, mask_MBL=None):
+def accumulate_gradients(loss_fn: Callable, params, tokens_MBL1, mask_MBL=None, sinks=None):
     """Mean next-token loss and its gradient over all microsteps' tokens.
 
-    `loss_fn(params, tokens_BL1, mask_BL, microstep)` returns (sum of losses, token count).
-    Gradients of the sums accumulate in float32 and are divided by the total count once.
+    `loss_fn(params, sinks, tokens_BL1, mask_BL, microstep)` returns
+    (sum of losses, (token count, aux)). Gradients of the sums accumulate in float32 and are
+    divided by the total count once. `sinks` are zero inputs whose gradients carry backward
+    records out of the step (see `faults.py`); they and `aux` come back stacked per microstep.
     """
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    sinks = {} if sinks is None else sinks
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
 
     def micro(carry, xs):
         loss_acc, count_acc, grads_acc = carry
         tokens, mask, microstep = xs
-        (loss, count), grads = grad_fn(params, tokens, mask, microstep)
+        (loss, (count, aux)), (grads, sink_grads) = grad_fn(params, sinks, tokens, mask,
+                                                            microstep)
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-        return (loss_acc + loss, count_acc + count, grads_acc), None
+        return (loss_acc + loss, count_acc + count, grads_acc), (aux, sink_grads)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     microsteps = jnp.arange(tokens_MBL1.shape[0], dtype=jnp.int32)
-    (loss_sum, count, grads), _ = jax.lax.scan(
+    (loss_sum, count, grads), records_M = jax.lax.scan(
         micro, (jnp.float32(0), jnp.float32(0), zeros), (tokens_MBL1, mask_MBL, microsteps))
-    return loss_sum / count, jax.tree.map(lambda g: g / count, grads)
+    return loss_sum / count, jax.tree.map(lambda g: g / count, grads), records_M
 
 
-def apply_update(tx: optax.GradientTransformation, state: dict, grads) -> dict:
+def apply_update(tx: optax.GradientTransformation, state: dict, grads,
+                 transform_updates: Callable = lambda u: u) -> dict:
     params = state["params"]
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
-    return {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
-            "step": state["step"] + 1}
+    return {"params": optax.apply_updates(params, transform_updates(updates)),
+            "opt_state": opt_state, "step": state["step"] + 1}
 
 
 @dataclass
 class Trainer:
-    """Everything static about a single-replica run: model, optimizer, schedule."""
+    """Everything static about a single-replica run: model, optimizer, schedule, faults."""
 
     cfg: Config
     dims: C.ModelDims
     graphdef: Any
     tx: optax.GradientTransformation
     schedule: optax.Schedule
+    injector: F.Injector | None = None
     hook: Hook = identity_hook
 
     @classmethod
@@ -112,25 +120,65 @@ class Trainer:
         dims = C.model_dims(cfg.model)
         graphdef, _ = model.abstract_init(dims)
         steps = cfg.experiment.steps
+        profile = profiles.load(cfg.suspect.profile)
+        injector = None if profile.healthy else F.Injector(profile, dims.n_layers,
+                                                           cfg.suspect.log_limit)
         return cls(cfg, dims, graphdef, make_optimizer(cfg.optim, steps),
-                   learning_rate_schedule(cfg.optim, steps), hook)
+                   learning_rate_schedule(cfg.optim, steps), injector, hook)
+
+    @property
+    def base_key(self):
+        return jax.random.key(self.cfg.experiment.seed)
 
     def init_state(self) -> dict:
-        key = jax.random.fold_in(jax.random.key(self.cfg.experiment.seed), 0)
-        _, params = model.init(self.dims, key)
+        _, params = model.init(self.dims, jax.random.fold_in(self.base_key, 0))
         return {"params": params, "opt_state": self.tx.init(params), "step": jnp.int32(0)}
 
-    def loss(self, params, tokens_BL1, mask_BL, microstep):
-        del microstep
-        return model.token_losses(self.graphdef, params, tokens_BL1, mask_BL, hook=self.hook)
+    def fault_context(self, step, microstep, sinks=None) -> F.FaultContext:
+        return F.FaultContext(jax.random.fold_in(self.base_key, 1), step, microstep, sinks)
+
+    def loss(self, params, sinks, tokens_BL1, mask_BL, microstep, step=0):
+        hook = self.hook
+        records = {}
+        if self.injector is not None:
+            ctx = self.fault_context(step, microstep, sinks)
+            hook = compose(self.injector.hook(ctx), hook)
+            records = ctx.records
+        loss_sum, count = model.token_losses(self.graphdef, params, tokens_BL1, mask_BL, hook=hook)
+        return loss_sum, (count, records)
+
+    def init_sinks(self) -> dict:
+        return {} if self.injector is None else self.injector.init_sinks()
 
     def train_step(self, state: dict, batch: dict):
-        loss, grads = accumulate_gradients(self.loss, state["params"], batch["tokens"],
-                                           batch.get("mask"))
-        new_state = apply_update(self.tx, state, grads)
+        step = state["step"] + 1
+        loss, grads, (fwd_M, bwd_M) = accumulate_gradients(
+            partial(self.loss, step=step), state["params"], batch["tokens"], batch.get("mask"),
+            self.init_sinks())
+        faults = {}
+        transform_updates = lambda u: u  # noqa: E731
+        if self.injector is not None:
+            ctx = self.fault_context(step, -1)
+            grads = self.injector.corrupt_tree(grads, ctx, "grad")
+            transform_updates = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
+            faults = {"micro": {**fwd_M, **bwd_M}, "step": ctx.records}
+        new_state = apply_update(self.tx, state, grads, transform_updates)
         metrics = {"loss/healthy": loss, "grad/norm": optax.tree.norm(grads),
                    "lr": self.schedule(state["step"])}
-        return new_state, metrics
+        return new_state, metrics, faults
+
+    def fault_rows(self, faults: dict, step: int) -> tuple[list[dict], int]:
+        """Host side: ground-truth rows of one step's fault records (and the overflow count)."""
+        if self.injector is None:
+            return [], 0
+        rows, overflow = F.record_rows(faults["step"], step, -1, self.injector.profile)
+        micro = faults["micro"]
+        for m in range(self.cfg.experiment.microsteps):
+            r, o = F.record_rows({k: v[m] for k, v in micro.items()}, step, m,
+                                 self.injector.profile)
+            rows += r
+            overflow += o
+        return rows, overflow
 
 
 def compile_step(step_fn, state, batch, shardings=None):
@@ -220,6 +268,8 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         echo(f"resuming {run_dir} from step {start}")
     RF.atomic_write_json(run_dir / RF.ENV, determinism.fingerprint(hlo))
     writer = RF.MetricsWriter(run_dir / RF.METRICS, keep_below_step=start + 1)
+    fault_log = RF.TableLog(run_dir / RF.FAULTS, RF.FAULT_COLUMNS, keep_below_step=start + 1)
+    fault_overflow = 0
     end = e.steps if stop_after is None else min(e.steps, stop_after)
     record = {"config_hash": _config_hash(cfg)}
 
@@ -234,9 +284,14 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
     last_time = wall_start
     pending = None
 
-    def record_metrics(step, metrics):
-        nonlocal last_time
+    def record_metrics(step, metrics, faults):
+        nonlocal last_time, fault_overflow
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        rows, overflow = trainer.fault_rows(jax.device_get(faults), step)
+        fault_log.extend(rows)
+        fault_overflow += overflow
+        if trainer.injector is not None:
+            values["faults/landed"] = len(rows) + overflow
         now = time.perf_counter()
         values["time/step_s"] = now - last_time
         last_time = now
@@ -251,20 +306,22 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         for step in range(start + 1, end + 1):
             batch = _put({"tokens": batches.batch(step - 1)},
                          None if shardings is None else shardings[1])
-            state, metrics = step_fn(state, batch)
+            state, metrics, faults = step_fn(state, batch)
             if pending is not None:
                 record_metrics(*pending)
-            pending = (step, metrics)
+            pending = (step, metrics, faults)
             if step == end or (e.checkpoint_every and step % e.checkpoint_every == 0):
                 record_metrics(*pending)
                 pending = None
                 writer.flush()
+                fault_log.flush()
                 save(step)
     except KeyboardInterrupt:
         try:  # the state is whole unless the interrupt came while a step was being dispatched
             if pending is not None:
                 record_metrics(*pending)
             writer.flush()
+            fault_log.flush()
             save(int(jax.device_get(state["step"])))
         except Exception:
             pass
@@ -290,6 +347,9 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         "compile_s": compile_s,
         "wall_time_s": wall,
         "tokens_per_s": tokens_per_step * len(losses) / wall if losses else None,
+        "suspect_profile": cfg.suspect.profile,
+        "faults/landed": len(fault_log.rows) + fault_overflow,
+        "faults/unlogged": fault_overflow,
     }
     RF.atomic_write_json(run_dir / RF.SUMMARY, summary)
     summary["run_dir"] = str(run_dir)

@@ -1,0 +1,344 @@
+"""The fault-injection engine: kinds, bits, rates, replay, profiles, and placement on a mesh."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from sdcstudy import config as C
+from sdcstudy import faults as F
+from sdcstudy import mesh as M
+from sdcstudy import model, profiles
+from sdcstudy import sites as S
+from sdcstudy.config import UserError
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+UINT = {jnp.float32: np.uint32, jnp.bfloat16: np.uint16}
+
+
+def _x(dtype, shape=(200, 500), seed=0):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def _bits(a, dtype):
+    return np.asarray(jax.device_get(F.to_bits(a))).astype(np.uint64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_counts_follow_the_rate_within_binomial_bounds(dtype):
+    # 10 independent draws at rate 1e-3 over 1e5 elements: each count within 5 standard
+    # deviations of n p, and their total within 4 (a biased sampler fails the total).
+    x, rate = _x(dtype), 1e-3
+    spec = F.FaultSpec("fwd/attn", "bitflip", rate=rate, bit_class="mantissa")
+    n = x.size
+    counts = [int(F.corrupt(x, jax.random.key(s), spec, rate)[1].sum()) for s in range(10)]
+    sd = math.sqrt(n * rate * (1 - rate))
+    assert all(abs(c - n * rate) < 5 * sd for c in counts), counts
+    assert abs(sum(counts) - 10 * n * rate) < 4 * math.sqrt(10) * sd
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bit", [0, 6, 7, 14, 15, 22, 30, 31])
+def test_the_flipped_bit_is_exactly_the_configured_one(dtype, bit):
+    width = F.bit_width(dtype)
+    if bit >= width:
+        pytest.skip("no such bit in this dtype")
+    x = _x(dtype)
+    spec = F.FaultSpec("fwd/attn", "bitflip", rate=0.01, bits=(bit,))
+    y, landed, got_bit = F.corrupt(x, jax.random.key(1), spec, 0.01)
+    diff = _bits(x, dtype) ^ _bits(y, dtype)
+    landed = np.asarray(landed)
+    assert landed.sum() > 0
+    assert np.all(diff[landed] == (1 << bit)) and np.all(diff[~landed] == 0)
+    assert np.all(np.asarray(got_bit)[landed] == bit)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bit_class", ["sign", "exponent", "mantissa"])
+def test_bit_classes_stay_in_their_field(dtype, bit_class):
+    width = F.bit_width(dtype)
+    allowed = set(F.bits_of_class(bit_class, width))
+    expected = {32: {"sign": {31}, "exponent": set(range(23, 31)), "mantissa": set(range(23))},
+                16: {"sign": {15}, "exponent": set(range(7, 15)), "mantissa": set(range(7))}}
+    assert allowed == expected[width][bit_class]
+    x = _x(dtype)
+    spec = F.FaultSpec("fwd/attn", "bitflip", rate=0.05, bit_class=bit_class)
+    y, landed, _ = F.corrupt(x, jax.random.key(2), spec, 0.05)
+    diff = (_bits(x, dtype) ^ _bits(y, dtype))[np.asarray(landed)]
+    positions = {int(math.log2(int(d))) for d in diff}
+    assert positions <= allowed and len(positions) == len(allowed)  # every allowed bit is used
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_value_kinds(dtype):
+    x = _x(dtype)
+    key = jax.random.key(3)
+    lo, hi = 0.5, 8.0
+    y, landed, _ = F.corrupt(x, key, F.FaultSpec("fwd/ffn", "scale", rate=0.02, scale=(lo, hi)),
+                             0.02)
+    landed = np.asarray(landed)
+    xf, yf = np.asarray(x, np.float64)[landed], np.asarray(y, np.float64)[landed]
+    rel = np.abs(yf - xf) / np.abs(xf)
+    ulp = 2.0 ** (-8 if dtype == jnp.bfloat16 else -24)  # rounding of the scaled value
+    assert np.all(rel >= lo * (1 - 4 * ulp) - 2 * ulp) and np.all(rel <= hi * (1 + 4 * ulp))
+    for kind, check in (("zero", lambda v: v == 0), ("nan", np.isnan), ("inf", np.isinf)):
+        y, landed, _ = F.corrupt(x, key, F.FaultSpec("fwd/ffn", kind, rate=0.02), 0.02)
+        assert np.asarray(landed).sum() > 0
+        assert np.all(check(np.asarray(y, np.float32)[np.asarray(landed)]))
+
+
+def test_count_and_lanes():
+    x = _x(jnp.float32, (4, 8, 16))
+    y, landed, _ = F.corrupt(x, jax.random.key(4), F.FaultSpec("fwd/ffn", count=3), 1.0)
+    assert int(landed.sum()) == 3
+    y, landed, _ = F.corrupt(x, jax.random.key(4), F.FaultSpec("fwd/ffn", count=3), 0.0)
+    assert int(landed.sum()) == 0  # a count spec is off when its pattern is off
+    y, landed, _ = F.corrupt(x, jax.random.key(5),
+                             F.FaultSpec("fwd/ffn", "zero", rate=1.0, lanes=(3,)), 1.0)
+    lanes = np.nonzero(np.asarray(landed))[-1]
+    assert set(lanes.tolist()) == {3} and landed.sum() == 4 * 8
+    assert np.all(np.asarray(y)[..., 3] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_records_match_the_corruption_exactly(dtype):
+    x = _x(dtype)
+    spec = F.FaultSpec("fwd/attn", "bitflip", rate=2e-4, bit_class="any")
+    y, landed, bit = F.corrupt(x, jax.random.key(6), spec, 2e-4)
+    count, rows = F.decode_record(np.asarray(F.make_record(x, y, landed, bit, 100)))
+    flat_x, flat_y = np.asarray(x, np.float32).ravel(), np.asarray(y, np.float32).ravel()
+    changed = np.nonzero(_bits(x, dtype).ravel() != _bits(y, dtype).ravel())[0]
+    assert count == len(changed) == len(rows) > 0
+    assert [r["flat_index"] for r in rows] == changed.tolist()
+    for r in rows:
+        assert r["original"] == flat_x[r["flat_index"]] or np.isnan(r["original"])
+        same = r["corrupted"] == flat_y[r["flat_index"]]
+        assert same or (np.isnan(r["corrupted"]) and np.isnan(flat_y[r["flat_index"]]))
+    # More corruptions than the record holds: all counted, the first `limit` logged.
+    count, rows = F.decode_record(np.asarray(F.make_record(x, y, landed, bit, 5)))
+    assert count == len(changed) and len(rows) == 5
+
+
+def _inject(profile, seed, step=1, microstep=0, x=None):
+    injector = F.Injector(profile, n_layers=2)
+    ctx = F.FaultContext(jax.random.key(seed), jnp.int32(step), jnp.int32(microstep))
+    x = _x(jnp.float32, (64, 64)) if x is None else x
+    return np.asarray(injector.hook(ctx)(S.ATTN_OUT, x, 1)), ctx
+
+
+def test_same_seed_replays_other_seed_differs():
+    profile = F.Profile("p", (F.FaultSpec("fwd/attn", "bitflip", rate=1e-2),))
+    a, b, c = _inject(profile, 0)[0], _inject(profile, 0)[0], _inject(profile, 1)[0]
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert not np.array_equal(a.view(np.uint32), c.view(np.uint32))
+    # Another step or microstep draws other faults.
+    assert not np.array_equal(a, _inject(profile, 0, step=2)[0])
+    assert not np.array_equal(a, _inject(profile, 0, microstep=1)[0])
+
+
+def test_repeatable_faults_depend_on_the_input_not_the_step():
+    profile = F.Profile("p", (F.FaultSpec("fwd/attn", "bitflip", rate=1e-2, repeatable=True),))
+    a, b = _inject(profile, 0, step=1)[0], _inject(profile, 0, step=7, microstep=1)[0]
+    assert np.array_equal(a, b)
+    other = _inject(profile, 0, x=_x(jnp.float32, (64, 64), seed=9))[0]
+    clean = np.asarray(_x(jnp.float32, (64, 64), seed=9))
+    assert not np.array_equal(np.nonzero(other != clean), np.nonzero(a != np.asarray(
+        _x(jnp.float32, (64, 64)))))
+
+
+@pytest.mark.parametrize("pattern, active_steps", [
+    (F.TimePattern("onset", onset_step=3), [3, 4, 5]),
+    (F.TimePattern("steps", steps=(2, 5)), [2, 5]),
+    (F.TimePattern("periodic", period=2, amplitude=0.0), [1, 3, 5]),
+])
+def test_time_patterns(pattern, active_steps):
+    profile = F.Profile("p", (F.FaultSpec("fwd/attn", "bitflip", rate=1e-2, pattern=pattern),))
+    clean = np.asarray(_x(jnp.float32, (64, 64)))
+    hit = [s for s in range(1, 6) if not np.array_equal(_inject(profile, 0, step=s)[0], clean)]
+    assert hit == active_steps
+
+
+def test_burst_and_decay_multipliers():
+    burst = F.TimePattern("burst", p_active=0.25)
+    active = [float(burst.multiplier(s, jax.random.key(s))) for s in range(400)]
+    assert set(active) == {0.0, 1.0} and abs(np.mean(active) - 0.25) < 5 * math.sqrt(.25 * .75 / 400)
+    decay = F.TimePattern("decay", amplitude=10.0, decay_steps=20.0)
+    assert float(decay.multiplier(1, None)) == pytest.approx(11.0)
+    assert float(decay.multiplier(201, None)) == pytest.approx(1 + 10 * math.exp(-10), rel=1e-5)
+    assert decay.mean_multiplier(4500) == pytest.approx(1 + 10 * 20 / 4500, rel=0.01)
+
+
+def test_zoo_numbers_come_from_the_paper():
+    zoo = profiles.zoo()
+    assert {f"paper-node-{i}" for i in range(1, 16)} <= set(zoo)
+    assert {"healthy", "exponent-flip", "mantissa-noise", "stuck-lane", "nan-burst",
+            "repeatable"} <= set(zoo)
+    # Node 1, fwd/attn: Table 1 frequency 1.55e-5 (constant), Table 2 severity 99.
+    spec = next(s for s in zoo["paper-node-1"].specs if s.site == "fwd/attn")
+    assert spec.rate == 1.55e-5 and spec.scale == (99 / 4, 99)
+    # Node 11 decays from a spike: its base rate times the run-mean multiplier is Table 1's.
+    spec = next(s for s in zoo["paper-node-11"].specs if s.site == "fwd/attn")
+    assert spec.rate * spec.pattern.mean_multiplier(4500) == pytest.approx(2.89e-2)
+    assert zoo["paper-node-13"].specs[0].pattern.onset_step == 450
+    assert zoo["healthy"].healthy and not zoo["paper-node-2"].healthy
+
+
+def test_yaml_profile_loads_and_errors_name_the_field(tmp_path):
+    good = tmp_path / "mine.yaml"
+    good.write_text("name: mine\ndescription: test\nspecs:\n"
+                    "  - {site: bwd/ffn, kind: bitflip, rate: 1.0e-4, bits: [30], layers: [2],\n"
+                    "     pattern: {kind: steps, steps: [3]}}\n")
+    profile = profiles.load(str(good))
+    assert profile.specs[0].bits == (30,) and profile.specs[0].pattern.steps == (3,)
+    cases = {"site: fwd/attn\n    kidn: bitflip": "unknown field 'kidn' (did you mean 'kind'?)",
+             "site: fwd/attn\n    kind: melt": "kind must be one of",
+             "site: fwd/atn": "unknown site 'fwd/atn'",
+             "kind: bitflip": "the field 'site' is required",
+             "site: fwd/attn\n    rate: 2.0": "rate must be a probability",
+             "site: fwd/attn\n    pattern: {kind: burst, p: 1}": "pattern has unknown fields"}
+    for i, (body, message) in enumerate(cases.items()):
+        bad = tmp_path / f"bad{i}.yaml"
+        bad.write_text(f"name: bad\nspecs:\n  - {body}\n")
+        with pytest.raises(UserError) as info:
+            profiles.load(str(bad))
+        assert message in str(info.value) and f"specs[0]" in str(info.value)
+    with pytest.raises(UserError, match="did you mean 'paper-node-1'"):
+        profiles.load("paper-node1")
+
+
+# --- on a mesh: faults land only on the chosen node and tp ranks --------------------------------
+
+DIMS = C.model_dims(C.ModelConfig(preset="tiny"))
+LIMIT = 32
+
+
+def _param_specs(params, node=True):
+    lead = (M.NODE,) if node else ()
+
+    def spec(path, _):
+        name = path[-1].key
+        if name in ("wq", "wk", "wv", "w_gate", "w_up"):
+            return P(*lead, None, M.TP)
+        if name in ("wo", "w_down"):
+            return P(*lead, M.TP, None)
+        return P(*lead)
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+PROFILE = F.Profile("t", (
+    F.FaultSpec("fwd/attn", "bitflip", rate=2e-3, bit_class="mantissa", layers=(1,),
+                tp_ranks=(1,)),
+    F.FaultSpec("bwd/ffn", "bitflip", rate=2e-3, bit_class="exponent", layers=(2,)),
+))
+
+
+@pytest.fixture(scope="module")
+def mesh_run():
+    """Run the tiny model forward and backward on (node=2, tp=2) with a profile that corrupts
+    fwd/attn of layer 1 on tp rank 1 and bwd/ffn of layer 2 on every rank, both on node 1."""
+    return _mesh_run(PROFILE)
+
+
+@pytest.fixture(scope="module")
+def clean_mesh_run():
+    return _mesh_run(F.Profile("clean", ()))
+
+
+def _mesh_run(profile):
+    injector = F.Injector(profile, DIMS.n_layers, limit=LIMIT)
+    mesh = M.make_mesh(2, 1, 2)
+    graphdef, params = model.init(DIMS, jax.random.key(0))
+    pair = jax.tree.map(lambda p: jnp.stack([p, p]), params)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, DIMS.vocab_size)
+    sinks = {k: jnp.zeros((2, 2) + s) for k, s in injector.sink_shapes().items()}
+
+    def local(pair, sinks, inputs, targets):
+        params = jax.tree.map(lambda p: p[0], pair)
+        sinks = jax.tree.map(lambda s: s[0, 0], sinks)
+        captured = {}
+
+        def capture(when):
+            def hook(site, x, layer):
+                if (site, layer) == (S.ATTN_OUT, 1):
+                    captured[when] = x
+                return x
+            return hook
+
+        def loss(params, sinks):
+            ctx = F.FaultContext(jax.random.key(7), jnp.int32(1), jnp.int32(0), sinks,
+                                 node_axis=M.NODE, tp_axis=M.TP)
+            hook = S.compose(capture("pre"), injector.hook(ctx), capture("post"))
+            total, count = model.sequence_losses(graphdef, params, inputs, targets, hook=hook,
+                                                 tp_axis=M.TP)
+            return lax.psum(total, M.TP) / lax.psum(count, M.TP), (ctx.records, captured)
+
+        (_, (records, captured)), (grads, sink_grads) = jax.value_and_grad(
+            loss, argnums=(0, 1), has_aux=True)(params, sinks)
+        lead = lambda t: jax.tree.map(lambda a: a[None, None], t)  # noqa: E731
+        grads = jax.tree.map(lambda g: g[None], grads)
+        return lead(records), lead(captured), lead(sink_grads), grads
+
+    out_specs = (P(M.NODE, M.TP), P(M.NODE, M.TP), P(M.NODE, M.TP), _param_specs(params))
+    run = jax.jit(jax.shard_map(local, mesh=mesh,
+                                in_specs=(_param_specs(params), P(M.NODE, M.TP), P(None, M.TP),
+                                          P(None, M.TP)),
+                                out_specs=out_specs, check_vma=False))
+    return jax.device_get(run(pair, sinks, tokens[:, :-1], tokens[:, 1:]))
+
+
+def test_forward_faults_land_only_on_the_chosen_node_and_rank(mesh_run):
+    records, captured, _, _ = mesh_run
+    pre, post = captured["pre"], captured["post"]
+    changed = pre.view(np.uint32) != post.view(np.uint32)
+    per_device = changed.reshape(2, 2, -1).sum(-1)
+    assert per_device[0].tolist() == [0, 0]  # healthy node untouched
+    assert per_device[1, 0] == 0 and per_device[1, 1] > 0  # suspect, rank 1 only
+    (key,) = [k for k in records if F.parse_record_key(k)[1] == S.ATTN_OUT]
+    for node in range(2):
+        for rank in range(2):
+            count, rows = F.decode_record(records[key][node, rank])
+            assert count == per_device[node, rank]
+            flat = np.nonzero(changed[node, rank].ravel())[0]
+            assert [r["flat_index"] for r in rows] == flat[:LIMIT].tolist()
+            assert all(r["corrupted"] == post[node, rank].ravel()[r["flat_index"]] for r in rows)
+
+
+def test_backward_faults_reach_only_the_suspects_gradients(mesh_run, clean_mesh_run):
+    _, _, sink_grads, grads = mesh_run
+    clean = clean_mesh_run[3]
+    (key,) = list(sink_grads)
+    counts = [[F.decode_record(sink_grads[key][n, r])[0] for r in range(2)] for n in range(2)]
+    assert counts[0] == [0, 0] and min(counts[1]) > 0
+    # The forward fault of node 1 (layer 1) and the backward one (layer 2) both change node 1's
+    # weight gradients; node 0's must be exactly those of a clean run of the same program.
+    for g, c in zip(jax.tree.leaves(grads), jax.tree.leaves(clean)):
+        assert np.array_equal(g[0].view(np.uint32), c[0].view(np.uint32))
+    changed = [not np.array_equal(g[1], c[1]) for g, c in zip(jax.tree.leaves(grads),
+                                                              jax.tree.leaves(clean))]
+    assert all(changed)  # both faults reach the embedding; every weight sees one of them
+
+
+def test_healthy_profile_compiles_to_the_plain_step():
+    # The engine must cost nothing when off: the healthy profile builds no injector, and the
+    # compiled training step is the same program as one built without any fault code.
+    from sdcstudy import train
+
+    cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16}})
+    healthy = train.Trainer.from_config(cfg)
+    assert healthy.injector is None
+    plain = train.Trainer.from_config(cfg)
+    plain.injector = F.Injector(profiles.load("healthy"), DIMS.n_layers)
+    assert not plain.injector.active
+    plain.injector = None
+    state = healthy.init_state()
+    batch = {"tokens": np.zeros((1, 2, 17), np.int32)}
+    text = lambda t: jax.jit(t.train_step).lower(state, batch).as_text()  # noqa: E731
+    assert text(healthy) == text(plain)
+    noisy = train.Trainer.from_config(C.from_dict(
+        {"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
+         "suspect": {"profile": "mantissa-noise"}}))
+    assert text(noisy) != text(healthy)
