@@ -11,6 +11,8 @@ import importlib
 _LAZY = {
     "load_hf_checkpoint": "hf",
     "logits": "hf",
+    "mismatch_stats": "stats",
+    "bit_histogram": "stats",
 }
 
 __all__ = sorted(_LAZY)

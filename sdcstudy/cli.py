@@ -31,9 +31,9 @@ def cmd_run(args) -> int:
     cfg = C.load(args.config, args.overrides)
     if args.resume and args.out is None:
         raise UserError("--resume needs --out RUN_DIR, the run folder to continue.")
-    from . import train
+    from . import runner
 
-    summary = train.run(cfg, args.out, resume=args.resume, stop_after=args.stop_after,
+    summary = runner.run(cfg, args.out, resume=args.resume, stop_after=args.stop_after,
                         progress=_progress(args))
     print(f"run folder: {summary['run_dir']}")
     if summary["steps_done"] < summary["steps"]:

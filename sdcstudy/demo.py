@@ -7,7 +7,7 @@ from pathlib import Path
 
 from . import config as C
 from . import runfolder as RF
-from . import train
+from . import runner
 
 # The embedded default: tiny Llama, byte tokens, synthetic corpus (configs/tiny.yaml reads
 # the same).
@@ -53,7 +53,7 @@ def plot_loss(rows: list[dict], uniform: float, path: Path) -> None:
 
 def main(out: Path | None, steps: int = DEMO["experiment"]["steps"], progress: bool = True):
     cfg = C.from_dict(DEMO, [f"experiment.steps={steps}"])
-    summary = train.run(cfg, out, progress=progress)
+    summary = runner.run(cfg, out, progress=progress)
     run_dir = Path(summary["run_dir"])
     rows = RF.read_jsonl(run_dir / RF.METRICS)
     uniform = math.log(C.model_dims(cfg.model).vocab_size)

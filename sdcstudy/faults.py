@@ -393,6 +393,7 @@ class FaultContext:
     records: dict = field(default_factory=dict)  # forward records, filled while tracing
     node_axis: str | None = None
     tp_axis: str | None = None
+    dp_axis: str | None = None
 
 
 def record_key(spec_index: int, site: str, layer: int) -> str:
@@ -428,12 +429,19 @@ class Injector:
         specs = [(i, s) for i, s in self.tree_specs if s.site == site]
         if not specs:
             return tree
+        from .mesh import varying_axes
+
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
         out = []
         for leaf_index, (path, leaf) in enumerate(leaves):
+            # A leaf replicated over dp or tp must stay replicated: draw the same faults there.
+            varying = varying_axes(leaf)
+            leaf_ctx = dataclasses.replace(
+                ctx, tp_axis=ctx.tp_axis if ctx.tp_axis in varying else None,
+                dp_axis=ctx.dp_axis if ctx.dp_axis in varying else None, records={})
             for i, spec in specs:
                 site_id = 1000 + TREE_SITES.index(site) * 100_000 + leaf_index
-                key, rate = self._rate_and_key(ctx, i, spec, site_id, 0, leaf)
+                key, rate = self._rate_and_key(leaf_ctx, i, spec, site_id, 0, leaf)
                 y, landed, bit = corrupt(leaf, key, spec, rate)
                 ctx.records[record_key(i, f"{site}/{path_name(path)}", 0)] = make_record(
                     leaf, y, landed, bit, self.limit)
@@ -476,6 +484,8 @@ class Injector:
         enabled = jnp.bool_(True)
         if ctx.node_axis is not None:
             enabled &= lax.axis_index(ctx.node_axis) == spec.node
+        if ctx.dp_axis is not None:
+            key = jax.random.fold_in(key, lax.axis_index(ctx.dp_axis))
         if ctx.tp_axis is not None:
             rank = lax.axis_index(ctx.tp_axis)
             key = jax.random.fold_in(key, rank)

@@ -8,6 +8,7 @@ accepts inputs that jit placed (see JAX-NOTES: `jax.make_mesh` now makes Explici
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
@@ -28,3 +29,35 @@ def make_mesh(nodes: int = 1, dp: int = 1, tp: int = 1, devices=None) -> Mesh:
                         f"XLA_FLAGS=--xla_force_host_platform_device_count={need}.")
     grid = np.array(devices[:need], dtype=object).reshape(nodes, dp, tp)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes a value varies over inside `shard_map` (empty outside)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax 0.10 keeps them here; earlier versions on `.vma`
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def vary(x, axes):
+    """`x` marked as varying over `axes` too: a no-op at run time that check_vma needs."""
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def broadcast_from(x, index: int, axis: str):
+    """Every device along `axis` gets the value of the device at `index`, bit for bit.
+
+    A masked integer psum: exact for every bit pattern (a float psum would turn -0.0 into
+    +0.0), and its result is invariant over `axis`, which `check_vma` needs for replicated
+    outputs (an all-gather's result still counts as varying).
+    """
+    mine = jax.lax.axis_index(axis) == index
+    if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
+        return jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis)
+    uint = _UINT[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32)
+    total = jax.lax.psum(jnp.where(mine, bits, jnp.uint32(0)), axis)
+    return jax.lax.bitcast_convert_type(total.astype(uint), x.dtype)

@@ -13,7 +13,7 @@ import pytest
 from sdcstudy import cli
 from sdcstudy import config as C
 from sdcstudy import runfolder as RF
-from sdcstudy import train
+from sdcstudy import runner, train
 
 BASE = {"experiment": {"steps": 12, "batch_size": 4, "microsteps": 2, "checkpoint_every": 4},
         "optim": {"warmup_steps": 3}, "data": {"seq_len": 32}}
@@ -33,7 +33,7 @@ def _view(run_dir):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "full"
-    train.run(_cfg(), out, progress=False)
+    runner.run(_cfg(), out, progress=False)
     return out
 
 
@@ -43,9 +43,9 @@ def test_resume_is_bitwise_identical(uninterrupted, tmp_path):
     # fails, something the step depends on (data position, schedule, RNG) is not a function
     # of the checkpointed state.
     out = tmp_path / "split"
-    first = train.run(_cfg(), out, stop_after=5, progress=False)
+    first = runner.run(_cfg(), out, stop_after=5, progress=False)
     assert first["steps_done"] == 5
-    train.run(_cfg(), out, resume=True, progress=False)
+    runner.run(_cfg(), out, resume=True, progress=False)
     assert _view(out) == _view(uninterrupted)
     assert [r["step"] for r in RF.read_jsonl(out / RF.METRICS)] == list(range(1, 13))
 
@@ -54,9 +54,9 @@ def test_resume_after_lost_metrics_rewinds_to_the_checkpoint(uninterrupted, tmp_
     # A crash after step 6 leaves metrics for steps 5-6 but a checkpoint only at 4: the resumed
     # run must redo 5-6 and still end identical, with no duplicate rows.
     out = tmp_path / "crash"
-    train.run(_cfg(), out, stop_after=6, progress=False)
+    runner.run(_cfg(), out, stop_after=6, progress=False)
     shutil.rmtree(out / RF.CHECKPOINTS / "6")
-    train.run(_cfg(), out, resume=True, progress=False)
+    runner.run(_cfg(), out, resume=True, progress=False)
     assert _view(out) == _view(uninterrupted)
 
 
@@ -92,7 +92,7 @@ def test_loss_falls_well_below_uniform(tmp_path):
     # under half of the uniform loss ln(256) = 5.55.
     cfg = C.from_dict({"experiment": {"steps": 200, "batch_size": 16, "checkpoint_every": 0},
                        "data": {"seq_len": 64}})
-    summary = train.run(cfg, tmp_path / "learn", progress=False)
+    summary = runner.run(cfg, tmp_path / "learn", progress=False)
     rows = RF.read_jsonl(tmp_path / "learn" / RF.METRICS)
     assert rows[0]["loss/healthy"] > 0.9 * math.log(256)
     assert np.mean([r["loss/healthy"] for r in rows[-10:]]) < 0.5 * math.log(256)
@@ -102,7 +102,7 @@ def test_loss_falls_well_below_uniform(tmp_path):
 def _gradients(cfg, tokens):
     trainer = train.Trainer.from_config(cfg)
     state = trainer.init_state()
-    return jax.jit(lambda p, t: train.accumulate_gradients(trainer.loss, p, t)[:2])(
+    return jax.jit(lambda p, t: train.accumulate_gradients(trainer.loss, p, {"tokens": t})[:2])(
         state["params"], tokens)
 
 
@@ -158,8 +158,8 @@ def test_data_parallel_matches_single_device(tmp_path):
     # dp=2 splits each microbatch over two devices; the result is the same training within
     # float32 reassociation (JAX-NOTES: sharded and unsharded runs differ by ~1e-6).
     cfg = _cfg("experiment.steps=3", "experiment.checkpoint_every=0")
-    a = train.run(cfg, tmp_path / "dp1", progress=False)
-    b = train.run(_cfg("experiment.steps=3", "experiment.checkpoint_every=0", "mesh.dp=2"),
+    a = runner.run(cfg, tmp_path / "dp1", progress=False)
+    b = runner.run(_cfg("experiment.steps=3", "experiment.checkpoint_every=0", "mesh.dp=2"),
                   tmp_path / "dp2", progress=False)
     la = [r["loss/healthy"] for r in RF.read_jsonl(tmp_path / "dp1" / RF.METRICS)]
     lb = [r["loss/healthy"] for r in RF.read_jsonl(tmp_path / "dp2" / RF.METRICS)]

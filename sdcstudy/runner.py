@@ -1,0 +1,213 @@
+"""The thin host loop: one run folder per experiment, for every mode.
+
+It dispatches step n+1 before it fetches step n's metrics, writes one JSON line per step,
+keeps the Parquet tables (faults, mismatches), checkpoints with orbax, and resumes bit for bit:
+data position, learning rate and every random draw are functions of (seed, step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from . import config as C
+from . import data as D
+from . import determinism, digest
+from . import metrics as MX
+from . import runfolder as RF
+from .checkpoint import Checkpointer
+from .config import Config, UserError
+from .train import NonFiniteError, Trainer, compile_step
+
+TABLE_COLUMNS = {RF.FAULTS: RF.FAULT_COLUMNS, RF.MISMATCH: RF.MISMATCH_COLUMNS}
+SPIKE_THRESHOLD = 0.5  # nats: a suspect loss this far above the healthy one is a spike
+
+
+def make_trainer(cfg: Config):
+    if cfg.experiment.mode == "train":
+        return Trainer.from_config(cfg)
+    from .paired import PAIRED_MODES, PairedTrainer
+
+    if cfg.experiment.mode in PAIRED_MODES:
+        return PairedTrainer.from_config(cfg)
+    raise UserError(f"experiment.mode {cfg.experiment.mode!r} is not available in this "
+                    f"version; use train, {', '.join(PAIRED_MODES)}.")
+
+
+def config_hash(cfg: Config) -> str:
+    d = C.to_dict(cfg)
+    d["experiment"] = {k: v for k, v in d["experiment"].items() if k != "steps"}
+    return hashlib.sha256(RF.dumps(d, indent=None).encode()).hexdigest()[:16]
+
+
+def check_resumable(saved: Config, cfg: Config) -> None:
+    a, b = C.to_dict(saved), C.to_dict(cfg)
+    differing = {f"{section}.{key}" for section in a for key in a[section]
+                 if a[section][key] != b[section][key]}
+    if differing - {"experiment.steps"}:
+        raise UserError(f"cannot resume with a different configuration: "
+                        f"{', '.join(sorted(differing - {'experiment.steps'}))} differ from the "
+                        f"run folder's config.yaml.")
+    if differing and cfg.optim.schedule != "constant" and cfg.optim.decay_steps is None:
+        raise UserError("changing experiment.steps on resume would change the cosine schedule; "
+                        "set optim.decay_steps to the original step count to keep it.")
+
+
+def _put(tree, shardings):
+    return tree if shardings is None else jax.device_put(tree, shardings)
+
+
+def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
+        stop_after: int | None = None, progress: bool = True, echo=print) -> dict:
+    """Run `cfg` into a run folder; returns the summary written to `summary.json`."""
+    e = cfg.experiment
+    trainer = make_trainer(cfg)
+    run_dir = RF.open_run_dir(out_dir or RF.default_run_dir(e.name or e.mode), resume)
+    if resume:
+        check_resumable(C.load(run_dir / RF.CONFIG), cfg)
+    RF.atomic_write_text(run_dir / RF.CONFIG, C.dump(cfg))
+
+    data_path = D.prepare(cfg.data, e.seed)
+    batches = D.TokenBatches(data_path, e.batch_size, e.microsteps)
+    if batches.seq_len != cfg.data.seq_len:
+        raise UserError(f"prepared data has sequence length {batches.seq_len}, "
+                        f"not data.seq_len={cfg.data.seq_len}.")
+
+    state = trainer.init_state()
+    example = trainer.make_batch(batches.batch(0))
+    shardings = trainer.shardings(state, example)
+    state = _put(state, None if shardings is None else shardings[0])
+    step_fn, hlo, compile_s = compile_step(trainer.train_step, state, example, shardings)
+
+    ckpt = Checkpointer(run_dir / RF.CHECKPOINTS, keep=e.checkpoint_keep)
+    start, carried = 0, {}
+    if resume and ckpt.latest_step() is not None:
+        start = ckpt.latest_step()
+        state, record = ckpt.restore(start, state)
+        if record.get("config_hash") != config_hash(cfg):
+            raise UserError(f"checkpoint {start} in {str(run_dir)!r} was written by another "
+                            f"configuration; it was left as it is.")
+        carried = record.get("carried", {})
+        echo(f"resuming {run_dir} from step {start}")
+    RF.atomic_write_json(run_dir / RF.ENV, determinism.fingerprint(hlo))
+    writer = RF.MetricsWriter(run_dir / RF.METRICS, keep_below_step=start + 1)
+    tables = {name: RF.TableLog(run_dir / name, cols, keep_below_step=start + 1)
+              for name, cols in TABLE_COLUMNS.items() if name in trainer_tables(trainer)}
+    counters = dict(carried.get("counters", {}))
+    histograms = {k: np.asarray(v, np.int64) for k, v in carried.get("bit_histograms", {}).items()}
+    end = e.steps if stop_after is None else min(e.steps, stop_after)
+
+    def save(step):
+        extra = {"counters": counters,
+                 "bit_histograms": {k: v.tolist() for k, v in histograms.items()}}
+        ckpt.save(step, state, {"config_hash": config_hash(cfg), "step": step, "carried": extra})
+
+    def flush():
+        writer.flush()
+        for table in tables.values():
+            table.flush()
+
+    tokens_per_step = e.microsteps * e.batch_size * cfg.data.seq_len
+    bar = tqdm(total=e.steps, initial=start, desc=e.mode, unit="step", disable=not progress,
+               dynamic_ncols=True)
+    done_steps = 0
+    wall_start = last_time = time.perf_counter()
+    pending = None
+
+    def record(step, metrics, extras):
+        nonlocal last_time, done_steps
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        rows, step_counters = trainer.host_tables(step, jax.device_get(extras))
+        for name, table_rows in rows.items():
+            tables[name].extend(table_rows)
+        for key, value in step_counters.items():
+            if key == "bit_histograms":
+                MX.merge_histograms(histograms, value)
+            else:
+                counters[key] = counters.get(key, 0) + value
+                values[key] = value
+        now = time.perf_counter()
+        values["time/step_s"] = now - last_time
+        last_time = now
+        if not math.isfinite(values["loss/healthy"]):
+            raise NonFiniteError(f"the loss became {values['loss/healthy']} at step {step}.")
+        writer.write({"step": step, **values})
+        done_steps += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{values['loss/healthy']:.3f}")
+
+    try:
+        for step in range(start + 1, end + 1):
+            batch = _put(trainer.make_batch(batches.batch(step - 1)),
+                         None if shardings is None else shardings[1])
+            state, metrics, *extras = step_fn(state, batch)
+            if pending is not None:
+                record(*pending)
+            pending = (step, metrics, extras)
+            if step == end or (e.checkpoint_every and step % e.checkpoint_every == 0):
+                record(*pending)
+                pending = None
+                flush()
+                save(step)
+    except KeyboardInterrupt:
+        try:  # the state is whole unless the interrupt came while a step was being dispatched
+            if pending is not None:
+                record(*pending)
+            flush()
+            save(int(jax.device_get(state["step"])))
+        except Exception:
+            pass
+        ckpt.wait()
+        raise KeyboardInterrupt(f"interrupted; the latest checkpoint is step "
+                                f"{ckpt.latest_step()}: continue with --resume --out {run_dir}")
+    finally:
+        bar.close()
+        writer.close()
+        ckpt.close()
+    wall = time.perf_counter() - wall_start
+
+    rows = RF.read_jsonl(run_dir / RF.METRICS)
+    losses = [r["loss/healthy"] for r in rows]
+    summary = {
+        "mode": e.mode,
+        "steps_done": int(jax.device_get(state["step"])),
+        "steps": e.steps,
+        "n_params": trainer.dims.n_params,
+        "suspect_profile": cfg.suspect.profile,
+        "loss/first": losses[0] if losses else None,
+        "loss/last": losses[-1] if losses else None,
+        "loss/uniform": math.log(trainer.dims.vocab_size),
+        "param_digest": digest.tree_digest(state["params"]),
+        "compile_s": compile_s,
+        "wall_time_s": wall,
+        "tokens_per_s": tokens_per_step * done_steps / wall if done_steps else None,
+        **counters,
+    }
+    if e.mode != "train":
+        summary.update(paired_summary(rows, tables, histograms))
+    RF.atomic_write_json(run_dir / RF.SUMMARY, summary)
+    summary["run_dir"] = str(run_dir)
+    return summary
+
+
+def trainer_tables(trainer) -> tuple[str, ...]:
+    return getattr(trainer, "TABLES", (RF.FAULTS,))
+
+
+def paired_summary(rows: list[dict], tables: dict, histograms: dict) -> dict:
+    out = {"wcnts": MX.wcnts(rows),
+           "param/diff_l2": rows[-1].get("param/diff_l2") if rows else None,
+           "loss_spikes": MX.loss_spikes(rows, SPIKE_THRESHOLD)}
+    if RF.MISMATCH in tables:
+        import pandas as pd
+
+        frame = pd.DataFrame(tables[RF.MISMATCH].rows, columns=list(RF.MISMATCH_COLUMNS))
+        out.update(MX.site_aggregates(frame))
+        out["bit_histogram"] = {site: counts.tolist() for site, counts in histograms.items()}
+    return out
