@@ -31,6 +31,34 @@ def make_mesh(nodes: int = 1, dp: int = 1, tp: int = 1, devices=None) -> Mesh:
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
 
 
+def make_node_mesh(nodes: int = 1, dp: int = 1, tp: int = 1) -> Mesh:
+    """`make_mesh`, but with several processes node i is process i's first dp*tp devices.
+
+    Then every collective over `node` crosses between processes and none over `dp` or `tp`
+    does: a pair of real hosts, each a whole training replica.
+    """
+    processes = jax.process_count()
+    if processes == 1:
+        return make_mesh(nodes, dp, tp)
+    from .config import UserError
+
+    if processes != nodes:
+        raise UserError(f"a run on {processes} processes needs one node per process, but the "
+                        f"mesh has {nodes} nodes; start {nodes} processes.")
+    per_node = dp * tp
+    devices = []
+    for process in range(processes):
+        local = sorted((d for d in jax.devices() if d.process_index == process),
+                       key=lambda d: d.id)
+        if len(local) < per_node:
+            raise UserError(f"process {process} has {len(local)} devices but a node needs "
+                            f"{per_node} (dp={dp} x tp={tp}); on CPU set XLA_FLAGS="
+                            f"--xla_force_host_platform_device_count={per_node} on every "
+                            f"process.")
+        devices += local[:per_node]
+    return make_mesh(nodes, dp, tp, devices)
+
+
 def varying_axes(x) -> frozenset:
     """The manual mesh axes a value varies over inside `shard_map` (empty outside)."""
     aval = jax.typeof(x)

@@ -136,7 +136,7 @@ class PairedTrainer:
                                                            cfg.suspect.log_limit)
         taps = LS.LockstepTaps(dims.n_layers, tp_axis=M.TP, dp_axis=M.DATA) \
             if mode == "lockstep" else None
-        mesh = mesh or M.make_mesh(2, dp, tp)
+        mesh = mesh or M.make_node_mesh(2, dp, tp)
         return cls(cfg, dims, graphdef, make_optimizer(cfg.optim, steps, clip=False),
                    learning_rate_schedule(cfg.optim, steps), mesh, injector, taps, mode)
 
@@ -273,7 +273,7 @@ class PairedTrainer:
                 fwd = {k: v[:, :, :, m] for k, v in taps["fwd"].items()}
                 bwd = {k: v[:, :, :, m] for k, v in taps["bwd"].items()}
                 rows += self.taps.rows(fwd, bwd, step, m)
-                for (site, _, _), counts in self.taps.bit_histograms(fwd, bwd).items():
+                for (_, site, _), counts in self.taps.bit_histograms(fwd, bwd).items():
                     hist[site] = hist.get(site, 0) + np.asarray(counts, np.int64)
             tables[RF.MISMATCH] = rows
             counters["mismatches"] = int(sum(r["mismatches"] for r in rows))

@@ -190,7 +190,7 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         **counters,
     }
     if e.mode != "train":
-        summary.update(paired_summary(rows, tables, histograms))
+        summary.update(paired_summary(rows, tables, histograms, cfg.model.dtype))
     RF.atomic_write_json(run_dir / RF.SUMMARY, summary)
     summary["run_dir"] = str(run_dir)
     return summary
@@ -200,7 +200,7 @@ def trainer_tables(trainer) -> tuple[str, ...]:
     return getattr(trainer, "TABLES", (RF.FAULTS,))
 
 
-def paired_summary(rows: list[dict], tables: dict, histograms: dict) -> dict:
+def paired_summary(rows: list[dict], tables: dict, histograms: dict, dtype: str) -> dict:
     out = {"wcnts": MX.wcnts(rows),
            "param/diff_l2": rows[-1].get("param/diff_l2") if rows else None,
            "loss_spikes": MX.loss_spikes(rows, SPIKE_THRESHOLD)}
@@ -209,5 +209,18 @@ def paired_summary(rows: list[dict], tables: dict, histograms: dict) -> dict:
 
         frame = pd.DataFrame(tables[RF.MISMATCH].rows, columns=list(RF.MISMATCH_COLUMNS))
         out.update(MX.site_aggregates(frame))
-        out["bit_histogram"] = {site: counts.tolist() for site, counts in histograms.items()}
+        out["bit_histogram"] = bit_histogram_summary(histograms, dtype)
+    return out
+
+
+def bit_histogram_summary(histograms: dict, dtype: str) -> dict:
+    """Per site: mismatching elements per bit position (index 0 = the lowest mantissa bit) and
+    per field, to tell single bit flips (one position) from arithmetic faults (many low bits)."""
+    from .stats import bit_width, class_counts
+
+    width = bit_width(dtype)
+    out = {}
+    for site in sorted(histograms, key=lambda s: MX.SITES.index(s) if s in MX.SITES else 99):
+        counts = np.asarray(histograms[site], np.int64)[:width]
+        out[site] = {"bits": counts.tolist(), **class_counts(counts, dtype)}
     return out
