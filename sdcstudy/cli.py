@@ -14,7 +14,8 @@ from pathlib import Path
 from . import config as C
 from .config import UserError
 
-DEMO_STEPS = 300
+DEMO_STEPS = 40  # sdcstudy.demo.DEMO_STEPS (kept here so the parser needs no JAX)
+SIMULATED_CPU_DEVICES = 8
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -31,10 +32,14 @@ def cmd_run(args) -> int:
     cfg = C.load(args.config, args.overrides)
     if args.resume and args.out is None:
         raise UserError("--resume needs --out RUN_DIR, the run folder to continue.")
+    from . import distributed
+
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.timeout)
     from . import runner
 
-    summary = runner.run(cfg, args.out, resume=args.resume, stop_after=args.stop_after,
-                        progress=_progress(args))
+    with distributed.ends_together():
+        summary = runner.run(cfg, args.out, resume=args.resume, stop_after=args.stop_after,
+                             progress=_progress(args) and distributed.is_writer())
     print(f"run folder: {summary['run_dir']}")
     if summary["steps_done"] < summary["steps"]:
         print(f"stopped after step {summary['steps_done']} of {summary['steps']}; continue "
@@ -75,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("demo", help="train the tiny model on the built-in corpus and summarise")
+    p = sub.add_parser("demo", help="a healthy and a suspect node in lock-step and "
+                                     "parameter sync: mismatch table and WCNTS")
     p.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo-TIME)")
     p.add_argument("--steps", type=int, default=DEMO_STEPS, help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -88,6 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                    help="checkpoint and stop after this step (continue later with --resume)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("one node per process (see docs/pairing.md)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address and a free port (or SDCSTUDY_COORDINATOR)")
+    g.add_argument("--num-processes", type=int, default=None, metavar="N",
+                   help="processes in the run, one per node (or SDCSTUDY_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="this process, 0 = the healthy node (or SDCSTUDY_PROCESS_ID)")
+    g.add_argument("--timeout", type=int, default=None, metavar="SECONDS",
+                   help="how long to wait for a peer to start, answer a heartbeat or join a "
+                        "collective before failing (or SDCSTUDY_TIMEOUT_S; default 300)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("doctor", help="determinism self-test and environment fingerprint")
@@ -111,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from . import determinism
 
-    determinism.configure()
+    # Simulated CPU devices for the paired mesh (node x dp x tp) unless XLA_FLAGS names a
+    # count; a GPU or TPU backend ignores it.
+    determinism.configure(device_count=SIMULATED_CPU_DEVICES)
     try:
         return args.func(args)
     except UserError as e:

@@ -112,6 +112,20 @@ def paper_node(node: int) -> Profile:
                    f"Ma et al. node {node}: {what}; WCNTS {WCNTS[node]:g}")
 
 
+def published(name: str) -> dict | None:
+    """Ma et al.'s measurements for a `paper-node-N` profile: {"freq": {site: Table 1},
+    "max_severity": {site: Table 2}, "wcnts": Figure 5}; None for other profiles."""
+    prefix = "paper-node-"
+    if not name.startswith(prefix) or not name[len(prefix):].isdigit():
+        return None
+    node = int(name[len(prefix):])
+    if node not in WCNTS:
+        return None
+    return {"freq": dict(zip(SITES, TABLE1_FREQUENCY.get(node, (0.0,) * 4))),
+            "max_severity": dict(zip(SITES, TABLE2_MAX_SEVERITY.get(node, (0.0,) * 4))),
+            "wcnts": WCNTS[node]}
+
+
 def synthetic() -> list[Profile]:
     both_fwd = ("fwd/attn", "fwd/ffn")
     return [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 
 from . import config as C
 from . import data as D
-from . import determinism, digest
+from . import determinism, digest, distributed
 from . import metrics as MX
 from . import runfolder as RF
 from .checkpoint import Checkpointer
@@ -60,7 +61,11 @@ def check_resumable(saved: Config, cfg: Config) -> None:
 
 
 def _put(tree, shardings):
-    return tree if shardings is None else jax.device_put(tree, shardings)
+    if shardings is None:
+        return tree
+    if jax.process_count() > 1:  # each process fills its own devices' pieces
+        return distributed.put(tree, shardings)
+    return jax.device_put(tree, shardings)
 
 
 def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
@@ -68,10 +73,19 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
     """Run `cfg` into a run folder; returns the summary written to `summary.json`."""
     e = cfg.experiment
     trainer = make_trainer(cfg)
-    run_dir = RF.open_run_dir(out_dir or RF.default_run_dir(e.name or e.mode), resume)
+    # With several processes only process 0 writes the run folder (orbax has each process
+    # write its own checkpoint shards); the others keep their logs in a scratch folder.
+    writes = distributed.is_writer()
+    if out_dir is None and jax.process_count() > 1:
+        raise UserError("a run on several processes needs --out RUN_DIR, the same on each.")
+    run_dir = RF.open_run_dir(out_dir or RF.default_run_dir(e.name or e.mode), resume) \
+        if writes or resume else Path(out_dir)
+    scratch = None if writes else tempfile.TemporaryDirectory(prefix="sdcstudy-peer-")
+    files = run_dir if writes else Path(scratch.name)
     if resume:
         check_resumable(C.load(run_dir / RF.CONFIG), cfg)
-    RF.atomic_write_text(run_dir / RF.CONFIG, C.dump(cfg))
+    if writes:
+        RF.atomic_write_text(run_dir / RF.CONFIG, C.dump(cfg))
 
     data_path = D.prepare(cfg.data, e.seed)
     batches = D.TokenBatches(data_path, e.batch_size, e.microsteps)
@@ -95,9 +109,10 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
                             f"configuration; it was left as it is.")
         carried = record.get("carried", {})
         echo(f"resuming {run_dir} from step {start}")
-    RF.atomic_write_json(run_dir / RF.ENV, determinism.fingerprint(hlo))
-    writer = RF.MetricsWriter(run_dir / RF.METRICS, keep_below_step=start + 1)
-    tables = {name: RF.TableLog(run_dir / name, cols, keep_below_step=start + 1)
+    if writes:
+        RF.atomic_write_json(run_dir / RF.ENV, determinism.fingerprint(hlo))
+    writer = RF.MetricsWriter(files / RF.METRICS, keep_below_step=start + 1)
+    tables = {name: RF.TableLog(files / name, cols, keep_below_step=start + 1)
               for name, cols in TABLE_COLUMNS.items() if name in trainer_tables(trainer)}
     counters = dict(carried.get("counters", {}))
     histograms = {k: np.asarray(v, np.int64) for k, v in carried.get("bit_histograms", {}).items()}
@@ -122,8 +137,8 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
 
     def record(step, metrics, extras):
         nonlocal last_time, done_steps
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        rows, step_counters = trainer.host_tables(step, jax.device_get(extras))
+        values = {k: float(v) for k, v in distributed.fetch(metrics).items()}
+        rows, step_counters = trainer.host_tables(step, distributed.fetch(extras))
         for name, table_rows in rows.items():
             tables[name].extend(table_rows)
         for key, value in step_counters.items():
@@ -172,7 +187,7 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         ckpt.close()
     wall = time.perf_counter() - wall_start
 
-    rows = RF.read_jsonl(run_dir / RF.METRICS)
+    rows = RF.read_jsonl(files / RF.METRICS)
     losses = [r["loss/healthy"] for r in rows]
     summary = {
         "mode": e.mode,
@@ -183,7 +198,7 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         "loss/first": losses[0] if losses else None,
         "loss/last": losses[-1] if losses else None,
         "loss/uniform": math.log(trainer.dims.vocab_size),
-        "param_digest": digest.tree_digest(state["params"]),
+        "param_digest": digest.tree_digest(distributed.fetch(state["params"])),
         "compile_s": compile_s,
         "wall_time_s": wall,
         "tokens_per_s": tokens_per_step * done_steps / wall if done_steps else None,
@@ -191,7 +206,10 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
     }
     if e.mode != "train":
         summary.update(paired_summary(rows, tables, histograms, cfg.model.dtype))
-    RF.atomic_write_json(run_dir / RF.SUMMARY, summary)
+    if writes:
+        RF.atomic_write_json(run_dir / RF.SUMMARY, summary)
+    else:
+        scratch.cleanup()
     summary["run_dir"] = str(run_dir)
     return summary
 
