@@ -13,6 +13,7 @@ _LAZY = {
     "logits": "hf",
     "mismatch_stats": "stats",
     "bit_histogram": "stats",
+    "load_run": "report",
 }
 
 __all__ = sorted(_LAZY)

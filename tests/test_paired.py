@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import sdcstudy
 from sdcstudy import config as C
 from sdcstudy import data as D
 from sdcstudy import runfolder as RF
@@ -94,8 +95,10 @@ KEYS = ["step", "microstep", "layer", "site", "tp_rank"]
 
 def test_mismatches_equal_the_injected_ground_truth(faulty_lockstep):
     out, summary = faulty_lockstep
-    faults = RF.read_parquet(out / RF.FAULTS)
-    mismatch = RF.read_parquet(out / RF.MISMATCH)
+    run = sdcstudy.load_run(out)
+    faults, mismatch = run.faults, run.mismatch
+    assert list(mismatch.columns) == list(RF.MISMATCH_COLUMNS)
+    assert list(faults.columns) == list(RF.FAULT_COLUMNS)
     assert set(faults["node"]) == {1} and set(faults["site"]) == set(SITE_NAMES)
     assert faults["microstep"].isin([0, 1]).all()
     truth = faults.groupby(KEYS).size().rename("injected")
