@@ -1,124 +1,327 @@
 """`sdcstudy bench`: performance benchmarks, measured side by side in one run.
 
-`sdcstudy bench train` times our real training step (`Trainer.train_step`, compiled once with
-the state donated) against the same Llama trained by transformers + torch on the CPU: the same
-initial weights (`torch_state_dict`), batch, next-token loss, global-norm clipping, AdamW and
-learning-rate schedule, all in float32. After a warm-up, each repetition times N steps of every
-contender in a rotating order, so load from other processes falls on all of them alike.
+Every suite compiles each contender's step once (state donated, `train.compile_step`), runs
+`WARMUP_STEPS` untimed steps that also check the contenders compute what they should, then
+times `repeats` repetitions of N steps of every contender in a rotating order, so load from
+other processes falls on all of them alike. Ratios are taken per repetition (both sides timed
+within seconds of each other) and reported as median (min-max).
+
+- `train`: our `Trainer.train_step` against the same Llama trained by transformers + torch on
+  the CPU: the same initial weights (`torch_state_dict`), batch, next-token loss, global-norm
+  clipping, AdamW and learning-rate schedule, all in float32.
+- `faults`: the plain single-node step (no injector) against the step built from the
+  `healthy` profile, from a profile of rate-0 specs, and from an `idle` profile whose specs
+  have a non-zero rate at the paper's four sites but a time pattern that never fires (so the
+  injection machinery is compiled in and runs, and changes nothing).
+- `paired`: the `PairedTrainer` step in modes free, lockstep and paramsync on a
+  (node=2, dp, tp) mesh with the healthy profile, with XLA's compiled memory per device.
+
 JAX and torch are imported inside the functions that use them (the CLI builds its parser
-without them).
+without them); the CLI sets the simulated CPU device count before JAX starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from .config import UserError
 
-# Per preset: (sequences per step, sequence length, timed steps per repetition). The step
-# counts keep one repetition of `small` near half a minute on a 2-core CPU.
-DEFAULT_SHAPES = {"tiny": (16, 64, 20), "small": (8, 256, 3)}
+# Per suite and preset: (sequences per step, sequence length, timed steps per repetition).
+# The step counts keep one repetition of `small` within half a minute on a 2-core CPU.
+SHAPES = {
+    "train": {"tiny": (16, 64, 20), "small": (8, 256, 3)},
+    "faults": {"tiny": (16, 64, 20), "small": (8, 256, 2)},
+    "paired": {"tiny": (16, 64, 10), "small": (8, 256, 1)},
+}
 FALLBACK_SHAPE = (8, 64, 5)
+# Untimed steps per contender after compilation. The first learning rate of the warm-up
+# schedule is 0, so only the third step's loss shows that the contenders update alike.
+WARMUP_STEPS = 3
 TORCH_ATTENTION = ("eager", "sdpa")
-WARMUP_STEPS = 2  # untimed steps of each contender after compilation (ours) or model build
 TARGET_RATIO = 2.0  # the project's goal: ours at least twice torch's tokens/s
+
+FAULT_VARIANTS = ("plain", "healthy", "zero-rate", "idle")
+IDLE_RATE = 1e-3  # any rate above 0 compiles a spec in; the pattern keeps it from firing
+PAIRED_MODES = ("free", "lockstep", "paramsync")  # free first: the others are divided by it
+# The project's goals for the paired step, as ratios to free running.
+PAIRED_GOALS = {"lockstep": {"time": 1.3, "memory": 1.25}, "paramsync": {"time": 1.1}}
+
+
+def _add_common_args(p: argparse.ArgumentParser, suite: str) -> None:
+    shapes = SHAPES[suite]
+    default = lambda i: ", ".join(f"{k} {v[i]}" for k, v in shapes.items())  # noqa: E731
+    p.add_argument("--presets", default="tiny,small",
+                   help="comma-separated model presets (default tiny,small)")
+    p.add_argument("--batch", type=int, default=None, metavar="B",
+                   help=f"sequences per step (default: {default(0)})")
+    p.add_argument("--seq-len", type=int, default=None, metavar="L",
+                   help=f"predicted tokens per sequence (default: {default(1)})")
+    p.add_argument("--steps", type=int, default=None, metavar="N",
+                   help=f"timed steps per contender and repetition (default: {default(2)})")
+    p.add_argument("--repeats", type=int, default=5, metavar="R",
+                   help="interleaved repetitions (default 5)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key of every contender, e.g. --set model.n_layers=4")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write results here")
+    p.add_argument("--markdown", type=Path, default=None, metavar="FILE",
+                   help="write the table here")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="suite", metavar="SUITE")
     sub.required = True
     t = sub.add_parser("train", help="tokens/s of our training step against transformers+torch")
-    t.add_argument("--presets", default="tiny,small",
-                   help="comma-separated model presets (default tiny,small)")
-    t.add_argument("--batch", type=int, default=None, metavar="B",
-                   help="sequences per step (default: tiny 16, small 8)")
-    t.add_argument("--seq-len", type=int, default=None, metavar="L",
-                   help="predicted tokens per sequence (default: tiny 64, small 256)")
-    t.add_argument("--steps", type=int, default=None, metavar="N",
-                   help="timed steps per contender and repetition (default: tiny 20, small 3)")
-    t.add_argument("--repeats", type=int, default=5, metavar="R",
-                   help="interleaved repetitions (default 5)")
+    _add_common_args(t, "train")
     t.add_argument("--torch-attention", default=",".join(TORCH_ATTENTION), metavar="LIST",
                    help="transformers attention implementations to time (default eager,sdpa); "
                         "the faster one is the baseline")
-    t.add_argument("--json", type=Path, default=None, metavar="FILE", help="write results here")
-    t.add_argument("--markdown", type=Path, default=None, metavar="FILE",
-                   help="write the table here")
     t.add_argument("--no-torch", action="store_true", help="time only our step")
     t.set_defaults(bench=run_train_suite)
+
+    f = sub.add_parser("faults", help="step time with the fault engine compiled in but idle, "
+                                      "against the plain step")
+    _add_common_args(f, "faults")
+    f.set_defaults(bench=run_faults_suite)
+
+    d = sub.add_parser("paired", help="step time and memory of lockstep and paramsync against "
+                                      "free-running pairs")
+    _add_common_args(d, "paired")
+    d.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per node (default 1)")
+    d.add_argument("--dp", type=int, default=1, help="data-parallel workers per node (default 1)")
+    d.set_defaults(bench=run_paired_suite)
 
 
 def main(args) -> int:
     return args.bench(args)
 
 
-# --- our step ---------------------------------------------------------------------------------
+# --- shared by the suites ---------------------------------------------------------------------
 
 
-def bench_config(preset: str, batch: int, seq_len: int, total_steps: int):
-    """The default experiment at this size; `experiment.steps` sets the cosine's length."""
+def echo_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def check_args(args) -> list[str]:
+    """The presets asked for; one-sentence errors for numbers below 1 or no preset."""
+    for name in ("batch", "seq_len", "steps", "repeats", "tp", "dp"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {value}.")
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    if not presets:
+        raise UserError("--presets names no preset; give e.g. --presets tiny,small.")
+    return presets
+
+
+def preset_config(suite: str, preset: str, args, suite_overrides: list[str] = ()):
+    """(config, timed steps per repetition) of the default experiment at the suite's shape.
+
+    `experiment.steps` covers warm-up and timed steps, so the cosine schedule never ends;
+    the suite's own overrides (mode, mesh, profile) come after the user's `--set`.
+    """
     from . import config as C
 
-    return C.from_dict({"model": {"preset": preset},
-                        "experiment": {"batch_size": batch, "steps": total_steps},
-                        "data": {"seq_len": seq_len}})
+    batch, seq_len, steps = SHAPES[suite].get(preset, FALLBACK_SHAPE)
+    batch, seq_len = args.batch or batch, args.seq_len or seq_len
+    steps = args.steps or steps
+    base = {"model": {"preset": preset},
+            "experiment": {"batch_size": batch, "steps": WARMUP_STEPS + args.repeats * steps,
+                           "checkpoint_every": 0},
+            "data": {"seq_len": seq_len}}
+    return C.from_dict(base, list(args.overrides) + list(suite_overrides)), steps
 
 
-def random_tokens(vocab_size: int, batch: int, seq_len: int, seed: int = 0):
-    """int32 tokens (1 microstep, B, L+1), the same numpy draw for every contender."""
+def random_tokens(cfg):
+    """int32 tokens (microsteps, B, L+1), the same numpy draw for every contender."""
     import numpy as np
 
-    return np.random.default_rng(seed).integers(0, vocab_size, (1, batch, seq_len + 1),
-                                                dtype=np.int32)
+    from .config import model_dims
+
+    e = cfg.experiment
+    shape = (e.microsteps, e.batch_size, cfg.data.seq_len + 1)
+    return np.random.default_rng(e.seed).integers(0, model_dims(cfg.model).vocab_size, shape,
+                                                  dtype=np.int32)
 
 
-class OursRunner:
-    """The compiled `Trainer.train_step` with its donated state."""
+def tokens_per_step(cfg) -> int:
+    e = cfg.experiment
+    return e.microsteps * e.batch_size * cfg.data.seq_len
 
-    def __init__(self, cfg, tokens_MBL1):
+
+class StepRunner:
+    """A trainer's step (`Trainer` or `PairedTrainer`), compiled once with its state donated,
+    run again and again on one batch placed as the host loop places it."""
+
+    def __init__(self, trainer, tokens_MBL1):
         import jax
-        import numpy as np
 
-        from .train import Trainer, compile_step
+        from .train import compile_step
 
-        self.trainer = Trainer.from_config(cfg)
-        self.state = self.trainer.init_state()
-        # A copy made before the first step donates (and so may overwrite) these buffers.
-        self.initial_params = jax.tree.map(lambda x: np.array(x, copy=True), self.state["params"])
-        self.batch = {"tokens": jax.device_put(tokens_MBL1)}
-        self.step_fn, _, self.compile_s = compile_step(self.trainer.train_step, self.state,
-                                                       self.batch)
-        self.metrics = None
+        self.trainer = trainer
+        state = trainer.init_state()
+        batch = trainer.make_batch(tokens_MBL1)
+        shardings = trainer.shardings(state, batch)
+        if shardings is None:
+            self.batch = jax.device_put(batch)
+        else:
+            state = jax.device_put(state, shardings[0])
+            self.batch = jax.device_put(batch, shardings[1])
+        self.state = state
+        self.step_fn, self.hlo, self.compile_s = compile_step(trainer.train_step, state,
+                                                              self.batch, shardings)
+        self.metrics, self.extras = None, []
 
     def run(self, n: int) -> None:
+        """n steps, dispatched back to back (as the host loop does), then waited for."""
         import jax
 
         for _ in range(n):
-            self.state, self.metrics, _ = self.step_fn(self.state, self.batch)
-        jax.block_until_ready((self.state, self.metrics))
+            self.state, self.metrics, *self.extras = self.step_fn(self.state, self.batch)
+        jax.block_until_ready((self.state, self.metrics, self.extras))
 
-    def losses(self, n: int) -> list[float]:
-        """Run n steps one at a time and return each step's loss (before its update)."""
+    def warm_up(self, n: int) -> list[dict]:
+        """n steps one at a time; per step its metrics and the trainer's host counters
+        (faults landed, lock-step mismatches)."""
+        import jax
+
         out = []
         for _ in range(n):
             self.run(1)
-            out.append(float(self.metrics["loss/healthy"]))
+            step = int(jax.device_get(self.state["step"]))
+            _, counters = self.trainer.host_tables(step, jax.device_get(self.extras))
+            counters.pop("bit_histograms", None)
+            out.append({**{k: float(v) for k, v in jax.device_get(self.metrics).items()},
+                        **counters})
         return out
 
-    def learning_rates(self, total_steps: int):
-        """The schedule's value at optimizer steps 0..total_steps-1, for torch to follow."""
-        import jax
-        import jax.numpy as jnp
-        import numpy as np
+    def memory(self) -> dict | None:
+        """XLA's buffer assignment for one device, in bytes (None where the backend has none).
 
-        return np.asarray(jax.vmap(self.trainer.schedule)(jnp.arange(total_steps)), np.float64)
+        `peak` = arguments + outputs + temporaries - aliased: the donated state's outputs
+        reuse its argument buffers, so they count once. It bounds what one device holds while
+        the step runs; the generated code is left out.
+        """
+        stats = self.step_fn.memory_analysis()
+        if stats is None:
+            return None
+        out = {name: int(getattr(stats, f"{name}_size_in_bytes"))
+               for name in ("argument", "output", "temp", "alias", "generated_code")}
+        out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+        return out
 
 
-# --- the same model in transformers + torch ---------------------------------------------------
+def interleaved(runners: dict, steps: int, repeats: int, tokens: int, label: str,
+                echo=echo_stderr) -> dict[str, list[float]]:
+    """Seconds for `steps` steps of each runner per repetition, in a rotating order."""
+    names = list(runners)
+    seconds = {name: [] for name in names}
+    for rep in range(repeats):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            runners[name].run(steps)
+            seconds[name].append(time.perf_counter() - start)
+        echo(f"{label} repetition {rep + 1}/{repeats}: " + ", ".join(
+            f"{name} {tokens * steps / seconds[name][-1]:,.0f} tokens/s" for name in names))
+    return seconds
+
+
+def spread(values: list[float]) -> dict:
+    import numpy as np
+
+    v = np.asarray(values, np.float64)
+    q1, median, q3 = np.percentile(v, [25, 50, 75])
+    return {"median": float(median), "min": float(v.min()), "max": float(v.max()),
+            "q1": float(q1), "q3": float(q3), "runs": [float(x) for x in v]}
+
+
+def timing(seconds: list[float], steps: int, tokens: int) -> dict:
+    return {"seconds_per_step": spread([s / steps for s in seconds]),
+            "tokens_per_s": spread([tokens * steps / s for s in seconds])}
+
+
+def ratio_spread(numerator: list[float], denominator: list[float]) -> dict:
+    """The ratio per repetition, then its spread (both sides timed in the same repetition)."""
+    return spread([a / b for a, b in zip(numerator, denominator)])
+
+
+def program_text(hlo: str) -> str:
+    """Compiled HLO text without source locations (op metadata and the stack-frame tables),
+    which name the Python lines that traced each operation."""
+    lines, skipping = [], False
+    for line in hlo.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            skipping = True
+        elif skipping and not line.strip():
+            skipping = False
+        elif not skipping:
+            lines.append(re.sub(r",? metadata=\{[^{}]*\}", "", line))
+    return "\n".join(lines)
+
+
+def _rate(s: dict) -> str:
+    return f"{s['median']:,.0f} ({s['min']:,.0f}-{s['max']:,.0f})"
+
+
+def _ratio(s: dict) -> str:
+    return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
+
+
+def _ms(s: dict) -> str:
+    return f"{s['median'] * 1e3:,.1f} ({s['min'] * 1e3:,.1f}-{s['max'] * 1e3:,.1f})"
+
+
+def environment() -> dict:
+    from importlib import metadata
+
+    import jax
+
+    from .determinism import cpu_info
+
+    versions = {}
+    for name in ("jax", "jaxlib", "flax", "optax", "torch", "transformers", "numpy"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return {"cpu": cpu_info(), "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
+            "load_average": list(os.getloadavg())}
+
+
+def finish(args, suite: str, results: list[dict], table: str, **extra) -> int:
+    """Print the table; write the JSON and Markdown files when asked (atomically)."""
+    from . import runfolder as RF
+
+    print(table, end="")
+    if args.json is not None:
+        RF.atomic_write_json(args.json, {"suite": suite, "results": results, **extra})
+    if args.markdown is not None:
+        RF.atomic_write_text(args.markdown, table)
+    return 0
+
+
+def run_suite(args, suite: str, measure, table, check=None, **extra) -> int:
+    """Check every preset first (a typo fails at once, not after minutes of measuring the
+    presets before it), then measure them in turn."""
+    presets = check_args(args)
+    for preset in presets:
+        (check or (lambda p: preset_config(suite, p, args)))(preset)
+    env = environment()
+    results = [measure(preset, args) for preset in presets]
+    env["load_average_end"] = list(os.getloadavg())
+    return finish(args, suite, results, table(results), environment=env, **extra)
+
+
+# --- train: our step against transformers + torch ---------------------------------------------
 
 
 def torch_import_problem() -> str | None:
@@ -225,161 +428,295 @@ class TorchRunner:
         for _ in range(n):
             self.step()
 
-    def losses(self, n: int) -> list[float]:
+    def warm_up(self, n: int) -> list[dict]:
         out = []
         for _ in range(n):
             self.step()
-            out.append(float(self.loss.detach()))
+            out.append({"loss/healthy": float(self.loss.detach())})
         return out
 
 
-# --- measuring --------------------------------------------------------------------------------
-
-
-def spread(values: list[float]) -> dict:
+def measure_train(preset: str, args, attentions: tuple[str, ...], echo=echo_stderr) -> dict:
+    """Our step and each torch attention, warmed up, then timed in rotation."""
+    import jax
+    import jax.numpy as jnp
     import numpy as np
 
-    v = np.asarray(values, np.float64)
-    q1, median, q3 = np.percentile(v, [25, 50, 75])
-    return {"median": float(median), "min": float(v.min()), "max": float(v.max()),
-            "q1": float(q1), "q3": float(q3), "runs": [float(x) for x in v]}
-
-
-def measure_preset(preset: str, batch: int | None, seq_len: int | None, steps: int | None,
-                   repeats: int, attentions: tuple[str, ...], echo=None) -> dict:
-    """Warm up every contender, then time `repeats` rotations of `steps` steps each."""
-    echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
-    default = DEFAULT_SHAPES.get(preset, FALLBACK_SHAPE)
-    batch, seq_len, steps = (batch or default[0], seq_len or default[1], steps or default[2])
-    total_steps = WARMUP_STEPS + repeats * steps
-    cfg = bench_config(preset, batch, seq_len, total_steps)
     from .config import model_dims
+    from .train import Trainer
 
-    dims = model_dims(cfg.model)
-    tokens_MBL1 = random_tokens(dims.vocab_size, batch, seq_len)
-    tokens_per_step = batch * seq_len
-
-    echo(f"{preset}: compiling our step ({dims.n_params:,} parameters, batch {batch} x "
-         f"{seq_len})")
-    ours = OursRunner(cfg, tokens_MBL1)
+    cfg, steps = preset_config("train", preset, args, ["experiment.mode=train"])
+    dims, tokens_MBL1, tokens = model_dims(cfg.model), random_tokens(cfg), tokens_per_step(cfg)
+    e = cfg.experiment
+    echo(f"{preset}: compiling our step ({dims.n_params:,} parameters, batch {e.batch_size} x "
+         f"{cfg.data.seq_len})")
+    ours = StepRunner(Trainer.from_config(cfg), tokens_MBL1)
     runners = {"ours": ours}
     if attentions:
         import torch
 
         torch.set_num_threads(os.cpu_count() or 1)
-        lrs = ours.learning_rates(total_steps)
+        # Copied before our first step donates (and so may overwrite) the parameter buffers.
+        params = jax.tree.map(lambda x: np.array(x, copy=True), ours.state["params"])
+        lrs = np.asarray(jax.vmap(ours.trainer.schedule)(jnp.arange(e.steps)), np.float64)
         for attention in attentions:
-            runners[f"torch-{attention}"] = TorchRunner(cfg, dims, ours.initial_params,
-                                                        tokens_MBL1, attention, lrs)
-    warmup_losses = {name: r.losses(WARMUP_STEPS) for name, r in runners.items()}
-
-    names = list(runners)
-    seconds = {name: [] for name in names}
-    for rep in range(repeats):
-        order = names[rep % len(names):] + names[:rep % len(names)]
-        for name in order:
-            start = time.perf_counter()
-            runners[name].run(steps)
-            seconds[name].append(time.perf_counter() - start)
-        echo(f"{preset} repetition {rep + 1}/{repeats}: " + ", ".join(
-            f"{name} {tokens_per_step * steps / seconds[name][-1]:,.0f} tokens/s"
-            for name in names))
+            runners[f"torch-{attention}"] = TorchRunner(cfg, dims, params, tokens_MBL1,
+                                                        attention, lrs)
+    losses = {name: [r["loss/healthy"] for r in runner.warm_up(WARMUP_STEPS)]
+              for name, runner in runners.items()}
+    seconds = interleaved(runners, steps, args.repeats, tokens, preset)
 
     def contender(name):
-        return {"tokens_per_s": spread([tokens_per_step * steps / s for s in seconds[name]]),
-                "seconds_per_step": spread([s / steps for s in seconds[name]]),
-                "warmup_losses": warmup_losses[name]}
+        return {**timing(seconds[name], steps, tokens), "warmup_losses": losses[name]}
 
-    result = {"preset": preset, "n_params": dims.n_params, "batch": batch, "seq_len": seq_len,
-              "tokens_per_step": tokens_per_step, "steps": steps, "repeats": repeats,
-              "warmup_steps": WARMUP_STEPS,
+    result = {"preset": preset, "n_params": dims.n_params, "batch": e.batch_size,
+              "seq_len": cfg.data.seq_len, "tokens_per_step": tokens, "steps": steps,
+              "repeats": args.repeats, "warmup_steps": WARMUP_STEPS,
               "ours": {**contender("ours"), "compile_s": ours.compile_s},
-              "torch": {a: contender(f"torch-{a}") for a in attentions},
-              "torch_baseline": None, "ratio": None}
+              "torch": {}, "torch_baseline": None, "ratio": None}
+    for a in attentions:
+        name = f"torch-{a}"
+        result["torch"][a] = {**contender(name),
+                              "ratio": ratio_spread(seconds[name], seconds["ours"]),
+                              "max_loss_diff": max(abs(x - y) for x, y in
+                                                   zip(losses[name], losses["ours"]))}
     if attentions:
         best = max(attentions, key=lambda a: result["torch"][a]["tokens_per_s"]["median"])
         result["torch_baseline"] = best
-        result["ratio"] = (result["ours"]["tokens_per_s"]["median"]
-                           / result["torch"][best]["tokens_per_s"]["median"])
+        result["ratio"] = result["torch"][best]["ratio"]
     return result
 
 
-def _rate(s: dict) -> str:
-    return f"{s['median']:,.0f} ({s['min']:,.0f}-{s['max']:,.0f})"
-
-
-def markdown_table(results: list[dict]) -> str:
+def train_table(results: list[dict]) -> str:
     """The results as a Markdown table, then one line per preset on the torch variants."""
     lines = ["| preset | params | batch x seq | ours tokens/s | torch tokens/s (attention) | "
-             "ratio | ours compile s |",
+             "ours / torch | ours compile s |",
              "|---|---:|---|---:|---:|---:|---:|"]
     for r in results:
         torch_cell, ratio = "not measured", "-"
         if r["torch_baseline"]:
             best = r["torch_baseline"]
             torch_cell = f"{_rate(r['torch'][best]['tokens_per_s'])} ({best})"
-            ratio = f"{r['ratio']:.2f}x"
+            ratio = _ratio(r["ratio"])
         lines.append(f"| {r['preset']} | {r['n_params'] / 1e6:.2f}M | {r['batch']} x "
                      f"{r['seq_len']} | {_rate(r['ours']['tokens_per_s'])} | {torch_cell} | "
                      f"{ratio} | {r['ours']['compile_s']:.1f} |")
-    lines.append("")
-    lines.append("Median (min-max) over interleaved repetitions; ratio = ours / the faster "
-                 "torch attention.")
+    lines += ["", "Median (min-max) over interleaved repetitions; ours / torch is taken per "
+              f"repetition against the faster torch attention (goal: at least "
+              f"{TARGET_RATIO:g}x)."]
     for r in results:
-        if len(r["torch"]) > 1:
-            variants = ", ".join(f"{a} {v['tokens_per_s']['median']:,.0f}"
+        if r["torch"]:
+            variants = ", ".join(f"{a} {v['tokens_per_s']['median']:,.0f} tokens/s, warm-up "
+                                 f"losses within {v['max_loss_diff']:.1e} of ours"
                                  for a, v in r["torch"].items())
-            lines.append(f"- {r['preset']}: torch tokens/s by attention: {variants}.")
+            lines.append(f"- {r['preset']}: torch {variants}.")
     return "\n".join(lines) + "\n"
 
 
-def environment() -> dict:
-    from importlib import metadata
-
-    from .determinism import cpu_info
-
-    versions = {}
-    for name in ("jax", "jaxlib", "flax", "optax", "torch", "transformers", "numpy"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return {"cpu": cpu_info(), "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "torch_threads": os.cpu_count(), "load_average": list(os.getloadavg())}
-
-
 def run_train_suite(args) -> int:
-    from . import runfolder as RF
-
-    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     attentions = tuple(a.strip() for a in args.torch_attention.split(",") if a.strip())
     unknown = sorted(set(attentions) - set(TORCH_ATTENTION))
     if unknown:
         raise UserError(f"--torch-attention {unknown[0]!r} is not one of "
                         f"{', '.join(TORCH_ATTENTION)}.")
-    for name, value in (("--batch", args.batch), ("--seq-len", args.seq_len),
-                        ("--steps", args.steps), ("--repeats", args.repeats)):
-        if value is not None and value < 1:
-            raise UserError(f"{name} must be at least 1, not {value}.")
-    if not presets:
-        raise UserError("--presets names no preset; give e.g. --presets tiny,small.")
     note = None
     if args.no_torch:
         attentions = ()
     elif (note := torch_import_problem()) is not None:
-        print(note, file=sys.stderr)
+        echo_stderr(note)
         attentions = ()
+    return run_suite(args, "train", lambda preset, a: measure_train(preset, a, attentions),
+                     train_table, torch_note=note, target_ratio=TARGET_RATIO)
 
-    env = environment()
-    results = [measure_preset(p, args.batch, args.seq_len, args.steps, args.repeats, attentions)
-               for p in presets]
-    env["load_average_end"] = list(os.getloadavg())
-    table = markdown_table(results)
-    print(table, end="")
-    if args.json is not None:
-        RF.atomic_write_json(args.json, {"suite": "train", "results": results,
-                                         "environment": env, "torch_note": note,
-                                         "target_ratio": TARGET_RATIO})
-    if args.markdown is not None:
-        RF.atomic_write_text(args.markdown, table)
-    return 0
+
+# --- faults: the cost of the fault engine when nothing fires ----------------------------------
+
+
+def fault_profiles(folder: Path) -> dict[str, str]:
+    """`suspect.profile` per variant; the rate-0 and idle profiles are written to `folder`.
+
+    Both put one `scale` spec (the paper nodes' kind) at each of the paper's four sites.
+    Rate 0 makes `Profile.healthy` true, so no injector is built; the idle specs have a rate
+    but a `steps` pattern listing no step, so every draw happens and none lands.
+    """
+    import yaml
+
+    from .profiles import SITES
+
+    def write(name: str, rate: float, pattern: dict | None) -> str:
+        specs = [{"site": site, "kind": "scale", "rate": rate, "scale": [0.25, 1.0],
+                  **({"pattern": pattern} if pattern else {})} for site in SITES]
+        path = folder / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"name": name, "specs": specs}, sort_keys=False))
+        return str(path)
+
+    return {"plain": "healthy", "healthy": "healthy", "zero-rate": write("zero-rate", 0.0, None),
+            "idle": write("idle", IDLE_RATE, {"kind": "steps", "steps": []})}
+
+
+def measure_faults(preset: str, args, echo=echo_stderr) -> dict:
+    """The four variants of one preset's single-node step, warmed up, then timed in rotation."""
+    from .config import model_dims
+    from .train import Trainer
+
+    trainers, cfg, steps = {}, None, 0
+    with tempfile.TemporaryDirectory(prefix="sdcstudy-bench-") as folder:
+        for variant, profile in fault_profiles(Path(folder)).items():
+            cfg, steps = preset_config("faults", preset, args, [
+                "experiment.mode=train", f"suspect.profile={profile}"])
+            trainer = Trainer.from_config(cfg)
+            # plain: no fault engine at all, whatever the profile would build.
+            trainers[variant] = (dataclasses.replace(trainer, injector=None)
+                                 if variant == "plain" else trainer)
+    dims, tokens_MBL1, tokens = model_dims(cfg.model), random_tokens(cfg), tokens_per_step(cfg)
+    runners = {}
+    for variant, trainer in trainers.items():
+        echo(f"{preset}: compiling the {variant} step")
+        runners[variant] = StepRunner(trainer, tokens_MBL1)
+    warmup = {variant: r.warm_up(WARMUP_STEPS) for variant, r in runners.items()}
+    seconds = interleaved(runners, steps, args.repeats, tokens, preset)
+
+    plain = runners["plain"]
+    variants = {}
+    for variant, runner in runners.items():
+        losses = [w["loss/healthy"] for w in warmup[variant]]
+        variants[variant] = {
+            **timing(seconds[variant], steps, tokens),
+            "ratio": ratio_spread(seconds[variant], seconds["plain"]),
+            "compile_s": runner.compile_s,
+            "injector": runner.trainer.injector is not None,
+            "hlo_identical": runner.hlo == plain.hlo,
+            "program_identical": program_text(runner.hlo) == program_text(plain.hlo),
+            "hlo_chars": len(runner.hlo),
+            "faults_landed": sum(w.get("faults/landed", 0) for w in warmup[variant]),
+            "warmup_losses": losses,
+            "losses_equal_plain": losses == [w["loss/healthy"] for w in warmup["plain"]],
+        }
+    return {"preset": preset, "n_params": dims.n_params, "batch": cfg.experiment.batch_size,
+            "seq_len": cfg.data.seq_len, "tokens_per_step": tokens, "steps": steps,
+            "repeats": args.repeats, "warmup_steps": WARMUP_STEPS, "idle_rate": IDLE_RATE,
+            "variants": variants}
+
+
+def faults_table(results: list[dict]) -> str:
+    lines = ["| preset | batch x seq | variant | ms/step | ratio to plain | HLO = plain | "
+             "faults landed | compile s |",
+             "|---|---|---|---:|---:|---|---:|---:|"]
+    for r in results:
+        for variant, v in r["variants"].items():
+            same = "yes" if v["hlo_identical"] else (
+                "ops only" if v["program_identical"] else "no")
+            lines.append(f"| {r['preset']} | {r['batch']} x {r['seq_len']} | {variant} | "
+                         f"{_ms(v['seconds_per_step'])} | {_ratio(v['ratio'])} | {same} | "
+                         f"{v['faults_landed']} | {v['compile_s']:.1f} |")
+    lines += ["", "Median (min-max) over interleaved repetitions; ratios per repetition. "
+              "plain: no injector; healthy: `suspect.profile: healthy` (its ratio is the "
+              "measurement's noise floor); zero-rate: specs at rate 0 (no injector is built); "
+              "idle: specs at the four paper sites with a pattern that never fires (the "
+              "engine compiled in). \"ops only\": equal apart from source locations."]
+    for r in results:
+        unequal = [k for k, v in r["variants"].items() if not v["losses_equal_plain"]]
+        if unequal:
+            lines.append(f"- {r['preset']}: warm-up losses differ from plain's in "
+                         f"{', '.join(unequal)}.")
+    return "\n".join(lines) + "\n"
+
+
+def run_faults_suite(args) -> int:
+    return run_suite(args, "faults", measure_faults, faults_table)
+
+
+# --- paired: lockstep and paramsync against free-running pairs --------------------------------
+
+
+def paired_config(preset: str, args, mode: str):
+    return preset_config("paired", preset, args, [
+        f"experiment.mode={mode}", "suspect.profile=healthy", f"mesh.tp={args.tp}",
+        f"mesh.dp={args.dp}"])
+
+
+def check_paired(preset: str, args) -> None:
+    """The mesh fits the devices and the model (tp divides heads, FFN and sequence)."""
+    from .paired import PairedTrainer
+
+    PairedTrainer.from_config(paired_config(preset, args, PAIRED_MODES[0])[0])
+
+
+def measure_paired(preset: str, args, echo=echo_stderr) -> dict:
+    """The three paired modes of one preset, warmed up, then timed in rotation."""
+    from .config import model_dims
+    from .paired import PairedTrainer
+
+    runners, cfg, steps = {}, None, 0
+    for mode in PAIRED_MODES:
+        cfg, steps = paired_config(preset, args, mode)
+        trainer = PairedTrainer.from_config(cfg)
+        echo(f"{preset}: compiling the {mode} step (node 2 x dp {args.dp} x tp {args.tp})")
+        runners[mode] = StepRunner(trainer, random_tokens(cfg))
+    dims, tokens = model_dims(cfg.model), tokens_per_step(cfg)
+    warmup = {mode: r.warm_up(WARMUP_STEPS) for mode, r in runners.items()}
+    seconds = interleaved(runners, steps, args.repeats, tokens, preset)
+
+    free_memory = runners["free"].memory()
+    modes = {}
+    for mode, runner in runners.items():
+        memory = runner.memory()
+        memory_ratio = (memory["peak"] / free_memory["peak"]
+                        if memory and free_memory and free_memory["peak"] else None)
+        modes[mode] = {
+            **timing(seconds[mode], steps, tokens),
+            "ratio": ratio_spread(seconds[mode], seconds["free"]),
+            "compile_s": runner.compile_s, "memory": memory, "memory_ratio": memory_ratio,
+            "warmup": warmup[mode],
+            "pair_agrees": all(w["loss/healthy"] == w["loss/suspect"] and w["grad/diff_l2"] == 0
+                               for w in warmup[mode]),
+        }
+    goals = {}
+    for mode, limits in PAIRED_GOALS.items():
+        measured = {"time": modes[mode]["ratio"]["median"], "memory": modes[mode]["memory_ratio"]}
+        goals[mode] = {what: {"limit": limit, "measured": measured[what],
+                              "met": measured[what] is not None and measured[what] <= limit}
+                       for what, limit in limits.items()}
+    return {"preset": preset, "n_params": dims.n_params, "batch": cfg.experiment.batch_size,
+            "seq_len": cfg.data.seq_len, "tokens_per_step": tokens, "steps": steps,
+            "repeats": args.repeats, "warmup_steps": WARMUP_STEPS,
+            "mesh": {"node": 2, "dp": args.dp, "tp": args.tp}, "modes": modes, "goals": goals}
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+def paired_table(results: list[dict]) -> str:
+    lines = ["| preset | node x dp x tp | mode | s/step | tokens/s | time / free | "
+             "peak MiB per device | memory / free | compile s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        m = r["mesh"]
+        for mode, v in r["modes"].items():
+            memory = v["memory"]["peak"] if v["memory"] else None
+            memory_ratio = "-" if v["memory_ratio"] is None else f"{v['memory_ratio']:.2f}x"
+            s = v["seconds_per_step"]
+            lines.append(f"| {r['preset']} | {m['node']} x {m['dp']} x {m['tp']} | {mode} | "
+                         f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | "
+                         f"{_rate(v['tokens_per_s'])} | {_ratio(v['ratio'])} | {_mib(memory)} "
+                         f"| {memory_ratio} | {v['compile_s']:.1f} |")
+    lines += ["", "Median (min-max) over interleaved repetitions; time ratios per repetition. "
+              "tokens/s counts each token once (both nodes train on it); peak memory is XLA's "
+              "buffer assignment for one device (arguments + outputs + temporaries - aliased)."]
+    for r in results:
+        verdicts = []
+        for mode, goal in r["goals"].items():
+            for what, g in goal.items():
+                measured = "-" if g["measured"] is None else f"{g['measured']:.3f}x"
+                verdicts.append(f"{mode}/free {what} {measured} (goal <= {g['limit']:g}x: "
+                                f"{'met' if g['met'] else 'NOT met'})")
+        disagree = [mode for mode, v in r["modes"].items() if not v["pair_agrees"]]
+        note = f"; healthy pairs disagree in {', '.join(disagree)}" if disagree else ""
+        lines.append(f"- {r['preset']}: {', '.join(verdicts)}{note}.")
+    return "\n".join(lines) + "\n"
+
+
+def run_paired_suite(args) -> int:
+    return run_suite(args, "paired", measure_paired, paired_table,
+                     check=lambda preset: check_paired(preset, args), goals={mode: dict(g) for mode, g in PAIRED_GOALS.items()})

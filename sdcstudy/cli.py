@@ -34,10 +34,11 @@ def cmd_run(args) -> int:
         raise UserError("--resume needs --out RUN_DIR, the run folder to continue.")
     from . import distributed
 
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.timeout)
-    from . import runner
-
     with distributed.ends_together():
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               args.timeout)
+        from . import runner
+
         summary = runner.run(cfg, args.out, resume=args.resume, stop_after=args.stop_after,
                              progress=_progress(args) and distributed.is_writer())
     print(f"run folder: {summary['run_dir']}")
@@ -58,6 +59,12 @@ def cmd_doctor(args) -> int:
     from . import doctor
 
     return doctor.main(json_path=args.json, keep=args.keep)
+
+
+def cmd_golden(args) -> int:
+    from . import golden
+
+    return golden.main(args)
 
 
 def cmd_profiles(args) -> int:
@@ -102,14 +109,46 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--process-id", type=int, default=None, metavar="I",
                    help="this process, 0 = the healthy node (or SDCSTUDY_PROCESS_ID)")
     g.add_argument("--timeout", type=int, default=None, metavar="SECONDS",
-                   help="how long to wait for a peer to start, answer a heartbeat or join a "
-                        "collective before failing (or SDCSTUDY_TIMEOUT_S; default 300)")
+                   help="how long to wait for the peers to start or to join a collective "
+                        "before failing; a peer silent twice as long is dead (or "
+                        "SDCSTUDY_TIMEOUT_S; default 300)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("doctor", help="determinism self-test and environment fingerprint")
     p.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     p.add_argument("--keep", type=Path, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("golden", help="pre-admission golden-run test: record on a trusted "
+                                       "node, check a candidate bit for bit (docs/golden.md)")
+    gsub = p.add_subparsers(dest="golden_command", metavar="record|check")
+    gsub.required = True
+    g = gsub.add_parser("record", help="record a golden run (exit 0, or 2 on bad input)")
+    g.add_argument("config", type=Path, nargs="?", default=None,
+                   help="YAML config, experiment.mode train (default: tiny, 6 steps)")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable)")
+    g.add_argument("--out", type=Path, required=True, help="new golden folder (never overwritten)")
+    g.add_argument("--device", type=int, default=0, metavar="I", help="local device (default 0)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = gsub.add_parser("check", help="re-run and compare: exit 0 PASS, 1 FAIL, 2 INCONCLUSIVE")
+    g.add_argument("golden_dir", type=Path, help="folder written by golden record")
+    g.add_argument("--json", type=Path, default=None, metavar="FILE", help="JSON report here")
+    g.add_argument("--junit", type=Path, default=None, metavar="FILE", help="JUnit XML here")
+    g.add_argument("--inject", default=None, metavar="PROFILE",
+                   help="inject faults to prove detection: a zoo name, a YAML profile, or "
+                        "flip:step=K,site=S,layer=L,bit=B[,microstep=M][,seed=N]")
+    g.add_argument("--allow-env-drift", action="store_true",
+                   help="compare even when the environment differs from the golden record's")
+    once = g.add_mutually_exclusive_group()
+    once.add_argument("--repeat", type=int, default=None, metavar="N",
+                      help="run the workload N times, comparing each (default 1)")
+    once.add_argument("--duration", type=float, default=None, metavar="MINUTES",
+                      help="repeat the workload for this long (whole repetitions)")
+    g.add_argument("--device", type=int, default=0, metavar="I",
+                   help="local device to check (default 0; on CPU a simulated device)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_golden)
 
     p = sub.add_parser("profiles", help="list the fault profiles (node zoo)")
     p.set_defaults(func=cmd_profiles)

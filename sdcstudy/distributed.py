@@ -4,9 +4,10 @@ A paired run on two processes puts node i on process i (`mesh.make_node_mesh`); 
 same shard_map step, whose all-gathers and sums over `node` cross between the processes (gloo
 over TCP on CPU, NCCL on GPU). Nothing in the step changes: only the host side does.
 
-- `initialize` joins the run through `jax.distributed` with one timeout for everything that
-  waits on a peer: start-up, heartbeats, shutdown and (on CPU) each collective, so a dead or
-  stuck peer ends the run with an error instead of a hang.
+- `initialize` joins the run through `jax.distributed` with one timeout S for what waits on
+  a peer: start-up, shutdown and (on CPU) each collective; a peer silent for 2 S is dead. A
+  dead or stuck peer ends the run with an error instead of a hang. `meet_peers` then runs the
+  first collective while the processes are together.
 - `put` builds global arrays from host values that every process holds in full.
 - `fetch` copies arrays to host numpy on every process, gathering the pieces that live on
   other processes' devices; every process must call it at the same point of the run.
@@ -159,27 +160,53 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     seconds = launch.timeout_s
+    who = "this process" if launch.detect else \
+        f"process {launch.process_id} of {launch.num_processes}"
+    where = launch.coordinator or "the Slurm job's first node"
+    print(f"sdcstudy: {who} waiting up to {seconds} s for its peers at {where}",
+          file=sys.stderr, flush=True)
     try:
         jax.distributed.initialize(
             coordinator_address=launch.coordinator, num_processes=launch.num_processes,
             process_id=launch.process_id,
             cluster_detection_method=None if launch.detect else "deactivate",
-            initialization_timeout=seconds, heartbeat_timeout_seconds=seconds,
+            initialization_timeout=seconds, heartbeat_timeout_seconds=2 * seconds,
             shutdown_timeout_seconds=seconds)
     except Exception as e:
-        who = "this process" if launch.detect else \
-            f"process {launch.process_id} of {launch.num_processes}"
-        where = launch.coordinator or "the Slurm job's first node"
         raise UserError(f"{who} could not join the run through {where} within {seconds} s "
                         f"({_first_line(e)}); start every process with the same coordinator "
                         f"and process count.") from e
+    meet_peers()
+    print(f"sdcstudy: process {jax.process_index()} of {jax.process_count()} joined the run "
+          f"through {launch.coordinator or 'the Slurm coordinator'}", file=sys.stderr,
+          flush=True)
     return True
 
 
-def process_count() -> int:
-    import jax
+def meet_peers() -> None:
+    """One small all-gather across the processes, right after they have all joined.
 
-    return jax.process_count()
+    gloo gives a peer only 30 s to reach the first collective of a device group (jax offers
+    no setting for it); later ones wait for the collective timeout. Meeting here, when the
+    processes are known to be together, keeps data preparation or a slower compile from
+    ending the run. The groups are those of the node axis: the k-th device of every process.
+    """
+    import jax
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+    processes = jax.process_count()
+    local = min(sum(d.process_index == p for d in jax.devices()) for p in range(processes))
+    grid = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)[:local]
+            for p in range(processes)]
+    mesh = Mesh(np.array(grid, dtype=object), ("process", "local"),
+                axis_types=(AxisType.Auto,) * 2)
+    ids = np.arange(processes, dtype=np.int32)
+    x = jax.make_array_from_callback(ids.shape, NamedSharding(mesh, PartitionSpec("process")),
+                                     lambda index: ids[index])
+    gathered = jax.jit(lambda v: v, out_shardings=NamedSharding(mesh, PartitionSpec()))(x)
+    if not np.array_equal(np.asarray(gathered.addressable_data(0)), ids):
+        raise UserError("the processes could not exchange data; check that every process "
+                        "runs the same version of sdcstudy and jax.")
 
 
 def is_writer() -> bool:

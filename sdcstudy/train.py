@@ -159,7 +159,7 @@ class Trainer:
         faults = {}
         transform_updates = lambda u: u  # noqa: E731
         if self.injector is not None:
-            ctx = self.fault_context(step, -1)
+            ctx = self.fault_context(step, jnp.int32(-1))
             grads = self.injector.corrupt_tree(grads, ctx, "grad")
             transform_updates = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
             faults = {"micro": {**fwd_M, **bwd_M}, "step": ctx.records}

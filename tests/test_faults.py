@@ -342,3 +342,18 @@ def test_healthy_profile_compiles_to_the_plain_step():
         {"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
          "suspect": {"profile": "mantissa-noise"}}))
     assert text(noisy) != text(healthy)
+
+
+def test_step_level_sites_run_in_the_single_node_trainer():
+    # Gradient and update specs carry no microstep; the trainer must still trace them.
+    from sdcstudy import train
+
+    cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
+                       "suspect": {"profile": "paper-node-2"}})
+    trainer = train.Trainer.from_config(cfg)
+    assert {s.site for _, s in trainer.injector.tree_specs} == {"grad"}
+    state = trainer.init_state()
+    batch = {"tokens": np.zeros((1, 2, 17), np.int32)}
+    new_state, metrics, faults = jax.jit(trainer.train_step)(state, batch)
+    assert int(new_state["step"]) == 1 and np.isfinite(float(metrics["loss/healthy"]))
+    assert "step" in faults
