@@ -76,6 +76,7 @@ SITE_NAMES = ("fwd/attn", "fwd/ffn", "bwd/attn", "bwd/ffn")
 _MANTISSA = {jnp.dtype(jnp.float32): 23, jnp.dtype(jnp.bfloat16): 7}
 _UINT = {jnp.dtype(jnp.float32): jnp.uint32, jnp.dtype(jnp.bfloat16): jnp.uint16}
 _NO_EXPONENT = -(2 ** 20)
+CHUNK = 16384  # elements per chunk of the mismatch statistics
 
 
 def stat_key(site: str, layer: int) -> str:
@@ -131,17 +132,53 @@ def compare(healthy, suspect) -> jax.Array:
                         f"got {healthy.dtype}{healthy.shape} and {suspect.dtype}{suspect.shape}.")
     bits_h = lax.bitcast_convert_type(healthy, _UINT[dtype]).reshape(-1)
     bits_s = lax.bitcast_convert_type(suspect, _UINT[dtype]).reshape(-1)
-    differ = bits_h != bits_s
     # Mismatches are rare: the statistics are computed only when there is one (a device-side
     # branch, no host sync); a clean comparison costs one pass and a reduction.
     clean = jnp.concatenate([jnp.zeros(ELEMENTS, jnp.float32), encode_count(healthy.size),
                              jnp.zeros(STATS_LEN - ELEMENTS - 2, jnp.float32)])
-    return lax.cond(jnp.any(differ),
-                    lambda: _mismatch_stats(bits_h, bits_s, differ, _MANTISSA[dtype]),
-                    lambda: vary(clean, tuple(_vma(differ))))
+    return lax.cond(jnp.any(bits_h != bits_s),
+                    lambda: _mismatch_stats(bits_h, bits_s, _MANTISSA[dtype]),
+                    lambda: vary(clean, tuple(_vma(bits_h))))
 
 
-def _mismatch_stats(bits_h, bits_s, differ, mantissa: int) -> jax.Array:
+def _chunk_size(n: int) -> int:
+    """The largest divisor of n up to CHUNK (n itself when no divisor is at least CHUNK / 64)."""
+    for size in range(min(n, CHUNK), CHUNK // 64 - 1, -1):
+        if n % size == 0:
+            return size
+    return n
+
+
+def _mismatch_stats(bits_h, bits_s, mantissa: int) -> jax.Array:
+    """Statistics of a tensor pair with at least one mismatch, `CHUNK` elements at a time.
+
+    Chunks keep the branch's temporaries small: XLA plans memory for an untaken branch too, and
+    a whole-tensor pass would need several tensor-sized buffers at every tap. Each chunk holds
+    its relative errors scaled by its own exponent; the chunks are rescaled to the largest.
+    """
+    size = _chunk_size(bits_h.size)
+    per_chunk = lax.map(lambda hs: _chunk_stats(hs[0], hs[1], mantissa),
+                        (bits_h.reshape(-1, size), bits_s.reshape(-1, size)))
+    counts, rel_sum, rel_max, exponent = per_chunk
+    counted = exponent != _NO_EXPONENT
+    shared = jnp.max(exponent, initial=_NO_EXPONENT)
+    shared = jnp.where(shared == _NO_EXPONENT, 0, shared)
+    rescale = lambda x: jnp.where(counted, jnp.ldexp(x, exponent - shared), 0.0)  # noqa: E731
+    totals = jnp.sum(counts, axis=0, dtype=jnp.uint32)
+    return jnp.concatenate([
+        encode_count(totals[0]), encode_count(bits_h.size), encode_count(totals[1]),
+        encode_count(totals[2]),
+        jnp.stack([jnp.sum(rescale(rel_sum)), jnp.max(rescale(rel_max), initial=0.0),
+                   shared.astype(jnp.float32)]),
+        jnp.zeros(BIT_HIST - REL_EXP - 1, jnp.float32),
+        encode_count(totals[3:]).T.reshape(-1),
+    ])
+
+
+def _chunk_stats(bits_h, bits_s, mantissa: int):
+    """(counts: mismatches, finite mismatches, nonfinite, 32 per-bit; sum and max of the relative
+    errors times 2**-exponent; exponent, or _NO_EXPONENT when no finite value differs)."""
+    differ = bits_h != bits_s
     sig_h, exp_h, neg_h, nonfinite_h = _decompose(bits_h, mantissa)
     sig_s, exp_s, neg_s, nonfinite_s = _decompose(bits_s, mantissa)
     finite = differ & ~nonfinite_h & ~nonfinite_s
@@ -159,21 +196,14 @@ def _mismatch_stats(bits_h, bits_s, differ, mantissa: int) -> jax.Array:
     counted = finite & (ratio > 0)
     exponent = jnp.where(counted, exp_r + top - exp_q, _NO_EXPONENT)
     shared = jnp.max(exponent, initial=_NO_EXPONENT)
-    shared = jnp.where(shared == _NO_EXPONENT, 0, shared)
     # eq. (3), Ma et al.: relative differences of the mismatching elements, scaled by 2**-shared.
     scaled = jnp.where(counted, jnp.ldexp(fraction, exponent - shared), 0.0)
 
     xor = (bits_h ^ bits_s).astype(jnp.uint32)
-    per_bit = jnp.sum((xor[:, None] >> jnp.arange(HIST_BITS, dtype=jnp.uint32)) & 1, axis=0,
-                      dtype=jnp.uint32)
-    count = lambda mask: encode_count(jnp.sum(mask, dtype=jnp.uint32))  # noqa: E731
-    return jnp.concatenate([
-        count(differ), encode_count(differ.size), count(finite),
-        count(differ & nonfinite_s),
-        jnp.stack([jnp.sum(scaled), jnp.max(scaled, initial=0.0), shared.astype(jnp.float32)]),
-        jnp.zeros(BIT_HIST - REL_EXP - 1, jnp.float32),
-        encode_count(per_bit).T.reshape(-1),
-    ])
+    count = lambda mask: jnp.sum(mask, dtype=jnp.uint32)  # noqa: E731
+    counts = jnp.stack([count(differ), count(finite), count(differ & nonfinite_s)]
+                       + [count((xor >> b) & 1) for b in range(HIST_BITS)])
+    return counts, jnp.sum(scaled), jnp.max(scaled, initial=0.0), shared
 
 
 # --- varying-manual-axes bookkeeping (check_vma=True) -----------------------------------------
