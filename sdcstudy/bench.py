@@ -54,9 +54,12 @@ PAIRED_MODES = ("free", "lockstep", "paramsync")  # free first: the others are d
 PAIRED_GOALS = {"lockstep": {"time": 1.3, "memory": 1.25}, "paramsync": {"time": 1.1}}
 
 
-def _add_common_args(p: argparse.ArgumentParser, suite: str) -> None:
-    shapes = SHAPES[suite]
-    default = lambda i: ", ".join(f"{k} {v[i]}" for k, v in shapes.items())  # noqa: E731
+def _add_common_args(p: argparse.ArgumentParser, suite: str | None, repeats: int = 5) -> None:
+    """The options every suite takes; `suite` None: each suite keeps its own default shapes."""
+    def default(i):
+        if suite is None:
+            return "each suite's own"
+        return ", ".join(f"{k} {v[i]}" for k, v in SHAPES[suite].items())
     p.add_argument("--presets", default="tiny,small",
                    help="comma-separated model presets (default tiny,small)")
     p.add_argument("--batch", type=int, default=None, metavar="B",
@@ -65,8 +68,8 @@ def _add_common_args(p: argparse.ArgumentParser, suite: str) -> None:
                    help=f"predicted tokens per sequence (default: {default(1)})")
     p.add_argument("--steps", type=int, default=None, metavar="N",
                    help=f"timed steps per contender and repetition (default: {default(2)})")
-    p.add_argument("--repeats", type=int, default=5, metavar="R",
-                   help="interleaved repetitions (default 5)")
+    p.add_argument("--repeats", type=int, default=repeats, metavar="R",
+                   help=f"interleaved repetitions (default {repeats})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key of every contender, e.g. --set model.n_layers=4")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write results here")
@@ -97,9 +100,42 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--dp", type=int, default=1, help="data-parallel workers per node (default 1)")
     d.set_defaults(bench=run_paired_suite)
 
+    a = sub.add_parser("all", help="every suite in turn (train, faults, paired), 3 repetitions "
+                                   "each unless --repeats says otherwise")
+    _add_common_args(a, None, repeats=3)
+    a.set_defaults(bench=run_all_suites)
+
 
 def main(args) -> int:
     return args.bench(args)
+
+
+def run_all_suites(args) -> int:
+    """Every suite in turn with the shared options (the suites' own at their defaults); one
+    table, and one JSON file holding each suite's results."""
+    from . import runfolder as RF
+
+    suites = {"train": (run_train_suite, {"torch_attention": ",".join(TORCH_ATTENTION),
+                                          "no_torch": False}),
+              "faults": (run_faults_suite, {}),
+              "paired": (run_paired_suite, {"tp": 1, "dp": 1})}
+    check_args(args)
+    tables, results = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (run, extra) in suites.items():
+            echo_stderr(f"== sdcstudy bench {name}")
+            out = Path(tmp) / name
+            sub = argparse.Namespace(**{**vars(args), **extra, "json": out.with_suffix(".json"),
+                                        "markdown": out.with_suffix(".md")})
+            run(sub)
+            tables.append(f"## {name}\n\n" + out.with_suffix(".md").read_text())
+            results[name] = RF.json_load(out.with_suffix(".json"))
+    table = "\n".join(tables)
+    if args.json is not None:
+        RF.atomic_write_json(args.json, {"suite": "all", "suites": results})
+    if args.markdown is not None:
+        RF.atomic_write_text(args.markdown, table)
+    return 0
 
 
 # --- shared by the suites ---------------------------------------------------------------------

@@ -132,3 +132,30 @@ def test_bad_numbers_exit_2(argv, needle, capsys):
     assert cli.main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_all_runs_every_suite_with_its_own_defaults(tmp_path, capsys, monkeypatch):
+    # The suites themselves are tested above; here: each is called once, with the shared
+    # options and its own defaults, and the combined files hold every suite's output.
+    seen = {}
+
+    def fake(name):
+        def run(args):
+            seen[name] = args
+            bench.finish(args, name, [{"suite": name}], f"| {name} table |\n")
+            return 0
+        return run
+
+    for name in ("train", "faults", "paired"):
+        monkeypatch.setattr(bench, f"run_{name}_suite", fake(name))
+    json_path, md_path = tmp_path / "all.json", tmp_path / "all.md"
+    assert cli.main(["bench", "all", "--presets", "tiny", "--json", str(json_path),
+                     "--markdown", str(md_path)]) == 0
+    assert list(seen) == ["train", "faults", "paired"]
+    assert all(a.repeats == 3 and a.presets == "tiny" for a in seen.values())
+    assert seen["train"].no_torch is False and seen["paired"].tp == 1
+    report = json.loads(json_path.read_text())
+    assert {k: v["results"] for k, v in report["suites"].items()} == {
+        name: [{"suite": name}] for name in seen}
+    table = md_path.read_text()
+    assert all(f"## {name}" in table and f"| {name} table |" in table for name in seen)
