@@ -74,6 +74,18 @@ def cmd_profiles(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from . import sweep
+
+    return sweep.main(args)
+
+
+def cmd_report(args) -> int:
+    from . import report
+
+    return report.main(args.run_dirs, args.out)
+
+
 def cmd_bench(args) -> int:
     from . import bench
 
@@ -113,6 +125,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "before failing; a peer silent twice as long is dead (or "
                         "SDCSTUDY_TIMEOUT_S; default 300)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("sweep", help="one run per suspect profile, then a combined report")
+    p.add_argument("config", type=Path, help="YAML config (keys it omits take defaults)")
+    p.add_argument("--profiles", required=True, metavar="P1,P2,...",
+                   help="suspect profiles, comma separated: zoo names or YAML files")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key for every run (repeatable)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="sweep folder: one run folder per profile and report/ "
+                        "(default runs/sweep-MODE-TIME)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the sweep in --out: keep finished runs, resume the others")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("report", help="paper-style tables (Markdown, CSV) and PNG plots from "
+                                      "run folders")
+    p.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR",
+                   help="run folders, or folders of them (a sweep, a demo)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="report folder, new or an earlier report (default runs/report-TIME)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("doctor", help="determinism self-test and environment fingerprint")
     p.add_argument("--json", type=Path, default=None, help="write the report as JSON here")

@@ -29,46 +29,10 @@ from pathlib import Path
 import yaml
 
 from .faults import FaultSpec, FaultSpecError, Profile, TimePattern, profile_from_dict
+from .published import SITES, TABLE1_FREQUENCY, TABLE2_MAX_SEVERITY, WCNTS
+from .published import published  # noqa: F401  (Ma et al.'s numbers for a profile name)
 
 PAPER_STEPS = 4500  # Ma et al. section 4: M = 4500 optimizer steps in the lock-step runs
-SITES = ("fwd/attn", "fwd/ffn", "bwd/attn", "bwd/ffn")
-
-# Table 1: average mismatch frequency (fwd/attn, fwd/ffn, bwd/attn, bwd/ffn).
-TABLE1_FREQUENCY = {
-    1: (1.55e-5, 5.06e-7, 1.56e-4, 2.81e-6),
-    4: (3.79e-9, 9.20e-11, 2.99e-9, 2.80e-11),
-    5: (0.0, 0.0, 1.49e-15, 1.25e-12),
-    6: (1.71e-9, 1.64e-11, 1.49e-9, 6.02e-11),
-    7: (2.13e-6, 1.18e-7, 4.31e-6, 6.73e-8),
-    8: (3.21e-9, 1.99e-11, 1.01e-7, 2.21e-9),
-    9: (1.10e-5, 5.05e-7, 4.33e-6, 3.86e-8),
-    10: (4.78e-3, 1.03e-3, 1.92e-3, 7.98e-5),
-    11: (2.89e-2, 2.25e-3, 6.71e-3, 1.08e-4),
-    13: (0.0, 0.0, 0.0, 1.21e-10),
-    14: (6.48e-11, 0.0, 4.91e-10, 2.99e-9),
-    15: (0.0, 0.0, 0.0, 7.39e-15),
-}
-
-# Table 2: maximum mismatch severity over microsteps, same site order.
-TABLE2_MAX_SEVERITY = {
-    1: (99, 312, 7392, 3.88),
-    4: (2.95, 1.46, 2.39, 5.38),
-    5: (0, 0, 0.0047, 0.0908),
-    6: (1.01, 1, 0.162, 0.0776),
-    7: (43.2, 88.5, 32.3, 0.297),
-    8: (13.5, 5.69, 6.41, 1.59),
-    9: (119, 200, 3.79e11, 9.63e12),
-    10: (1120, 262, 12.75, 0.648),
-    11: (318, 976, 2208, 7680),
-    13: (0, 0, 0, 0.316),
-    14: (1.12, 0, 3.80, 0.380),
-    15: (0, 0, 0, 0.0176),
-}
-
-# Figure 5 (left table): worst-case noise-to-signal ratio of the weight gradients, eq. (5).
-WCNTS = {1: 0.037, 2: 0.002, 3: 1.34e-15, 4: 0.019, 5: 0.011, 6: 0.004, 7: 0.008, 8: 0.006,
-         9: 0.017, 10: 0.010, 11: 0.051, 12: 0.002, 13: 0.004, 14: 0.037, 15: 4.16e-4}
-
 # Time patterns (see the module docstring for the sources).
 PATTERNS = {
     7: TimePattern("burst", p_active=0.05),  # Figure 3: occasional spikes
@@ -110,20 +74,6 @@ def paper_node(node: int) -> Profile:
             if busiest else "no submodule mismatch; weight-gradient noise only")
     return Profile(f"paper-node-{node}", tuple(specs),
                    f"Ma et al. node {node}: {what}; WCNTS {WCNTS[node]:g}")
-
-
-def published(name: str) -> dict | None:
-    """Ma et al.'s measurements for a `paper-node-N` profile: {"freq": {site: Table 1},
-    "max_severity": {site: Table 2}, "wcnts": Figure 5}; None for other profiles."""
-    prefix = "paper-node-"
-    if not name.startswith(prefix) or not name[len(prefix):].isdigit():
-        return None
-    node = int(name[len(prefix):])
-    if node not in WCNTS:
-        return None
-    return {"freq": dict(zip(SITES, TABLE1_FREQUENCY.get(node, (0.0,) * 4))),
-            "max_severity": dict(zip(SITES, TABLE2_MAX_SEVERITY.get(node, (0.0,) * 4))),
-            "wcnts": WCNTS[node]}
 
 
 def synthetic() -> list[Profile]:

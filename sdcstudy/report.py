@@ -1,7 +1,10 @@
-"""Run folders as pandas objects, for notebooks, reports and scripts. Imports no JAX.
+"""Run folders as pandas objects, and `sdcstudy report`: paper-style tables and figures.
 
     run = sdcstudy.load_run("runs/demo-20261122-210000/lockstep")
     run.mismatch.groupby("site")["mismatches"].sum()
+    sdcstudy.write_report(["runs/a", "runs/b"], "reports/ab")   # report.md, CSV, PNG
+
+Imports no JAX: the tables live in `tables.py`, the figures in `plots.py`.
 """
 
 from __future__ import annotations
@@ -47,8 +50,21 @@ def _metrics_frame(path: Path):
     if not path.exists():
         return pd.DataFrame(columns=["step"])
     frame = pd.DataFrame(RF.read_jsonl(path))
+    if len(frame) and "step" not in frame:
+        raise ValueError("its rows have no 'step'")
     nonfinite = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
     return frame.replace(nonfinite).infer_objects()
+
+
+def _read(path: Path, reader, default):
+    """`reader(path)`, `default` when the file is absent; a damaged file is a UserError."""
+    if not path.exists():
+        return default
+    try:
+        return reader(path)
+    except Exception as e:  # pyarrow, json and yaml each raise their own kinds
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{str(path)!r} is damaged and can not be read ({reason}).") from None
 
 
 def load_run(run_dir) -> Run:
@@ -58,12 +74,170 @@ def load_run(run_dir) -> Run:
     path = Path(run_dir)
     if not (path / RF.CONFIG).is_file():
         raise UserError(f"{str(path)!r} is not a run folder (it has no {RF.CONFIG}).")
-    tables = {}
-    for attr, (name, columns) in _TABLES.items():
-        file = path / name
-        tables[attr] = RF.read_parquet(file) if file.exists() else pd.DataFrame(
-            columns=list(columns))
-    summary = RF.json_load(path / RF.SUMMARY) if (path / RF.SUMMARY).exists() else {}
-    env = RF.json_load(path / RF.ENV) if (path / RF.ENV).exists() else {}
-    return Run(path=path, config=yaml.safe_load((path / RF.CONFIG).read_text()) or {},
-               summary=summary, metrics=_metrics_frame(path / RF.METRICS), env=env, **tables)
+    tables = {attr: _read(path / name, RF.read_parquet, pd.DataFrame(columns=list(columns)))
+              for attr, (name, columns) in _TABLES.items()}
+    config = _read(path / RF.CONFIG, lambda p: yaml.safe_load(p.read_text()), None) or {}
+    if not isinstance(config, dict):
+        raise UserError(f"{str(path / RF.CONFIG)!r} is damaged: it is not a YAML mapping.")
+    return Run(path=path, config=config, summary=_read(path / RF.SUMMARY, RF.json_load, {}),
+               metrics=_read(path / RF.METRICS, _metrics_frame, _metrics_frame(path / "-")),
+               env=_read(path / RF.ENV, RF.json_load, {}), **tables)
+
+
+# --- sdcstudy report --------------------------------------------------------------------------
+
+REPORT = "report.md"
+CSV_FILES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv",
+             "table6_layer_frequency_fwd.csv", "table7_layer_frequency_bwd.csv",
+             "table8_layer_severity_fwd.csv", "table9_layer_severity_bwd.csv", "bit_fields.csv",
+             "wcnts.csv")
+FIGURE_TITLES = {
+    "fig3_mismatch_frequency.png": "Figure 3: mismatch frequency per step, per lock-step run",
+    "fig4_mismatch_frequency_smoothed.png": "Figure 4: smoothed mismatch frequency of fwd/attn",
+    "fig5_gradient_difference.png": "Figure 5: gradient difference and ground-truth gradient "
+                                    "norm",
+    "fig6_training_dynamics.png": "Figure 6: parameter difference, gradient norms and losses "
+                                  "of free-running pairs",
+}
+SUMMARY_TABLES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv", "wcnts.csv")
+
+
+def label_runs(runs: list[Run]) -> dict[str, Run]:
+    """{label: run}: "Node N" for Ma et al.'s node profiles, else the profile's name; runs that
+    share a label get their mode, then their folder, added. Paper nodes come first, by number."""
+    from . import published as PB
+    from . import tables as T
+
+    def base(run):
+        profile = T.run_profile(run)
+        node = PB.paper_node_number(profile)
+        if node is not None:
+            return f"Node {node}"
+        return Path(profile).stem if profile.endswith((".yaml", ".yml")) else profile
+
+    bases = [base(r) for r in runs]
+    labels = list(bases)
+    for name in {b for b in bases if bases.count(b) > 1}:
+        group = [i for i, b in enumerate(bases) if b == name]
+        for extra in (T.run_mode, lambda r: r.name, lambda r: str(r.path)):
+            tags = [extra(runs[i]) for i in group]
+            if len(set(tags)) == len(tags):
+                break
+        for i, tag in zip(group, tags):
+            labels[i] = f"{name} ({tag})"
+    order = sorted(range(len(runs)), key=lambda i: (
+        PB.paper_node_number(T.run_profile(runs[i])) or 10**6, i))
+    return {labels[i]: runs[i] for i in order}
+
+
+def expand_run_dirs(path) -> list[Path]:
+    """[path] for a run folder; for a folder of run folders (a sweep, a demo) the run folders
+    in it, by name; a folder that is neither stays as given, for load_run to refuse."""
+    path = Path(path)
+    if (path / RF.CONFIG).is_file() or not path.is_dir():
+        return [path]
+    children = sorted(p for p in path.iterdir() if (p / RF.CONFIG).is_file())
+    return children or [path]
+
+
+def _out_dir(out) -> Path:
+    """The report folder: new, empty, or an earlier report (whose files are replaced)."""
+    if out is None:
+        out = RF.default_run_dir("report")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {str(out)!r} is a file, not a folder.")
+    if out.exists() and any(out.iterdir()) and not (out / REPORT).is_file():
+        raise UserError(f"--out {str(out)!r} already exists and holds no {REPORT}; choose a new "
+                        f"folder (an earlier report folder is replaced).")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def report_tables(runs: dict) -> dict:
+    """{csv file name: (title, DataFrame, index names, fold published)} for the runs."""
+    from . import tables as T
+
+    layer = lambda d, s: T.layer_table(runs, d, s)  # noqa: E731
+    return {
+        "runs.csv": ("Runs", T.runs_table(runs), ["node"], False),
+        "table1_frequency.csv": (
+            "Table 1: average mismatch frequency over microsteps, eqs. (1)-(2)",
+            T.frequency_table(runs), ["node"], True),
+        "table2_max_severity.csv": (
+            "Table 2: maximum mismatch severity over microsteps, eqs. (3)-(4)",
+            T.severity_table(runs), ["node"], True),
+        "table6_layer_frequency_fwd.csv": (
+            "Table 6: forward mismatch frequency per decoder layer, averaged over microsteps",
+            layer("fwd", "freq"), ["layer", "site"], False),
+        "table7_layer_frequency_bwd.csv": (
+            "Table 7: backward mismatch frequency per decoder layer, averaged over microsteps",
+            layer("bwd", "freq"), ["layer", "site"], False),
+        "table8_layer_severity_fwd.csv": (
+            "Table 8: forward mismatch severity per decoder layer, maximised over microsteps",
+            layer("fwd", "severity"), ["layer", "site"], False),
+        "table9_layer_severity_bwd.csv": (
+            "Table 9: backward mismatch severity per decoder layer, maximised over microsteps",
+            layer("bwd", "severity"), ["layer", "site"], False),
+        "bit_fields.csv": ("Differing bit fields of the mismatches: sign / exponent / "
+                           "mantissa", T.bit_field_table(runs), ["node"], False),
+        "wcnts.csv": ("WCNTS (Figure 5): worst-case noise-to-signal ratio of the weight "
+                      "gradients, eq. (5)", T.wcnts_table(runs), ["node"], True),
+    }
+
+
+def write_report(run_dirs, out=None) -> dict:
+    """Tables (Markdown in report.md, and CSV) and PNG figures for the run folders `run_dirs`
+    (a folder of run folders, as a sweep or the demo leaves, counts as its run folders),
+    written into `out` (default runs/report-TIME). Returns {"out", "files", "markdown",
+    "summary"} where "summary" is the Markdown of the runs, Table 1, Table 2 and WCNTS."""
+    from . import plots
+    from . import tables as T
+
+    paths = [run for p in run_dirs for run in expand_run_dirs(p)]
+    if not paths:
+        raise UserError("sdcstudy report needs at least one run folder.")
+    seen = set()
+    for p in paths:
+        if p.resolve() in seen:
+            raise UserError(f"run folder {str(p)!r} is given twice.")
+        seen.add(p.resolve())
+    runs = label_runs([load_run(p) for p in paths])
+    out = _out_dir(out)
+
+    produced, sections, summary = [], [], []
+    for name, (title, table, index, fold) in report_tables(runs).items():
+        if table.empty:
+            continue
+        text = T.markdown(table, index, with_published=fold)
+        note = " Ma et al.'s published value in parentheses." if fold else ""
+        section = f"## {title}\n\n{text}\n\n[{name}]({name}){note}\n"
+        sections.append(section)
+        if name in SUMMARY_TABLES:
+            summary.append(section)
+        RF.atomic_write_text(out / name, T.csv(table, index))
+        produced.append(name)
+    if not T.lockstep_runs(runs):
+        sections.append("Tables 1, 2 and 6-9 and Figures 3-4 need lock-step runs "
+                        "(mismatch.parquet); none was given.\n")
+    figures = []
+    for name, draw in plots.FIGURES.items():
+        if draw(runs, out / name) is not None:
+            figures.append(f"## {FIGURE_TITLES[name]}\n\n![{name}]({name})\n")
+            produced.append(name)
+    markdown = "\n".join(["# sdcstudy report\n\nRun folders: " + ", ".join(
+        f"`{r.path}`" for r in runs.values()) + "\n", *sections, *figures]) + "\n"
+    RF.atomic_write_text(out / REPORT, markdown)
+    for stale in [*CSV_FILES, *plots.FIGURES]:  # from an earlier report into the same folder
+        if stale not in produced:
+            (out / stale).unlink(missing_ok=True)
+    return {"out": out, "files": [REPORT, *produced], "markdown": markdown,
+            "summary": "\n".join(summary)}
+
+
+def main(run_dirs, out=None, echo=print) -> int:
+    """`sdcstudy report RUN_DIR [RUN_DIR ...] [--out DIR]`."""
+    result = write_report(run_dirs, out)
+    echo(result["summary"])
+    echo(f"report: {result['out'] / REPORT} ({len(result['files'])} files)")
+    return 0

@@ -50,3 +50,240 @@ def test_load_run_refuses_a_folder_that_is_not_a_run(tmp_path):
 
     with pytest.raises(UserError, match="is not a run folder"):
         sdcstudy.load_run(tmp_path)
+
+
+# --- sdcstudy report: paper-style tables and figures --------------------------------------------
+
+import math  # noqa: E402
+
+from report_runs import grid_rows, random_node, write_run  # noqa: E402
+
+from sdcstudy import cli, plots, published, report  # noqa: E402
+from sdcstudy import tables as T  # noqa: E402
+
+# A lock-step run worked out by hand: 2 steps x 2 microsteps, 2 layers, tp=2, 100 elements per
+# row; mismatches only in microstep 0. {(step, layer, site): ((rank 0, rank 1) counts,
+# (rank 0, rank 1) severities)}.
+HAND = {(1, 1, "fwd/attn"): ((1, 3), (0.5, 2.0)),
+        (2, 2, "fwd/attn"): ((2, 0), (7.0, 0.0)),
+        (1, 2, "bwd/ffn"): ((0, 5), (0.0, 0.25))}
+
+
+def _hand_cell(step, micro, layer, site, rank):
+    counts, severities = HAND.get((step, layer, site), ((0, 0), (0.0, 0.0)))
+    return (counts[rank], severities[rank]) if micro == 0 else (0, 0.0)
+
+
+def _metrics(steps, **columns):
+    return [{"step": s, "loss/healthy": 3.0, **{k: v[s - 1] for k, v in columns.items()}}
+            for s in range(1, steps + 1)]
+
+
+@pytest.fixture
+def hand_run(tmp_path):
+    rows = grid_rows(steps=2, layers=2, tp=2, elements=100, cell=_hand_cell, microsteps=2)
+    return write_run(tmp_path / "hand", mode="lockstep", profile="paper-node-1",
+                     metrics=_metrics(2, **{"grad/nts": [0.0, 0.0]}), mismatch=rows)
+
+
+def _runs(*dirs):
+    return report.label_runs([report.load_run(d) for d in dirs])
+
+
+def test_table1_and_table2_follow_equations_1_to_4(hand_run):
+    # fwd/attn: microstep (1, 0): layer 1 (1+3)/200, layer 2 0 -> 0.01; (2, 0): layer 2 2/200
+    # -> 0.005; microsteps (1, 1), (2, 1) are clean: mean over 4 microsteps 0.00375. A wrong
+    # sum over ranks, mean over layers or over microsteps gives another number.
+    runs = _runs(hand_run)
+    freq, severity = T.frequency_table(runs), T.severity_table(runs)
+    assert list(freq.index) == ["Node 1"]
+    assert freq.loc["Node 1", "fwd/attn"] == pytest.approx(0.00375, rel=1e-12)
+    assert freq.loc["Node 1", "bwd/ffn"] == pytest.approx(0.025 / 2 / 4, rel=1e-12)
+    assert freq.loc["Node 1", "fwd/ffn"] == 0 and freq.loc["Node 1", "bwd/attn"] == 0
+    assert severity.loc["Node 1", "fwd/attn"] == 7.0
+    assert severity.loc["Node 1", "bwd/ffn"] == 0.25
+    # The published columns are Ma et al.'s Tables 1-2 for node 1.
+    assert freq.loc["Node 1", "bwd/attn" + T.PUBLISHED_SUFFIX] == 1.56e-4
+    assert severity.loc["Node 1", "bwd/attn" + T.PUBLISHED_SUFFIX] == 7392
+
+
+def test_layer_tables_6_to_9_order_and_values(hand_run):
+    runs = _runs(hand_run)
+    fwd_freq = T.layer_table(runs, "fwd", "freq")["Node 1"]
+    bwd_freq = T.layer_table(runs, "bwd", "freq")["Node 1"]
+    fwd_sev = T.layer_table(runs, "fwd", "severity")["Node 1"]
+    # Forward layers ascending, backward descending with bwd/ffn first, as in the paper.
+    assert list(fwd_freq.index) == [(1, "fwd/attn"), (1, "fwd/ffn"), (2, "fwd/attn"),
+                                    (2, "fwd/ffn")]
+    assert list(bwd_freq.index) == [(2, "bwd/ffn"), (2, "bwd/attn"), (1, "bwd/ffn"),
+                                    (1, "bwd/attn")]
+    # Layer 1 fwd/attn: 4/200 in one microstep of four; layer 2: 2/200 in one of four.
+    assert fwd_freq[(1, "fwd/attn")] == pytest.approx(0.005, rel=1e-12)
+    assert fwd_freq[(2, "fwd/attn")] == pytest.approx(0.0025, rel=1e-12)
+    assert bwd_freq[(2, "bwd/ffn")] == pytest.approx(0.00625, rel=1e-12)
+    assert fwd_sev[(1, "fwd/attn")] == 2.0 and fwd_sev[(2, "fwd/attn")] == 7.0
+    # The per-step series behind Figures 3-4 averages microsteps within a step.
+    by_step = T.frequency_by_step(runs["Node 1"].mismatch, "fwd/attn")
+    assert list(by_step.index) == [1, 2]
+    assert list(by_step) == pytest.approx([0.005, 0.0025], rel=1e-12)
+
+
+def test_wcnts_table_is_eq_5_over_synchronized_runs(tmp_path):
+    sync = write_run(tmp_path / "sync", mode="paramsync", profile="paper-node-11",
+                     metrics=_metrics(4, **{"grad/nts": [0.01, "nan", 0.03, 0.02]}))
+    free = write_run(tmp_path / "free", mode="free", profile="paper-node-11",
+                     metrics=_metrics(4, **{"grad/nts": [1.0, 2.0, 3.0, 4.0]}))
+    clean = write_run(tmp_path / "clean", mode="lockstep", profile="healthy",
+                      metrics=_metrics(2, **{"grad/nts": [0.0, 0.0]}))
+    table = T.wcnts_table(_runs(sync, free, clean))
+    # Free-running pairs drift apart: their gradient ratio is not eq. (5), so no row.
+    node = "Node 11 (paramsync)"
+    assert list(table.index) == [node, "healthy"]
+    assert table.loc[node, "wcnts"] == 0.03 and table.loc[node, "step"] == 3
+    assert table.loc[node, "wcnts" + T.PUBLISHED_SUFFIX] == 0.051
+    assert table.loc["healthy", "wcnts"] == 0 and math.isnan(table.loc["healthy", "step"])
+    assert math.isnan(table.loc["healthy", "wcnts" + T.PUBLISHED_SUFFIX])
+
+
+def test_labels_name_paper_nodes_order_them_and_tell_clashes_apart(tmp_path):
+    dirs = [write_run(tmp_path / name, mode=mode, profile=profile, metrics=_metrics(1))
+            for name, mode, profile in [("a", "free", "paper-node-11"),
+                                        ("b", "lockstep", "profiles/custom.yaml"),
+                                        ("c", "paramsync", "paper-node-2"),
+                                        ("d", "lockstep", "paper-node-2"),
+                                        ("e", "free", "exponent-flip"),
+                                        ("f", "free", "exponent-flip")]]
+    runs = _runs(*dirs)
+    assert list(runs) == ["Node 2 (paramsync)", "Node 2 (lockstep)", "Node 11", "custom",
+                          "exponent-flip (e)", "exponent-flip (f)"]
+    assert runs["Node 11"].path == dirs[0]
+
+
+@pytest.fixture(scope="module")
+def zoo_dirs(tmp_path_factory):
+    """Lock-step, parameter-sync and free runs of all 15 paper nodes (random numbers)."""
+    root = tmp_path_factory.mktemp("zoo")
+    dirs = []
+    for node in range(1, 16):
+        dirs += list(random_node(root, node, steps=20, layers=2).values())
+    return dirs
+
+
+def test_report_of_three_nodes_writes_every_table_and_figure(zoo_dirs, tmp_path):
+    three = [d for d in zoo_dirs if d.name.startswith(("node1-", "node7-", "node13-"))]
+    result = report.write_report(three, tmp_path / "report")
+    assert set(result["files"]) == {report.REPORT, *report.CSV_FILES, *plots.FIGURES}
+    for name in plots.FIGURES:
+        assert (result["out"] / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"![{name}]({name})" in result["markdown"]
+
+
+def test_report_of_15_nodes_tables(zoo_dirs, tmp_path, monkeypatch):
+    # Figures of 15 panels take seconds each; three nodes above draw every figure.
+    monkeypatch.setattr(plots, "FIGURES", {})
+    result = report.write_report(zoo_dirs, tmp_path / "report")
+    out = result["out"]
+    assert set(result["files"]) == {report.REPORT, *report.CSV_FILES}
+    runs = report.label_runs([report.load_run(d) for d in zoo_dirs])
+    # The CSV holds the table's numbers for all 15 lock-step runs, in node order.
+    table1 = pd.read_csv(out / "table1_frequency.csv")
+    assert list(table1["node"]) == [f"Node {n} (lockstep)" for n in range(1, 16)]
+    expected = T.frequency_table(runs)
+    assert np.allclose(table1["fwd/attn"], expected["fwd/attn"], rtol=1e-5)
+    assert list(table1["fwd/attn (Ma et al.)"].fillna(-1)) == [
+        published.TABLE1_FREQUENCY.get(n, (0.0,))[0] for n in range(1, 16)]
+    table7 = pd.read_csv(out / "table7_layer_frequency_bwd.csv")
+    assert list(table7[["layer", "site"]].itertuples(index=False, name=None)) == [
+        (2, "bwd/ffn"), (2, "bwd/attn"), (1, "bwd/ffn"), (1, "bwd/attn")]
+    assert len(pd.read_csv(out / "wcnts.csv")) == 30  # lock-step and parameter-sync runs
+    bits = pd.read_csv(out / "bit_fields.csv").set_index("node")
+    assert bits.loc["Node 7 (lockstep)", "bwd/ffn"] == "7 / 14 / 21"  # from summary.json
+    markdown = (out / report.REPORT).read_text()
+    for heading in ("Table 1", "Table 2", "Table 6", "Table 7", "Table 8", "Table 9", "WCNTS"):
+        assert f"## {heading}" in markdown
+    assert "| Node 11 (lockstep) |" in markdown and "(0.0289)" in markdown  # Table 1, node 11
+
+
+def test_report_without_lockstep_runs_says_what_is_missing(tmp_path):
+    free = write_run(tmp_path / "free", mode="free", profile="paper-node-13",
+                     metrics=_metrics(3, **{"param/diff_l2": [0.0, 0.1, 0.2],
+                                            "loss/suspect": [3.0, 3.0, 3.1],
+                                            "grad/norm": [1.0, 0.9, 0.8],
+                                            "grad/norm_suspect": [1.0, 0.95, 0.8]}))
+    result = report.write_report([free], tmp_path / "out")
+    assert set(result["files"]) == {report.REPORT, "runs.csv", "fig6_training_dynamics.png"}
+    assert "need lock-step runs" in result["markdown"]
+
+
+def test_report_folder_is_new_or_an_earlier_report(hand_run, tmp_path, monkeypatch):
+    # An earlier report into the same folder is replaced, and its files that the new report
+    # does not make (here the lock-step tables and figures) are removed with it.
+    out = tmp_path / "out"
+    first = report.write_report([hand_run], out)
+    assert (out / "fig3_mismatch_frequency.png").exists()
+    free = write_run(tmp_path / "free", mode="free", profile="healthy",
+                     metrics=_metrics(2, **{"param/diff_l2": [0.0, 0.0]}))
+    second = report.write_report([free], out)
+    assert not (out / "fig3_mismatch_frequency.png").exists()
+    assert not (out / "table1_frequency.csv").exists()
+    assert first["markdown"] != second["markdown"] == (out / report.REPORT).read_text()
+    # A folder with other content is never written into.
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    with pytest.raises(UserError, match="holds no report.md"):
+        report.write_report([hand_run], other)
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+    with pytest.raises(UserError, match="given twice"):
+        report.write_report([hand_run, hand_run], tmp_path / "twice")
+    # Without --out: a new timestamped folder under runs/.
+    monkeypatch.chdir(tmp_path)
+    default = report.write_report([hand_run])["out"]
+    assert default.parent == RF.default_run_dir("x").parent and default.name.startswith(
+        "report-")
+
+
+def test_cli_report_imports_no_jax_and_prints_the_tables(hand_run, tmp_path):
+    code = (f"import sys; from sdcstudy import cli; "
+            f"rc = cli.main(['report', {str(hand_run)!r}, '--out', {str(tmp_path / 'r')!r}]); "
+            f"print('jax imported:', 'jax' in sys.modules); sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "jax imported: False" in done.stdout
+    assert "## Table 1" in done.stdout and "| Node 1 | 0.00375 (1.55e-05) |" in done.stdout
+    assert (tmp_path / "r" / report.REPORT).is_file()
+
+
+@pytest.mark.parametrize("damage", ["not a run", "parquet", "metrics"])
+def test_cli_report_bad_input_is_one_sentence_and_exit_2(hand_run, tmp_path, capsys, damage):
+    target = hand_run
+    if damage == "not a run":
+        target = tmp_path / "empty"
+        target.mkdir()
+    elif damage == "parquet":
+        (hand_run / RF.MISMATCH).write_bytes(b"PAR1 this is not parquet")
+    else:
+        with open(hand_run / RF.METRICS, "a") as f:
+            f.write("{not json\n")
+    assert cli.main(["report", str(target), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sdcstudy: error: ") and len(err.splitlines()) == 1
+    assert {"not a run": "is not a run folder", "parquet": "mismatch.parquet' is damaged",
+            "metrics": "metrics.jsonl' is damaged"}[damage] in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_of_run_folders_stands_for_its_runs(tmp_path):
+    # `sdcstudy report runs/zoo` after a sweep: the run folders inside, not the report folder.
+    sweep = tmp_path / "zoo"
+    for name in ("b", "a"):
+        write_run(sweep / name, mode="free", profile=f"exponent-flip-{name}",
+                  metrics=_metrics(1))
+    (sweep / "report").mkdir()
+    (sweep / "report" / "report.md").write_text("# an earlier report\n")
+    assert report.expand_run_dirs(sweep) == [sweep / "a", sweep / "b"]
+    assert report.expand_run_dirs(sweep / "a") == [sweep / "a"]
+    result = report.write_report([sweep], tmp_path / "out")
+    assert list(pd.read_csv(result["out"] / "runs.csv")["run"]) == ["a", "b"]
+    with pytest.raises(UserError, match="is not a run folder"):
+        report.write_report([sweep / "report"], tmp_path / "out2")

@@ -1,0 +1,112 @@
+"""`sdcstudy sweep`: one run per suspect profile, then one combined report.
+
+    sdcstudy sweep configs/demo.yaml --profiles paper-node-1,paper-node-7,paper-node-11 \
+        --set experiment.steps=200 --out runs/zoo
+
+leaves runs/zoo/<profile>/ (a run folder each, in the order given) and runs/zoo/report/
+(`sdcstudy report` of them all). Every profile is checked before the first run starts; an
+interrupted sweep continues with --resume: finished runs are kept, an unfinished one continues
+from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import config as C
+from . import report as R
+from . import runfolder as RF
+from .config import UserError
+
+SWEEP = "sweep.json"  # what the sweep was asked to do, to check a --resume against
+
+
+def parse_profiles(text: str) -> list[str]:
+    """"a,b, c" -> ["a", "b", "c"]; empty or repeated names are bad input."""
+    names = [name.strip() for name in text.split(",")]
+    if not names or any(not name for name in names):
+        raise UserError(f"--profiles {text!r} needs profile names separated by commas, e.g. "
+                        f"--profiles paper-node-1,paper-node-7.")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise UserError(f"--profiles names {', '.join(repeated)} more than once.")
+    return names
+
+
+def folder_name(profile: str) -> str:
+    """The run folder of a profile: its zoo name, or the stem of its YAML file."""
+    return Path(profile).stem if profile.endswith((".yaml", ".yml")) else profile
+
+
+def _open_root(out: Path | None, mode: str, resume: bool, request: dict) -> Path:
+    if resume:
+        if out is None or not (Path(out) / SWEEP).is_file():
+            raise UserError(f"--resume needs --out SWEEP_DIR, a folder an earlier sweep wrote "
+                            f"(with {SWEEP}).")
+        earlier = RF.json_load(Path(out) / SWEEP)
+        if earlier != request:
+            changed = sorted(k for k in request if earlier.get(k) != request[k])
+            raise UserError(f"cannot resume {str(out)!r}: its sweep had different "
+                            f"{', '.join(changed)}; run the same command with --resume.")
+        return Path(out)
+    root = Path(out) if out is not None else RF.default_run_dir(f"sweep-{mode}")
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise UserError(f"sweep folder {str(root)!r} already exists and is not empty; pass "
+                        f"--resume to continue it or choose another --out.")
+    root.mkdir(parents=True, exist_ok=True)
+    RF.atomic_write_json(root / SWEEP, request)
+    return root
+
+
+def _finished(run_dir: Path) -> bool:
+    if not (run_dir / RF.SUMMARY).is_file():
+        return False
+    summary = RF.json_load(run_dir / RF.SUMMARY)
+    return summary.get("steps_done") == summary.get("steps")
+
+
+def sweep(config_path, profiles: list[str], out: Path | None = None, overrides=(), *,
+          resume: bool = False, progress: bool = True, echo=print) -> dict:
+    """Run `config_path` once per suspect profile, then report; returns {"root", "runs",
+    "report"} (the report as `report.write_report` returns it)."""
+    from . import profiles as zoo
+    from . import runner
+
+    overrides = list(overrides)
+    configs = {}
+    for profile in profiles:
+        zoo.load(profile)  # an unknown name or a bad file stops the sweep before any run
+        name = folder_name(profile)
+        if name in configs:
+            raise UserError(f"profiles {profile!r} and {configs[name][0]!r} would share the "
+                            f"run folder {name!r}; rename one of the files.")
+        configs[name] = (profile, C.load(config_path, [*overrides, f"suspect.profile={profile}",
+                                                       f"experiment.name={name}"]))
+    mode = next(iter(configs.values()))[1].experiment.mode
+    if mode == "train":
+        raise UserError("a sweep pairs a healthy node with each suspect profile, and "
+                        "experiment.mode train has one node; use lockstep, paramsync or free.")
+    request = {"config": str(config_path), "overrides": overrides, "profiles": list(profiles)}
+    root = _open_root(out, mode, resume, request)
+
+    run_dirs = []
+    for i, (name, (profile, cfg)) in enumerate(configs.items(), 1):
+        run_dir = root / name
+        run_dirs.append(run_dir)
+        if resume and _finished(run_dir):
+            echo(f"[{i}/{len(configs)}] {profile}: finished earlier, kept ({run_dir})")
+            continue
+        echo(f"[{i}/{len(configs)}] {profile}: {mode}, {cfg.experiment.steps} steps -> {run_dir}")
+        runner.run(cfg, run_dir, resume=resume and (run_dir / RF.CONFIG).is_file(),
+                   progress=progress, echo=echo)
+    result = R.write_report(run_dirs, root / "report")
+    return {"root": root, "runs": run_dirs, "report": result}
+
+
+def main(args) -> int:
+    """`sdcstudy sweep CONFIG.yaml --profiles P1,P2,... [--set k=v ...] [--out DIR]`."""
+    result = sweep(args.config, parse_profiles(args.profiles), args.out, args.overrides,
+                   resume=args.resume, progress=not args.no_progress)
+    print(result["report"]["summary"])
+    print(f"sweep folder: {result['root']}; report: {result['report']['out'] / R.REPORT}")
+    return 0
