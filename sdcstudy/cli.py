@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="one run per suspect profile, then a combined report")
     p.add_argument("config", type=Path, help="YAML config (keys it omits take defaults)")
     p.add_argument("--profiles", required=True, metavar="P1,P2,...",
-                   help="suspect profiles, comma separated: zoo names or YAML files")
+                   help="suspect profiles, comma separated: zoo names or YAML files; all: "
+                        "every zoo profile but healthy")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key for every run (repeatable)")
     p.add_argument("--out", type=Path, default=None,

@@ -4,7 +4,9 @@
     run.mismatch.groupby("site")["mismatches"].sum()
     sdcstudy.write_report(["runs/a", "runs/b"], "reports/ab")   # report.md, CSV, PNG
 
-Imports no JAX: the tables live in `tables.py`, the figures in `plots.py`.
+Imports no JAX: the tables live in `tables.py`, the figures in `plots.py`. A run folder with
+a missing or damaged file still reports what the other files allow; `sdcstudy report` then
+names each such file on stderr and exits 1.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ class Run:
     """One run folder: `config` and `summary` as dicts, tables as DataFrames (empty if absent).
 
     `metrics` has one row per optimizer step; the non-finite values a run wrote as the strings
-    "nan" / "inf" are floats again."""
+    "nan" / "inf" are floats again. `problems` holds {file name: one sentence} for each file of
+    the folder that is missing or could not be read (`load_run(..., strict=False)`); what
+    needs that file is empty."""
 
     path: Path
     config: dict
@@ -38,10 +42,20 @@ class Run:
     faults: object
     abft: object
     env: dict = field(default_factory=dict)
+    problems: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def usable(self) -> bool:
+        """Whether anything beyond config.yaml could be read."""
+        return bool(len(self.metrics) or len(self.mismatch) or len(self.abft) or self.summary)
+
+
+class DamagedFile(UserError):
+    """A file of a run folder that exists but can not be read."""
 
 
 def _metrics_frame(path: Path):
@@ -56,32 +70,62 @@ def _metrics_frame(path: Path):
     return frame.replace(nonfinite).infer_objects()
 
 
+def _summary(path: Path) -> dict:
+    summary = RF.json_load(path)
+    if not isinstance(summary, dict):
+        raise ValueError("it is not a JSON object")
+    return summary
+
+
 def _read(path: Path, reader, default):
-    """`reader(path)`, `default` when the file is absent; a damaged file is a UserError."""
+    """`reader(path)`, `default` when the file is absent; a damaged file is a DamagedFile."""
     if not path.exists():
         return default
     try:
         return reader(path)
     except Exception as e:  # pyarrow, json and yaml each raise their own kinds
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{str(path)!r} is damaged and can not be read ({reason}).") from None
+        if str(path) in reason:  # pyarrow repeats the path: keep what it found wrong
+            reason = reason.rsplit(": ", 1)[-1]
+        reason = reason.split(". ")[0].rstrip(".")
+        raise DamagedFile(f"{str(path)!r} is damaged and can not be read ({reason}).") from None
 
 
-def load_run(run_dir) -> Run:
-    """The run folder `run_dir` (CONTRACT.md) as a `Run`."""
+def expected_files(config: dict) -> tuple[str, ...]:
+    """The files every finished run of this configuration writes (CONTRACT.md)."""
+    mode = str((config.get("experiment") or {}).get("mode", "train"))
+    return (RF.METRICS, RF.SUMMARY) + ((RF.MISMATCH,) if mode == "lockstep" else ())
+
+
+def load_run(run_dir, strict: bool = True) -> Run:
+    """The run folder `run_dir` (CONTRACT.md) as a `Run`. A damaged file raises a UserError
+    naming it; with `strict=False` it is read as absent instead and named in `run.problems`,
+    as is a missing file that a finished run of its mode has."""
     import pandas as pd
 
     path = Path(run_dir)
     if not (path / RF.CONFIG).is_file():
         raise UserError(f"{str(path)!r} is not a run folder (it has no {RF.CONFIG}).")
-    tables = {attr: _read(path / name, RF.read_parquet, pd.DataFrame(columns=list(columns)))
-              for attr, (name, columns) in _TABLES.items()}
     config = _read(path / RF.CONFIG, lambda p: yaml.safe_load(p.read_text()), None) or {}
     if not isinstance(config, dict):
-        raise UserError(f"{str(path / RF.CONFIG)!r} is damaged: it is not a YAML mapping.")
-    return Run(path=path, config=config, summary=_read(path / RF.SUMMARY, RF.json_load, {}),
-               metrics=_read(path / RF.METRICS, _metrics_frame, _metrics_frame(path / "-")),
-               env=_read(path / RF.ENV, RF.json_load, {}), **tables)
+        raise DamagedFile(f"{str(path / RF.CONFIG)!r} is damaged: it is not a YAML mapping.")
+    problems = {name: f"{str(path / name)!r} is missing." for name in expected_files(config)
+                if not (path / name).exists()}
+
+    def read(name, reader, default):
+        try:
+            return _read(path / name, reader, default)
+        except DamagedFile as e:
+            if strict:
+                raise
+            problems[name] = str(e)
+            return default
+
+    tables = {attr: read(name, RF.read_parquet, pd.DataFrame(columns=list(columns)))
+              for attr, (name, columns) in _TABLES.items()}
+    return Run(path=path, config=config, summary=read(RF.SUMMARY, _summary, {}),
+               metrics=read(RF.METRICS, _metrics_frame, _metrics_frame(path / "-")),
+               env=read(RF.ENV, RF.json_load, {}), problems=problems, **tables)
 
 
 # --- sdcstudy report --------------------------------------------------------------------------
@@ -90,7 +134,9 @@ REPORT = "report.md"
 CSV_FILES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv",
              "table6_layer_frequency_fwd.csv", "table7_layer_frequency_bwd.csv",
              "table8_layer_severity_fwd.csv", "table9_layer_severity_bwd.csv", "bit_fields.csv",
-             "wcnts.csv")
+             "bit_positions.csv", "wcnts.csv", "abft_flag_rate.csv")
+# Wide tables whose Markdown shows only the columns with a non-zero value (the CSV has all).
+SPARSE_TABLES = ("bit_positions.csv",)
 FIGURE_TITLES = {
     "fig3_mismatch_frequency.png": "Figure 3: mismatch frequency per step, per lock-step run",
     "fig4_mismatch_frequency_smoothed.png": "Figure 4: smoothed mismatch frequency of fwd/attn",
@@ -98,7 +144,16 @@ FIGURE_TITLES = {
                                     "norm",
     "fig6_training_dynamics.png": "Figure 6: parameter difference, gradient norms and losses "
                                   "of free-running pairs",
+    "bit_positions.png": "Differing bits per bit position of the mismatching elements",
+    "fig10_abft_flag_frequency.png": "Figure 10: ABFT flag frequency over steps",
 }
+# What the report leaves out of a run whose file of this name can not be read.
+NEEDED_BY = {RF.MISMATCH: "Tables 1-2 and 6-9 and Figures 3-4",
+             RF.METRICS: "the runs table's step values, WCNTS and Figures 5-6",
+             RF.SUMMARY: "the bit-field and bit-position tables and figure",
+             RF.ABFT: "the ABFT table and Figure 10",
+             RF.FAULTS: "the runs table's fault count",
+             RF.ENV: "nothing (the report does not use it)"}
 SUMMARY_TABLES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv", "wcnts.csv")
 
 
@@ -181,16 +236,24 @@ def report_tables(runs: dict) -> dict:
             layer("bwd", "severity"), ["layer", "site"], False),
         "bit_fields.csv": ("Differing bit fields of the mismatches: sign / exponent / "
                            "mantissa", T.bit_field_table(runs), ["node"], False),
+        "bit_positions.csv": ("Differing bits per bit position (highest first) of the "
+                              "mismatching elements", T.bit_position_table(runs),
+                              ["node", "site"], False),
         "wcnts.csv": ("WCNTS (Figure 5): worst-case noise-to-signal ratio of the weight "
                       "gradients, eq. (5)", T.wcnts_table(runs), ["node"], True),
+        "abft_flag_rate.csv": ("ABFT flag rate: the fraction of checksum tests, eq. (6), that "
+                               "flagged, per matmul and direction", T.abft_rate_table(runs),
+                               ["matmul", "direction"], False),
     }
 
 
 def write_report(run_dirs, out=None) -> dict:
     """Tables (Markdown in report.md, and CSV) and PNG figures for the run folders `run_dirs`
     (a folder of run folders, as a sweep or the demo leaves, counts as its run folders),
-    written into `out` (default runs/report-TIME). Returns {"out", "files", "markdown",
-    "summary"} where "summary" is the Markdown of the runs, Table 1, Table 2 and WCNTS."""
+    written into `out` (default runs/report-TIME). A file that is missing or damaged leaves
+    out what needs it (`NEEDED_BY`) and is named in "problems" and in report.md. Returns
+    {"out", "files", "markdown", "summary", "problems"} where "summary" is the Markdown of the
+    runs, Table 1, Table 2 and WCNTS, and "problems" one sentence per unreadable file."""
     from . import plots
     from . import tables as T
 
@@ -202,15 +265,18 @@ def write_report(run_dirs, out=None) -> dict:
         if p.resolve() in seen:
             raise UserError(f"run folder {str(p)!r} is given twice.")
         seen.add(p.resolve())
-    runs = label_runs([load_run(p) for p in paths])
+    runs, problems = load_runs(paths)
     out = _out_dir(out)
 
     produced, sections, summary = [], [], []
     for name, (title, table, index, fold) in report_tables(runs).items():
         if table.empty:
             continue
-        text = T.markdown(table, index, with_published=fold)
+        shown = table.loc[:, (table.fillna(0) != 0).any()] if name in SPARSE_TABLES else table
+        text = T.markdown(shown, index, with_published=fold)
         note = " Ma et al.'s published value in parentheses." if fold else ""
+        if shown.shape[1] < table.shape[1]:
+            note += " Bit positions without a differing bit are left out here; the CSV has all."
         section = f"## {title}\n\n{text}\n\n[{name}]({name}){note}\n"
         sections.append(section)
         if name in SUMMARY_TABLES:
@@ -219,25 +285,96 @@ def write_report(run_dirs, out=None) -> dict:
         produced.append(name)
     if not T.lockstep_runs(runs):
         sections.append("Tables 1, 2 and 6-9 and Figures 3-4 need lock-step runs "
-                        "(mismatch.parquet); none was given.\n")
+                        "(mismatch.parquet); none was given or readable.\n")
     figures = []
-    for name, draw in plots.FIGURES.items():
-        if draw(runs, out / name) is not None:
-            figures.append(f"## {FIGURE_TITLES[name]}\n\n![{name}]({name})\n")
-            produced.append(name)
+    for name in draw_figures(runs, out):
+        figures.append(f"## {FIGURE_TITLES.get(name, name)}\n\n![{name}]({name})\n")
+        produced.append(name)
+    left_out = ["## Files that could not be read\n\n" + "".join(f"- {p}\n" for p in problems)
+                ] if problems else []
     markdown = "\n".join(["# sdcstudy report\n\nRun folders: " + ", ".join(
-        f"`{r.path}`" for r in runs.values()) + "\n", *sections, *figures]) + "\n"
+        f"`{r.path}`" for r in runs.values()) + "\n", *left_out, *sections, *figures]) + "\n"
     RF.atomic_write_text(out / REPORT, markdown)
     for stale in [*CSV_FILES, *plots.FIGURES]:  # from an earlier report into the same folder
         if stale not in produced:
             (out / stale).unlink(missing_ok=True)
     return {"out": out, "files": [REPORT, *produced], "markdown": markdown,
-            "summary": "\n".join(summary)}
+            "summary": "\n".join(summary), "problems": problems}
 
 
-def main(run_dirs, out=None, echo=print) -> int:
-    """`sdcstudy report RUN_DIR [RUN_DIR ...] [--out DIR]`."""
+_DRAWING: dict = {}  # what forked figure workers draw from: {"runs": ..., "out": ...}
+
+
+def _draw(name: str) -> bool:
+    from . import plots
+
+    return plots.FIGURES[name](_DRAWING["runs"], _DRAWING["out"] / name) is not None
+
+
+def draw_figures(runs: dict, out: Path) -> list[str]:
+    """Draws every figure of `plots.FIGURES` that the runs have data for into `out`; returns
+    their names. Each figure is seconds of single-threaded matplotlib, so with more than one
+    CPU they are drawn in forked worker processes (which inherit `runs` without a copy) -
+    unless JAX is loaded (a sweep's own report): forking XLA's threads is not safe."""
+    import multiprocessing
+    import os
+    import sys
+
+    from . import plots
+
+    names = list(plots.FIGURES)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    fork = "fork" in multiprocessing.get_all_start_methods() and "jax" not in sys.modules
+    _DRAWING.update(runs=runs, out=out)
+    try:
+        if cpus > 1 and len(names) > 1 and fork:
+            plots._pyplot()  # imported once, before the fork
+            with multiprocessing.get_context("fork").Pool(min(cpus, len(names))) as pool:
+                drawn = pool.map(_draw, names, chunksize=1)
+        else:
+            drawn = [_draw(name) for name in names]
+    finally:
+        _DRAWING.clear()
+    return [name for name, made in zip(names, drawn) if made]
+
+
+def load_runs(paths) -> tuple[dict, list[str]]:
+    """({label: Run}, problems) for the run folders `paths`: a run whose config.yaml is damaged
+    or which has nothing readable beyond it is left out; each unreadable file is named in one
+    sentence that says what the report leaves out. Nothing readable at all is a UserError."""
+    loaded, problems = [], []
+    for path in paths:
+        try:
+            loaded.append(load_run(path, strict=False))
+        except DamagedFile as e:
+            problems.append(f"{str(e)[:-1]}; the report leaves run {str(path)!r} out.")
+    usable = [run for run in loaded if run.usable]
+    if not usable:
+        named = problems or [p for run in loaded for p in run.problems.values()]
+        raise UserError("nothing to report: no run folder has a readable metrics.jsonl, "
+                        "summary.json or table" + (f" ({named[0][:-1]})." if named else "."))
+    for run in loaded:
+        if not run.usable:
+            problems += run.problems.values()
+            problems.append(f"{str(run.path)!r} has no readable metrics.jsonl, summary.json "
+                            f"or table; the report leaves that run out.")
+    runs = label_runs(usable)
+    for label, run in runs.items():
+        for name, sentence in run.problems.items():
+            problems.append(f"{sentence[:-1]}; the report leaves {label} out of "
+                            f"{NEEDED_BY.get(name, 'what needs it')}.")
+    return runs, problems
+
+
+def main(run_dirs, out=None, echo=print, warn=None) -> int:
+    """`sdcstudy report RUN_DIR [RUN_DIR ...] [--out DIR]`: exit 0, or 1 when a file could not
+    be read and the report left out what needs it (each named on stderr)."""
+    import sys
+
+    warn = warn or (lambda line: print(line, file=sys.stderr))
     result = write_report(run_dirs, out)
     echo(result["summary"])
     echo(f"report: {result['out'] / REPORT} ({len(result['files'])} files)")
-    return 0
+    for problem in result["problems"]:
+        warn(f"sdcstudy: {problem}")
+    return 1 if result["problems"] else 0

@@ -4,9 +4,10 @@
         --set experiment.steps=200 --out runs/zoo
 
 leaves runs/zoo/<profile>/ (a run folder each, in the order given) and runs/zoo/report/
-(`sdcstudy report` of them all). Every profile is checked before the first run starts; an
-interrupted sweep continues with --resume: finished runs are kept, an unfinished one continues
-from its last checkpoint.
+(`sdcstudy report` of them all); `--profiles all` runs every profile of `sdcstudy profiles`
+but `healthy`, the node each suspect is paired with. Every profile is checked before the
+first run starts; an interrupted sweep continues with --resume: finished runs are kept, an
+unfinished one continues from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -19,14 +20,22 @@ from . import runfolder as RF
 from .config import UserError
 
 SWEEP = "sweep.json"  # what the sweep was asked to do, to check a --resume against
+ALL = "all"  # --profiles all: the whole zoo
 
 
 def parse_profiles(text: str) -> list[str]:
-    """"a,b, c" -> ["a", "b", "c"]; empty or repeated names are bad input."""
+    """"a,b, c" -> ["a", "b", "c"]; "all" stands for every zoo profile but `healthy` (the
+    node each suspect is paired with); empty or repeated names are bad input."""
     names = [name.strip() for name in text.split(",")]
     if not names or any(not name for name in names):
         raise UserError(f"--profiles {text!r} needs profile names separated by commas, e.g. "
-                        f"--profiles paper-node-1,paper-node-7.")
+                        f"--profiles paper-node-1,paper-node-7, or all.")
+    if ALL in names:
+        from . import profiles as zoo  # imports JAX: only here
+
+        whole = [name for name in zoo.zoo() if name != "healthy"]
+        at = names.index(ALL)
+        names[at:at + 1] = whole
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise UserError(f"--profiles names {', '.join(repeated)} more than once.")

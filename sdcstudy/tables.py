@@ -6,10 +6,11 @@ Ma et al., "Understanding Silent Data Corruption in LLM Training", measured here
 - Tables 6-7: frequency per decoder layer (forward, backward), averaged over microsteps;
 - Tables 8-9: severity per decoder layer (forward, backward), maximised over microsteps;
 - the WCNTS table of Figure 5, eq. (5);
-- which bit fields (sign / exponent / mantissa) the mismatches touched.
+- which bit fields (sign / exponent / mantissa) and bit positions the mismatches touched;
+- ABFT flag rates per checked matmul and direction, and per step (Appendix D, Figure 10).
 Every function takes `runs`, an ordered {label: Run} (`report.label_runs`), and computes from
-the run folders' tables (only the bit fields come from summary.json), so an interrupted run
-reports what it has.
+the run folders' tables (only the bit histograms come from summary.json), so an interrupted
+run reports what it has.
 """
 
 from __future__ import annotations
@@ -28,6 +29,39 @@ PUBLISHED_SUFFIX = " (Ma et al.)"
 # Modes without parameter synchronization: their gradients are taken at parameters that have
 # drifted apart, so ||g' - g|| there is not the per-step noise of eq. (5).
 FREE_MODES = ("free", "finetune")
+MANTISSA_BITS = {32: 23, 16: 7}  # float32, bfloat16 (8 exponent bits each, 1 sign bit)
+# abft.parquet's matmuls in the order a decoder layer runs them (abft.MATMULS; that module
+# imports JAX), and its check directions.
+ABFT_MATMULS = ("q", "k", "v", "o", "gate", "up", "down", "head")
+ABFT_DIRECTIONS = ("fwd", "bwd_input", "bwd_weight")
+
+
+_MEMO: dict = {}  # (kind, id(frame)) -> (frame, value); the frame is held, so its id stays
+_MEMO_SIZE = 128  # results kept: three kinds for each run of a 40-run report
+
+
+def _memo(kind: str, frame: pd.DataFrame, compute):
+    """`compute(frame)`, computed once per DataFrame object: the report asks each run's
+    mismatch table for the same groupings from several tables and figures. Run tables are
+    read, never changed in place; a frame edited in place after its first use would get the
+    old result (a copy gets a new one). The last `_MEMO_SIZE` results are kept."""
+    key = (kind, id(frame))
+    if key not in _MEMO or _MEMO[key][0] is not frame:
+        if len(_MEMO) >= _MEMO_SIZE:
+            _MEMO.pop(next(iter(_MEMO)))
+        _MEMO[key] = (frame, compute(frame))
+    return _MEMO[key][1]
+
+
+def layer_frequency(mismatch: pd.DataFrame) -> pd.Series:
+    """Eq. (1) per (site, step, microstep, layer): mismatches over elements, summed over tp
+    ranks (memoized per table)."""
+    def compute(frame):
+        summed = frame.groupby(["site", "step", "microstep", "layer"])[
+            ["mismatches", "elements"]].sum()
+        return summed["mismatches"] / summed["elements"]
+
+    return _memo("layer_frequency", mismatch, compute)
 
 
 def lockstep_runs(runs: dict) -> dict:
@@ -35,10 +69,22 @@ def lockstep_runs(runs: dict) -> dict:
     return {label: run for label, run in runs.items() if len(run.mismatch)}
 
 
+def site_statistics(mismatch: pd.DataFrame) -> pd.DataFrame:
+    """Rows per site: "freq", eqs. (1)-(2) averaged over microsteps, and "max_severity", eqs.
+    (3)-(4) maximised over microsteps; `metrics.site_aggregates` in a few grouped operations
+    (memoized per table), as the report computes it for many runs."""
+    def compute(frame):
+        per_micro = layer_frequency(frame).groupby(level=["site", "step", "microstep"]).mean()
+        return pd.DataFrame({"freq": per_micro.groupby(level="site").mean(),
+                             "max_severity": frame.groupby("site")["severity"].max()})
+
+    return _memo("site_statistics", mismatch, compute)
+
+
 def _site_table(runs: dict, key: str, published_key: str) -> pd.DataFrame:
     rows = {}
     for label, run in lockstep_runs(runs).items():
-        measured = MX.site_aggregates(run.mismatch)[key]
+        measured = site_statistics(run.mismatch)[key]
         paper = PB.published(run_profile(run))
         rows[label] = {**{site: measured.get(site, math.nan) for site in SITES},
                        **{site + PUBLISHED_SUFFIX: paper[published_key][site] if paper
@@ -59,15 +105,14 @@ def severity_table(runs: dict) -> pd.DataFrame:
 
 
 def _per_layer(mismatch: pd.DataFrame, sites: tuple[str, ...], stat: str) -> pd.Series:
-    rows = mismatch[mismatch["site"].isin(sites)]
     if stat == "freq":
         # eq. (1) per layer: mismatches summed over tp ranks / elements, then the mean over
         # all microsteps of the run.
-        summed = rows.groupby(["step", "microstep", "layer", "site"])[
-            ["mismatches", "elements"]].sum()
-        per_micro = summed["mismatches"] / summed["elements"]
+        per_micro = layer_frequency(mismatch)
+        per_micro = per_micro[per_micro.index.get_level_values("site").isin(sites)]
         return per_micro.groupby(level=["layer", "site"]).mean()
     # eq. (3) per layer: the max over tp ranks, then over all microsteps of the run.
+    rows = mismatch[mismatch["site"].isin(sites)]
     return rows.groupby(["layer", "site"])["severity"].max()
 
 
@@ -96,17 +141,105 @@ def synchronized_runs(runs: dict) -> dict:
             if "grad/nts" in run.metrics and run_mode(run) not in FREE_MODES}
 
 
+def bit_histograms(run) -> dict:
+    """{site: histogram dict} of summary.json's `bit_histogram`, contract sites only."""
+    histograms = run.summary.get("bit_histogram")
+    if not isinstance(histograms, dict):
+        return {}
+    return {site: h for site, h in histograms.items() if site in SITES and isinstance(h, dict)}
+
+
+def _bit_fields(histogram: dict):
+    """(sign, exponent, mantissa) counts: as summary.json gives them, else from the bits."""
+    if all(k in histogram for k in ("sign", "exponent", "mantissa")):
+        return histogram["sign"], histogram["exponent"], histogram["mantissa"]
+    bits = histogram.get("bits") or []
+    mantissa = MANTISSA_BITS.get(len(bits))
+    if mantissa is None:
+        return None
+    return bits[-1], sum(bits[mantissa:-1]), sum(bits[:mantissa])
+
+
 def bit_field_table(runs: dict) -> pd.DataFrame:
-    """Per lock-step run and site, how many mismatching elements differ in the sign, exponent
+    """Per run and site, how many mismatching elements differ in the sign, exponent
     and mantissa fields (from summary.json's bit histograms), written "sign / exponent /
     mantissa": single bit flips touch one field, wrong arithmetic mostly low mantissa bits."""
     rows = {}
-    for label, run in lockstep_runs(runs).items():
-        histograms = run.summary.get("bit_histogram") or {}
-        if histograms:
-            rows[label] = {site: f"{h['sign']} / {h['exponent']} / {h['mantissa']}"
-                           for site, h in histograms.items() if site in SITES}
+    for label, run in runs.items():
+        fields = {site: _bit_fields(h) for site, h in bit_histograms(run).items()}
+        fields = {site: f for site, f in fields.items() if f is not None}
+        if fields:
+            rows[label] = {site: " / ".join(map(str, f)) for site, f in fields.items()}
     return pd.DataFrame.from_dict(rows, orient="index", columns=list(SITES)).fillna("-")
+
+
+def bit_labels(width: int) -> list[str]:
+    """Names of the bit positions of a `width`-bit float, highest first: "sign", "exp 7" ...
+    "exp 0", "man 22" ... "man 0" for float32 (16 bits: bfloat16, mantissa 6 ... 0)."""
+    if width not in MANTISSA_BITS:
+        return [f"bit {i}" for i in reversed(range(width))]
+    mantissa = MANTISSA_BITS[width]
+    exponent = width - 1 - mantissa
+    return (["sign"] + [f"exp {i}" for i in reversed(range(exponent))]
+            + [f"man {i}" for i in reversed(range(mantissa))])
+
+
+def bit_position_table(runs: dict) -> pd.DataFrame:
+    """Rows (run, site), one column per bit position (sign, exponent bits, mantissa bits,
+    highest first): how many mismatching elements differ in that bit, from summary.json's
+    `bit_histogram[site]["bits"]` (index 0 = the lowest mantissa bit). Runs of float32 and
+    bfloat16 share the sign and exponent columns; bits a format lacks are empty."""
+    rows = {}
+    for label, run in runs.items():
+        for site, histogram in bit_histograms(run).items():
+            bits = histogram.get("bits")
+            if bits:
+                rows[(label, site)] = dict(zip(bit_labels(len(bits)), reversed(bits)))
+    if not rows:
+        return pd.DataFrame()
+    columns = {c for row in rows.values() for c in row}
+    known = [c for width in sorted(MANTISSA_BITS, reverse=True) for c in bit_labels(width)]
+    order = list(dict.fromkeys([*(c for c in known if c in columns),
+                                *sorted(columns - set(known))]))
+    table = pd.DataFrame.from_dict(rows, orient="index", columns=order)
+    table.index = pd.MultiIndex.from_tuples(table.index, names=["node", "site"])
+    return table
+
+
+def abft_runs(runs: dict) -> dict:
+    """The runs with a non-empty abft.parquet."""
+    return {label: run for label, run in runs.items() if len(run.abft)}
+
+
+def _order_rank(order: tuple, value) -> tuple:
+    return (order.index(value), "") if value in order else (len(order), str(value))
+
+
+def abft_rate_table(runs: dict) -> pd.DataFrame:
+    """Rows (matmul, direction), one column per run with ABFT checks: the fraction of checks
+    (over steps, microsteps, layers and tp ranks) that the checksum test flagged (eq. (6))."""
+    columns = {}
+    for label, run in abft_runs(runs).items():
+        flagged = run.abft["flagged"].astype(float)
+        columns[label] = flagged.groupby([run.abft["matmul"], run.abft["direction"]]).mean()
+    if not columns:
+        return pd.DataFrame()
+    table = pd.DataFrame(columns)
+    order = sorted(table.index, key=lambda key: (_order_rank(ABFT_MATMULS, key[0]),
+                                                 _order_rank(ABFT_DIRECTIONS, key[1])))
+    return table.reindex(pd.MultiIndex.from_tuples(order, names=["matmul", "direction"]))
+
+
+def abft_frequency_by_step(abft: pd.DataFrame, matmul: str | None = None,
+                           direction: str | None = None) -> pd.Series:
+    """Per optimizer step, the fraction of ABFT checks flagged over microsteps, layers and tp
+    ranks, for one matmul and direction (None: all of them)."""
+    rows = abft
+    if matmul is not None:
+        rows = rows[rows["matmul"] == matmul]
+    if direction is not None:
+        rows = rows[rows["direction"] == direction]
+    return rows["flagged"].astype(float).groupby(rows["step"]).mean()
 
 
 def wcnts_table(runs: dict) -> pd.DataFrame:
@@ -152,13 +285,14 @@ def runs_table(runs: dict) -> pd.DataFrame:
 def frequency_by_step(mismatch: pd.DataFrame, site: str) -> pd.Series:
     """Mismatch frequency of `site` per optimizer step (eqs. (1)-(2) per microstep, averaged
     over the step's microsteps); zero where a step has rows but no mismatch."""
-    rows = mismatch[mismatch["site"] == site]
-    if rows.empty:
+    def compute(frame):
+        per_micro = layer_frequency(frame).groupby(level=["site", "step", "microstep"]).mean()
+        return per_micro.groupby(level=["site", "step"]).mean()
+
+    by_step = _memo("frequency_by_step", mismatch, compute)
+    if site not in by_step.index.get_level_values("site"):
         return pd.Series(dtype=float, name=site)
-    per_layer = rows.groupby(["step", "microstep", "layer"])[["mismatches", "elements"]].sum()
-    per_micro = (per_layer["mismatches"] / per_layer["elements"]).groupby(
-        level=["step", "microstep"]).mean()
-    return per_micro.groupby(level="step").mean().rename(site)
+    return by_step.xs(site, level="site").rename(site)
 
 
 def run_profile(run) -> str:

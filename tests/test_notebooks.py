@@ -50,7 +50,10 @@ def test_mismatch_tables_notebook(run_dirs, monkeypatch, tmp_path):
     table1 = T.markdown(T.frequency_table(runs), ["node"], with_published=True)
     assert table1 in text
     assert "Table 9: backward severity" in text
-    assert images == 3  # the heatmap, Figures 3 and 4
+    bits = T.bit_position_table(runs)
+    assert T.markdown(bits.loc[:, (bits != 0).any()], ["node", "site"]) in text
+    assert T.markdown(T.abft_rate_table(runs), ["matmul", "direction"]) in text
+    assert images == 5  # the heatmap, Figures 3 and 4, bit positions, Figure 10
 
 
 def test_training_dynamics_notebook(run_dirs, monkeypatch, tmp_path):

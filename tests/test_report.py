@@ -56,7 +56,7 @@ def test_load_run_refuses_a_folder_that_is_not_a_run(tmp_path):
 
 import math  # noqa: E402
 
-from report_runs import grid_rows, random_node, write_run  # noqa: E402
+from report_runs import bit_histogram, grid_rows, random_node, write_run  # noqa: E402
 
 from sdcstudy import cli, plots, published, report  # noqa: E402
 from sdcstudy import tables as T  # noqa: E402
@@ -254,22 +254,73 @@ def test_cli_report_imports_no_jax_and_prints_the_tables(hand_run, tmp_path):
     assert (tmp_path / "r" / report.REPORT).is_file()
 
 
-@pytest.mark.parametrize("damage", ["not a run", "parquet", "metrics"])
-def test_cli_report_bad_input_is_one_sentence_and_exit_2(hand_run, tmp_path, capsys, damage):
+def _second_lockstep_run(tmp_path):
+    rows = grid_rows(steps=2, layers=2, tp=2, elements=100,
+                     cell=lambda step, micro, layer, site, rank: (1, 0.5))
+    return write_run(tmp_path / "other", mode="lockstep", profile="paper-node-7",
+                     metrics=_metrics(2, **{"grad/nts": [0.0, 0.1]}), mismatch=rows,
+                     summary={"bit_histogram": {"fwd/attn": bit_histogram(1, 2, 3)}})
+
+
+@pytest.mark.parametrize("damage", ["mismatch", "metrics", "summary"])
+def test_cli_report_leaves_out_only_what_needs_an_unreadable_file(hand_run, tmp_path, capsys,
+                                                                  damage):
+    # Node 1's file is damaged or missing; node 7 is whole. The report names the file in one
+    # sentence on stderr and in report.md, writes everything else, and exits 1.
+    other = _second_lockstep_run(tmp_path)
+    RF.atomic_write_json(hand_run / RF.SUMMARY, {"bit_histogram": {
+        "bwd/ffn": bit_histogram(4, 5, 6)}})
+    if damage == "mismatch":
+        (hand_run / RF.MISMATCH).write_bytes(b"PAR1 this is not parquet")
+    elif damage == "metrics":
+        (hand_run / RF.METRICS).unlink()
+    else:
+        (hand_run / RF.SUMMARY).write_text('{"bit_histogram": {')
+    out = tmp_path / "out"
+    assert cli.main(["report", str(hand_run), str(other), "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    file = {"mismatch": RF.MISMATCH, "metrics": RF.METRICS, "summary": RF.SUMMARY}[damage]
+    state = "is missing" if damage == "metrics" else "is damaged and can not be read"
+    [line] = captured.err.strip().splitlines()
+    assert line.startswith(f"sdcstudy: {str(hand_run / file)!r} {state}")
+    assert line.endswith(f"the report leaves Node 1 out of {report.NEEDED_BY[file]}.")
+    assert line.count(str(hand_run)) == 1  # pyarrow's repetition of the path is cut
+    markdown = (out / report.REPORT).read_text()
+    assert "## Files that could not be read" in markdown and line[len("sdcstudy: "):] in markdown
+    # Left out exactly where the file is needed; the whole node 7 and everything else stay.
+    assert list(pd.read_csv(out / "runs.csv")["node"]) == ["Node 1", "Node 7"]
+    table1 = pd.read_csv(out / "table1_frequency.csv")["node"]
+    bits = pd.read_csv(out / "bit_positions.csv")["node"].unique()
+    wcnts = pd.read_csv(out / "wcnts.csv")["node"]
+    assert list(table1) == (["Node 7"] if damage == "mismatch" else ["Node 1", "Node 7"])
+    assert list(bits) == (["Node 7"] if damage == "summary" else ["Node 1", "Node 7"])
+    assert list(wcnts) == (["Node 7"] if damage == "metrics" else ["Node 1", "Node 7"])
+    assert (out / "fig3_mismatch_frequency.png").is_file()
+    # The same damage is an error to the strict loader a notebook uses.
+    if damage != "metrics":
+        with pytest.raises(UserError, match=f"{file}' is damaged"):
+            report.load_run(hand_run)
+
+
+@pytest.mark.parametrize("damage", ["not a run", "config only", "config"])
+def test_cli_report_with_nothing_to_report_is_one_sentence_and_exit_2(hand_run, tmp_path, capsys,
+                                                                      damage):
     target = hand_run
     if damage == "not a run":
         target = tmp_path / "empty"
         target.mkdir()
-    elif damage == "parquet":
-        (hand_run / RF.MISMATCH).write_bytes(b"PAR1 this is not parquet")
+    elif damage == "config only":
+        for name in (RF.MISMATCH, RF.METRICS, RF.SUMMARY):
+            (hand_run / name).unlink()
     else:
-        with open(hand_run / RF.METRICS, "a") as f:
-            f.write("{not json\n")
+        (hand_run / RF.CONFIG).write_text("experiment: [mode: lockstep\n")
     assert cli.main(["report", str(target), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("sdcstudy: error: ") and len(err.splitlines()) == 1
-    assert {"not a run": "is not a run folder", "parquet": "mismatch.parquet' is damaged",
-            "metrics": "metrics.jsonl' is damaged"}[damage] in err
+    assert {"not a run": "is not a run folder",
+            "config only": f"nothing to report: no run folder has a readable metrics.jsonl, "
+                           f"summary.json or table ({str(hand_run / RF.METRICS)!r} is missing)",
+            "config": "config.yaml' is damaged and can not be read"}[damage] in err
     assert not (tmp_path / "out").exists()
 
 

@@ -130,3 +130,25 @@ def test_sweep_end_to_end_report_matches_the_runs_summary(tmp_path):
     wcnts = pd.read_csv(out / "report" / "wcnts.csv").set_index("node")
     assert math.isclose(wcnts.loc["Node 10", "wcnts"], summary["wcnts"], rel_tol=1e-5,
                         abs_tol=1e-12)
+
+
+def test_sweep_profiles_all_runs_the_whole_zoo_but_healthy(fake, tmp_path, monkeypatch):
+    # `--profiles all` is every zoo profile except `healthy` (the node each suspect is paired
+    # with), in the zoo's order, one run folder each, then one report of them all.
+    from sdcstudy import plots, profiles
+
+    monkeypatch.setattr(plots, "FIGURES", {})  # 20 panels per figure; the report tests draw them
+    zoo = [name for name in profiles.zoo() if name != "healthy"]
+    assert len(zoo) >= 20 and "paper-node-14" in zoo and "exponent-flip" in zoo
+    out = tmp_path / "zoo"
+    assert cli.main(["sweep", str(CONFIG), "--profiles", "all", "--set", "experiment.steps=1",
+                     "--out", str(out), "--no-progress"]) == 0
+    assert [call[0] for call in fake.calls] == zoo
+    assert json.loads((out / SW.SWEEP).read_text())["profiles"] == zoo
+    assert sorted(p.name for p in out.iterdir()) == sorted([*zoo, "report", SW.SWEEP])
+    table1 = pd.read_csv(out / "report" / "table1_frequency.csv")
+    assert len(table1) == len(zoo) and table1["node"].iloc[0] == "Node 1"
+    # "all" combines with a profile file and refuses a zoo name twice.
+    assert SW.parse_profiles("all, my.yaml") == [*zoo, "my.yaml"]
+    with pytest.raises(Exception, match="names paper-node-3 more than once"):
+        SW.parse_profiles("paper-node-3,all")
