@@ -13,6 +13,8 @@ within seconds of each other) and reported as median (min-max).
   `healthy` profile, from a profile of rate-0 specs, and from an `idle` profile whose specs
   have a non-zero rate at the paper's four sites but a time pattern that never fires (so the
   injection machinery is compiled in and runs, and changes nothing).
+- `abft`: the single-node step without ABFT, with checksummed matmuls (`abft.enabled`) and
+  with recomputation on a flag (`abft.recompute`).
 - `paired`: the `PairedTrainer` step in modes free, lockstep and paramsync on a
   (node=2, dp, tp) mesh with the healthy profile, with XLA's compiled memory per device.
 
@@ -39,6 +41,7 @@ SHAPES = {
     "train": {"tiny": (16, 64, 20), "small": (8, 256, 3)},
     "faults": {"tiny": (16, 64, 20), "small": (8, 256, 2)},
     "paired": {"tiny": (16, 64, 10), "small": (8, 256, 1)},
+    "abft": {"tiny": (16, 64, 20), "small": (8, 256, 2)},
 }
 FALLBACK_SHAPE = (8, 64, 5)
 # Untimed steps per contender after compilation. The first learning rate of the warm-up
@@ -52,6 +55,10 @@ IDLE_RATE = 1e-3  # any rate above 0 compiles a spec in; the pattern keeps it fr
 PAIRED_MODES = ("free", "lockstep", "paramsync")  # free first: the others are divided by it
 # The project's goals for the paired step, as ratios to free running.
 PAIRED_GOALS = {"lockstep": {"time": 1.3, "memory": 1.25}, "paramsync": {"time": 1.1}}
+# ABFT contenders: the plain step, checks on every matmul, checks with recomputation on a flag.
+ABFT_VARIANTS = {"off": [], "on": ["abft.enabled=true"],
+                 "recompute": ["abft.enabled=true", "abft.recompute=true"]}
+ABFT_GOAL = 1.10  # the project's goal: checked step time at most 1.10x the plain step's
 
 
 def _add_common_args(p: argparse.ArgumentParser, suite: str | None, repeats: int = 5) -> None:
@@ -100,8 +107,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--dp", type=int, default=1, help="data-parallel workers per node (default 1)")
     d.set_defaults(bench=run_paired_suite)
 
-    a = sub.add_parser("all", help="every suite in turn (train, faults, paired), 3 repetitions "
-                                   "each unless --repeats says otherwise")
+    b = sub.add_parser("abft", help="step time with checksummed matmuls (ABFT) on and off")
+    _add_common_args(b, "abft")
+    b.set_defaults(bench=run_abft_suite)
+
+    a = sub.add_parser("all", help="every suite in turn (train, faults, paired, abft), 3 "
+                                   "repetitions each unless --repeats says otherwise")
     _add_common_args(a, None, repeats=3)
     a.set_defaults(bench=run_all_suites)
 
@@ -118,7 +129,8 @@ def run_all_suites(args) -> int:
     suites = {"train": (run_train_suite, {"torch_attention": ",".join(TORCH_ATTENTION),
                                           "no_torch": False}),
               "faults": (run_faults_suite, {}),
-              "paired": (run_paired_suite, {"tp": 1, "dp": 1})}
+              "paired": (run_paired_suite, {"tp": 1, "dp": 1}),
+              "abft": (run_abft_suite, {})}
     check_args(args)
     tables, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -660,6 +672,66 @@ def faults_table(results: list[dict]) -> str:
 
 def run_faults_suite(args) -> int:
     return run_suite(args, "faults", measure_faults, faults_table)
+
+
+# --- abft: checksummed matmuls on and off ---------------------------------------------------
+
+
+def measure_abft(preset: str, args, echo=echo_stderr) -> dict:
+    """The single-node step without ABFT, with it, and with recomputation, timed in rotation."""
+    from .config import model_dims
+    from .train import Trainer
+
+    trainers, cfg, steps = {}, None, 0
+    for variant, overrides in ABFT_VARIANTS.items():
+        cfg, steps = preset_config("abft", preset, args, ["experiment.mode=train", *overrides])
+        trainers[variant] = Trainer.from_config(cfg)
+    dims, tokens_MBL1, tokens = model_dims(cfg.model), random_tokens(cfg), tokens_per_step(cfg)
+    runners = {}
+    for variant, trainer in trainers.items():
+        echo(f"{preset}: compiling the ABFT-{variant} step")
+        runners[variant] = StepRunner(trainer, tokens_MBL1)
+    warmup = {variant: r.warm_up(WARMUP_STEPS) for variant, r in runners.items()}
+    seconds = interleaved(runners, steps, args.repeats, tokens, preset)
+    variants = {}
+    for variant, runner in runners.items():
+        losses = [w["loss/healthy"] for w in warmup[variant]]
+        variants[variant] = {
+            **timing(seconds[variant], steps, tokens),
+            "ratio": ratio_spread(seconds[variant], seconds["off"]),
+            "compile_s": runner.compile_s,
+            "flags": sum(w.get("abft/flags", 0) for w in warmup[variant]),
+            "checks": sum(w.get("abft/checks", 0) for w in warmup[variant]),
+            "warmup_losses": losses,
+            "losses_equal_off": losses == [w["loss/healthy"] for w in warmup["off"]],
+        }
+    return {"preset": preset, "n_params": dims.n_params, "batch": cfg.experiment.batch_size,
+            "seq_len": cfg.data.seq_len, "tokens_per_step": tokens, "steps": steps,
+            "repeats": args.repeats, "warmup_steps": WARMUP_STEPS, "goal": ABFT_GOAL,
+            "variants": variants}
+
+
+def abft_table(results: list[dict]) -> str:
+    lines = ["| preset | batch x seq | ABFT | ms/step | ratio to off | goal | checks | flags | "
+             "losses = off | compile s |",
+             "|---|---|---|---:|---:|---|---:|---:|---|---:|"]
+    for r in results:
+        for variant, v in r["variants"].items():
+            goal = "" if variant == "off" else (
+                "met" if v["ratio"]["median"] <= ABFT_GOAL else "missed")
+            lines.append(f"| {r['preset']} | {r['batch']} x {r['seq_len']} | {variant} | "
+                         f"{_ms(v['seconds_per_step'])} | {_ratio(v['ratio'])} | {goal} | "
+                         f"{v['checks']} | {v['flags']} | "
+                         f"{'yes' if v['losses_equal_off'] else 'no'} | {v['compile_s']:.1f} |")
+    lines += ["", f"Median (min-max) over interleaved repetitions; ratios per repetition. Goal: "
+              f"at most {ABFT_GOAL:.2f}x the step without ABFT. on: row and column checksums of "
+              f"every forward and backward matmul (paper threshold); recompute: the same, "
+              f"recomputing a flagged product. checks and flags: over the warm-up steps."]
+    return "\n".join(lines) + "\n"
+
+
+def run_abft_suite(args) -> int:
+    return run_suite(args, "abft", measure_abft, abft_table)
 
 
 # --- paired: lockstep and paramsync against free-running pairs --------------------------------

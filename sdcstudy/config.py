@@ -90,7 +90,9 @@ class OptimConfig:
 
 @dataclass
 class AbftConfig:
-    enabled: bool = False
+    enabled: bool = False  # checksummed matmuls on every linear layer (abft.py)
+    recompute: bool = False  # recompute a flagged product, so training goes on correct values
+    threshold: str = "paper"  # "paper" (tau = k u, float32 u) or "rounding" (safe for bfloat16)
 
 
 @dataclass
@@ -378,6 +380,9 @@ def validate(cfg: Config) -> None:
     if e.batch_size % cfg.mesh.dp:
         raise ConfigError(f"experiment.batch_size ({e.batch_size}) must be a multiple of "
                           f"mesh.dp ({cfg.mesh.dp}).")
+    if cfg.abft.threshold not in ("paper", "rounding"):
+        raise ConfigError(f"abft.threshold {cfg.abft.threshold!r} is not one of paper, rounding"
+                          f"{_did_you_mean(cfg.abft.threshold, ('paper', 'rounding'))}.")
     dims = model_dims(cfg.model)
     if d.tokenizer == "byte" and dims.vocab_size < 256:
         raise ConfigError(f"the byte tokenizer needs model.vocab_size >= 256, "

@@ -6,8 +6,9 @@ input is sequence-sharded and the weights hold this rank's heads and FFN columns
 counts are read from the weights' shapes, so the same code runs sharded and unsharded.
 
 The model knows nothing about faults or comparisons: it calls `hook(site, x, layer)` at the
-named sites of `sites.py` (identity by default). Layers count from 1; layer 0 is outside the
-blocks.
+named sites of `sites.py` (identity by default), and `sites.linear(hook, site, x, w, layer)`
+for the projections whose outputs are sites (a hook may own those products: ABFT's does).
+Layers count from 1; layer 0 is outside the blocks.
 
 Outside this module parameters are plain nested dicts (`init` and `apply`).
 """
@@ -89,9 +90,9 @@ class Attention(nnx.Module):
     def __call__(self, x_BLD, cos_LE, sin_LE, hook: Hook, layer: int):
         dtype, e = x_BLD.dtype, self.head_dim
         b, l, _ = x_BLD.shape
-        q = hook(S.ATTN_Q, x_BLD @ self.wq[...].astype(dtype), layer)
-        k = hook(S.ATTN_K, x_BLD @ self.wk[...].astype(dtype), layer)
-        v = hook(S.ATTN_V, x_BLD @ self.wv[...].astype(dtype), layer)
+        q = S.linear(hook, S.ATTN_Q, x_BLD, self.wq[...].astype(dtype), layer)
+        k = S.linear(hook, S.ATTN_K, x_BLD, self.wk[...].astype(dtype), layer)
+        v = S.linear(hook, S.ATTN_V, x_BLD, self.wv[...].astype(dtype), layer)
         h, kv = q.shape[-1] // e, k.shape[-1] // e  # local head counts under tp
         q_BLKGE = apply_rotary(q.reshape(b, l, h, e), cos_LE, sin_LE).reshape(b, l, kv, h // kv, e)
         k_BLKE = apply_rotary(k.reshape(b, l, kv, e), cos_LE, sin_LE)
@@ -104,7 +105,7 @@ class Attention(nnx.Module):
         probs_BKGLL = hook(S.ATTN_PROBS, jax.nn.softmax(scores_BKGLL, axis=-1).astype(dtype), layer)
         context_BLKGE = jnp.einsum("bkgqs,bske->bqkge", probs_BKGLL, v_BLKE)
         context_BLHE = hook(S.ATTN_CONTEXT, context_BLKGE.reshape(b, l, h * e), layer)
-        return context_BLHE @ self.wo[...].astype(dtype)
+        return S.linear(hook, S.ATTN_OUT, context_BLHE, self.wo[...].astype(dtype), layer)
 
 
 class FeedForward(nnx.Module):
@@ -118,10 +119,10 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x_BLD, hook: Hook, layer: int):
         dtype = x_BLD.dtype
-        gate_BLF = hook(S.FFN_GATE, x_BLD @ self.w_gate[...].astype(dtype), layer)
-        up_BLF = hook(S.FFN_UP, x_BLD @ self.w_up[...].astype(dtype), layer)
+        gate_BLF = S.linear(hook, S.FFN_GATE, x_BLD, self.w_gate[...].astype(dtype), layer)
+        up_BLF = S.linear(hook, S.FFN_UP, x_BLD, self.w_up[...].astype(dtype), layer)
         act_BLF = hook(S.FFN_ACT, jax.nn.silu(gate_BLF) * up_BLF, layer)
-        return act_BLF @ self.w_down[...].astype(dtype)
+        return S.linear(hook, S.FFN_OUT, act_BLF, self.w_down[...].astype(dtype), layer)
 
 
 class Block(nnx.Module):
@@ -139,7 +140,7 @@ class Block(nnx.Module):
         if tp_axis is not None:
             h = lax.all_gather(h, tp_axis, axis=1, tiled=True)
         h = hook(S.ATTN_IN, h, layer)
-        a = hook(S.ATTN_OUT, self.attn(h, cos_LE, sin_LE, hook, layer), layer)
+        a = self.attn(h, cos_LE, sin_LE, hook, layer)  # its output projection is `attn_out`
         if tp_axis is not None:
             a = lax.psum_scatter(a, tp_axis, scatter_dimension=1, tiled=True)
         x_BLD = x_BLD + a
@@ -148,7 +149,7 @@ class Block(nnx.Module):
         if tp_axis is not None:
             h = lax.all_gather(h, tp_axis, axis=1, tiled=True)
         h = hook(S.FFN_IN, h, layer)
-        f = hook(S.FFN_OUT, self.ffn(h, hook, layer), layer)
+        f = self.ffn(h, hook, layer)  # its down projection is `ffn_out`
         if tp_axis is not None:
             f = lax.psum_scatter(f, tp_axis, scatter_dimension=1, tiled=True)
         return x_BLD + f
@@ -175,9 +176,7 @@ class Llama(nnx.Module):
             x_BLD = block(x_BLD, cos_LE, sin_LE, hook, i + 1, tp_axis)
         x_BLD = hook(S.FINAL_NORM, self.final_norm(x_BLD), 0)
         head_DV = self.embed[...].T if dims.tie_embeddings else self.head[...]
-        logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, head_DV.astype(dtype),
-                                preferred_element_type=jnp.float32)
-        return hook(S.LOGITS, logits_BLV, 0)
+        return S.linear(hook, S.LOGITS, x_BLD, head_DV.astype(dtype), 0, out_dtype=jnp.float32)
 
 
 def init(dims: ModelDims, key: jax.Array):

@@ -31,6 +31,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import abft as A
 from . import config as C
 from . import faults as F
 from . import lockstep as LS
@@ -136,6 +137,7 @@ class PairedTrainer:
     taps: LS.LockstepTaps | None = None
     mode: str = "lockstep"
     specs: dict = field(default_factory=dict)
+    abft: A.Checker | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, mesh=None) -> "PairedTrainer":
@@ -158,7 +160,8 @@ class PairedTrainer:
             if mode == "lockstep" else None
         mesh = mesh or M.make_node_mesh(2, dp, tp)
         return cls(cfg, dims, graphdef, make_optimizer(cfg.optim, steps, clip=False),
-                   learning_rate_schedule(cfg.optim, steps), mesh, injector, taps, mode)
+                   learning_rate_schedule(cfg.optim, steps), mesh, injector, taps, mode,
+                   abft=A.Checker.from_config(cfg, dims.n_layers))
 
     # --- state ---------------------------------------------------------------------------
 
@@ -203,6 +206,10 @@ class PairedTrainer:
             hook = LS.compose_with_injector(tap_hook, inject)
         else:
             tap_hook, hook = None, inject
+        if self.abft is not None:  # at a matmul's output: fault, check, then the tap
+            hook = self.abft.hook(sinks["abft"], full=hook, fault=inject,
+                                  after=tap_hook or S.identity_hook)
+            aux["abft"] = hook.records
         total, count = model.sequence_losses(self.graphdef, params, batch["inputs"],
                                              batch["targets"], hook=hook, tp_axis=M.TP)
         if tap_hook is not None:
@@ -216,6 +223,8 @@ class PairedTrainer:
             sinks["faults"] = {k: M.vary(v, M.AXES) for k, v in self.injector.init_sinks().items()}
         if self.taps is not None:
             sinks["taps"] = self.taps.init_sinks()
+        if self.abft is not None:
+            sinks["abft"] = self.abft.init_sinks(M.AXES)
         return sinks
 
     def _local_step(self, state, batch):
@@ -257,6 +266,9 @@ class PairedTrainer:
         taps = {}
         if self.taps is not None:
             taps = {"fwd": _block(aux_M["taps"]), "bwd": _block(sinks_M["taps"])}
+        if self.abft is not None:
+            checks = _block({"fwd": aux_M["abft"], "bwd": sinks_M["abft"]})
+            return out_state, metrics, taps, _block(records), checks
         return out_state, metrics, taps, _block(records)
 
     def train_step(self, state, batch):
@@ -267,14 +279,16 @@ class PairedTrainer:
             self._local_step, mesh=self.mesh,
             in_specs=(state_specs, {"inputs": P(None, M.DATA, M.TP),
                                     "targets": P(None, M.DATA, M.TP)}),
-            out_specs=(state_specs, P(), blocks, blocks), check_vma=True)
+            out_specs=(state_specs, P(), blocks, blocks) + ((blocks,) if self.abft else ()),
+            check_vma=True)
         return step(state, batch)
 
     # --- host-loop interface (shared with train.Trainer) ---------------------------------
 
     @property
     def TABLES(self):
-        return (RF.FAULTS, RF.MISMATCH) if self.taps is not None else (RF.FAULTS,)
+        tables = (RF.FAULTS, RF.MISMATCH) if self.taps is not None else (RF.FAULTS,)
+        return tables + ((RF.ABFT,) if self.abft is not None else ())
 
     def shardings(self, state, batch):
         del batch
@@ -285,7 +299,7 @@ class PairedTrainer:
 
     def host_tables(self, step: int, extras) -> tuple[dict, dict]:
         """Host side, one step: mismatch and fault rows, counters and bit histograms."""
-        taps, records = extras
+        taps, records, *checks = extras
         tables, counters = {RF.FAULTS: []}, {}
         if self.taps is not None:
             rows, hist = [], {}
@@ -318,4 +332,14 @@ class PairedTrainer:
             tables[RF.FAULTS] = landed
             counters["faults/landed"] = len(landed) + overflow
             counters["faults/unlogged"] = overflow
+        if self.abft is not None:
+            (checks,) = checks
+            rows = []
+            nodes, dps, tps = self.mesh.devices.shape
+            for n, d, t, m in np.ndindex(nodes, dps, tps, self.cfg.experiment.microsteps):
+                rows += self.abft.rows({k: v[n, d, t, m] for k, v in checks["fwd"].items()},
+                                       {k: v[n, d, t, m] for k, v in checks["bwd"].items()},
+                                       step, m, tp_rank=t, node=n, dp_rank=d)
+            tables[RF.ABFT] = rows
+            counters.update(A.counters(rows))
         return tables, counters

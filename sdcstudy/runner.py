@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from . import abft as A
 from . import config as C
 from . import data as D
 from . import determinism, digest, distributed
@@ -26,19 +27,20 @@ from .checkpoint import Checkpointer
 from .config import Config, UserError
 from .train import NonFiniteError, Trainer, compile_step
 
-TABLE_COLUMNS = {RF.FAULTS: RF.FAULT_COLUMNS, RF.MISMATCH: RF.MISMATCH_COLUMNS}
+TABLE_COLUMNS = {RF.FAULTS: RF.FAULT_COLUMNS, RF.MISMATCH: RF.MISMATCH_COLUMNS,
+                 RF.ABFT: A.COLUMNS}
 SPIKE_THRESHOLD = 0.5  # nats: a suspect loss this far above the healthy one is a spike
 
 
 def make_trainer(cfg: Config):
-    if cfg.experiment.mode == "train":
+    if cfg.experiment.mode in ("train", "abft"):  # abft: the single-node trainer, ABFT on
         return Trainer.from_config(cfg)
     from .paired import PAIRED_MODES, PairedTrainer
 
     if cfg.experiment.mode in PAIRED_MODES:
         return PairedTrainer.from_config(cfg)
     raise UserError(f"experiment.mode {cfg.experiment.mode!r} is not available in this "
-                    f"version; use train, {', '.join(PAIRED_MODES)}.")
+                    f"version; use train, abft, {', '.join(PAIRED_MODES)}.")
 
 
 def config_hash(cfg: Config) -> str:
@@ -204,8 +206,11 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         "tokens_per_s": tokens_per_step * done_steps / wall if done_steps else None,
         **counters,
     }
-    if e.mode != "train":
+    if e.mode not in ("train", "abft"):
         summary.update(paired_summary(rows, tables, histograms, cfg.model.dtype))
+    if e.mode == "abft":
+        summary["abft/detection"] = A.detection_summary(tables[RF.ABFT].rows,
+                                                        tables[RF.FAULTS].rows)
     if writes:
         RF.atomic_write_json(run_dir / RF.SUMMARY, summary)
     else:

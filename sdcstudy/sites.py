@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import jax
+import jax.numpy as jnp
 
 # Submodule boundaries (Ma et al., section 4: the four sites of Tables 1-2).
 ATTN_IN, ATTN_OUT = "attn_in", "attn_out"
@@ -65,6 +66,22 @@ def compose(*hooks: Hook | None) -> Hook:
         return x
 
     return composed
+
+
+def linear(hook: Hook, site: str, x: jax.Array, w: jax.Array, layer: int,
+           out_dtype=None) -> jax.Array:
+    """`hook(site, x @ w, layer)`: a matmul whose output is the named site.
+
+    A hook with a `linear` method (ABFT's) computes the product itself; any other hook sees
+    exactly the product the model would compute without it. `out_dtype` asks for a wider
+    result (the float32 logits of a bfloat16 model).
+    """
+    own = getattr(hook, "linear", None)
+    if own is not None:
+        return own(site, x, w, layer, out_dtype)
+    if out_dtype is None:
+        return hook(site, x @ w, layer)
+    return hook(site, jnp.einsum("bld,dv->blv", x, w, preferred_element_type=out_dtype), layer)
 
 
 def only(sites: tuple[str, ...], fn: Callable[[str, jax.Array, int], jax.Array]) -> Hook:

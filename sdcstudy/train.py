@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import config as C
 from . import mesh as M, model, profiles, runfolder as RF
+from . import abft as A
 from . import faults as F
 from .checkpoint import Checkpointer
 from .config import Config, UserError
@@ -115,6 +116,7 @@ class Trainer:
     schedule: optax.Schedule
     injector: F.Injector | None = None
     hook: Hook = identity_hook
+    abft: A.Checker | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, hook: Hook = identity_hook) -> "Trainer":
@@ -125,7 +127,8 @@ class Trainer:
         injector = None if profile.healthy else F.Injector(profile, dims.n_layers,
                                                            cfg.suspect.log_limit)
         return cls(cfg, dims, graphdef, make_optimizer(cfg.optim, steps),
-                   learning_rate_schedule(cfg.optim, steps), injector, hook)
+                   learning_rate_schedule(cfg.optim, steps), injector, hook,
+                   A.Checker.from_config(cfg, dims.n_layers))
 
     @property
     def base_key(self):
@@ -141,21 +144,30 @@ class Trainer:
     def loss(self, params, sinks, batch, microstep, step=0):
         hook = self.hook
         records = {}
+        inject = identity_hook
         if self.injector is not None:
             ctx = self.fault_context(step, microstep, sinks)
-            hook = compose(self.injector.hook(ctx), hook)
+            inject = self.injector.hook(ctx)
+            hook = compose(inject, hook)
             records = ctx.records
+        if self.abft is not None:  # faults at a matmul's output land before its check
+            hook = self.abft.hook(sinks, full=hook, fault=inject, after=self.hook)
         loss_sum, count = model.token_losses(self.graphdef, params, batch["tokens"],
                                              batch.get("mask"), hook=hook)
+        if self.abft is not None:
+            records = {**records, **hook.records}
         return loss_sum, (count, records)
 
     def init_sinks(self) -> dict:
-        return {} if self.injector is None else self.injector.init_sinks()
+        sinks = {} if self.injector is None else self.injector.init_sinks()
+        return sinks if self.abft is None else {**sinks, **self.abft.init_sinks()}
 
     def train_step(self, state: dict, batch: dict):
         step = state["step"] + 1
         loss, grads, (fwd_M, bwd_M) = accumulate_gradients(
             partial(self.loss, step=step), state["params"], batch, self.init_sinks())
+        if self.abft is not None:
+            (fwd_M, abft_fwd), (bwd_M, abft_bwd) = A.split(fwd_M), A.split(bwd_M)
         faults = {}
         transform_updates = lambda u: u  # noqa: E731
         if self.injector is not None:
@@ -166,6 +178,8 @@ class Trainer:
         new_state = apply_update(self.tx, state, grads, transform_updates)
         metrics = {"loss/healthy": loss, "grad/norm": optax.tree.norm(grads),
                    "lr": self.schedule(state["step"])}
+        if self.abft is not None:
+            return new_state, metrics, faults, {"fwd": abft_fwd, "bwd": abft_bwd}
         return new_state, metrics, faults
 
     # --- host-loop interface (shared with paired.PairedTrainer) ---------------------------
@@ -185,12 +199,24 @@ class Trainer:
     def make_batch(self, tokens_MBL1) -> dict:
         return {"tokens": tokens_MBL1}
 
+    @property
+    def TABLES(self):
+        return (RF.FAULTS,) if self.abft is None else (RF.FAULTS, RF.ABFT)
+
     def host_tables(self, step: int, extras) -> tuple[dict, dict]:
         """Host side, one step: rows for the run folder's tables, and counters."""
-        (faults,) = extras
+        faults, *checks = extras
         rows, overflow = self.fault_rows(faults, step)
-        return {RF.FAULTS: rows}, {"faults/landed": len(rows) + overflow,
-                                   "faults/unlogged": overflow}
+        tables = {RF.FAULTS: rows}
+        counters = {"faults/landed": len(rows) + overflow, "faults/unlogged": overflow}
+        if self.abft is not None:
+            (checks,) = checks
+            tables[RF.ABFT] = [r for m in range(self.cfg.experiment.microsteps)
+                               for r in self.abft.rows(
+                                   {k: v[m] for k, v in checks["fwd"].items()},
+                                   {k: v[m] for k, v in checks["bwd"].items()}, step, m)]
+            counters.update(A.counters(tables[RF.ABFT]))
+        return tables, counters
 
     def fault_rows(self, faults: dict, step: int) -> tuple[list[dict], int]:
         """Host side: ground-truth rows of one step's fault records (and the overflow count)."""

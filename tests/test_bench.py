@@ -146,12 +146,12 @@ def test_all_runs_every_suite_with_its_own_defaults(tmp_path, capsys, monkeypatc
             return 0
         return run
 
-    for name in ("train", "faults", "paired"):
+    for name in ("train", "faults", "paired", "abft"):
         monkeypatch.setattr(bench, f"run_{name}_suite", fake(name))
     json_path, md_path = tmp_path / "all.json", tmp_path / "all.md"
     assert cli.main(["bench", "all", "--presets", "tiny", "--json", str(json_path),
                      "--markdown", str(md_path)]) == 0
-    assert list(seen) == ["train", "faults", "paired"]
+    assert list(seen) == ["train", "faults", "paired", "abft"]
     assert all(a.repeats == 3 and a.presets == "tiny" for a in seen.values())
     assert seen["train"].no_torch is False and seen["paired"].tp == 1
     report = json.loads(json_path.read_text())
