@@ -23,8 +23,8 @@ Definitions, per (dtype, threshold, site, bit class):
 - precision: flags at the faulted matmul over all flags raised in those trials;
 - false alarms: healthy trials with any flag, and flagged checks over all healthy checks.
 
-Results: DIR/abft_eval.md (the tables, also printed), DIR/abft_eval.json (the same numbers)
-and DIR/abft_eval_checks.parquet (every check of every trial). About 5 minutes on 2 CPU cores.
+Results: DIR/abft_eval.md (the tables, also printed), DIR/abft_eval.json (the same numbers),
+DIR/abft_eval_checks.parquet (every check of every trial) and DIR/abft_eval_ratios.png. About 5 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -223,6 +223,55 @@ def tables(detection: pd.DataFrame, alarms: pd.DataFrame) -> str:
         markdown(outside), ""])
 
 
+def plot_ratios(frame: pd.DataFrame, path: Path) -> None:
+    """Figure: residual / threshold of every forward check, per dtype and threshold rule, for
+    healthy trials and at the faulted matmul of exponent and mantissa flips. A check flags
+    where the ratio exceeds 1, so healthy mass right of the line is false alarms and faulty
+    mass left of it is misses."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fwd = frame[frame["direction"] == "fwd"]
+    healthy = fwd[fwd["bit_class"] == "none"]
+    at_fault = fwd[fwd["fault_site"].map(A.MATMULS).eq(fwd["matmul"])
+                   & (fwd["layer"] == fwd["fault_layer"])]
+    groups = {"healthy checks": (healthy, "tab:green"),
+              "exponent flip, faulted matmul": (at_fault[at_fault["bit_class"] == "exponent"],
+                                                "tab:red"),
+              "mantissa flip, faulted matmul": (at_fault[at_fault["bit_class"] == "mantissa"],
+                                                "tab:orange")}
+    dtypes = [d for d in ("float32", "bfloat16") if d in set(frame["dtype"])]
+    rules = ("paper", "rounding")
+    fig, axes = plt.subplots(len(dtypes), len(rules), figsize=(11, 3.6 * len(dtypes)),
+                             squeeze=False, sharex=True)
+    bins = np.logspace(-6, 12, 73)  # ratios beyond either end are drawn in the end bins
+    for i, dtype in enumerate(dtypes):
+        for j, rule in enumerate(rules):
+            ax = axes[i][j]
+            for label, (rows, color) in groups.items():
+                rows = rows[rows["dtype"] == dtype]
+                ratio = np.asarray(A.host_ratios(rows, rule), dtype=np.float64)
+                ratio = np.clip(ratio[np.isfinite(ratio)], bins[0], bins[-1])
+                flagged = float(np.mean(ratio > 1)) if len(ratio) else float("nan")
+                ax.hist(ratio, bins=bins, histtype="step", color=color, linewidth=1.5,
+                        label=f"{label}: {flagged:.1%} flagged (n={len(ratio)})")
+            ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_title(f"{dtype}, threshold: {rule}")
+            ax.set_ylabel("forward checks")
+            ax.set_ylim(0.7, ax.get_ylim()[1] * 40)  # room for the legend above the bars
+            ax.legend(fontsize=7, loc="upper left")
+        for ax in axes[-1]:
+            ax.set_xlabel("row residual / threshold (> 1 flags)")
+    fig.suptitle("ABFT: residual over threshold, healthy and faulty checks (tiny model)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     p.add_argument("--repeats", type=int, default=3, help="trials per (site, bit)")
@@ -233,13 +282,24 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/abft_eval"))
+    p.add_argument("--plot", type=Path, default=None, metavar="CHECKS_PARQUET",
+                   help="only draw the figure from an earlier run's abft_eval_checks.parquet")
     args = p.parse_args(argv)
+    if args.plot is not None:
+        out = args.plot.parent / "abft_eval_ratios.png"
+        plot_ratios(pd.read_parquet(args.plot), out)
+        print(f"wrote {out}")
+        return 0
+    if args.out.exists() and any(args.out.iterdir()):
+        print(f"abft_eval: {str(args.out)!r} is not empty; give a new --out.", file=sys.stderr)
+        return 2
     frame = pd.concat([run_dtype(d, args) for d in args.dtypes.split(",")], ignore_index=True)
     args.out.mkdir(parents=True, exist_ok=True)
     frame.to_parquet(args.out / "abft_eval_checks.parquet", index=False)
     detection, alarms = evaluate(frame)
     text = tables(detection, alarms)
     (args.out / "abft_eval.md").write_text(text)
+    plot_ratios(frame, args.out / "abft_eval_ratios.png")
     with open(args.out / "abft_eval.json", "w") as f:
         json.dump({"args": {k: str(v) for k, v in vars(args).items()},
                    "detection": detection.to_dict("records"),
