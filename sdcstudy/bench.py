@@ -291,6 +291,37 @@ def spread(values: list[float]) -> dict:
             "q1": float(q1), "q3": float(q3), "runs": [float(x) for x in v]}
 
 
+def time_variants(preset: str, args, cfg, steps: int, trainers: dict, base: str, label: str,
+                  echo=echo_stderr):
+    """Single-node variants of one step: compiled, warmed up, timed in rotation.
+
+    Returns (runners, warm-up metrics, per variant its timing, ratio to `base`, compile time
+    and warm-up losses, the result fields every suite shares). `label` formats a variant's
+    name for the progress lines."""
+    from .config import model_dims
+
+    tokens_MBL1, tokens = random_tokens(cfg), tokens_per_step(cfg)
+    runners = {}
+    for variant, trainer in trainers.items():
+        echo(f"{preset}: compiling the {label.format(variant)} step")
+        runners[variant] = StepRunner(trainer, tokens_MBL1)
+    warmup = {variant: r.warm_up(WARMUP_STEPS) for variant, r in runners.items()}
+    seconds = interleaved(runners, steps, args.repeats, tokens, preset)
+    base_losses = [w["loss/healthy"] for w in warmup[base]]
+    variants = {}
+    for variant, runner in runners.items():
+        losses = [w["loss/healthy"] for w in warmup[variant]]
+        variants[variant] = {**timing(seconds[variant], steps, tokens),
+                             "ratio": ratio_spread(seconds[variant], seconds[base]),
+                             "compile_s": runner.compile_s, "warmup_losses": losses,
+                             f"losses_equal_{base}": losses == base_losses}
+    result = {"preset": preset, "n_params": model_dims(cfg.model).n_params,
+              "batch": cfg.experiment.batch_size, "seq_len": cfg.data.seq_len,
+              "tokens_per_step": tokens, "steps": steps, "repeats": args.repeats,
+              "warmup_steps": WARMUP_STEPS}
+    return runners, warmup, variants, result
+
+
 def timing(seconds: list[float], steps: int, tokens: int) -> dict:
     return {"seconds_per_step": spread([s / steps for s in seconds]),
             "tokens_per_s": spread([tokens * steps / s for s in seconds])}
@@ -604,7 +635,6 @@ def fault_profiles(folder: Path) -> dict[str, str]:
 
 def measure_faults(preset: str, args, echo=echo_stderr) -> dict:
     """The four variants of one preset's single-node step, warmed up, then timed in rotation."""
-    from .config import model_dims
     from .train import Trainer
 
     trainers, cfg, steps = {}, None, 0
@@ -616,34 +646,18 @@ def measure_faults(preset: str, args, echo=echo_stderr) -> dict:
             # plain: no fault engine at all, whatever the profile would build.
             trainers[variant] = (dataclasses.replace(trainer, injector=None)
                                  if variant == "plain" else trainer)
-    dims, tokens_MBL1, tokens = model_dims(cfg.model), random_tokens(cfg), tokens_per_step(cfg)
-    runners = {}
-    for variant, trainer in trainers.items():
-        echo(f"{preset}: compiling the {variant} step")
-        runners[variant] = StepRunner(trainer, tokens_MBL1)
-    warmup = {variant: r.warm_up(WARMUP_STEPS) for variant, r in runners.items()}
-    seconds = interleaved(runners, steps, args.repeats, tokens, preset)
-
+    runners, warmup, variants, result = time_variants(preset, args, cfg, steps, trainers,
+                                                      "plain", "{}", echo)
     plain = runners["plain"]
-    variants = {}
     for variant, runner in runners.items():
-        losses = [w["loss/healthy"] for w in warmup[variant]]
-        variants[variant] = {
-            **timing(seconds[variant], steps, tokens),
-            "ratio": ratio_spread(seconds[variant], seconds["plain"]),
-            "compile_s": runner.compile_s,
+        variants[variant].update({
             "injector": runner.trainer.injector is not None,
             "hlo_identical": runner.hlo == plain.hlo,
             "program_identical": program_text(runner.hlo) == program_text(plain.hlo),
             "hlo_chars": len(runner.hlo),
             "faults_landed": sum(w.get("faults/landed", 0) for w in warmup[variant]),
-            "warmup_losses": losses,
-            "losses_equal_plain": losses == [w["loss/healthy"] for w in warmup["plain"]],
-        }
-    return {"preset": preset, "n_params": dims.n_params, "batch": cfg.experiment.batch_size,
-            "seq_len": cfg.data.seq_len, "tokens_per_step": tokens, "steps": steps,
-            "repeats": args.repeats, "warmup_steps": WARMUP_STEPS, "idle_rate": IDLE_RATE,
-            "variants": variants}
+        })
+    return {**result, "idle_rate": IDLE_RATE, "variants": variants}
 
 
 def faults_table(results: list[dict]) -> str:
@@ -679,36 +693,20 @@ def run_faults_suite(args) -> int:
 
 def measure_abft(preset: str, args, echo=echo_stderr) -> dict:
     """The single-node step without ABFT, with it, and with recomputation, timed in rotation."""
-    from .config import model_dims
     from .train import Trainer
 
     trainers, cfg, steps = {}, None, 0
     for variant, overrides in ABFT_VARIANTS.items():
         cfg, steps = preset_config("abft", preset, args, ["experiment.mode=train", *overrides])
         trainers[variant] = Trainer.from_config(cfg)
-    dims, tokens_MBL1, tokens = model_dims(cfg.model), random_tokens(cfg), tokens_per_step(cfg)
-    runners = {}
-    for variant, trainer in trainers.items():
-        echo(f"{preset}: compiling the ABFT-{variant} step")
-        runners[variant] = StepRunner(trainer, tokens_MBL1)
-    warmup = {variant: r.warm_up(WARMUP_STEPS) for variant, r in runners.items()}
-    seconds = interleaved(runners, steps, args.repeats, tokens, preset)
-    variants = {}
-    for variant, runner in runners.items():
-        losses = [w["loss/healthy"] for w in warmup[variant]]
-        variants[variant] = {
-            **timing(seconds[variant], steps, tokens),
-            "ratio": ratio_spread(seconds[variant], seconds["off"]),
-            "compile_s": runner.compile_s,
+    _, warmup, variants, result = time_variants(preset, args, cfg, steps, trainers, "off",
+                                                "ABFT-{}", echo)
+    for variant in variants:
+        variants[variant].update({
             "flags": sum(w.get("abft/flags", 0) for w in warmup[variant]),
             "checks": sum(w.get("abft/checks", 0) for w in warmup[variant]),
-            "warmup_losses": losses,
-            "losses_equal_off": losses == [w["loss/healthy"] for w in warmup["off"]],
-        }
-    return {"preset": preset, "n_params": dims.n_params, "batch": cfg.experiment.batch_size,
-            "seq_len": cfg.data.seq_len, "tokens_per_step": tokens, "steps": steps,
-            "repeats": args.repeats, "warmup_steps": WARMUP_STEPS, "goal": ABFT_GOAL,
-            "variants": variants}
+        })
+    return {**result, "goal": ABFT_GOAL, "variants": variants}
 
 
 def abft_table(results: list[dict]) -> str:
