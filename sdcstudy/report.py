@@ -267,6 +267,7 @@ def write_report(run_dirs, out=None) -> dict:
         seen.add(p.resolve())
     runs, problems = load_runs(paths)
     out = _out_dir(out)
+    drawing = draw_figures(runs, out)  # in worker processes while the tables are written
 
     produced, sections, summary = [], [], []
     for name, (title, table, index, fold) in report_tables(runs).items():
@@ -287,7 +288,7 @@ def write_report(run_dirs, out=None) -> dict:
         sections.append("Tables 1, 2 and 6-9 and Figures 3-4 need lock-step runs "
                         "(mismatch.parquet); none was given or readable.\n")
     figures = []
-    for name in draw_figures(runs, out):
+    for name in drawing():
         figures.append(f"## {FIGURE_TITLES.get(name, name)}\n\n![{name}]({name})\n")
         produced.append(name)
     left_out = ["## Files that could not be read\n\n" + "".join(f"- {p}\n" for p in problems)
@@ -311,10 +312,11 @@ def _draw(name: str) -> bool:
     return plots.FIGURES[name](_DRAWING["runs"], _DRAWING["out"] / name) is not None
 
 
-def draw_figures(runs: dict, out: Path) -> list[str]:
-    """Draws every figure of `plots.FIGURES` that the runs have data for into `out`; returns
-    their names. Each figure is seconds of single-threaded matplotlib, so with more than one
-    CPU they are drawn in forked worker processes (which inherit `runs` without a copy) -
+def draw_figures(runs: dict, out: Path):
+    """Starts drawing every figure of `plots.FIGURES` that the runs have data for into `out`;
+    returns a function that waits for them and returns their names. Each figure is seconds of
+    single-threaded matplotlib, so with more than one CPU they are drawn in forked worker
+    processes (which inherit `runs` without a copy) while the caller writes the tables -
     unless JAX is loaded (a sweep's own report): forking XLA's threads is not safe."""
     import multiprocessing
     import os
@@ -326,16 +328,27 @@ def draw_figures(runs: dict, out: Path) -> list[str]:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     fork = "fork" in multiprocessing.get_all_start_methods() and "jax" not in sys.modules
     _DRAWING.update(runs=runs, out=out)
-    try:
-        if cpus > 1 and len(names) > 1 and fork:
-            plots._pyplot()  # imported once, before the fork
-            with multiprocessing.get_context("fork").Pool(min(cpus, len(names))) as pool:
-                drawn = pool.map(_draw, names, chunksize=1)
-        else:
-            drawn = [_draw(name) for name in names]
-    finally:
-        _DRAWING.clear()
-    return [name for name, made in zip(names, drawn) if made]
+    if not (cpus > 1 and len(names) > 1 and fork):
+        def draw_here() -> list[str]:
+            try:
+                return [name for name in names if _draw(name)]
+            finally:
+                _DRAWING.clear()
+        return draw_here
+
+    plots._pyplot()  # imported once, before the fork
+    pool = multiprocessing.get_context("fork").Pool(min(cpus, len(names)))
+    pending = pool.map_async(_draw, names, chunksize=1)
+    _DRAWING.clear()  # the workers have their copies
+
+    def wait() -> list[str]:
+        try:
+            drawn = pending.get()
+        finally:
+            pool.terminate()
+            pool.join()
+        return [name for name, made in zip(names, drawn) if made]
+    return wait
 
 
 def load_runs(paths) -> tuple[dict, list[str]]:
