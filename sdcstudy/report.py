@@ -134,7 +134,8 @@ REPORT = "report.md"
 CSV_FILES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv",
              "table6_layer_frequency_fwd.csv", "table7_layer_frequency_bwd.csv",
              "table8_layer_severity_fwd.csv", "table9_layer_severity_bwd.csv", "bit_fields.csv",
-             "bit_positions.csv", "wcnts.csv", "abft_flag_rate.csv")
+             "bit_positions.csv", "wcnts.csv", "abft_flag_rate.csv",
+             "paft_final_losses.csv")
 # Wide tables whose Markdown shows only the columns with a non-zero value (the CSV has all).
 SPARSE_TABLES = ("bit_positions.csv",)
 FIGURE_TITLES = {
@@ -146,10 +147,12 @@ FIGURE_TITLES = {
                                   "of free-running pairs",
     "bit_positions.png": "Differing bits per bit position of the mismatching elements",
     "fig10_abft_flag_frequency.png": "Figure 10: ABFT flag frequency over steps",
+    "paft_dynamics.png": "PAFT: loss, divergence of the workers and synchronization period",
 }
 # What the report leaves out of a run whose file of this name can not be read.
 NEEDED_BY = {RF.MISMATCH: "Tables 1-2 and 6-9 and Figures 3-4",
-             RF.METRICS: "the runs table's step values, WCNTS and Figures 5-6",
+             RF.METRICS: "the runs table's step values, WCNTS, Figures 5-6 and the PAFT "
+                         "table and figure",
              RF.SUMMARY: "the bit-field and bit-position tables and figure",
              RF.ABFT: "the ABFT table and Figure 10",
              RF.FAULTS: "the runs table's fault count",
@@ -158,12 +161,15 @@ SUMMARY_TABLES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv",
 
 
 def label_runs(runs: list[Run]) -> dict[str, Run]:
-    """{label: run}: "Node N" for Ma et al.'s node profiles, else the profile's name; runs that
-    share a label get their mode, then their folder, added. Paper nodes come first, by number."""
+    """{label: run}: "Node N" for Ma et al.'s node profiles, else the profile's name, and the
+    folder's name for PAFT runs (they differ in settings, not in nodes); runs that share a
+    label get their mode, then their folder, added. Paper nodes come first, by number."""
     from . import published as PB
     from . import tables as T
 
     def base(run):
+        if T.run_mode(run) == "paft":
+            return run.name
         profile = T.run_profile(run)
         node = PB.paper_node_number(profile)
         if node is not None:
@@ -211,6 +217,7 @@ def _out_dir(out) -> Path:
 
 def report_tables(runs: dict) -> dict:
     """{csv file name: (title, DataFrame, index names, fold published)} for the runs."""
+    from . import paft_report as PR
     from . import tables as T
 
     layer = lambda d, s: T.layer_table(runs, d, s)  # noqa: E731
@@ -244,6 +251,9 @@ def report_tables(runs: dict) -> dict:
         "abft_flag_rate.csv": ("ABFT flag rate: the fraction of checksum tests, eq. (6), that "
                                "flagged, per matmul and direction", T.abft_rate_table(runs),
                                ["matmul", "direction"], False),
+        "paft_final_losses.csv": (
+            "PAFT: final loss (mean over the last tenth of the steps) and divergence",
+            PR.final_table(runs), ["run"], False),
     }
 
 

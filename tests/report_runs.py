@@ -25,12 +25,14 @@ ZOO = (*(f"paper-node-{n}" for n in range(1, 16)), "exponent-flip", "mantissa-no
        "stuck-lane", "nan-burst", "repeatable")
 
 
-def write_run(path, *, mode, profile, metrics, mismatch=None, summary=None, abft=None):
-    """A run folder at `path`: config.yaml, metrics.jsonl (a list of dicts), mismatch.parquet
-    (a list of row dicts, lock-step runs only), abft.parquet (row dicts) and summary.json."""
+def write_run(path, *, mode, profile, metrics, mismatch=None, summary=None, abft=None,
+              config=None):
+    """A run folder at `path`: config.yaml (the sections of `config` added), metrics.jsonl (a
+    list of dicts), mismatch.parquet (a list of row dicts, lock-step runs only), abft.parquet
+    (row dicts) and summary.json."""
     path.mkdir(parents=True)
     config = {"experiment": {"mode": mode, "steps": len(metrics), "microsteps": 1},
-              "suspect": {"profile": profile}, "model": {"preset": "tiny"}}
+              "suspect": {"profile": profile}, "model": {"preset": "tiny"}, **(config or {})}
     (path / RF.CONFIG).write_text(yaml.safe_dump(config))
     RF.write_rows(path / RF.METRICS, metrics)
     if mismatch is not None:
@@ -155,6 +157,36 @@ def sweep_folder(root, steps=200, layers=2, tp=2, profiles=ZOO, seed=0):
             root / profile, mode="lockstep", profile=profile, metrics=metrics,
             mismatch=grid_rows(steps, layers, tp, elements, cell), summary=summary,
             abft=abft_rows(steps, layers, tp, lambda *_: rng.random() < flag_rate)))
+    return dirs
+
+
+def paft_runs(root, steps=40, workers=4, seed=0):
+    """Three PAFT runs (noised, PAFT-Sync every 8 steps, PAFT-Dyn) whose divergence grows as a
+    random walk, drops to zero at every sync, and whose losses fall with the divergence."""
+    rng = np.random.default_rng(seed)
+    settings = {"noised": {"sync_every": 0, "dynamic": False},
+                "sync-8": {"sync_every": 8, "dynamic": False},
+                "dyn": {"sync_every": 4, "dynamic": True}}
+    dirs = []
+    for name, paft in settings.items():
+        div, h, since, metrics = 0.0, paft["sync_every"], 0, []
+        for s in range(1, steps + 1):
+            div += 1e-3 * rng.uniform(0.5, 1.5)
+            since += 1
+            sync = bool(h) and since >= h
+            if sync:
+                div, since = 0.0, 0
+                h = h * 2 if paft["dynamic"] else h
+            base = 5.5 - 3 * (1 - math.exp(-s / 15)) + 50 * div
+            losses = base + rng.normal(0, 0.01, workers)
+            metrics.append({"step": s, **{f"loss/w{m}": float(v) for m, v in enumerate(losses)},
+                            "loss/mean": float(losses.mean()), "div/mean_sq": div,
+                            "div/max": 1.5 * div, "paft/sync": float(sync), "paft/H": float(h),
+                            "bytes/grad": 4e5, "bytes/sync": 4e5 * sync, "grad/norm": 1.0,
+                            "lr": 1e-3})
+        dirs.append(write_run(root / name, mode="paft", profile="healthy", metrics=metrics,
+                              config={"mesh": {"dp": workers, "tp": 1},
+                                      "paft": {"noise": {"sigma2": 1e-3}, **paft}}))
     return dirs
 
 

@@ -6,9 +6,9 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
-from report_runs import random_node
+from report_runs import paft_runs, random_node
 
-from sdcstudy import report
+from sdcstudy import paft_report, report
 from sdcstudy import tables as T
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -62,3 +62,12 @@ def test_training_dynamics_notebook(run_dirs, monkeypatch, tmp_path):
     assert T.markdown(T.wcnts_table(runs), ["node"], with_published=True) in text
     assert "first step apart" in text and "Node 13 (free)" in text
     assert images == 2  # Figures 5 and 6
+
+
+def test_paft_notebook(tmp_path, monkeypatch):
+    dirs = [str(d) for d in paft_runs(tmp_path / "runs", steps=30)]
+    text, images = _execute("paft.ipynb", dirs, monkeypatch, tmp_path)
+    runs = paft_report.paft_runs(report.label_runs([report.load_run(d) for d in dirs]))
+    assert T.markdown(paft_report.final_table(runs), ["run"]) in text
+    assert "noised: 4 workers" in text  # the run that never synchronizes diverges most
+    assert images == 1
