@@ -188,7 +188,9 @@ class FinetuneTrainer(PairedTrainer):
         return self._compiled_eval
 
     def _predict(self, params) -> dict:
-        """{"scored", "generated"}: (2, N) answer indices of both nodes on the test questions."""
+        """{"scored", "generated"}: (2, N) answer indices of both nodes on the test questions,
+        with the letters' log-probabilities {"letter_logp"} (2, N, letters) and the greedy
+        next token {"top"} (2, N) they come from."""
         rows, size = self.eval_rows, self.cfg.finetune.eval_batch_size
         n = len(rows.inputs)
         fn = self._eval_fn(params)
@@ -209,7 +211,8 @@ class FinetuneTrainer(PairedTrainer):
             top[:, start:stop] = np.asarray(tokens)[:, index, at]
         scored, generated = zip(*(qa.predictions(letter_logp[k], top[k], self.letter_ids,
                                                  rows.n_choices) for k in range(2)))
-        return {"scored": np.stack(scored), "generated": np.stack(generated)}
+        return {"scored": np.stack(scored), "generated": np.stack(generated),
+                "letter_logp": letter_logp, "top": top}
 
     def evaluate(self, state, run_dir: Path | None) -> dict:
         """Both nodes answer the test questions; writes predictions.parquet (when `run_dir`)

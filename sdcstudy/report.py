@@ -146,6 +146,7 @@ FIGURE_TITLES = {
                                   "of free-running pairs",
     "bit_positions.png": "Differing bits per bit position of the mismatching elements",
     "fig10_abft_flag_frequency.png": "Figure 10: ABFT flag frequency over steps",
+    "fig7_finetune_loss.png": "Figure 7: training loss during fine-tuning, loss spikes marked",
 }
 # What the report leaves out of a run whose file of this name can not be read.
 NEEDED_BY = {RF.MISMATCH: "Tables 1-2 and 6-9 and Figures 3-4",
@@ -283,6 +284,13 @@ def write_report(run_dirs, out=None) -> dict:
             summary.append(section)
         RF.atomic_write_text(out / name, T.csv(table, index))
         produced.append(name)
+    from . import finetune_report as FR  # Table 3 and the loss-spike table of fine-tuning
+
+    finetune_sections, finetune_files = FR.sections(runs)
+    for name, text in finetune_files.items():
+        RF.atomic_write_text(out / name, text)
+        produced.append(name)
+    sections += finetune_sections
     if not T.lockstep_runs(runs):
         sections.append("Tables 1, 2 and 6-9 and Figures 3-4 need lock-step runs "
                         "(mismatch.parquet); none was given or readable.\n")
@@ -295,7 +303,7 @@ def write_report(run_dirs, out=None) -> dict:
     markdown = "\n".join(["# sdcstudy report\n\nRun folders: " + ", ".join(
         f"`{r.path}`" for r in runs.values()) + "\n", *left_out, *sections, *figures]) + "\n"
     RF.atomic_write_text(out / REPORT, markdown)
-    for stale in [*CSV_FILES, *plots.FIGURES]:  # from an earlier report into the same folder
+    for stale in [*CSV_FILES, *FR.CSV_FILES, *plots.FIGURES]:  # from an earlier report into the same folder
         if stale not in produced:
             (out / stale).unlink(missing_ok=True)
     return {"out": out, "files": [REPORT, *produced], "markdown": markdown,
