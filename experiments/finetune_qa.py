@@ -8,9 +8,10 @@ node, free-running, once per suspect profile:
 - healthy, and healthy with another shuffle seed (the data-order baseline of DP);
 - three zoo profiles: paper-node-1 (steady mismatches at all four sites), paper-node-10
   (a burst of mismatches in the first steps), mantissa-noise (many small corruptions);
-- late-update-corruption, a profile defined here: at step 90% of the run, 5% of the
-  parameter update's elements are multiplied by 1 +/- r, r log-uniform in [100, 1000] (a
-  large late corruption, as on Ma et al.'s node 6).
+- late-update-corruption, a profile defined here: at step 90% of the run, 10% of the
+  parameter update's elements are multiplied by 1 +/- r, r log-uniform in [1000, 10000] (a
+  large late corruption, as on Ma et al.'s node 6; a tenth of that, 5% at [100, 1000], moved
+  the loss by only 0.4 nats on this task).
 
 What it should show: the healthy node's test accuracy (TA) well above chance (1/3) and above
 always answering "." or "?" (50%); the zoo profiles' models near the healthy one, with a
@@ -44,12 +45,12 @@ OTHER_SEED = 1
 def late_profile(steps: int) -> str:
     step = max(1, int(0.9 * steps))
     return f"""name: {LATE}
-description: "at step {step}, 5% of the parameter update multiplied by 1 +/- r, r in [100, 1000]"
+description: "at step {step}, 10% of the parameter update multiplied by 1 +/- r, r in [1e3, 1e4]"
 specs:
   - site: update
     kind: scale
-    rate: 0.05
-    scale: [100, 1000]
+    rate: 0.1
+    scale: [1000, 10000]
     pattern: {{kind: steps, steps: [{step}]}}
 """
 

@@ -211,7 +211,7 @@ def loss_figure(runs: dict, path: Path) -> Path | None:
             if spikes:
                 ax.plot(spikes, loss.loc[spikes].clip(upper=1e6).values, "x", ms=6,
                         color=styles[label]["color"])
-        plots._log_y(ax)
+        ax.set_yscale("log")
         ax.set_title(f"{task}: training loss", fontsize=10)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("training loss (nats per counted token)")

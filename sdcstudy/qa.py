@@ -293,8 +293,10 @@ def encode_training(records: list[Record], tokenizer, seq_len: int,
     mask = np.zeros((len(records), seq_len), np.float32)
     truncated = 0
     for i, record in enumerate(records):
+        # The prompt and the answer are encoded apart, so the answer's first token is the one
+        # evaluation reads after the prompt's tokens.
         head = _bos(tokenizer) + _encode(tokenizer, prompt(record))
-        ids = _encode_full(tokenizer, record, head)
+        ids = head + _encode(tokenizer, answer_text(record))
         if len(ids) > seq_len + 1:
             truncated += 1
             ids = ids[:seq_len + 1]
@@ -302,12 +304,6 @@ def encode_training(records: list[Record], tokenizer, seq_len: int,
         first = 1 if loss_on == "all" else min(len(head), len(ids))  # first counted token
         mask[i, first - 1:len(ids) - 1] = 1.0
     return TrainingRows(tokens, mask, truncated)
-
-
-def _encode_full(tokenizer, record: Record, head: list[int]) -> list[int]:
-    """Prompt and answer tokens; the prompt's tokens are kept as they are so that the answer
-    starts where evaluation reads it."""
-    return head + _encode(tokenizer, answer_text(record))
 
 
 @dataclass
