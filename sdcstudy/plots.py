@@ -336,8 +336,6 @@ def _xy(series: pd.Series):
     return series.index, series.values
 
 
-from .finetune_report import loss_figure as finetune_loss  # noqa: E402  (Figure 7)
-
 FIGURES = {
     "fig3_mismatch_frequency.png": frequency_panels,
     "fig4_mismatch_frequency_smoothed.png": frequency_smoothed,
@@ -345,5 +343,4 @@ FIGURES = {
     "fig6_training_dynamics.png": training,
     "bit_positions.png": bit_positions,
     "fig10_abft_flag_frequency.png": abft_flags,
-    "fig7_finetune_loss.png": finetune_loss,
 }

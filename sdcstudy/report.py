@@ -295,7 +295,10 @@ def write_report(run_dirs, out=None) -> dict:
         sections.append("Tables 1, 2 and 6-9 and Figures 3-4 need lock-step runs "
                         "(mismatch.parquet); none was given or readable.\n")
     figures = []
-    for name in draw_figures(runs, out):
+    drawn = draw_figures(runs, out)
+    if FR.loss_figure(runs, out / FR.FIGURE7):
+        drawn.append(FR.FIGURE7)
+    for name in drawn:
         figures.append(f"## {FIGURE_TITLES.get(name, name)}\n\n![{name}]({name})\n")
         produced.append(name)
     left_out = ["## Files that could not be read\n\n" + "".join(f"- {p}\n" for p in problems)
@@ -303,7 +306,8 @@ def write_report(run_dirs, out=None) -> dict:
     markdown = "\n".join(["# sdcstudy report\n\nRun folders: " + ", ".join(
         f"`{r.path}`" for r in runs.values()) + "\n", *left_out, *sections, *figures]) + "\n"
     RF.atomic_write_text(out / REPORT, markdown)
-    for stale in [*CSV_FILES, *FR.CSV_FILES, *plots.FIGURES]:  # from an earlier report into the same folder
+    # From an earlier report into the same folder:
+    for stale in [*CSV_FILES, *FR.CSV_FILES, *plots.FIGURES, FR.FIGURE7]:
         if stale not in produced:
             (out / stale).unlink(missing_ok=True)
     return {"out": out, "files": [REPORT, *produced], "markdown": markdown,

@@ -336,3 +336,52 @@ def test_finetune_starts_from_a_hugging_face_llama_folder(tmp_path):
     state = jax.tree.map(np.asarray, jax.device_get(trainer.init_state()["params"]))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[1], np.asarray(b)), state, params)
     assert trainer.initial_predictions["scored"].shape == (2, 12)
+
+
+# --- Table 3 in sdcstudy report -------------------------------------------------------------
+
+
+def _fake_finetune_run(folder, profile, seed, healthy, suspect, spikes=()):
+    """A finetune run folder as the runner leaves it (summary, metrics, predictions)."""
+    from sdcstudy import runfolder as RF
+
+    answers = np.zeros(len(healthy), int)
+    folder.mkdir()
+    (folder / "config.yaml").write_text(
+        f"experiment: {{mode: finetune}}\nsuspect: {{profile: {profile}}}\n")
+    RF.atomic_write_json(folder / "summary.json", {
+        "qa/task": "synthetic", "qa/shuffle_seed": seed, "loss_spikes": list(spikes),
+        "qa/ta/initial": 10.0, "qa/dp/initial": 90.0,
+        "qa/ta/healthy": qa.test_accuracy(healthy, answers),
+        "qa/ta/suspect": qa.test_accuracy(suspect, answers),
+        "qa/dp/suspect": qa.disagreement(suspect, healthy)})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": s, "loss/healthy": 1.0, "loss/suspect": 9.0 if s in spikes else 1.0}) + "\n"
+        for s in range(1, 6)))
+    pd.DataFrame([{"stage": "final", "node": n, "question": i, "prediction": int(p)}
+                  for n, preds in enumerate((healthy, suspect)) for i, p in enumerate(preds)]
+                 ).to_parquet(folder / "predictions.parquet")
+
+
+def test_report_table3_rows_dp_of_the_other_seed_and_spike_flags(tmp_path):
+    """DP of the other-seed baseline comes from both runs' healthy predictions; a run with a
+    loss spike is starred and named; the reference seed is the one most runs share."""
+    from sdcstudy import report
+
+    ref = np.array([0, 0, 1, 2, 0, 1, 1, 0])
+    other = np.array([0, 1, 1, 2, 0, 2, 1, 0])  # differs on 2 of 8 questions
+    late = np.array([2, 2, 2, 2, 2, 2, 2, 2])
+    _fake_finetune_run(tmp_path / "a", "healthy", 0, ref, ref)
+    _fake_finetune_run(tmp_path / "b", "paper-node-6", 0, ref, late, spikes=(4, 5))
+    _fake_finetune_run(tmp_path / "c", "healthy", 7, other, other)
+    result = report.write_report([tmp_path / d for d in "abc"], tmp_path / "report")
+    assert {"table3_finetune.csv", "finetune_loss_spikes.csv",
+            "fig7_finetune_loss.png"} <= set(result["files"])
+    md = result["markdown"]
+    assert "| Healthy Node | 50.00 (-) |" in md
+    assert "| Healthy Node (seed=7) | 37.50 (25.00) |" in md
+    assert "| Unhealthy Node 6 | 0.00 (87.50) * |" in md
+    assert "| without fine-tuning | 10.00 (90.00) |" in md
+    assert "LOSS SPIKE: Node 6 at steps 4-5" in md
+    table = pd.read_csv(tmp_path / "report" / "table3_finetune.csv", index_col=0)
+    assert table.loc["Healthy Node (seed=7)", "synthetic DP"] == pytest.approx(25.0)
