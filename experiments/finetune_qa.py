@@ -18,7 +18,14 @@ always answering "." or "?" (50%); the zoo profiles' models near the healthy one
 disagreement (DP) of the order of the other seed's; the late corruption flagged as a loss
 spike, with its damage in TA and DP. Results in DIR: report/ (report.md with Table 3, the
 loss-spike table and Figure 7), finetune_qa.md and finetune_qa.csv (Table 3), the run
-folders. About 10 minutes on 2 CPU cores.
+folders. About 10 minutes on 2 idle CPU cores (20 on a loaded machine).
+
+Measured (defaults, 2 shared CPU cores): Table 3 TA (DP) healthy 93.40 (-); other seed 92.60
+(3.00); paper-node-1 51.40 (43.40) and paper-node-10 45.00 (49.80), both with loss spikes
+(their per-element severities, up to ~100x, are far stronger for a 64-wide model than for
+Mistral-7B); mantissa-noise 94.40 (1.40), no spike; late-update-corruption 0.00 (100.00), a
+loss spike at steps 181-200 of up to 21 nats: the damaged model no longer writes an answer
+letter, as Ma et al.'s node 6 on CosmosQA.
 """
 
 from __future__ import annotations
