@@ -3,9 +3,10 @@
 - Table 3: test accuracy (TA) and disagreement percentage (DP) per node and task: the model
   before fine-tuning, the healthy node, the healthy node with another shuffle seed, and each
   suspect node. DP is the per cent of test questions whose answer differs from the healthy
-  node's (the runs of the reference shuffle seed share that node bit for bit); for a run with
-  another seed its healthy node is compared with the reference run's healthy node through
-  both runs' `predictions.parquet`.
+  node's: a suspect's against the healthy node of its own run (profiles with `grad` or
+  `update` sites compile another step, whose healthy node may differ in rounding from the
+  other runs'); the healthy node of a run with another shuffle seed against the reference
+  run's, through both runs' `predictions.parquet`.
 - The loss-spike table: steps where a suspect's training loss exceeded the healthy node's by
   more than the spike threshold (`summary.json` `loss_spikes`), the largest gap, and the TA
   they left; a Table 3 cell whose run had a spike is marked with *.
