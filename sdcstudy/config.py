@@ -120,6 +120,23 @@ class DataConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """Fine-tuning on multiple-choice QA (Ma et al., section 6.1 experiment II, appendix E)."""
+
+    init: str = ""  # a Hugging Face model folder or an sdcstudy run folder; "" = random init
+    task: str = "synthetic"  # synthetic, cosmosqa, mathqa, scienceqa, openbookqa, boolq, race
+    test_split: str | None = None  # null: the task's labelled evaluation split
+    shuffle_seed: int | None = None  # order of the training questions; null = experiment.seed
+    loss_on: str = "all"  # "all" tokens but the padding (appendix E.3) or only the "answer"
+    predict: str = "generate"  # TA/DP from the greedy next token (E.2) or the best "score"
+    eval_batch_size: int = 16
+    max_train: int | None = None  # use at most this many training questions (null: all)
+    max_test: int | None = None
+    synthetic_train: int = 4000  # questions of the synthetic task
+    synthetic_test: int = 500
+
+
+@dataclass
 class Config:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -129,6 +146,7 @@ class Config:
     abft: AbftConfig = field(default_factory=AbftConfig)
     paft: PaftConfig = field(default_factory=PaftConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
 
 # --- model presets ---------------------------------------------------------------------------

@@ -140,12 +140,13 @@ class PairedTrainer:
     abft: A.Checker | None = None
 
     @classmethod
-    def from_config(cls, cfg: Config, mesh=None) -> "PairedTrainer":
+    def from_config(cls, cfg: Config, mesh=None, dims: C.ModelDims | None = None
+                    ) -> "PairedTrainer":
         mode = cfg.experiment.mode
         if mode not in PAIRED_MODES:
             raise UserError(f"experiment.mode {mode!r} is not a paired mode "
                             f"({', '.join(PAIRED_MODES)}).")
-        dims = C.model_dims(cfg.model)
+        dims = dims or C.model_dims(cfg.model)
         tp, dp = cfg.mesh.tp, cfg.mesh.dp
         for what, n in (("model.n_heads", dims.n_heads), ("model.n_kv_heads", dims.n_kv_heads),
                         ("model.ffn_dim", dims.ffn_dim), ("data.seq_len", cfg.data.seq_len)):
@@ -211,7 +212,8 @@ class PairedTrainer:
                                   after=tap_hook or S.identity_hook)
             aux["abft"] = hook.records
         total, count = model.sequence_losses(self.graphdef, params, batch["inputs"],
-                                             batch["targets"], hook=hook, tp_axis=M.TP)
+                                             batch["targets"], batch.get("mask"), hook=hook,
+                                             tp_axis=M.TP)
         if tap_hook is not None:
             aux["taps"] = tap_hook.fwd_stats
         axes = (M.DATA, M.TP)
@@ -277,8 +279,7 @@ class PairedTrainer:
         blocks = P(M.NODE, M.DATA, M.TP)
         step = jax.shard_map(
             self._local_step, mesh=self.mesh,
-            in_specs=(state_specs, {"inputs": P(None, M.DATA, M.TP),
-                                    "targets": P(None, M.DATA, M.TP)}),
+            in_specs=(state_specs, {k: P(None, M.DATA, M.TP) for k in batch}),
             out_specs=(state_specs, P(), blocks, blocks) + ((blocks,) if self.abft else ()),
             check_vma=True)
         return step(state, batch)

@@ -148,6 +148,7 @@ FIGURE_TITLES = {
     "bit_positions.png": "Differing bits per bit position of the mismatching elements",
     "fig10_abft_flag_frequency.png": "Figure 10: ABFT flag frequency over steps",
     "paft_dynamics.png": "PAFT: loss, divergence of the workers and synchronization period",
+    "fig7_finetune_loss.png": "Figure 7: training loss during fine-tuning, loss spikes marked",
 }
 # What the report leaves out of a run whose file of this name can not be read.
 NEEDED_BY = {RF.MISMATCH: "Tables 1-2 and 6-9 and Figures 3-4",
@@ -294,11 +295,21 @@ def write_report(run_dirs, out=None) -> dict:
             summary.append(section)
         RF.atomic_write_text(out / name, T.csv(table, index))
         produced.append(name)
+    from . import finetune_report as FR  # Table 3 and the loss-spike table of fine-tuning
+
+    finetune_sections, finetune_files = FR.sections(runs)
+    for name, text in finetune_files.items():
+        RF.atomic_write_text(out / name, text)
+        produced.append(name)
+    sections += finetune_sections
     if not T.lockstep_runs(runs):
         sections.append("Tables 1, 2 and 6-9 and Figures 3-4 need lock-step runs "
                         "(mismatch.parquet); none was given or readable.\n")
     figures = []
-    for name in drawing():
+    drawn = drawing()
+    if FR.loss_figure(runs, out / FR.FIGURE7):
+        drawn.append(FR.FIGURE7)
+    for name in drawn:
         figures.append(f"## {FIGURE_TITLES.get(name, name)}\n\n![{name}]({name})\n")
         produced.append(name)
     left_out = ["## Files that could not be read\n\n" + "".join(f"- {p}\n" for p in problems)
@@ -306,7 +317,8 @@ def write_report(run_dirs, out=None) -> dict:
     markdown = "\n".join(["# sdcstudy report\n\nRun folders: " + ", ".join(
         f"`{r.path}`" for r in runs.values()) + "\n", *left_out, *sections, *figures]) + "\n"
     RF.atomic_write_text(out / REPORT, markdown)
-    for stale in [*CSV_FILES, *plots.FIGURES]:  # from an earlier report into the same folder
+    # From an earlier report into the same folder:
+    for stale in [*CSV_FILES, *FR.CSV_FILES, *plots.FIGURES, FR.FIGURE7]:
         if stale not in produced:
             (out / stale).unlink(missing_ok=True)
     return {"out": out, "files": [REPORT, *produced], "markdown": markdown,

@@ -35,6 +35,10 @@ SPIKE_THRESHOLD = 0.5  # nats: a suspect loss this far above the healthy one is 
 def make_trainer(cfg: Config):
     if cfg.experiment.mode in ("train", "abft"):  # abft: the single-node trainer, ABFT on
         return Trainer.from_config(cfg)
+    if cfg.experiment.mode == "finetune":
+        from .finetune import FinetuneTrainer
+
+        return FinetuneTrainer.from_config(cfg)
     from .paired import PAIRED_MODES, PairedTrainer
 
     if cfg.experiment.mode in PAIRED_MODES:
@@ -89,8 +93,10 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
     if writes:
         RF.atomic_write_text(run_dir / RF.CONFIG, C.dump(cfg))
 
-    data_path = D.prepare(cfg.data, e.seed)
-    batches = D.TokenBatches(data_path, e.batch_size, e.microsteps)
+    if hasattr(trainer, "data_batches"):  # finetune: padded, masked question rows
+        batches = trainer.data_batches()
+    else:
+        batches = D.TokenBatches(D.prepare(cfg.data, e.seed), e.batch_size, e.microsteps)
     if batches.seq_len != cfg.data.seq_len:
         raise UserError(f"prepared data has sequence length {batches.seq_len}, "
                         f"not data.seq_len={cfg.data.seq_len}.")
@@ -208,6 +214,8 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
     }
     if e.mode not in ("train", "abft"):
         summary.update(paired_summary(rows, tables, histograms, cfg.model.dtype))
+    if hasattr(trainer, "evaluate"):  # finetune: test accuracy and disagreement
+        summary.update(trainer.evaluate(state, run_dir if writes else None))
     if e.mode == "abft":
         summary["abft/detection"] = A.detection_summary(tables[RF.ABFT].rows,
                                                         tables[RF.FAULTS].rows)
