@@ -66,6 +66,8 @@ def odd_one_out(matrix: np.ndarray) -> int:
     if not matrix.any():
         return -1
     n = len(matrix)
+    if n < 3:  # two disagreeing replicas: either could be the faulty one
+        return -2
     for i in range(n):
         others = [j for j in range(n) if j != i]
         if matrix[i, others].all() and not matrix[np.ix_(others, others)].any():
@@ -182,7 +184,7 @@ class DetectTrainer(Trainer):
         rank_E = jnp.asarray([e.rank for e in self.plan], jnp.int32)
         rank_E = jnp.where(rank_E < 0, shadow_rank, rank_E)
         device_E = jnp.asarray([e.device for e in self.plan], jnp.int32)
-        node_E = (device_E == self.cfg.detect.suspect_rank).astype(jnp.int32)
+        node_E = (device_E == batch["suspect"]).astype(jnp.int32)
         attempt_E = batch["attempt"] + jnp.asarray([e.attempt for e in self.plan], jnp.int32)
         n = len(self.plan)
         sinks_E = jax.tree.map(lambda z: jnp.zeros((n, *z.shape), z.dtype), self.init_sinks())
@@ -235,7 +237,10 @@ class DetectTrainer(Trainer):
         return new_state, metrics, faults, out
 
     def make_batch(self, tokens_MBL1) -> dict:
-        return {"tokens": tokens_MBL1, "attempt": jnp.int32(0)}
+        # The faulty device is data, so one compiled step serves any choice of it (a device
+        # number no execution has, e.g. -1, makes a healthy run).
+        return {"tokens": tokens_MBL1, "attempt": jnp.int32(0),
+                "suspect": jnp.int32(self.cfg.detect.suspect_rank)}
 
     def shardings(self, state, batch):
         return None
@@ -304,10 +309,9 @@ class DetectTrainer(Trainer):
         faults, verdict = extras
         rows, overflow = [], 0
         if self.injector is not None:
-            for index, e in enumerate(self.roles("primary")):
+            for index in range(len(self.roles("primary"))):  # only the faulty device's land
                 r, o = self.fault_rows(jax.tree.map(lambda a: a[index], faults), step)
-                node = int(self.plan[e].device == self.cfg.detect.suspect_rank)
-                rows += [{**row, "node": node, "tp_rank": 0} for row in r]
+                rows += r
                 overflow += o
         counters = {"faults/landed": len(rows) + overflow, "faults/unlogged": overflow}
         for key, value in verdict.items():

@@ -1,0 +1,80 @@
+"""Verified rollback: re-run a step the detectors flag, from the last state they passed.
+
+Two in-memory slots hold training states (double buffering, after the in-memory snapshots of
+Wang et al., "Fault-Tolerant Hybrid-Parallel Training at Scale with Reliable and Efficient
+In-memory Checkpointing"). A new state goes into the spare slot and is promoted to "verified"
+by flipping one index, and only after every detector has passed the step that produced it:
+a snapshot taken before the check would keep a corrupted state as faithfully as a clean one.
+On a flag the candidate is dropped and the step is recomputed from the verified slot with the
+next attempt number (transient faults then draw afresh; repeatable ones recur, and the run
+stops after `max_retries`). Every `persist_every` verified steps the verified state is saved
+through orbax, whose atomic rename never leaves a half-written step behind; in `sdcstudy run`
+the run folder's checkpoints play that part, as the host loop only ever sees verified states.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from .checkpoint import Checkpointer
+
+
+class VerifiedRollback:
+    """Wraps a compiled detect step `(state, batch) -> (state, metrics, faults, out)`.
+
+    The step donates its input, so each attempt gets a fresh copy of the verified state.
+    """
+
+    def __init__(self, compiled, trainer, max_retries: int = 8, persist_dir: Path | None = None,
+                 persist_every: int = 0):
+        self.compiled, self.trainer, self.max_retries = compiled, trainer, max_retries
+        self.slots: list = [None, None]
+        self.active = 0  # the slot holding the verified state
+        self.verified_step = None
+        self.rollbacks = 0
+        self.persist_every = persist_every
+        self.checkpointer = Checkpointer(persist_dir, keep=2) if persist_dir else None
+
+    @property
+    def verified(self):
+        return self.slots[self.active]
+
+    def promote(self, state, step: int) -> None:
+        """The spare slot takes `state`, then one index flip makes it the verified one."""
+        spare = 1 - self.active
+        self.slots[spare] = state
+        self.active = spare
+        self.slots[1 - spare] = None  # the previous verified state is no longer needed
+        self.verified_step = step
+        if self.checkpointer is not None and self.persist_every and step % self.persist_every == 0:
+            self.checkpointer.save(step, state, {"step": step})
+
+    def __call__(self, state, batch):
+        if self.verified is None or self.verified is not state:
+            self.promote(state, int(jax.device_get(state["step"])))
+        for attempt in range(self.max_retries + 1):
+            work = jax.tree.map(jnp.copy, self.verified)
+            # Even attempt numbers: a re-execution detector uses attempt + 1 for its copy.
+            new_state, metrics, faults, out = self.compiled(
+                work, {**batch, "attempt": jnp.int32(2 * attempt)})
+            verdict = self.trainer.judge(out)
+            if not self.trainer.flagged(verdict):
+                self.trainer.accept(verdict)
+                self.promote(new_state, self.verified_step + 1)
+                from .detect import per_step
+
+                verdict["rollbacks"] = attempt
+                self.rollbacks += attempt
+                return new_state, {**metrics, **per_step(verdict)}, faults, verdict
+        from .detect import DetectionError
+
+        raise DetectionError(f"step {self.verified_step + 1} was still flagged after "
+                             f"{self.max_retries} rollbacks; the fault is not transient (a "
+                             f"repeatable fault recurs on every re-run).")
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
