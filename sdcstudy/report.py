@@ -211,6 +211,7 @@ def _out_dir(out) -> Path:
 
 def report_tables(runs: dict) -> dict:
     """{csv file name: (title, DataFrame, index names, fold published)} for the runs."""
+    from . import detect_tables
     from . import tables as T
 
     layer = lambda d, s: T.layer_table(runs, d, s)  # noqa: E731
@@ -244,6 +245,7 @@ def report_tables(runs: dict) -> dict:
         "abft_flag_rate.csv": ("ABFT flag rate: the fraction of checksum tests, eq. (6), that "
                                "flagged, per matmul and direction", T.abft_rate_table(runs),
                                ["matmul", "direction"], False),
+        **detect_tables.report_tables(runs),
     }
 
 

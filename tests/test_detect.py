@@ -232,3 +232,64 @@ def test_killing_a_snapshot_write_never_mixes_two_steps(tmp_path, transient):
     assert int(state["step"]) == 2 and record["step"] == 2
     reference, _ = run_rollback(rollback, 2, suspect=1)
     assert digest.tree_digest(jax.device_get(state["params"])) == reference
+
+
+# --- the benchmark's scores and the report ----------------------------------------------------
+
+
+def test_scores_count_recall_latency_and_precision_by_hand():
+    import pandas as pd
+
+    from sdcstudy.detect_tables import detector_scores
+
+    # Events at steps 2 and 9; the detector flags at 4 (2 steps late), 15 (no event within
+    # the 5-step window: a false flag) and never after step 9.
+    frame = pd.DataFrame({"step": range(1, 17),
+                          "detect/truth": [s in (2, 9) for s in range(1, 17)],
+                          "detect/monitor": [s in (4, 15) for s in range(1, 17)]})
+    scores = detector_scores(frame, "monitor", window=5)
+    assert scores["events"] == 2 and scores["flags"] == 2
+    assert scores["recall"] == 0.5
+    assert scores["latency_steps"] == 2.0
+    assert scores["precision"] == 0.5
+
+
+def test_report_has_the_detector_table(tmp_path):
+    """`sdcstudy report` on detect-mode run folders (written here by hand) shows the table."""
+    from sdcstudy import report
+
+    def fake_run(name: str, profile: str, truth: list[int], flags: list[int]):
+        cfg = make_config("healthy", "transient")
+        cfg.suspect.profile = profile
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.yaml").write_text(C.dump(cfg))
+        rows = [{"step": s + 1, "loss/healthy": 1.0, "detect/truth": t, "detect/shadow": f}
+                for s, (t, f) in enumerate(zip(truth, flags))]
+        (folder / "metrics.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in rows))
+        (folder / "summary.json").write_text("{}")
+        return folder
+
+    import json
+
+    runs = [fake_run("healthy", "healthy", [0, 0, 0, 0], [0, 1, 0, 0]),
+            fake_run("faulty", "exponent-flip", [1, 0, 1, 0], [1, 0, 0, 0])]
+    result = report.write_report(runs, tmp_path / "report")
+    assert "detectors.csv" in result["files"]
+    import pandas as pd
+
+    table = pd.read_csv(tmp_path / "report" / "detectors.csv")
+    (row,) = table.to_dict("records")
+    assert (row["profile"], row["detector"], row["events"]) == ("exponent-flip", "shadow", 2)
+    assert row["recall"] == 0.5 and row["false_alarms"] == 0.25
+
+
+def test_bad_detect_settings_end_in_one_sentence():
+    with pytest.raises(C.ConfigError, match="not one of monitor"):
+        make_config("healthy", "transient", detectors="shadow,lockstpe")
+    with pytest.raises(C.ConfigError, match="at least 3"):
+        make_config("healthy", "transient", replicas=2)
+    with pytest.raises(C.ConfigError, match="detect.advance=primary"):
+        make_config("healthy", "transient", rollback=True)
+    with pytest.raises(C.ConfigError, match="suspect.fault_kind"):
+        make_config("healthy", "sometimes")
