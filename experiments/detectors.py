@@ -1,4 +1,4 @@
-"""python experiments/detectors.py --out DIR [--steps 30] [--overhead-reps 5]
+"""python experiments/detectors.py --out DIR [--steps 30] [--overhead-reps 30]
 
 Which SDC detector catches what, how fast, and at what cost, on the same faults. One run of
 `experiment.mode: detect` per fault profile (paper nodes and synthetic ones, transient and
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overhead-reps", type=int, default=5)
+    p.add_argument("--overhead-reps", type=int, default=30)
     args = p.parse_args(argv)
     if args.out.exists() and any(args.out.iterdir()):
         print(f"detectors: {str(args.out)!r} is not empty; give a new --out.", file=sys.stderr)

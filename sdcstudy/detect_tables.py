@@ -3,8 +3,11 @@
 Per detector and fault profile:
 - events: steps whose result the fault changed (a rank's gradient differs bitwise from its
   healthy mirror's, `detect/truth`);
-- recall: events followed by a flag of the detector within `LATENCY_WINDOW` steps (the same
-  step included), over events;
+- recall: events followed by a flag of the detector within a window of steps (the same step
+  included), over events. The window is 0 when the run advanced on the clean gradient
+  (`detect.advance: reference`): a corruption then never outlives its step, so a later flag
+  is not its detection. It is `LATENCY_WINDOW` when the run trained on the corrupted
+  gradients (`primary`), where a fault can surface steps later (a loss spike);
 - latency: mean steps from an event to the detector's first flag, over detected events;
 - precision: flags that fall in some event's window, over all flags of the run;
 - false alarms: flagged steps over steps of the healthy run(s) (profile `healthy`);
@@ -84,8 +87,10 @@ def benchmark_table(runs: dict) -> pd.DataFrame:
         if profile == "healthy":
             continue
         overhead = _overhead(run.path)
+        advance = (run.config.get("detect") or {}).get("advance", "reference")
+        window = 0 if advance == "reference" else LATENCY_WINDOW
         for name in DETECTORS:
-            scores = detector_scores(run.metrics, name)
+            scores = detector_scores(run.metrics, name, window)
             if not scores:
                 continue
             cost = overhead.get(name, {})
@@ -122,7 +127,7 @@ def recall_figure(table: pd.DataFrame, path: Path) -> Path | None:
         ax.bar(np.arange(len(cases)) + i * width, part["recall"].fillna(0), width, label=name)
     ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2)
     ax.set_xticklabels(cases, rotation=25, ha="right", fontsize=8)
-    ax.set_ylabel(f"recall (flag within {LATENCY_WINDOW} steps of an event)")
+    ax.set_ylabel("recall over events that changed the step's result")
     ax.set_ylim(0, 1.05)
     ax.set_title("Events that changed a step's result, caught per detector")
     ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.35))
@@ -140,9 +145,9 @@ def recall_figure(table: pd.DataFrame, path: Path) -> Path | None:
 
 
 INDEX = ["profile", "fault_kind", "detector"]
-TITLE = (f"Detector benchmark: recall over events that changed a step's result (flag within "
-         f"{LATENCY_WINDOW} steps), latency, precision, false alarms on healthy runs, step-time "
-         f"and memory overhead against no detector")
+TITLE = ("Detector benchmark: recall over events that changed a step's result, latency, "
+         "precision, false alarms on healthy runs, step-time and memory overhead against no "
+         "detector")
 
 
 def indexed(table: pd.DataFrame) -> pd.DataFrame:

@@ -7,19 +7,16 @@ by flipping one index, and only after every detector has passed the step that pr
 a snapshot taken before the check would keep a corrupted state as faithfully as a clean one.
 On a flag the candidate is dropped and the step is recomputed from the verified slot with the
 next attempt number (transient faults then draw afresh; repeatable ones recur, and the run
-stops after `max_retries`). Every `persist_every` verified steps the verified state is saved
-through orbax, whose atomic rename never leaves a half-written step behind; in `sdcstudy run`
-the run folder's checkpoints play that part, as the host loop only ever sees verified states.
+stops after `max_retries`). The host loop only ever receives verified states, so the run
+folder's orbax checkpoints, every `experiment.checkpoint_every` steps, persist verified states
+only; orbax writes into a temporary folder and renames it when complete, so a process killed
+mid-write leaves the previous checkpoint as the latest, never a mix of two steps.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
-
-from .checkpoint import Checkpointer
 
 
 class VerifiedRollback:
@@ -28,15 +25,12 @@ class VerifiedRollback:
     The step donates its input, so each attempt gets a fresh copy of the verified state.
     """
 
-    def __init__(self, compiled, trainer, max_retries: int = 8, persist_dir: Path | None = None,
-                 persist_every: int = 0):
+    def __init__(self, compiled, trainer, max_retries: int = 8):
         self.compiled, self.trainer, self.max_retries = compiled, trainer, max_retries
         self.slots: list = [None, None]
         self.active = 0  # the slot holding the verified state
         self.verified_step = None
         self.rollbacks = 0
-        self.persist_every = persist_every
-        self.checkpointer = Checkpointer(persist_dir, keep=2) if persist_dir else None
 
     @property
     def verified(self):
@@ -49,8 +43,6 @@ class VerifiedRollback:
         self.active = spare
         self.slots[1 - spare] = None  # the previous verified state is no longer needed
         self.verified_step = step
-        if self.checkpointer is not None and self.persist_every and step % self.persist_every == 0:
-            self.checkpointer.save(step, state, {"step": step})
 
     def __call__(self, state, batch):
         if self.verified is None or self.verified is not state:
@@ -74,7 +66,3 @@ class VerifiedRollback:
         raise DetectionError(f"step {self.verified_step + 1} was still flagged after "
                              f"{self.max_retries} rollbacks; the fault is not transient (a "
                              f"repeatable fault recurs on every re-run).")
-
-    def close(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.close()

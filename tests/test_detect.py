@@ -212,7 +212,7 @@ def test_killing_a_snapshot_write_never_mixes_two_steps(tmp_path, transient):
                               str(config_file)], env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while not (tmp_path / "paused").exists():
             assert child.poll() is None, child.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "the child never reached the snapshot write"
