@@ -1,4 +1,4 @@
-"""python experiments/detectors.py --out DIR [--steps 30] [--overhead-reps 30]
+"""python experiments/detectors.py --out DIR [--steps 150] [--overhead-reps 30] [--tables-only]
 
 Which SDC detector catches what, how fast, and at what cost, on the same faults. One run of
 `experiment.mode: detect` per fault profile (paper nodes and synthetic ones, transient and
@@ -52,29 +52,32 @@ def base_config(args, profile: str, kind: str) -> C.Config:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=150)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overhead-reps", type=int, default=30)
+    p.add_argument("--tables-only", action="store_true",
+                   help="only redo the table and figure from the run folders already in --out")
     args = p.parse_args(argv)
-    if args.out.exists() and any(args.out.iterdir()):
-        print(f"detectors: {str(args.out)!r} is not empty; give a new --out.", file=sys.stderr)
-        return 2
-    from sdcstudy import detect, runner
     from sdcstudy import detect_tables as DT
     from sdcstudy import report, tables
 
-    dirs = []
-    for profile, kind in (("healthy", "profile"), *PROFILES):
-        cfg = base_config(args, profile, kind)
-        run_dir = args.out / f"{profile}-{kind}"
-        print(f"== {profile} ({kind})")
-        runner.run(cfg, run_dir)
-        if args.overhead_reps:
-            RF.atomic_write_json(run_dir / DT.OVERHEAD,
-                                 detect.measure_overhead(cfg, args.overhead_reps))
-        dirs.append(run_dir)
-    runs, problems = report.load_runs(dirs)
+    names = [f"{profile}-{kind}" for profile, kind in (("healthy", "profile"), *PROFILES)]
+    if not args.tables_only:
+        if args.out.exists() and any(args.out.iterdir()):
+            print(f"detectors: {str(args.out)!r} is not empty; give a new --out.",
+                  file=sys.stderr)
+            return 2
+        from sdcstudy import detect, runner
+
+        for name, (profile, kind) in zip(names, (("healthy", "profile"), *PROFILES)):
+            cfg = base_config(args, profile, kind)
+            print(f"== {profile} ({kind})")
+            runner.run(cfg, args.out / name)
+            if args.overhead_reps:
+                RF.atomic_write_json(args.out / name / DT.OVERHEAD,
+                                     detect.measure_overhead(cfg, args.overhead_reps))
+    runs, problems = report.load_runs([args.out / name for name in names])
     table = DT.benchmark_table(runs)
     text = f"# {DT.TITLE}\n\n" + tables.markdown(DT.indexed(table), DT.INDEX) + "\n"
     RF.atomic_write_text(args.out / "detectors.md", text)

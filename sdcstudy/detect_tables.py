@@ -11,6 +11,7 @@ Per detector and fault profile:
 - latency: mean steps from an event to the detector's first flag, over detected events;
 - precision: flags that fall in some event's window, over all flags of the run;
 - false alarms: flagged steps over steps of the healthy run(s) (profile `healthy`);
+- named (localization only): events at which the named device is the one that was wrong;
 - time and memory overhead: the detector alone against no detector (`detect_overhead.json`,
   written by `experiments/detectors.py` beside the run).
 
@@ -30,7 +31,7 @@ from .detect_plan import DETECTORS
 LATENCY_WINDOW = 5  # steps after an event in which a flag still counts as its detection
 OVERHEAD = "detect_overhead.json"
 COLUMNS = ("profile", "fault_kind", "detector", "steps", "events", "recall", "latency_steps",
-           "precision", "false_alarms", "time_ratio", "memory_ratio")
+           "precision", "false_alarms", "named", "time_ratio", "memory_ratio")
 
 
 def _flags(metrics: pd.DataFrame, name: str) -> np.ndarray:
@@ -54,7 +55,12 @@ def detector_scores(metrics: pd.DataFrame, name: str, window: int = LATENCY_WIND
     covered = np.zeros(len(steps), bool)
     for e in events:
         covered |= (steps >= steps[e]) & (steps - steps[e] <= window)
-    return {"steps": len(steps), "events": len(events),
+    named = None
+    if name == "localize" and len(events) and "detect/localized" in metrics:
+        # Events where the named device is the one whose gradient differed.
+        localized = metrics["detect/localized"].to_numpy()[events]
+        named = float(np.mean(localized == metrics["detect/truth_device"].to_numpy()[events]))
+    return {"steps": len(steps), "events": len(events), "named": named,
             "recall": len(delays) / len(events) if len(events) else None,
             "latency_steps": float(np.mean(delays)) if delays else None,
             "precision": float(covered[flagged].mean()) if len(flagged) else None,
@@ -97,7 +103,8 @@ def benchmark_table(runs: dict) -> pd.DataFrame:
             rows.append({"profile": profile, "fault_kind": kind, "detector": name,
                          **{k: scores[k] for k in ("steps", "events", "recall",
                                                    "latency_steps", "precision")},
-                         "false_alarms": alarms[name], "time_ratio": cost.get("time_ratio"),
+                         "false_alarms": alarms[name], "named": scores["named"],
+                         "time_ratio": cost.get("time_ratio"),
                          "memory_ratio": cost.get("memory_ratio")})
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
@@ -127,7 +134,7 @@ def recall_figure(table: pd.DataFrame, path: Path) -> Path | None:
         ax.bar(np.arange(len(cases)) + i * width, part["recall"].fillna(0), width, label=name)
     ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2)
     ax.set_xticklabels(cases, rotation=25, ha="right", fontsize=8)
-    ax.set_ylabel("recall over events that changed the step's result")
+    ax.set_ylabel("recall (events that changed a step)")
     ax.set_ylim(0, 1.05)
     ax.set_title("Events that changed a step's result, caught per detector")
     ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.35))
@@ -136,7 +143,7 @@ def recall_figure(table: pd.DataFrame, path: Path) -> Path | None:
     cost.axhline(1.0, color="black", lw=0.8, ls="--")
     cost.set_xticks(range(len(names)))
     cost.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
-    cost.set_ylabel("step time / step without detectors (median)")
+    cost.set_ylabel("step time / no detector (median)")
     cost.set_title("Step-time overhead")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
