@@ -64,5 +64,5 @@ class VerifiedRollback:
         from .detect import DetectionError
 
         raise DetectionError(f"step {self.verified_step + 1} was still flagged after "
-                             f"{self.max_retries} rollbacks; the fault is not transient (a "
-                             f"repeatable fault recurs on every re-run).")
+                             f"{self.max_retries} rollbacks: a repeatable fault (or a transient "
+                             f"one that strikes nearly every execution) cannot be rolled back.")
