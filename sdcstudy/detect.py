@@ -34,12 +34,9 @@ from jax import lax
 from . import abft as A
 from . import faults as F
 from . import runfolder as RF
-from .config import Config, UserError
+from .config import Config
 from .detect_plan import DETECTORS, executions, needs_reference, parse_detectors
 from .train import Trainer, accumulate_gradients, apply_update, compile_step
-
-FLAG_KEYS = tuple(f"detect/{name}" for name in DETECTORS)
-
 
 class DetectionError(RuntimeError):
     """A step stayed flagged after every retry the rollback allows."""
@@ -334,9 +331,10 @@ def per_step(verdict: dict) -> dict:
 def measure_overhead(cfg: Config, reps: int = 5, echo=print) -> dict:
     """Step time and compiled memory of each detector alone against no detector at all.
 
-    Each variant is compiled once, warmed up, and trains its own state on; the repetitions are
-    interleaved (variant order rotates every round) and the median is taken. Memory is XLA's planned temporary
-    plus output size of the compiled step. The monitor adds host work only.
+    Each variant is compiled once, warmed up, and trains its own state on; the repetitions
+    are interleaved (variant order rotates every round) and the median is taken. Memory is
+    XLA's planned temporary plus output size of the compiled step. The monitor adds host work
+    only (fetching the loss and gradient norm every step).
     """
     import time
 
@@ -384,4 +382,4 @@ def measure_overhead(cfg: Config, reps: int = 5, echo=print) -> dict:
 
 
 __all__ = ["DetectTrainer", "DetectionError", "Monitor", "measure_overhead", "mismatch_matrix",
-           "odd_one_out", "FLAG_KEYS"]
+           "odd_one_out"]
