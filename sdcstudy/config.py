@@ -70,6 +70,9 @@ class MeshConfig:
 class SuspectConfig:
     profile: str = "healthy"  # a zoo name (`sdcstudy profiles`) or a YAML profile file
     log_limit: int = 64  # corruptions logged per (site, layer, spec, microstep); all are counted
+    # "profile" keeps each spec's own kind; "transient" (a re-execution draws afresh) or
+    # "repeatable" (the same inputs give the same corruption) applies to every spec.
+    fault_kind: str = "profile"
 
 
 @dataclass
@@ -105,6 +108,22 @@ class PaftConfig:
     noise: PaftNoiseConfig = field(default_factory=PaftNoiseConfig)
     sync_every: int = 0
     dynamic: bool = False
+
+
+@dataclass
+class DetectConfig:
+    """Detector benchmark and verified rollback (`experiment.mode: detect`, detect.py)."""
+
+    detectors: str = "all"  # comma-separated: monitor, abft, shadow, reexec, lockstep, localize
+    suspect_rank: int = 1  # the data-parallel rank whose device is faulty
+    shadow_rank: int = -1  # the rank the shadow replica recomputes; -1: round robin
+    replicas: int = 3  # replicas of each rank's step for localization (at least 3)
+    advance: str = "reference"  # train on the "reference" (clean) or the "primary" gradient
+    spike_window: int = 8  # steps of history for the loss / gradient-norm monitor
+    spike_loss: float = 0.5  # nats above the window's median loss
+    spike_grad: float = 4.0  # times the window's median gradient norm
+    rollback: bool = False  # re-run a flagged step from the last verified snapshot
+    max_retries: int = 8  # attempts per step before the run gives up
 
 
 @dataclass
@@ -147,6 +166,7 @@ class Config:
     paft: PaftConfig = field(default_factory=PaftConfig)
     data: DataConfig = field(default_factory=DataConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    detect: DetectConfig = field(default_factory=DetectConfig)
 
 
 # --- model presets ---------------------------------------------------------------------------
@@ -401,6 +421,14 @@ def validate(cfg: Config) -> None:
     if cfg.abft.threshold not in ("paper", "rounding"):
         raise ConfigError(f"abft.threshold {cfg.abft.threshold!r} is not one of paper, rounding"
                           f"{_did_you_mean(cfg.abft.threshold, ('paper', 'rounding'))}.")
+    if e.mode == "detect":
+        from .detect_plan import validate as validate_detect
+
+        validate_detect(cfg)
+    kinds = ("profile", "transient", "repeatable")
+    if cfg.suspect.fault_kind not in kinds:
+        raise ConfigError(f"suspect.fault_kind {cfg.suspect.fault_kind!r} is not one of "
+                          f"{', '.join(kinds)}{_did_you_mean(cfg.suspect.fault_kind, kinds)}.")
     dims = model_dims(cfg.model)
     if d.tokenizer == "byte" and dims.vocab_size < 256:
         raise ConfigError(f"the byte tokenizer needs model.vocab_size >= 256, "

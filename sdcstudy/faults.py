@@ -154,6 +154,7 @@ class FaultSpec:
     node: int = 1  # which node of a pair is faulty (1 = the suspect)
     pattern: TimePattern = field(default_factory=TimePattern)
     repeatable: bool = False  # the same input gives the same corruption, in any step
+    transient: bool = False  # a re-execution of the same step draws afresh (keyed by attempt)
     note: str = ""
 
     @property
@@ -197,6 +198,8 @@ class FaultSpec:
         lo, hi = self.scale
         if self.kind == "scale" and not 0 < lo <= hi:
             raise FaultSpecError(f"{where}: scale must be [lo, hi] with 0 < lo <= hi.")
+        if self.repeatable and self.transient:
+            raise FaultSpecError(f"{where}: a fault is either repeatable or transient, not both.")
         if self.node not in (0, 1):
             raise FaultSpecError(f"{where}: node must be 0 or 1.")
         p = self.pattern
@@ -394,6 +397,11 @@ class FaultContext:
     node_axis: str | None = None
     tp_axis: str | None = None
     dp_axis: str | None = None
+    # Outside a node mesh axis: the node index of this computation (1 = the faulty device).
+    node: jax.Array | None = None
+    # Execution counter of this step on this device; transient specs fold it into their draws,
+    # so re-executing a step draws new faults (None: every execution draws the same).
+    attempt: jax.Array | None = None
 
 
 def record_key(spec_index: int, site: str, layer: int) -> str:
@@ -470,6 +478,8 @@ class Injector:
     def _rate_and_key(self, ctx: FaultContext, index: int, spec: FaultSpec, site_id: int,
                       layer: int, x):
         key = jax.random.fold_in(ctx.key, index)
+        if spec.transient and ctx.attempt is not None:
+            key = jax.random.fold_in(key, ctx.attempt)  # every execution draws afresh
         pattern_key = jax.random.fold_in(key, ctx.step)  # one burst draw per step and spec
         multiplier = spec.pattern.multiplier(ctx.step, pattern_key)
         if spec.repeatable:
@@ -484,6 +494,8 @@ class Injector:
         enabled = jnp.bool_(True)
         if ctx.node_axis is not None:
             enabled &= lax.axis_index(ctx.node_axis) == spec.node
+        elif ctx.node is not None:
+            enabled &= ctx.node == spec.node
         if ctx.dp_axis is not None:
             key = jax.random.fold_in(key, lax.axis_index(ctx.dp_axis))
         if ctx.tp_axis is not None:

@@ -24,6 +24,7 @@ at all in a short run of a small model, as they would not on real hardware eithe
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import yaml
@@ -106,8 +107,21 @@ def zoo() -> dict[str, Profile]:
     return profiles
 
 
-def load(name_or_path: str) -> Profile:
-    """A zoo profile by name, or a YAML profile file."""
+def with_fault_kind(profile: Profile, fault_kind: str = "profile") -> Profile:
+    """`profile` with every spec made transient or repeatable ("profile" leaves it as is)."""
+    if fault_kind == "profile":
+        return profile
+    flags = dict(transient=fault_kind == "transient", repeatable=fault_kind == "repeatable")
+    return Profile(profile.name, tuple(dataclasses.replace(s, **flags) for s in profile.specs),
+                   profile.description)
+
+
+def load(name_or_path: str, fault_kind: str = "profile") -> Profile:
+    """A zoo profile by name, or a YAML profile file, with `with_fault_kind` applied."""
+    return with_fault_kind(_load(name_or_path), fault_kind)
+
+
+def _load(name_or_path: str) -> Profile:
     from .config import UserError
 
     profiles = zoo()

@@ -218,6 +218,7 @@ def _out_dir(out) -> Path:
 
 def report_tables(runs: dict) -> dict:
     """{csv file name: (title, DataFrame, index names, fold published)} for the runs."""
+    from . import detect_tables
     from . import paft_report as PR
     from . import tables as T
 
@@ -255,6 +256,7 @@ def report_tables(runs: dict) -> dict:
         "paft_final_losses.csv": (
             "PAFT: final loss (mean over the last tenth of the steps) and divergence",
             PR.final_table(runs), ["run"], False),
+        **detect_tables.report_tables(runs),
     }
 
 

@@ -43,6 +43,10 @@ def make_trainer(cfg: Config):
 
     if cfg.experiment.mode in PAIRED_MODES:
         return PairedTrainer.from_config(cfg)
+    if cfg.experiment.mode == "detect":
+        from .detect import DetectTrainer
+
+        return DetectTrainer.from_config(cfg)
     raise UserError(f"experiment.mode {cfg.experiment.mode!r} is not available in this "
                     f"version; use train, abft, {', '.join(PAIRED_MODES)}.")
 
@@ -106,6 +110,7 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
     shardings = trainer.shardings(state, example)
     state = _put(state, None if shardings is None else shardings[0])
     step_fn, hlo, compile_s = compile_step(trainer.train_step, state, example, shardings)
+    step_fn = trainer.wrap_step(step_fn) if hasattr(trainer, "wrap_step") else step_fn
 
     ckpt = Checkpointer(run_dir / RF.CHECKPOINTS, keep=e.checkpoint_keep)
     start, carried = 0, {}

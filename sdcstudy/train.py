@@ -123,7 +123,7 @@ class Trainer:
         dims = C.model_dims(cfg.model)
         graphdef, _ = model.abstract_init(dims)
         steps = cfg.experiment.steps
-        profile = profiles.load(cfg.suspect.profile)
+        profile = profiles.load(cfg.suspect.profile, cfg.suspect.fault_kind)
         injector = None if profile.healthy else F.Injector(profile, dims.n_layers,
                                                            cfg.suspect.log_limit)
         return cls(cfg, dims, graphdef, make_optimizer(cfg.optim, steps),
