@@ -320,7 +320,7 @@ def write_report(run_dirs, out=None) -> dict:
         f"`{r.path}`" for r in runs.values()) + "\n", *left_out, *sections, *figures]) + "\n"
     RF.atomic_write_text(out / REPORT, markdown)
     # From an earlier report into the same folder:
-    for stale in [*CSV_FILES, *FR.CSV_FILES, *plots.FIGURES, FR.FIGURE7]:
+    for stale in [*CSV_FILES, *FR.CSV_FILES, "detectors.csv", *plots.FIGURES, FR.FIGURE7]:
         if stale not in produced:
             (out / stale).unlink(missing_ok=True)
     return {"out": out, "files": [REPORT, *produced], "markdown": markdown,
