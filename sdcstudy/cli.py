@@ -213,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sdcstudy: {e or 'interrupted'}", file=sys.stderr)
         return 130
     except Exception as e:
+        from .detect import DetectionError
         from .train import NonFiniteError
 
-        if isinstance(e, NonFiniteError):
+        if isinstance(e, (NonFiniteError, DetectionError)):  # the run stopped, as it should
             print(f"sdcstudy: error: {e}", file=sys.stderr)
             return 1
         raise
