@@ -26,6 +26,7 @@ step compiles once and never waits for the host. Metrics leave as replicated sca
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -84,9 +85,8 @@ def arrival_mask(key, senders: int, packets: int, p: float, burst: float):
     """bool (senders, packets): which packets reach the receiver. Independent drops with
     probability p, or (burst > 0) a two-state chain along the packet sequence with loss rate p
     and mean run of lost packets `burst`: P(lost -> ok) = 1/burst, P(ok -> lost) chosen so the
-    stationary loss rate is p, and the chain starts in its stationary state."""
-    if p == 0:
-        return jnp.ones((senders, packets), bool)
+    stationary loss rate is p, and the chain starts in its stationary state. `p` may be traced;
+    `burst` is static (0 or not)."""
     if not burst:
         return ~jax.random.bernoulli(key, p, (senders, packets))
     recover = 1.0 / burst
@@ -182,25 +182,31 @@ class PaftTrainer:
     def init_state(self, seed: int | None = None) -> dict:
         """Every worker starts from the seed's parameters. `seed` replaces the run seed for
         the random draws of the step (noise, drops), not for the initial parameters."""
-        e = self.cfg.experiment
+        seed = self.cfg.experiment.seed if seed is None else seed
+        return self._init_fn(jax.random.key_data(jax.random.key(seed)))
+
+    @functools.cached_property
+    def _init_fn(self):
+        """The state's initializer, compiled once per trainer (tests start many states)."""
         m = self.workers
 
-        def init():
-            _, params = model.init(self.dims, jax.random.fold_in(jax.random.key(e.seed), 0))
+        def init(key_data):
+            key = jax.random.key(self.cfg.experiment.seed)
+            _, params = model.init(self.dims, jax.random.fold_in(key, 0))
             stack = lambda t: jax.tree.map(lambda x: jnp.stack([x] * m), t)  # noqa: E731
             state = {"params": stack(params), "opt_state": stack(self.tx.init(params)),
-                     "step": jnp.int32(0),
-                     "key": jax.random.key_data(jax.random.key(e.seed if seed is None else seed)),
+                     "step": jnp.int32(0), "key": key_data,
                      "paft": {"next_sync": jnp.int32(self.first_h), "H": jnp.int32(self.first_h),
                               "since": jnp.int32(0), "pending": jnp.int32(0),
                               "div": jnp.float32(0), "div_max": jnp.float32(0),
-                              "sigma2_est": jnp.float32(0)}}
+                              "sigma2_est": jnp.float32(0), **self._noise_state()}}
             if self.cfg.paft.loss.p > 0 and self.cfg.paft.loss.aggregate == "stale":
                 state["prev_grad"] = jax.tree.map(jnp.zeros_like, stack(params))
             return state
 
-        shapes = jax.eval_shape(init)
-        return jax.jit(init, out_shardings=self.state_shardings(shapes))()
+        key_shape = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        shapes = jax.eval_shape(init, key_shape)
+        return jax.jit(init, out_shardings=self.state_shardings(shapes))
 
     def state_specs(self, state):
         worker = lambda t: jax.tree.map(lambda _: P(M.DATA), t)  # noqa: E731
@@ -242,16 +248,23 @@ class PaftTrainer:
         _, sq = self._average(params)
         return lax.pmean(sq, M.DATA), lax.pmax(sq, M.DATA)
 
-    def _noise(self, tree, key, step, me):
+    def _noise_state(self) -> dict:
+        """The error levels as state, not constants: runs that differ only in them share one
+        compiled step (and XLA's persistent compilation cache)."""
+        n = self.cfg.paft.noise
+        return {"sigma2": jnp.float32(n.sigma2), "large_sigma2": jnp.float32(n.large_sigma2),
+                "large_every": jnp.int32(n.large_every),
+                "loss_p": jnp.float32(self.cfg.paft.loss.p)}
+
+    def _noise(self, tree, ctl, key, step, me):
         """Definition 2.1: this worker's error, N(0, sigma2) per coordinate (the large variance
         on every `large_every`-th step)."""
         n = self.cfg.paft.noise
         if n.sigma2 == 0 and not (n.large_every and n.large_sigma2):
             return tree
-        var = jnp.float32(n.sigma2)
-        if n.large_every:
-            var = jnp.where(step % n.large_every == 0, jnp.float32(n.large_sigma2), var)
-        std = jnp.sqrt(var)
+        every = ctl["large_every"]
+        large = (every > 0) & (step % jnp.maximum(every, 1) == 0)
+        std = jnp.sqrt(jnp.where(large, ctl["large_sigma2"], ctl["sigma2"]))
         key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, NOISE_STREAM),
                                                     step), me)
         leaves, treedef = jax.tree.flatten(tree)
@@ -259,7 +272,7 @@ class PaftTrainer:
                for i, x in enumerate(leaves)]
         return jax.tree.unflatten(treedef, out)
 
-    def _lossy_mean(self, grads, prev, key, step, me):
+    def _lossy_mean(self, grads, prev, loss_p, key, step, me):
         """Each worker's aggregate of the packets that reached it (and the new stale memory)."""
         c = self.cfg.paft.loss
         key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, LOSS_STREAM), step),
@@ -271,7 +284,7 @@ class PaftTrainer:
             pk_NS = packetize(g, c.packet_size)
             all_MNS = lax.all_gather(pk_NS, M.DATA)
             arrived_MN = arrival_mask(jax.random.fold_in(key, i), self.workers, pk_NS.shape[0],
-                                      c.p, c.burst)
+                                      loss_p, c.burst)
             prev_NS = None if pv is None else packetize(pv, c.packet_size)
             agg_NS = aggregate_packets(all_MNS, arrived_MN, me, c.aggregate, prev_NS)
             out.append(unpacketize(agg_NS, g.shape))
@@ -334,10 +347,10 @@ class PaftTrainer:
         new_prev = None
         if c.loss.p > 0:
             prev = _squeeze(state["prev_grad"]) if "prev_grad" in state else None
-            grads, new_prev = self._lossy_mean(grads, prev, key, step, me)
+            grads, new_prev = self._lossy_mean(grads, prev, ctl["loss_p"], key, step, me)
         else:
             grads = jax.tree.map(lambda g: M.vary(lax.pmean(g, M.DATA), (M.DATA,)), grads)
-        grads = self._noise(grads, key, step, me)
+        grads = self._noise(grads, ctl, key, step, me)
         if ctx is not None:
             grads = self.injector.corrupt_tree(grads, ctx, GRAD_SITE)
             transform_updates = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
@@ -396,7 +409,9 @@ class PaftTrainer:
                      "paft": {"next_sync": next_sync.astype(jnp.int32), "H": h.astype(jnp.int32),
                               "since": since.astype(jnp.int32), "pending": pending if c.overlap
                               else ctl["pending"], "div": div, "div_max": div_max,
-                              "sigma2_est": sigma2_est}}
+                              "sigma2_est": sigma2_est,
+                              **{k: ctl[k] for k in ("sigma2", "large_sigma2", "large_every",
+                                                     "loss_p")}}}
         if new_prev is not None:
             out_state["prev_grad"] = _unsqueeze(new_prev)
         losses_M = lax.psum(jnp.where(jnp.arange(self.workers) == me, loss, 0.0), M.DATA)
