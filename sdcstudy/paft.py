@@ -197,7 +197,8 @@ class PaftTrainer:
             state = {"params": stack(params), "opt_state": stack(self.tx.init(params)),
                      "step": jnp.int32(0), "key": key_data,
                      "paft": {"next_sync": jnp.int32(self.first_h), "H": jnp.int32(self.first_h),
-                              "since": jnp.int32(0), "pending": jnp.int32(0),
+                              "since": jnp.int32(0), "lr2": jnp.float32(0),
+                              "pending": jnp.int32(0),
                               "div": jnp.float32(0), "div_max": jnp.float32(0),
                               "sigma2_est": jnp.float32(0), **self._noise_state()}}
             if self.cfg.paft.loss.p > 0 and self.cfg.paft.loss.aggregate == "stale":
@@ -310,14 +311,15 @@ class PaftTrainer:
             out.append(unpacketize(jnp.where(got_N[:, None], owner_NS, old_NS), x.shape))
         return jax.tree.unflatten(treedef, out)
 
-    def _next_h(self, pre_div, since, lr, grad_norm):
+    def _next_h(self, pre_div, lr2, grad_norm):
         """PAFT-Dyn (Algorithm 2, lines 10-12): the error estimated from the divergence, then
         H = ||g|| / ||eps||, the gradient's norm over the estimated error's, within bounds.
 
-        For plain SGD, E[div] = k lr^2 d sigma2 (M-1)/M after k noisy steps (docs/paft.md), so
-        sigma2 = div M / (k lr^2 d (M-1)); ||eps|| = sqrt(d sigma2)."""
+        For plain SGD, E[div] = sum_s lr_s^2 d sigma2 (M-1)/M over the noisy steps since the
+        copies agreed (docs/paft.md), so sigma2 = div M / (sum lr^2 d (M-1));
+        ||eps|| = sqrt(d sigma2)."""
         c, m, d = self.cfg.paft, self.workers, self.dims.n_params
-        denom = since.astype(jnp.float32) * lr ** 2 * d * (m - 1)
+        denom = lr2 * d * (m - 1)
         sigma2 = jnp.where(denom > 0, pre_div * m / jnp.maximum(denom, 1e-30), 0.0)
         noise_norm = jnp.sqrt(d * sigma2)
         h = jnp.where(noise_norm > 0, jnp.ceil(grad_norm / jnp.maximum(noise_norm, 1e-30)),
@@ -366,7 +368,7 @@ class PaftTrainer:
         if c.overlap:  # apply the average launched last step, before this step's update
             applied = ctl["pending"] > 0
             params_in, opt_in, pre_div = lax.cond(applied, average_state, keep, params, opt)
-            since_pre = ctl["since"]
+            lr2_pre = ctl["lr2"]
         else:
             params_in, opt_in = params, opt
         new = apply_update(self.tx, {"params": params_in, "opt_state": opt_in,
@@ -378,14 +380,16 @@ class PaftTrainer:
         if c.overlap:
             pending = jnp.int32(0)
             since = jnp.where(applied, 1, ctl["since"] + 1)
+            lr2 = jnp.where(applied, lr ** 2, ctl["lr2"] + lr ** 2)
         else:
             applied = next_sync == step
             new_params, new_opt, pre_div = lax.cond(applied, average_state, keep, new_params,
                                                     new_opt)
-            since_pre = ctl["since"] + 1
+            since_pre, lr2_pre = ctl["since"] + 1, ctl["lr2"] + lr ** 2
             since = jnp.where(applied, 0, since_pre)
+            lr2 = jnp.where(applied, 0.0, lr2_pre)
         if c.dynamic:
-            h_new, s2 = self._next_h(pre_div, since_pre, lr, grad_norm)
+            h_new, s2 = self._next_h(pre_div, lr2_pre, grad_norm)
             h = jnp.where(applied, h_new, h)
             sigma2_est = jnp.where(applied, s2, sigma2_est)
             if c.overlap:  # launched at step - 1, so the next launch is H after that
@@ -407,7 +411,8 @@ class PaftTrainer:
         out_state = {"params": _unsqueeze(new_params), "opt_state": _unsqueeze(new_opt),
                      "step": new["step"], "key": state["key"],
                      "paft": {"next_sync": next_sync.astype(jnp.int32), "H": h.astype(jnp.int32),
-                              "since": since.astype(jnp.int32), "pending": pending if c.overlap
+                              "since": since.astype(jnp.int32),
+                              "lr2": lr2.astype(jnp.float32), "pending": pending if c.overlap
                               else ctl["pending"], "div": div, "div_max": div_max,
                               "sigma2_est": sigma2_est,
                               **{k: ctl[k] for k in ("sigma2", "large_sigma2", "large_every",
