@@ -27,7 +27,8 @@ def method(config: dict) -> str:
     """Oracle, Noised, PAFT-Sync(H=..) or PAFT-Dyn, from a run's config."""
     p = config.get("paft") or {}
     noise = p.get("noise") or {}
-    if not noise.get("sigma2") and not noise.get("large_sigma2") and not (p.get("loss") or {}).get("p"):
+    lossy = (p.get("loss") or {}).get("p") or (p.get("loss") or {}).get("param_p")
+    if not noise.get("sigma2") and not noise.get("large_sigma2") and not lossy:
         return "Oracle"
     name = "Noised"
     if p.get("dynamic"):
@@ -54,7 +55,8 @@ def final_table(runs: dict, tail: int = TAIL) -> pd.DataFrame:
             "run": label, "method": method(run.config),
             "sigma2": (c.get("noise") or {}).get("sigma2"),
             "large_sigma2": (c.get("noise") or {}).get("large_sigma2"),
-            "packet_loss": loss.get("p"), "aggregate": loss.get("aggregate") if loss.get("p") else "",
+            "packet_loss": loss.get("p"),
+            "aggregate": loss.get("aggregate") if loss.get("p") else "",
             "steps": int(m["step"].max()),
             "final_loss": float(m[LOSS].tail(tail).mean()),
             "final_div": float(m[DIV].tail(tail).mean()) if DIV in m else math.nan,
@@ -126,13 +128,17 @@ def markdown(table: pd.DataFrame) -> str:
 
 
 def report_tables(runs: dict) -> dict:
-    """For `sdcstudy report`: {"paft_final": table} when any run is of mode paft."""
+    """For `sdcstudy report`: {csv name: (title, table, index names, fold)} like
+    `report.report_tables`, empty when no run is of mode paft."""
     table = final_table(runs)
-    return {} if table.empty else {"paft_final": table}
+    if table.empty:
+        return {}
+    return {"paft_final.csv": (f"PAFT: final loss and divergence (means of the last {TAIL} "
+                               f"steps)", table.set_index("run"), ["run"], False)}
 
 
 def draw_figures(runs: dict, out: Path) -> list[str]:
-    """For `sdcstudy report`: loss and divergence curves of the paft runs."""
+    """For `sdcstudy report`: loss and divergence curves of the paft runs (file names)."""
     made = [curves(runs, Path(out) / "paft_loss.png", LOSS, "PAFT: training loss", smooth=5),
             curves(runs, Path(out) / "paft_divergence.png", DIV, "PAFT: divergence of the copies")]
-    return [str(p) for p in made if p is not None]
+    return [p.name for p in made if p is not None]

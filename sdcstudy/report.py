@@ -211,6 +211,7 @@ def _out_dir(out) -> Path:
 
 def report_tables(runs: dict) -> dict:
     """{csv file name: (title, DataFrame, index names, fold published)} for the runs."""
+    from . import paft_report
     from . import tables as T
 
     layer = lambda d, s: T.layer_table(runs, d, s)  # noqa: E731
@@ -244,6 +245,7 @@ def report_tables(runs: dict) -> dict:
         "abft_flag_rate.csv": ("ABFT flag rate: the fraction of checksum tests, eq. (6), that "
                                "flagged, per matmul and direction", T.abft_rate_table(runs),
                                ["matmul", "direction"], False),
+        **paft_report.report_tables(runs),
     }
 
 
@@ -320,7 +322,7 @@ def draw_figures(runs: dict, out: Path) -> list[str]:
     import os
     import sys
 
-    from . import plots
+    from . import paft_report, plots
 
     names = list(plots.FIGURES)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
@@ -335,7 +337,7 @@ def draw_figures(runs: dict, out: Path) -> list[str]:
             drawn = [_draw(name) for name in names]
     finally:
         _DRAWING.clear()
-    return [name for name, made in zip(names, drawn) if made]
+    return [name for name, made in zip(names, drawn) if made] + paft_report.draw_figures(runs, out)
 
 
 def load_runs(paths) -> tuple[dict, list[str]]:

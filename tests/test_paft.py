@@ -158,8 +158,8 @@ def test_renormalized_average_is_unbiased_given_an_arrival(me):
         np.testing.assert_allclose(got, mean, rtol=0, atol=1e-6)
     others = (g64.sum(axis=0) - g64[me]) / (m - 1)
     unconditional = T.mask_average(agg, m, me, p)
-    np.testing.assert_allclose(unconditional, mean - p ** (m - 1) * (m - 1) / m * (others - g64[me]),
-                               rtol=0, atol=1e-6)
+    bias = p ** (m - 1) * (m - 1) / m * (others - g64[me])
+    np.testing.assert_allclose(unconditional, mean - bias, rtol=0, atol=1e-6)
     assert np.abs(unconditional - mean).max() > 1e-3
 
 
