@@ -68,12 +68,12 @@ def main() -> int:
     for large in (1e-1, 1.0):
         noise = ["paft.noise.sigma2=1e-4", f"paft.noise.large_sigma2={large}",
                  "paft.noise.large_every=50"]
-        for name, extra in (("Noised", []), ("PAFT-Sync(H=16)", ["paft.sync_every=16"]),
-                            ("PAFT-Dyn", DYN)):
-            accidental[f"{name} large={large:g}"] = PC.run(
+        for name, extra in (("Noised", []), ("Sync(16)", ["paft.sync_every=16"]),
+                            ("Dyn", DYN)):
+            accidental[f"{name} L={large:g}"] = PC.run(
                 args, f"accidental-{slug(name)}-L{large:g}", noise + extra)
     R.curves(accidental, args.out / "accidental_loss.png", R.LOSS,
-             "accidental large noise every 50 steps (background 1e-4)", smooth=3)
+             "accidental large noise L every 50 steps (background 1e-4)", smooth=3, log=True)
     R.curves(accidental, args.out / "accidental_divergence.png", R.DIV,
              "accidental large noise: divergence")
     table = R.final_table(accidental)

@@ -90,6 +90,12 @@ def curves(runs: dict, path: Path, key: str = LOSS, title: str = "", log: bool |
         ax.plot(m["step"], y, label=label, linewidth=1.2, **style[label])
     if log:
         PL._log_y(ax)
+        low, high = ax.get_ylim()
+        if high / low < 100:  # under two decades: label 1-2-5 steps, not only decades
+            from matplotlib.ticker import LogLocator, ScalarFormatter
+
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel or {LOSS: "training loss (mean over workers, nats)",
                              DIV: "divergence  mean_m ||θ̄ − θ_m||²"}.get(key, key))
