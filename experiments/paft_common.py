@@ -23,9 +23,12 @@ def parse(doc: str, steps: int) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=steps, help=f"steps per run (default {steps})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config overrides for every run")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted study in --out: finished runs are kept")
     args = p.parse_args()
-    if args.out.exists() and any(args.out.iterdir()):
-        sys.exit(f"--out {str(args.out)!r} already holds files; choose a new folder.")
+    if args.out.exists() and any(args.out.iterdir()) and not args.resume:
+        sys.exit(f"--out {str(args.out)!r} already holds files; choose a new folder "
+                 f"(or --resume an interrupted study).")
     args.out.mkdir(parents=True, exist_ok=True)
     return args
 
@@ -48,7 +51,9 @@ def run(args, name: str, overrides: list[str]):
     cfg = C.from_dict({}, BASE + [f"experiment.steps={args.steps}", f"experiment.name={name}"]
                       + list(args.overrides) + overrides)
     folder = args.out / "runs" / name
-    runner.run(cfg, folder, progress=False, echo=lambda *_: None)
+    if not (folder / "summary.json").is_file():  # a finished run is kept as it is
+        runner.run(cfg, folder, progress=False, echo=lambda *_: None,
+                   resume=getattr(args, "resume", False) and (folder / "config.yaml").is_file())
     print(f"  {name}: done", flush=True)
     return report.load_run(folder)
 

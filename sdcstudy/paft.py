@@ -228,25 +228,28 @@ class PaftTrainer:
         return total, (count, {})
 
     def _average(self, tree):
-        """Every worker gets the workers' mean, computed as ref + mean(x - ref) with ref worker
-        0's copy (so copies that agree give zero deviations, bit for bit), and this worker's
-        squared distance ||mean - x||^2. Non-float leaves (step counts) are kept."""
+        """Every worker gets the workers' mean (one all-reduce per leaf), and this worker's
+        squared distance ||mean - x||^2 before it. Non-float leaves (step counts) are kept."""
         leaves, treedef = jax.tree.flatten(tree)
         out, sq = [], jnp.float32(0)
         for x in leaves:
             if not _is_float(x):
                 out.append(x)
                 continue
-            ref = M.broadcast_from(x, 0, M.DATA)
-            dev = x - ref
-            mean_dev = lax.pmean(dev, M.DATA)
-            sq = sq + jnp.sum(jnp.square((dev - mean_dev).astype(jnp.float32)))
-            out.append(M.vary(ref + mean_dev, (M.DATA,)))
+            mean = M.vary(lax.pmean(x, M.DATA), (M.DATA,))
+            sq = sq + jnp.sum(jnp.square((mean - x).astype(jnp.float32)))
+            out.append(mean)
         return jax.tree.unflatten(treedef, out), sq
 
     def _divergence(self, params):
-        """(mean over workers, max over workers) of ||theta_bar - theta_m||^2."""
-        _, sq = self._average(params)
+        """(mean over workers, max over workers) of ||theta_bar - theta_m||^2, computed from
+        the deviations from worker 0's copy, ||(x - ref) - mean(x - ref)||^2: copies that agree
+        bit for bit give exactly 0, for any M, and small divergences do not cancel against
+        the parameters' size."""
+        sq = jnp.float32(0)
+        for x in jax.tree.leaves(params):
+            dev = x - M.broadcast_from(x, 0, M.DATA)
+            sq = sq + jnp.sum(jnp.square((dev - lax.pmean(dev, M.DATA)).astype(jnp.float32)))
         return lax.pmean(sq, M.DATA), lax.pmax(sq, M.DATA)
 
     def _noise_state(self) -> dict:
@@ -361,13 +364,14 @@ class PaftTrainer:
         def average_state(p, o):
             p_avg, sq = self._average(p)
             o_avg = self._average(o)[0] if c.sync_opt_state else o
-            return p_avg, o_avg, lax.pmean(sq, M.DATA)
+            return p_avg, o_avg, lax.pmean(sq, M.DATA), lax.pmax(sq, M.DATA)
 
-        keep = lambda p, o: (p, o, jnp.float32(0))  # noqa: E731
+        keep = lambda p, o: (p, o, jnp.float32(0), jnp.float32(0))  # noqa: E731
         next_sync, h, sigma2_est = ctl["next_sync"], ctl["H"], ctl["sigma2_est"]
         if c.overlap:  # apply the average launched last step, before this step's update
             applied = ctl["pending"] > 0
-            params_in, opt_in, pre_div = lax.cond(applied, average_state, keep, params, opt)
+            params_in, opt_in, pre_div, pre_max = lax.cond(applied, average_state, keep, params,
+                                                           opt)
             lr2_pre = ctl["lr2"]
         else:
             params_in, opt_in = params, opt
@@ -383,8 +387,8 @@ class PaftTrainer:
             lr2 = jnp.where(applied, lr ** 2, ctl["lr2"] + lr ** 2)
         else:
             applied = next_sync == step
-            new_params, new_opt, pre_div = lax.cond(applied, average_state, keep, new_params,
-                                                    new_opt)
+            new_params, new_opt, pre_div, pre_max = lax.cond(applied, average_state, keep,
+                                                             new_params, new_opt)
             since_pre, lr2_pre = ctl["since"] + 1, ctl["lr2"] + lr ** 2
             since = jnp.where(applied, 0, since_pre)
             lr2 = jnp.where(applied, 0.0, lr2_pre)
@@ -405,8 +409,11 @@ class PaftTrainer:
         measure = applied
         if c.div_every:
             measure = measure | (step % c.div_every == 0)
-        div, div_max = lax.cond(measure, self._divergence,
-                                lambda _: (ctl["div"], ctl["div_max"]), new_params)
+            div, div_max = lax.cond(measure, self._divergence,
+                                    lambda _: (ctl["div"], ctl["div_max"]), new_params)
+        else:  # only what the averages measure anyway: the divergence they removed
+            div = jnp.where(applied, pre_div, ctl["div"])
+            div_max = jnp.where(applied, pre_max, ctl["div_max"])
 
         out_state = {"params": _unsqueeze(new_params), "opt_state": _unsqueeze(new_opt),
                      "step": new["step"], "key": state["key"],
