@@ -42,6 +42,7 @@ SHAPES = {
     "faults": {"tiny": (16, 64, 20), "small": (4, 128, 2)},
     "paired": {"tiny": (16, 64, 10), "small": (4, 128, 1)},
     "abft": {"tiny": (16, 64, 20), "small": (4, 128, 3)},
+    "paft": {"tiny": (16, 64, 10), "small": (4, 128, 1)},
 }
 FALLBACK_SHAPE = (8, 64, 5)
 # Untimed steps per contender after compilation. The benchmarks train without learning-rate
@@ -110,6 +111,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     b = sub.add_parser("abft", help="step time with checksummed matmuls (ABFT) on and off")
     _add_common_args(b, "abft")
     b.set_defaults(bench=run_abft_suite)
+
+    from .bench_paft import add_parser as add_paft_parser
+
+    add_paft_parser(sub)
 
     a = sub.add_parser("all", help="every suite in turn (train, faults, paired, abft), 3 "
                                    "repetitions each unless --repeats says otherwise")
@@ -309,10 +314,11 @@ def time_variants(preset: str, args, cfg, steps: int, trainers: dict, base: str,
         runners[variant] = StepRunner(trainer, tokens_MBL1)
     warmup = {variant: r.warm_up(WARMUP_STEPS) for variant, r in runners.items()}
     seconds = interleaved(runners, steps, args.repeats, tokens, preset)
-    base_losses = [w["loss/healthy"] for w in warmup[base]]
+    loss = lambda v, w: w[getattr(trainers[v], "loss_key", "loss/healthy")]  # noqa: E731
+    base_losses = [loss(base, w) for w in warmup[base]]
     variants = {}
     for variant, runner in runners.items():
-        losses = [w["loss/healthy"] for w in warmup[variant]]
+        losses = [loss(variant, w) for w in warmup[variant]]
         variants[variant] = {**timing(seconds[variant], steps, tokens),
                              "ratio": ratio_spread(seconds[variant], seconds[base]),
                              "compile_s": runner.compile_s, "warmup_losses": losses,

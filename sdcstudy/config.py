@@ -100,14 +100,33 @@ class AbftConfig:
 
 @dataclass
 class PaftNoiseConfig:
-    sigma2: float = 0.0
+    sigma2: float = 0.0  # per-coordinate variance of each worker's aggregation error
+    large_sigma2: float = 0.0  # accidental large noise: this variance instead, every ...
+    large_every: int = 0  # ... large_every-th step (0: never)
+
+
+@dataclass
+class PaftLossConfig:
+    """Packet loss in gradient aggregation and parameter broadcasts (paft.py)."""
+
+    p: float = 0.0  # drop probability of each gradient packet on each link
+    burst: float = 0.0  # mean length of a run of dropped packets; 0: independent drops
+    aggregate: str = "renormalized"  # renormalized, zero or stale
+    packet_size: int = 256  # float32 elements per packet
+    param_p: float | None = None  # drop probability of owner broadcasts; null: no broadcasts
 
 
 @dataclass
 class PaftConfig:
     noise: PaftNoiseConfig = field(default_factory=PaftNoiseConfig)
-    sync_every: int = 0
-    dynamic: bool = False
+    sync_every: int = 0  # H of PAFT-Sync (and PAFT-Dyn's first H); 0: never synchronize
+    dynamic: bool = False  # PAFT-Dyn: the next H from the error estimated at each sync
+    overlap: bool = False  # the average launched at step t is applied at step t+1
+    sync_opt_state: bool = False  # average optimizer state with the parameters
+    h_min: int = 1  # PAFT-Dyn's bounds on H
+    h_max: int = 64
+    div_every: int = 1  # measure the divergence every k steps (0: only when synchronizing)
+    loss: PaftLossConfig = field(default_factory=PaftLossConfig)
 
 
 @dataclass

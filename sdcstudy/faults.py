@@ -448,7 +448,7 @@ class Injector:
                 ctx, tp_axis=ctx.tp_axis if ctx.tp_axis in varying else None,
                 dp_axis=ctx.dp_axis if ctx.dp_axis in varying else None, records={})
             for i, spec in specs:
-                site_id = 1000 + TREE_SITES.index(site) * 100_000 + leaf_index
+                site_id = 1000 + (TREE_SITES + COLLECTIVE_SITES).index(site) * 100_000 + leaf_index
                 key, rate = self._rate_and_key(leaf_ctx, i, spec, site_id, 0, leaf)
                 y, landed, bit = corrupt(leaf, key, spec, rate)
                 ctx.records[record_key(i, f"{site}/{path_name(path)}", 0)] = make_record(

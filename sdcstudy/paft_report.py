@@ -1,137 +1,153 @@
-"""PAFT runs in the report: the final-loss table and the divergence and loss curves.
+"""PAFT run folders as tables and figures (no JAX): final losses, loss and divergence curves.
 
-A `paft` run (CONTRACT.md, `experiment.mode: paft`) writes per step `loss/mean` and one
-`loss/w{m}` per data-parallel worker, `div/mean_sq` (mean over workers of
-||theta_bar - theta_m||^2), `div/max`, `paft/sync` (1 on a step whose parameter average was
-applied) and `paft/H` (the current synchronization period). Imports no JAX.
+Used by the `experiments/paft_*.py` studies, by `sdcstudy report` for runs of mode `paft`, and
+by notebooks/paft.ipynb. Runs come as an ordered {label: report.Run}.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from . import tables as T
+from . import plots as PL
 
-FINAL_WINDOW = 0.1  # the final loss: the mean over the last tenth of the steps (at least 1)
-WORKER_LOSS = re.compile(r"^loss/w(\d+)$")
+LOSS, DIV = "loss/mean", "div/mean_sq"
+TAIL = 10  # final numbers average the last TAIL steps (one step's batch is noisy)
 
 
 def paft_runs(runs: dict) -> dict:
-    return {label: run for label, run in runs.items() if T.run_mode(run) == "paft"}
+    return {label: r for label, r in runs.items()
+            if (r.config.get("experiment") or {}).get("mode") == "paft"}
 
 
-def _flat(section: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in (section or {}).items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def method(config: dict) -> str:
+    """Oracle, Noised, PAFT-Sync(H=..) or PAFT-Dyn, from a run's config."""
+    p = config.get("paft") or {}
+    noise = p.get("noise") or {}
+    lossy = (p.get("loss") or {}).get("p") or (p.get("loss") or {}).get("param_p")
+    if not noise.get("sigma2") and not noise.get("large_sigma2") and not lossy:
+        return "Oracle"
+    name = "Noised"
+    if p.get("dynamic"):
+        name = "PAFT-Dyn"
+    elif p.get("sync_every"):
+        name = f"PAFT-Sync(H={p['sync_every']})"
+    if name != "Noised" and p.get("overlap"):
+        name += "+overlap"
+    if name != "Noised" and p.get("sync_opt_state"):
+        name += "+opt"
+    return name
 
 
-def _column(run, key: str) -> pd.Series:
-    m = run.metrics
-    if key not in m or not len(m):
-        return pd.Series(dtype=float)
-    return pd.Series(pd.to_numeric(m[key], errors="coerce").to_numpy(float),
-                     index=m["step"].to_numpy())
+def final_table(runs: dict, tail: int = TAIL) -> pd.DataFrame:
+    """One row per run: its setting, the mean of `loss/mean` and `div/mean_sq` over its last
+    `tail` steps, the largest divergence, syncs and bytes sent for syncs."""
+    rows = []
+    for label, run in paft_runs(runs).items():
+        m, c = run.metrics, run.config.get("paft") or {}
+        if m is None or len(m) == 0 or LOSS not in m:
+            continue
+        loss = c.get("loss") or {}
+        rows.append({
+            "run": label, "method": method(run.config),
+            "sigma2": (c.get("noise") or {}).get("sigma2"),
+            "large_sigma2": (c.get("noise") or {}).get("large_sigma2"),
+            "packet_loss": loss.get("p"),
+            "aggregate": loss.get("aggregate") if loss.get("p") else "",
+            "steps": int(m["step"].max()),
+            "final_loss": float(m[LOSS].tail(tail).mean()),
+            "final_div": float(m[DIV].tail(tail).mean()) if DIV in m else math.nan,
+            "max_div": float(m[DIV].max()) if DIV in m else math.nan,
+            "syncs": int(m["paft/sync"].sum()) if "paft/sync" in m else 0,
+            "sync_MB": float(m["bytes/sync"].sum() / 2**20) if "bytes/sync" in m else 0.0,
+            "mean_H": float(m["paft/H"].mean()) if "paft/H" in m else math.nan,
+        })
+    return pd.DataFrame(rows)
 
 
-def final_loss(run) -> float:
-    """Mean `loss/mean` over the last `FINAL_WINDOW` of the run's steps: one noisy last step
-    would hide the difference between mitigations that the curves show."""
-    loss = _column(run, "loss/mean").dropna()
-    if loss.empty:
-        return math.nan
-    return float(loss.iloc[-max(1, round(len(loss) * FINAL_WINDOW)):].mean())
+def _smooth(values: pd.Series, window: int) -> pd.Series:
+    return values.rolling(window, min_periods=1).mean() if window > 1 else values
 
 
-def worker_losses(run) -> pd.DataFrame:
-    """The per-worker losses of one run, one column per worker (w0, w1, ...), by step."""
-    columns = sorted((int(match.group(1)), key) for key in run.metrics.columns
-                     if (match := WORKER_LOSS.match(key)))
-    return pd.DataFrame({f"w{m}": _column(run, key) for m, key in columns})
-
-
-def final_table(runs: dict) -> pd.DataFrame:
-    """One row per PAFT run: the PAFT settings in which the runs differ (noise, H, PAFT-Dyn,
-    packet loss, optimizer ...), workers, the final loss, the spread of the workers' final
-    losses, the divergence at the end and at its largest, syncs and bytes sent."""
-    runs = paft_runs(runs)
-    if not runs:
-        return pd.DataFrame()
-    settings = {label: {**_flat(run.config.get("paft"), "paft."),
-                        "optim.name": (run.config.get("optim") or {}).get("name"),
-                        "mesh.dp": (run.config.get("mesh") or {}).get("dp")}
-                for label, run in runs.items()}
-    keys = sorted({k for s in settings.values() for k in s})
-    varying = [k for k in keys if len({repr(s.get(k)) for s in settings.values()}) > 1]
-    rows = {}
-    for label, run in runs.items():
-        m = run.metrics
-        div = _column(run, "div/mean_sq").dropna()
-        workers = worker_losses(run)
-        last_workers = workers.iloc[-1] if len(workers) else pd.Series(dtype=float)
-        rows[label] = {
-            **{k: settings[label].get(k) for k in varying},
-            "workers": len(workers.columns) or settings[label].get("mesh.dp"),
-            "steps": int(m["step"].max()) if len(m) else 0,
-            "final loss": final_loss(run),
-            "worker loss spread": float(last_workers.max() - last_workers.min())
-            if len(last_workers) else math.nan,
-            "div/mean_sq last": float(div.iloc[-1]) if len(div) else math.nan,
-            "div/mean_sq max": float(div.max()) if len(div) else math.nan,
-            "syncs": int(_column(run, "paft/sync").fillna(0).sum()),
-            "H last": float(_column(run, "paft/H").dropna().iloc[-1])
-            if _column(run, "paft/H").notna().any() else math.nan,
-            "MB sync": _megabytes(run, "bytes/sync"),
-            "MB grad": _megabytes(run, "bytes/grad"),
-        }
-    return pd.DataFrame.from_dict(rows, orient="index")
-
-
-def _megabytes(run, key: str) -> float:
-    values = _column(run, key)
-    return float(values.fillna(0).sum()) / 1e6 if len(values) else math.nan
-
-
-def dynamics(runs: dict, path: Path) -> Path | None:
-    """Loss, divergence and synchronization period of PAFT runs over steps, one line per run:
-    the mean loss over workers (a moving mean over a fiftieth of the steps), `div/mean_sq`
-    on a log axis (synchronized runs drop to zero, a gap there) and `paft/H`."""
-    from . import plots as PL
-
-    runs = {label: run for label, run in paft_runs(runs).items() if "loss/mean" in run.metrics}
+def curves(runs: dict, path: Path, key: str = LOSS, title: str = "", log: bool | None = None,
+           smooth: int = 1, ylabel: str | None = None) -> Path | None:
+    """One line per run of `key` over steps (log y for the divergence unless told)."""
+    runs = {k: r for k, r in paft_runs(runs).items() if r.metrics is not None and key in r.metrics}
     if not runs:
         return None
     plt = PL._pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
-    longest = max(int(run.metrics["step"].max()) for run in runs.values())
-    window = max(1, round(longest / 50))
-    for (label, run), style in zip(runs.items(), PL.styles(runs).values()):
-        loss = _column(run, "loss/mean").rolling(window, min_periods=1).mean()
-        axes[0].plot(loss.index, loss.values, lw=1.0, label=label, **style)
-        div = PL._positive(_column(run, "div/mean_sq"))
-        axes[1].plot(div.index, div.values, lw=0.9, **style)
-        h = _column(run, "paft/H")
-        if h.notna().any():
-            axes[2].step(h.index, h.values, where="post", lw=0.9, **style)
-    PL._log_y(axes[1])
-    for ax, ylabel, title in (
-            (axes[0], f"mean training loss over workers (nats)\n(moving mean over {window} "
-                      f"steps)", "Loss"),
-            (axes[1], "mean_m ||theta_bar - theta_m||^2", "Divergence of the workers"),
-            (axes[2], "synchronization period H (steps)", "PAFT period")):
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3, which="major")
-    fig.subplots_adjust(left=0.05, right=0.87, bottom=0.14, top=0.9, wspace=0.3)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="center left",
-               bbox_to_anchor=(0.88, 0.5), fontsize=8, frameon=False)
-    return PL._save(fig, path)
+    log = (key == DIV) if log is None else log
+    style = PL.styles(list(runs))
+    fig, ax = PL._with_legend_room(plt, 1, len(runs), 6.0, 4.0)
+    for label, run in runs.items():
+        m = run.metrics
+        y = _smooth(m[key].astype(float), smooth)
+        if log:
+            y = PL._positive(y)
+        ax.plot(m["step"], y, label=label, linewidth=1.2, **style[label])
+    if log:
+        PL._log_y(ax)
+        low, high = ax.get_ylim()
+        if high / low < 100:  # under two decades: label 1-2-5 steps, not only decades
+            from matplotlib.ticker import LogLocator, ScalarFormatter
+
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel or {LOSS: "training loss (mean over workers, nats)",
+                             DIV: "divergence  mean_m ||θ̄ − θ_m||²"}.get(key, key))
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    PL._legend_outside(fig, ax, len(runs))
+    return PL._save(fig, Path(path))
+
+
+def bar_final(table: pd.DataFrame, path: Path, x: str, group: str, title: str = "",
+              ylabel: str = "final training loss (nats)") -> Path | None:
+    """Final loss per `x` (e.g. packet-loss rate), one bar group per value of `group`."""
+    if table.empty:
+        return None
+    plt = PL._pyplot()
+    pivot = table.pivot_table(index=x, columns=group, values="final_loss")
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    width = 0.8 / max(len(pivot.columns), 1)
+    for i, col in enumerate(pivot.columns):
+        ax.bar(np.arange(len(pivot)) + i * width, pivot[col], width, label=str(col))
+    ax.set_xticks(np.arange(len(pivot)) + 0.4 - width / 2, [f"{v:g}" for v in pivot.index])
+    ax.set_xlabel(x)
+    ax.set_ylabel(ylabel)
+    low, high = np.nanmin(pivot.values), np.nanmax(pivot.values)
+    ax.set_ylim(low - 0.1 * (high - low + 1e-3), high + 0.1 * (high - low + 1e-3))
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return PL._save(fig, Path(path))
+
+
+def markdown(table: pd.DataFrame) -> str:
+    from . import tables as T
+
+    return T.markdown(table.set_index(table.columns[0]), [table.columns[0]]) + "\n"
+
+
+def report_tables(runs: dict) -> dict:
+    """For `sdcstudy report`: {csv name: (title, table, index names, fold)} like
+    `report.report_tables`, empty when no run is of mode paft."""
+    table = final_table(runs)
+    if table.empty:
+        return {}
+    return {"paft_final.csv": (f"PAFT: final loss and divergence (means of the last {TAIL} "
+                               f"steps)", table.set_index("run"), ["run"], False)}
+
+
+def draw_figures(runs: dict, out: Path) -> list[str]:
+    """For `sdcstudy report`: loss and divergence curves of the paft runs (file names)."""
+    made = [curves(runs, Path(out) / "paft_loss.png", LOSS, "PAFT: training loss", smooth=5),
+            curves(runs, Path(out) / "paft_divergence.png", DIV, "PAFT: divergence of the copies")]
+    return [p.name for p in made if p is not None]
+
+
+FILES = ("paft_final.csv", "paft_loss.png", "paft_divergence.png")  # what the report writes

@@ -8,8 +8,7 @@ Ma et al., "Understanding Silent Data Corruption in LLM Training":
 - Figure 6: parameter difference, gradient norms and training loss of free-running pairs;
 - bit positions: differing-bit counts per bit position and site, one panel per lock-step run;
 - Figure 10: ABFT flag frequency over steps, attention output projection (forward) and all
-  checked matmuls;
-- PAFT: loss, worker divergence and synchronization period of `paft` runs (paft_report.py).
+  checked matmuls.
 Each function takes an ordered {label: Run}, writes one PNG atomically and returns its path,
 or None when no run has the data it plots. Figures 3 and 5 give each run a panel (three per
 row), so 15 nodes stay readable. Quantities that span decades are on log axes; a zero (a step
@@ -337,12 +336,6 @@ def _xy(series: pd.Series):
     return series.index, series.values
 
 
-def paft_dynamics(runs: dict, path: Path) -> Path | None:
-    from .paft_report import dynamics
-
-    return dynamics(runs, path)
-
-
 FIGURES = {
     "fig3_mismatch_frequency.png": frequency_panels,
     "fig4_mismatch_frequency_smoothed.png": frequency_smoothed,
@@ -350,5 +343,4 @@ FIGURES = {
     "fig6_training_dynamics.png": training,
     "bit_positions.png": bit_positions,
     "fig10_abft_flag_frequency.png": abft_flags,
-    "paft_dynamics.png": paft_dynamics,
 }

@@ -134,8 +134,7 @@ REPORT = "report.md"
 CSV_FILES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv",
              "table6_layer_frequency_fwd.csv", "table7_layer_frequency_bwd.csv",
              "table8_layer_severity_fwd.csv", "table9_layer_severity_bwd.csv", "bit_fields.csv",
-             "bit_positions.csv", "wcnts.csv", "abft_flag_rate.csv",
-             "paft_final_losses.csv")
+             "bit_positions.csv", "wcnts.csv", "abft_flag_rate.csv")
 # Wide tables whose Markdown shows only the columns with a non-zero value (the CSV has all).
 SPARSE_TABLES = ("bit_positions.csv",)
 FIGURE_TITLES = {
@@ -147,7 +146,8 @@ FIGURE_TITLES = {
                                   "of free-running pairs",
     "bit_positions.png": "Differing bits per bit position of the mismatching elements",
     "fig10_abft_flag_frequency.png": "Figure 10: ABFT flag frequency over steps",
-    "paft_dynamics.png": "PAFT: loss, divergence of the workers and synchronization period",
+    "paft_loss.png": "PAFT: training loss (mean over workers)",
+    "paft_divergence.png": "PAFT: divergence of the workers' parameters",
     "fig7_finetune_loss.png": "Figure 7: training loss during fine-tuning, loss spikes marked",
 }
 # What the report leaves out of a run whose file of this name can not be read.
@@ -218,8 +218,7 @@ def _out_dir(out) -> Path:
 
 def report_tables(runs: dict) -> dict:
     """{csv file name: (title, DataFrame, index names, fold published)} for the runs."""
-    from . import detect_tables
-    from . import paft_report as PR
+    from . import detect_tables, paft_report
     from . import tables as T
 
     layer = lambda d, s: T.layer_table(runs, d, s)  # noqa: E731
@@ -253,9 +252,7 @@ def report_tables(runs: dict) -> dict:
         "abft_flag_rate.csv": ("ABFT flag rate: the fraction of checksum tests, eq. (6), that "
                                "flagged, per matmul and direction", T.abft_rate_table(runs),
                                ["matmul", "direction"], False),
-        "paft_final_losses.csv": (
-            "PAFT: final loss (mean over the last tenth of the steps) and divergence",
-            PR.final_table(runs), ["run"], False),
+        **paft_report.report_tables(runs),
         **detect_tables.report_tables(runs),
     }
 
@@ -267,7 +264,7 @@ def write_report(run_dirs, out=None) -> dict:
     out what needs it (`NEEDED_BY`) and is named in "problems" and in report.md. Returns
     {"out", "files", "markdown", "summary", "problems"} where "summary" is the Markdown of the
     runs, Table 1, Table 2 and WCNTS, and "problems" one sentence per unreadable file."""
-    from . import plots
+    from . import paft_report, plots
     from . import tables as T
 
     paths = [run for p in run_dirs for run in expand_run_dirs(p)]
@@ -308,7 +305,7 @@ def write_report(run_dirs, out=None) -> dict:
         sections.append("Tables 1, 2 and 6-9 and Figures 3-4 need lock-step runs "
                         "(mismatch.parquet); none was given or readable.\n")
     figures = []
-    drawn = drawing()
+    drawn = drawing() + paft_report.draw_figures(runs, out)
     if FR.loss_figure(runs, out / FR.FIGURE7):
         drawn.append(FR.FIGURE7)
     for name in drawn:
@@ -320,7 +317,8 @@ def write_report(run_dirs, out=None) -> dict:
         f"`{r.path}`" for r in runs.values()) + "\n", *left_out, *sections, *figures]) + "\n"
     RF.atomic_write_text(out / REPORT, markdown)
     # From an earlier report into the same folder:
-    for stale in [*CSV_FILES, *FR.CSV_FILES, "detectors.csv", *plots.FIGURES, FR.FIGURE7]:
+    for stale in [*CSV_FILES, *FR.CSV_FILES, *paft_report.FILES, "detectors.csv",
+                  *plots.FIGURES, FR.FIGURE7]:
         if stale not in produced:
             (out / stale).unlink(missing_ok=True)
     return {"out": out, "files": [REPORT, *produced], "markdown": markdown,

@@ -47,8 +47,13 @@ def make_trainer(cfg: Config):
         from .detect import DetectTrainer
 
         return DetectTrainer.from_config(cfg)
+    if cfg.experiment.mode == "paft":
+        from .paft import PaftTrainer
+
+        return PaftTrainer.from_config(cfg)
     raise UserError(f"experiment.mode {cfg.experiment.mode!r} is not available in this "
-                    f"version; use train, abft, {', '.join(PAIRED_MODES)}.")
+                    f"version; use train, abft, finetune, detect, paft, "
+                    f"{', '.join(PAIRED_MODES)}.")
 
 
 def config_hash(cfg: Config) -> str:
@@ -83,6 +88,7 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
     """Run `cfg` into a run folder; returns the summary written to `summary.json`."""
     e = cfg.experiment
     trainer = make_trainer(cfg)
+    loss_key = getattr(trainer, "loss_key", "loss/healthy")  # the loss that must stay finite
     # With several processes only process 0 writes the run folder (orbax has each process
     # write its own checkpoint shards); the others keep their logs in a scratch folder.
     writes = distributed.is_writer()
@@ -163,12 +169,12 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         now = time.perf_counter()
         values["time/step_s"] = now - last_time
         last_time = now
-        if not math.isfinite(values["loss/healthy"]):
-            raise NonFiniteError(f"the loss became {values['loss/healthy']} at step {step}.")
+        if not math.isfinite(values[loss_key]):
+            raise NonFiniteError(f"the loss became {values[loss_key]} at step {step}.")
         writer.write({"step": step, **values})
         done_steps += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{values['loss/healthy']:.3f}")
+        bar.set_postfix(loss=f"{values[loss_key]:.3f}")
 
     try:
         for step in range(start + 1, end + 1):
@@ -201,7 +207,7 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
     wall = time.perf_counter() - wall_start
 
     rows = RF.read_jsonl(files / RF.METRICS)
-    losses = [r["loss/healthy"] for r in rows]
+    losses = [r[loss_key] for r in rows]
     summary = {
         "mode": e.mode,
         "steps_done": int(jax.device_get(state["step"])),
@@ -217,7 +223,9 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         "tokens_per_s": tokens_per_step * done_steps / wall if done_steps else None,
         **counters,
     }
-    if e.mode not in ("train", "abft"):
+    if hasattr(trainer, "summarize"):
+        summary.update(trainer.summarize(rows))
+    elif e.mode not in ("train", "abft"):
         summary.update(paired_summary(rows, tables, histograms, cfg.model.dtype))
     if hasattr(trainer, "evaluate"):  # finetune: test accuracy and disagreement
         summary.update(trainer.evaluate(state, run_dir if writes else None))

@@ -6,9 +6,9 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
-from report_runs import paft_runs, random_node
+from report_runs import random_node
 
-from sdcstudy import paft_report, report
+from sdcstudy import report
 from sdcstudy import tables as T
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -64,10 +64,40 @@ def test_training_dynamics_notebook(run_dirs, monkeypatch, tmp_path):
     assert images == 2  # Figures 5 and 6
 
 
-def test_paft_notebook(tmp_path, monkeypatch):
-    dirs = [str(d) for d in paft_runs(tmp_path / "runs", steps=30)]
+def _paft_run(folder: Path, sigma2: float, sync_every: int, steps: int = 30) -> str:
+    """A small PAFT run folder written directly (no training): divergence that grows between
+    averages and is 0 at them, a loss that falls less with more divergence."""
+    import json
+
+    import yaml
+
+    from sdcstudy import config as C
+
+    cfg = C.to_dict(C.from_dict({}, ["experiment.mode=paft", "mesh.dp=4",
+                                     f"paft.noise.sigma2={sigma2}",
+                                     f"paft.sync_every={sync_every}"]))
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
+    rows = []
+    for step in range(1, steps + 1):
+        since = step % sync_every if sync_every else step
+        div = since * sigma2 * 100.0
+        rows.append({"step": step, "loss/mean": 5.0 / step ** 0.3 + div, "div/mean_sq": div,
+                     "paft/sync": float(sync_every > 0 and since == 0),
+                     "paft/H": float(sync_every), "bytes/sync": 1000 * (since == 0)})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "summary.json").write_text(json.dumps({"mode": "paft", "n_params": 100}))
+    return str(folder)
+
+
+def test_paft_notebook(monkeypatch, tmp_path):
+    from sdcstudy import paft_report
+
+    dirs = [_paft_run(tmp_path / "runs" / name, s, h)
+            for name, s, h in (("oracle", 0.0, 0), ("noised", 1e-3, 0), ("sync4", 1e-3, 4))]
     text, images = _execute("paft.ipynb", dirs, monkeypatch, tmp_path)
     runs = paft_report.paft_runs(report.label_runs([report.load_run(d) for d in dirs]))
-    assert T.markdown(paft_report.final_table(runs), ["run"]) in text
-    assert "noised: 4 workers" in text  # the run that never synchronizes diverges most
-    assert images == 1
+    table = paft_report.markdown(paft_report.final_table(runs))
+    assert table.strip() in text
+    assert "PAFT-Sync(H=4)" in table and "Oracle" in table
+    assert images == 2  # loss and divergence curves

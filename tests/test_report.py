@@ -171,7 +171,7 @@ def zoo_dirs(tmp_path_factory):
 
 def test_report_of_three_nodes_writes_every_table_and_figure(zoo_dirs, tmp_path):
     three = [d for d in zoo_dirs if d.name.startswith(("node1-", "node7-", "node13-"))]
-    result = report.write_report(three + paft_runs(tmp_path / "paft"), tmp_path / "report")
+    result = report.write_report(three, tmp_path / "report")
     assert set(result["files"]) == {report.REPORT, *report.CSV_FILES, *plots.FIGURES}
     for name in plots.FIGURES:
         assert (result["out"] / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -183,7 +183,7 @@ def test_report_of_15_nodes_tables(zoo_dirs, tmp_path, monkeypatch):
     monkeypatch.setattr(plots, "FIGURES", {})
     result = report.write_report(zoo_dirs, tmp_path / "report")
     out = result["out"]
-    assert set(result["files"]) == {report.REPORT, *report.CSV_FILES} - {"paft_final_losses.csv"}
+    assert set(result["files"]) == {report.REPORT, *report.CSV_FILES}
     runs = report.label_runs([report.load_run(d) for d in zoo_dirs])
     # The CSV holds the table's numbers for all 15 lock-step runs, in node order.
     table1 = pd.read_csv(out / "table1_frequency.csv")
@@ -215,30 +215,28 @@ def test_report_without_lockstep_runs_says_what_is_missing(tmp_path):
     assert "need lock-step runs" in result["markdown"]
 
 
-def test_paft_table_follows_the_metrics(tmp_path):
+def test_paft_table_and_curves_follow_the_metrics(tmp_path):
     dirs = paft_runs(tmp_path / "runs", steps=40, workers=4)
     result = report.write_report(dirs, tmp_path / "out")
-    assert "paft_final_losses.csv" in result["files"] and "paft_dynamics.png" in result["files"]
-    csv = pd.read_csv(result["out"] / "paft_final_losses.csv").set_index("run")
+    assert set(paft_report.FILES) <= set(result["files"])
+    csv = pd.read_csv(result["out"] / "paft_final.csv").set_index("run")
     table = paft_report.final_table(report.label_runs([report.load_run(d) for d in dirs]))
-    assert np.allclose(csv["final loss"], table["final loss"], rtol=1e-5)  # 6 digits in CSV
-    # Only the settings the runs differ in are columns; the shared noise level is not.
-    assert {"paft.sync_every", "paft.dynamic"} <= set(csv.columns)
-    assert "paft.noise.sigma2" not in csv.columns
+    table = table.set_index("run")
+    assert np.allclose(csv["final_loss"], table["final_loss"], rtol=1e-5)  # 6 digits in CSV
+    assert dict(table["method"]) == {"noised": "Noised", "sync-8": "PAFT-Sync(H=8)",
+                                     "dyn": "PAFT-Dyn"}
+    tail = paft_report.TAIL
     for d in dirs:
         rows = RF.read_jsonl(d / RF.METRICS)
         row = table.loc[d.name]
-        # The final loss is the mean of the last tenth of the steps (4 of 40).
-        assert row["final loss"] == pytest.approx(np.mean([r["loss/mean"] for r in rows[-4:]]),
-                                                  rel=1e-12)
+        assert row["final_loss"] == pytest.approx(
+            np.mean([r["loss/mean"] for r in rows[-tail:]]), rel=1e-12)
         assert row["syncs"] == sum(r["paft/sync"] for r in rows)
-        assert row["div/mean_sq last"] == rows[-1]["div/mean_sq"]
-        assert row["div/mean_sq max"] == max(r["div/mean_sq"] for r in rows)
-        last = [rows[-1][f"loss/w{m}"] for m in range(4)]
-        assert row["worker loss spread"] == pytest.approx(max(last) - min(last), rel=1e-12)
-        assert row["workers"] == 4
+        assert row["max_div"] == max(r["div/mean_sq"] for r in rows)
     assert table.loc["noised", "syncs"] == 0 and table.loc["sync-8", "syncs"] == 5
     assert "## PAFT: final loss" in result["markdown"]
+    for name in ("paft_loss.png", "paft_divergence.png"):
+        assert f"![{name}]({name})" in result["markdown"]
 
 
 def test_report_folder_is_new_or_an_earlier_report(hand_run, tmp_path, monkeypatch):

@@ -1,0 +1,525 @@
+"""PAFT mode: data-parallel workers whose gradient aggregation goes wrong, and its mitigations.
+
+"Identifying and mitigating errors in gradient aggregation of distributed data parallel
+training" (PAFT) and "Distributed Training under Packet Loss" (Weintraub et al.). M = `mesh.dp`
+workers run in `shard_map` over the `dp` axis; every state leaf carries a leading worker axis,
+so each worker keeps its own parameters and optimizer state and they may drift apart.
+
+One step, on every worker m:
+1. the gradient of its own data shard at its own parameters;
+2. aggregation: the exact mean (`pmean`), or, with packet loss (`paft.loss.p`), the mean of
+   the packets that reached m (renormalized, zero-filled or stale; drops independent or in
+   bursts along the packet sequence);
+3. the per-worker error of Definition 2.1, eps_m ~ N(0, sigma2) per coordinate (with an
+   accidental large variance every `large_every` steps), then the fault engine's
+   `collective/grad_allreduce` site (bit corruption of the received gradient);
+4. the optimizer update; with lossy owner broadcasts (`paft.loss.param_p`) each worker's copy
+   of a packet it does not own is the owner's new value or, if the broadcast was lost, stale;
+5. PAFT-Sync: every H steps the parameters (and with `sync_opt_state` the optimizer state) are
+   averaged; with `overlap` the average launched at step t replaces the copies at step t+1
+   (Algorithm 2: the update of step t+1 starts from it, with gradients taken at the old
+   copies); PAFT-Dyn sets the next H from the error estimated from the divergence.
+
+H, the next sync step and the estimates live in the state and decide through `lax.cond`: the
+step compiles once and never waits for the host. Metrics leave as replicated scalars.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import config as C
+from . import faults as F
+from . import mesh as M
+from . import model, profiles
+from .config import Config, UserError
+from .train import accumulate_gradients, apply_update, learning_rate_schedule, make_optimizer
+
+LOSS_KEY = "loss/mean"
+AGGREGATES = ("renormalized", "zero", "stale")
+GRAD_SITE = "collective/grad_allreduce"
+PAFT_SITES = ("grad", GRAD_SITE, "update")
+# Streams folded into the run key: one per kind of randomness.
+NOISE_STREAM, LOSS_STREAM, BROADCAST_STREAM, FAULT_STREAM = 2, 3, 4, 1
+
+
+def _squeeze(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def _unsqueeze(tree):
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+# --- packets ----------------------------------------------------------------------------------
+
+
+def packetize(x, size: int):
+    """A tensor as (packets, size), zero-padded at the end."""
+    flat = x.reshape(-1)
+    n = -(-flat.size // size)
+    return jnp.pad(flat, (0, n * size - flat.size)).reshape(n, size)
+
+
+def unpacketize(packets_NS, shape):
+    return packets_NS.reshape(-1)[:math.prod(shape)].reshape(shape)
+
+
+def arrival_mask(key, senders: int, packets: int, p: float, burst: float):
+    """bool (senders, packets): which packets reach the receiver. Independent drops with
+    probability p, or (burst > 0) a two-state chain along the packet sequence with loss rate p
+    and mean run of lost packets `burst`: P(lost -> ok) = 1/burst, P(ok -> lost) chosen so the
+    stationary loss rate is p, and the chain starts in its stationary state. `p` may be traced;
+    `burst` is static (0 or not)."""
+    if not burst:
+        return ~jax.random.bernoulli(key, p, (senders, packets))
+    recover = 1.0 / burst
+    fall = p * recover / (1 - p)
+    k0, k1 = jax.random.split(key)
+    lost0 = jax.random.bernoulli(k0, p, (senders,))
+    u_NS = jax.random.uniform(k1, (packets, senders))
+
+    def advance(lost, u):
+        lost = jnp.where(lost, u >= recover, u < fall)
+        return lost, lost
+
+    _, lost_rest = lax.scan(advance, lost0, u_NS[1:])
+    lost_NS = jnp.concatenate([lost0[None], lost_rest], axis=0)
+    return ~lost_NS.T
+
+
+def aggregate_packets(g_MNS, arrived_MN, me, mode: str, prev_NS=None):
+    """Receiver `me`'s estimate of the mean of the M senders' packets (M, N, S).
+
+    Its own gradient never crosses the network (`arrived[me]` is ignored). renormalized: own
+    gradient weight 1/M, the others' (M-1)/M spread over those that arrived, the own gradient
+    alone when none did; exactly unbiased for the mean given at least one arrival
+    (docs/paft.md). zero: lost packets count as zeros. stale: a lost packet is replaced by the
+    receiver's previous aggregate `prev_NS`.
+    """
+    m = g_MNS.shape[0]
+    is_me_M = jnp.arange(m) == me
+    others_MN = arrived_MN & ~is_me_M[:, None]
+    count_N = jnp.sum(others_MN, axis=0)
+    if mode == "renormalized":
+        some_N = count_N > 0
+        w_other_N = jnp.where(some_N, (m - 1) / (m * jnp.maximum(count_N, 1)), 0.0)
+        w_MN = jnp.where(is_me_M[:, None], jnp.where(some_N, 1.0 / m, 1.0)[None],
+                         others_MN * w_other_N[None])
+    else:
+        w_MN = jnp.where(is_me_M[:, None], 1.0 / m, others_MN / m)
+    out_NS = jnp.einsum("mn,mns->ns", w_MN.astype(g_MNS.dtype), g_MNS)
+    if mode == "stale":
+        out_NS = out_NS + ((m - 1 - count_N) / m).astype(g_MNS.dtype)[:, None] * prev_NS
+    return out_NS
+
+
+# --- the trainer ------------------------------------------------------------------------------
+
+
+@dataclass
+class PaftTrainer:
+    cfg: Config
+    dims: C.ModelDims
+    graphdef: Any
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    mesh: jax.sharding.Mesh
+    injector: F.Injector | None = None
+    opt_floats: int = 0  # float elements of one worker's optimizer state
+    loss_key: str = LOSS_KEY
+
+    @classmethod
+    def from_config(cls, cfg: Config, mesh=None) -> "PaftTrainer":
+        check_config(cfg)
+        dims = C.model_dims(cfg.model)
+        graphdef, abstract = model.abstract_init(dims)
+        steps = cfg.experiment.steps
+        profile = profiles.load(cfg.suspect.profile)
+        injector = None
+        if not profile.healthy:
+            bad = [s.site for s in profile.specs if s.base_rate > 0 and s.site not in PAFT_SITES]
+            if bad:
+                raise UserError(f"paft mode corrupts gradients in aggregation only, so profile "
+                                f"{profile.name!r} may use the sites {', '.join(PAFT_SITES)}, "
+                                f"not {bad[0]!r}.")
+            injector = F.Injector(profile, dims.n_layers, cfg.suspect.log_limit)
+        tx = make_optimizer(cfg.optim, steps)
+        opt_shapes = jax.eval_shape(tx.init, abstract)
+        opt_floats = sum(math.prod(x.shape) for x in jax.tree.leaves(opt_shapes)
+                         if jnp.issubdtype(x.dtype, jnp.floating))
+        mesh = mesh or M.make_mesh(1, cfg.mesh.dp, 1)
+        return cls(cfg, dims, graphdef, tx, learning_rate_schedule(cfg.optim, steps), mesh,
+                   injector, opt_floats)
+
+    @property
+    def workers(self) -> int:
+        return self.cfg.mesh.dp
+
+    @property
+    def first_h(self) -> int:
+        c = self.cfg.paft
+        return c.sync_every if c.sync_every > 0 else (c.h_min if c.dynamic else 0)
+
+    # --- state ---------------------------------------------------------------------------
+
+    def init_state(self, seed: int | None = None) -> dict:
+        """Every worker starts from the seed's parameters. `seed` replaces the run seed for
+        the random draws of the step (noise, drops), not for the initial parameters."""
+        seed = self.cfg.experiment.seed if seed is None else seed
+        return self._init_fn(jax.random.key_data(jax.random.key(seed)))
+
+    @functools.cached_property
+    def _init_fn(self):
+        """The state's initializer, compiled once per trainer (tests start many states)."""
+        m = self.workers
+
+        def init(key_data):
+            key = jax.random.key(self.cfg.experiment.seed)
+            _, params = model.init(self.dims, jax.random.fold_in(key, 0))
+            stack = lambda t: jax.tree.map(lambda x: jnp.stack([x] * m), t)  # noqa: E731
+            state = {"params": stack(params), "opt_state": stack(self.tx.init(params)),
+                     "step": jnp.int32(0), "key": key_data,
+                     "paft": {"next_sync": jnp.int32(self.first_h), "H": jnp.int32(self.first_h),
+                              "since": jnp.int32(0), "lr2": jnp.float32(0),
+                              "pending": jnp.int32(0),
+                              "div": jnp.float32(0), "div_max": jnp.float32(0),
+                              "sigma2_est": jnp.float32(0), **self._noise_state()}}
+            if self.cfg.paft.loss.p > 0 and self.cfg.paft.loss.aggregate == "stale":
+                state["prev_grad"] = jax.tree.map(jnp.zeros_like, stack(params))
+            return state
+
+        key_shape = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        shapes = jax.eval_shape(init, key_shape)
+        return jax.jit(init, out_shardings=self.state_shardings(shapes))
+
+    def state_specs(self, state):
+        worker = lambda t: jax.tree.map(lambda _: P(M.DATA), t)  # noqa: E731
+        specs = {k: worker(v) for k, v in state.items() if k in ("params", "opt_state",
+                                                                  "prev_grad")}
+        specs.update(step=P(), key=P(), paft=jax.tree.map(lambda _: P(), state["paft"]))
+        return specs
+
+    def state_shardings(self, state):
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs(state),
+                            is_leaf=lambda x: isinstance(x, P))
+
+    # --- pieces of the step --------------------------------------------------------------
+
+    def _loss(self, params, sinks, batch, microstep):
+        del sinks, microstep
+        total, count = model.token_losses(self.graphdef, params, batch["tokens"])
+        return total, (count, {})
+
+    def _average(self, tree):
+        """Every worker gets the workers' mean (one all-reduce per leaf), and this worker's
+        squared distance ||mean - x||^2 before it. Non-float leaves (step counts) are kept."""
+        leaves, treedef = jax.tree.flatten(tree)
+        out, sq = [], jnp.float32(0)
+        for x in leaves:
+            if not _is_float(x):
+                out.append(x)
+                continue
+            mean = M.vary(lax.pmean(x, M.DATA), (M.DATA,))
+            sq = sq + jnp.sum(jnp.square((mean - x).astype(jnp.float32)))
+            out.append(mean)
+        return jax.tree.unflatten(treedef, out), sq
+
+    def _divergence(self, params):
+        """(mean over workers, max over workers) of ||theta_bar - theta_m||^2, computed from
+        the deviations from worker 0's copy, ||(x - ref) - mean(x - ref)||^2: copies that agree
+        bit for bit give exactly 0, for any M, and small divergences do not cancel against
+        the parameters' size."""
+        sq = jnp.float32(0)
+        for x in jax.tree.leaves(params):
+            dev = x - M.broadcast_from(x, 0, M.DATA)
+            sq = sq + jnp.sum(jnp.square((dev - lax.pmean(dev, M.DATA)).astype(jnp.float32)))
+        return lax.pmean(sq, M.DATA), lax.pmax(sq, M.DATA)
+
+    def _noise_state(self) -> dict:
+        """The error levels as state, not constants: runs that differ only in them share one
+        compiled step (and XLA's persistent compilation cache)."""
+        n = self.cfg.paft.noise
+        return {"sigma2": jnp.float32(n.sigma2), "large_sigma2": jnp.float32(n.large_sigma2),
+                "large_every": jnp.int32(n.large_every),
+                "loss_p": jnp.float32(self.cfg.paft.loss.p)}
+
+    def _noise(self, tree, ctl, key, step, me):
+        """Definition 2.1: this worker's error, N(0, sigma2) per coordinate (the large variance
+        on every `large_every`-th step)."""
+        n = self.cfg.paft.noise
+        if n.sigma2 == 0 and not (n.large_every and n.large_sigma2):
+            return tree
+        every = ctl["large_every"]
+        large = (every > 0) & (step % jnp.maximum(every, 1) == 0)
+        std = jnp.sqrt(jnp.where(large, ctl["large_sigma2"], ctl["sigma2"]))
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, NOISE_STREAM),
+                                                    step), me)
+        leaves, treedef = jax.tree.flatten(tree)
+        out = [x + (std * jax.random.normal(jax.random.fold_in(key, i), x.shape)).astype(x.dtype)
+               for i, x in enumerate(leaves)]
+        return jax.tree.unflatten(treedef, out)
+
+    def _lossy_mean(self, grads, prev, loss_p, key, step, me):
+        """Each worker's aggregate of the packets that reached it (and the new stale memory)."""
+        c = self.cfg.paft.loss
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, LOSS_STREAM), step),
+                                 me)
+        leaves, treedef = jax.tree.flatten(grads)
+        prev_leaves = jax.tree.leaves(prev) if prev is not None else [None] * len(leaves)
+        out = []
+        for i, (g, pv) in enumerate(zip(leaves, prev_leaves)):
+            pk_NS = packetize(g, c.packet_size)
+            all_MNS = lax.all_gather(pk_NS, M.DATA)
+            arrived_MN = arrival_mask(jax.random.fold_in(key, i), self.workers, pk_NS.shape[0],
+                                      loss_p, c.burst)
+            prev_NS = None if pv is None else packetize(pv, c.packet_size)
+            agg_NS = aggregate_packets(all_MNS, arrived_MN, me, c.aggregate, prev_NS)
+            out.append(unpacketize(agg_NS, g.shape))
+        agg = jax.tree.unflatten(treedef, out)
+        return agg, (agg if prev is not None else None)
+
+    def _broadcast(self, new, old, key, step, me):
+        """Packet k belongs to worker (k mod M) (numbered across leaves); its owner's new value
+        reaches each other worker with probability 1 - param_p, which otherwise keeps its
+        copy from before the step."""
+        c = self.cfg.paft.loss
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, BROADCAST_STREAM),
+                                                    step), me)
+        new_leaves, treedef = jax.tree.flatten(new)
+        out, offset = [], 0
+        for i, (x, x_old) in enumerate(zip(new_leaves, jax.tree.leaves(old))):
+            new_NS, old_NS = packetize(x, c.packet_size), packetize(x_old, c.packet_size)
+            n = new_NS.shape[0]
+            mine_N = (jnp.arange(n) + offset) % self.workers == me
+            offset += n
+            owner_NS = lax.psum(jnp.where(mine_N[:, None], new_NS, 0), M.DATA)
+            got_N = jax.random.bernoulli(jax.random.fold_in(key, i), 1 - c.param_p, (n,)) | mine_N
+            out.append(unpacketize(jnp.where(got_N[:, None], owner_NS, old_NS), x.shape))
+        return jax.tree.unflatten(treedef, out)
+
+    def _next_h(self, pre_div, lr2, grad_norm):
+        """PAFT-Dyn (Algorithm 2, lines 10-12): the error estimated from the divergence, then
+        H = ||g|| / ||eps||, the gradient's norm over the estimated error's, within bounds.
+
+        For plain SGD, E[div] = sum_s lr_s^2 d sigma2 (M-1)/M over the noisy steps since the
+        copies agreed (docs/paft.md), so sigma2 = div M / (sum lr^2 d (M-1));
+        ||eps|| = sqrt(d sigma2)."""
+        c, m, d = self.cfg.paft, self.workers, self.dims.n_params
+        denom = lr2 * d * (m - 1)
+        sigma2 = jnp.where(denom > 0, pre_div * m / jnp.maximum(denom, 1e-30), 0.0)
+        noise_norm = jnp.sqrt(d * sigma2)
+        h = jnp.where(noise_norm > 0, jnp.ceil(grad_norm / jnp.maximum(noise_norm, 1e-30)),
+                      c.h_max)
+        return jnp.clip(h, c.h_min, c.h_max).astype(jnp.int32), sigma2.astype(jnp.float32)
+
+    # --- the step ------------------------------------------------------------------------
+
+    def _local_step(self, state, batch):
+        c = self.cfg.paft
+        me = lax.axis_index(M.DATA)
+        params, opt = _squeeze(state["params"]), _squeeze(state["opt_state"])
+        ctl = state["paft"]
+        step = state["step"] + 1
+        lr = self.schedule(state["step"])
+        key = jax.random.wrap_key_data(state["key"])
+
+        loss, grads, _ = accumulate_gradients(self._loss, params, batch)
+        grad_norm = lax.pmean(optax.tree.norm(grads), M.DATA)
+        records = {}
+        transform_updates = lambda u: u  # noqa: E731
+        ctx = None
+        if self.injector is not None:
+            ctx = F.FaultContext(jax.random.fold_in(key, FAULT_STREAM), step, jnp.int32(-1),
+                                 dp_axis=M.DATA)
+            grads = self.injector.corrupt_tree(grads, ctx, "grad")
+        new_prev = None
+        if c.loss.p > 0:
+            prev = _squeeze(state["prev_grad"]) if "prev_grad" in state else None
+            grads, new_prev = self._lossy_mean(grads, prev, ctl["loss_p"], key, step, me)
+        else:
+            grads = jax.tree.map(lambda g: M.vary(lax.pmean(g, M.DATA), (M.DATA,)), grads)
+        grads = self._noise(grads, ctl, key, step, me)
+        if ctx is not None:
+            grads = self.injector.corrupt_tree(grads, ctx, GRAD_SITE)
+            transform_updates = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
+            records = ctx.records
+
+        def average_state(p, o):
+            p_avg, sq = self._average(p)
+            o_avg = self._average(o)[0] if c.sync_opt_state else o
+            return p_avg, o_avg, lax.pmean(sq, M.DATA), lax.pmax(sq, M.DATA)
+
+        keep = lambda p, o: (p, o, jnp.float32(0), jnp.float32(0))  # noqa: E731
+        next_sync, h, sigma2_est = ctl["next_sync"], ctl["H"], ctl["sigma2_est"]
+        if c.overlap:  # apply the average launched last step, before this step's update
+            applied = ctl["pending"] > 0
+            params_in, opt_in, pre_div, pre_max = lax.cond(applied, average_state, keep, params,
+                                                           opt)
+            lr2_pre = ctl["lr2"]
+        else:
+            params_in, opt_in = params, opt
+        new = apply_update(self.tx, {"params": params_in, "opt_state": opt_in,
+                                     "step": state["step"]}, grads, transform_updates)
+        new_params, new_opt = new["params"], new["opt_state"]
+        if c.loss.param_p is not None:
+            new_params = self._broadcast(new_params, params, key, step, me)
+
+        if c.overlap:
+            pending = jnp.int32(0)
+            since = jnp.where(applied, 1, ctl["since"] + 1)
+            lr2 = jnp.where(applied, lr ** 2, ctl["lr2"] + lr ** 2)
+        else:
+            applied = next_sync == step
+            new_params, new_opt, pre_div, pre_max = lax.cond(applied, average_state, keep,
+                                                             new_params, new_opt)
+            since_pre, lr2_pre = ctl["since"] + 1, ctl["lr2"] + lr ** 2
+            since = jnp.where(applied, 0, since_pre)
+            lr2 = jnp.where(applied, 0.0, lr2_pre)
+        if c.dynamic:
+            h_new, s2 = self._next_h(pre_div, lr2_pre, grad_norm)
+            h = jnp.where(applied, h_new, h)
+            sigma2_est = jnp.where(applied, s2, sigma2_est)
+            if c.overlap:  # launched at step - 1, so the next launch is H after that
+                next_sync = jnp.where(applied, step - 1 + h, next_sync)
+        launch = next_sync == step
+        if c.overlap:
+            pending = launch.astype(jnp.int32)
+            if not c.dynamic:
+                next_sync = jnp.where(launch, step + h, next_sync)
+        else:
+            next_sync = jnp.where(applied, step + h, next_sync)
+
+        measure = applied
+        if c.div_every:
+            measure = measure | (step % c.div_every == 0)
+            div, div_max = lax.cond(measure, self._divergence,
+                                    lambda _: (ctl["div"], ctl["div_max"]), new_params)
+        else:  # only what the averages measure anyway: the divergence they removed
+            div = jnp.where(applied, pre_div, ctl["div"])
+            div_max = jnp.where(applied, pre_max, ctl["div_max"])
+
+        out_state = {"params": _unsqueeze(new_params), "opt_state": _unsqueeze(new_opt),
+                     "step": new["step"], "key": state["key"],
+                     "paft": {"next_sync": next_sync.astype(jnp.int32), "H": h.astype(jnp.int32),
+                              "since": since.astype(jnp.int32),
+                              "lr2": lr2.astype(jnp.float32), "pending": pending if c.overlap
+                              else ctl["pending"], "div": div, "div_max": div_max,
+                              "sigma2_est": sigma2_est,
+                              **{k: ctl[k] for k in ("sigma2", "large_sigma2", "large_every",
+                                                     "loss_p")}}}
+        if new_prev is not None:
+            out_state["prev_grad"] = _unsqueeze(new_prev)
+        losses_M = lax.psum(jnp.where(jnp.arange(self.workers) == me, loss, 0.0), M.DATA)
+        metrics = {**{f"loss/w{m}": losses_M[m] for m in range(self.workers)},
+                   LOSS_KEY: jnp.mean(losses_M), "div/mean_sq": div, "div/max": div_max,
+                   "div/measured": measure.astype(jnp.float32),
+                   "paft/sync": applied.astype(jnp.float32), "paft/H": h.astype(jnp.float32),
+                   "paft/sigma2_est": sigma2_est, "grad/norm": grad_norm, "lr": lr}
+        flags = {"sync": applied.astype(jnp.int32)}
+        blocks = jax.tree.map(lambda x: M.vary(x, (M.DATA,))[None], records)
+        return out_state, metrics, blocks, flags
+
+    def train_step(self, state, batch):
+        specs = self.state_specs(state)
+        step = jax.shard_map(self._local_step, mesh=self.mesh,
+                             in_specs=(specs, {"tokens": P(None, M.DATA)}),
+                             out_specs=(specs, P(), P(M.DATA), P()), check_vma=True)
+        return step(state, batch)
+
+    # --- host-loop interface (shared with train.Trainer and paired.PairedTrainer) ---------
+
+    TABLES = ("faults.parquet",)
+
+    def shardings(self, state, batch):
+        return self.state_shardings(state), {k: NamedSharding(self.mesh, P(None, M.DATA))
+                                             for k in batch}
+
+    def make_batch(self, tokens_MBL1) -> dict:
+        return {"tokens": tokens_MBL1}
+
+    def bytes_per_step(self) -> dict:
+        """Bytes each worker sends, by the algorithm (not by how the simulation computes it):
+        a ring all-reduce sends 2(M-1)/M of the payload; with packet loss every worker sends its
+        gradient to each of the M-1 others; an owner broadcast sends (M-1)/M."""
+        m, d, c = self.workers, self.dims.n_params, self.cfg.paft
+        ring = 2 * (m - 1) / m
+        grad = (m - 1) * 4 * d if c.loss.p > 0 else ring * 4 * d
+        sync = ring * 4 * (d + (self.opt_floats if c.sync_opt_state else 0))
+        broadcast = (m - 1) / m * 4 * d if c.loss.param_p is not None else 0
+        return {"grad": round(grad), "sync": round(sync), "broadcast": round(broadcast)}
+
+    def host_tables(self, step: int, extras) -> tuple[dict, dict]:
+        records, flags = extras
+        rows, overflow = [], 0
+        if self.injector is not None:
+            for m in range(self.workers):
+                r, o = F.record_rows(jax.tree.map(lambda a: a[m], records), step, -1,
+                                     self.injector.profile, node=m)
+                rows += r
+                overflow += o
+        b = self.bytes_per_step()
+        counters = {"bytes/grad": b["grad"], "bytes/sync": b["sync"] * int(flags["sync"]),
+                    "bytes/broadcast": b["broadcast"], "faults/landed": len(rows) + overflow,
+                    "faults/unlogged": overflow}
+        return {"faults.parquet": rows}, counters
+
+    def summarize(self, rows: list[dict]) -> dict:
+        """Run-level PAFT numbers for summary.json."""
+        if not rows:
+            return {}
+        last = rows[-1]
+        return {"paft/syncs": int(sum(r.get("paft/sync", 0) for r in rows)),
+                "paft/H_last": last.get("paft/H"), "div/mean_sq_last": last.get("div/mean_sq"),
+                "div/mean_sq_max": max(r.get("div/mean_sq", 0) for r in rows),
+                "loss/per_worker_last": [last[f"loss/w{m}"] for m in range(self.workers)]}
+
+
+def check_config(cfg: Config) -> None:
+    """One-sentence errors for PAFT settings that cannot work."""
+    c, loss = cfg.paft, cfg.paft.loss
+    if cfg.mesh.dp < 2:
+        raise UserError(f"paft mode needs at least 2 workers (mesh.dp), not {cfg.mesh.dp}.")
+    if cfg.mesh.tp != 1:
+        raise UserError("paft mode runs data-parallel workers only; set mesh.tp=1.")
+    checks = [("paft.noise.sigma2", c.noise.sigma2 >= 0, "non-negative"),
+              ("paft.noise.large_sigma2", c.noise.large_sigma2 >= 0, "non-negative"),
+              ("paft.noise.large_every", c.noise.large_every >= 0, "non-negative"),
+              ("paft.sync_every", c.sync_every >= 0, "non-negative"),
+              ("paft.div_every", c.div_every >= 0, "non-negative"),
+              ("paft.h_min", c.h_min >= 1, "at least 1"),
+              ("paft.h_max", c.h_max >= c.h_min, "at least paft.h_min"),
+              ("paft.loss.p", 0 <= loss.p < 1, "in [0, 1)"),
+              ("paft.loss.param_p", loss.param_p is None or 0 <= loss.param_p < 1,
+               "in [0, 1) or null"),
+              ("paft.loss.packet_size", loss.packet_size >= 1, "at least 1"),
+              ("paft.loss.burst", loss.burst == 0 or loss.burst >= max(1.0, loss.p / (1 - loss.p)),
+               "0 (independent drops) or a mean run length of at least 1 packet")]
+    for key, ok, what in checks:
+        if not ok:
+            raise UserError(f"{key} must be {what}.")
+    if loss.aggregate not in AGGREGATES:
+        raise UserError(f"paft.loss.aggregate {loss.aggregate!r} is not one of "
+                        f"{', '.join(AGGREGATES)}.")
+    if c.dynamic and c.sync_every == 0 and c.h_min < 1:
+        raise UserError("paft.dynamic needs paft.h_min >= 1.")
+
+
+__all__ = ["PaftTrainer", "aggregate_packets", "arrival_mask", "packetize", "unpacketize",
+           "check_config", "LOSS_KEY", "AGGREGATES"]

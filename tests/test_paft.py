@@ -1,0 +1,213 @@
+"""PAFT mode against the closed forms of docs/paft.md (sdcstudy/paft_theory.py).
+
+Plain SGD (constant learning rate, no momentum, weight decay or clipping) on a one-layer tiny
+Llama with M = 4 workers. If a test here fails, either the step no longer implements
+Definition 2.1 / Algorithms 1-2 as documented, or the derivation in docs/paft.md is wrong.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sdcstudy import config as C
+from sdcstudy import paft_theory as T
+from sdcstudy.paft import PaftTrainer, aggregate_packets, arrival_mask
+from sdcstudy.train import compile_step
+
+WORKERS, LR = 4, 0.1
+BASE = ["experiment.mode=paft", f"mesh.dp={WORKERS}", "model.n_layers=1", "optim.name=sgd",
+        f"optim.lr={LR}", "optim.schedule=constant", "optim.weight_decay=0",
+        "optim.clip_norm=null", "experiment.batch_size=8", "data.seq_len=32",
+        "experiment.checkpoint_every=0"]
+TOLERANCE = 0.10  # the issue's agreement with the expectation, averaged over seeds
+QUANTILE = 1 - 1e-9  # the divergence bound holds with at least this probability per step
+
+
+class Stepper:
+    """One compiled PAFT step, run from fresh states (the state is donated)."""
+
+    def __init__(self, overrides):
+        self.cfg = C.from_dict({}, BASE + overrides)
+        self.trainer = PaftTrainer.from_config(self.cfg)
+        tokens = np.random.default_rng(0).integers(0, 256, (1, 8, 33), dtype=np.int32)
+        state = self.trainer.init_state()
+        batch = self.trainer.make_batch(tokens)
+        self.shardings = self.trainer.shardings(state, batch)
+        self.batch = jax.device_put(batch, self.shardings[1])
+        self.fn, _, _ = compile_step(self.trainer.train_step, state, self.batch, self.shardings)
+        self.d = self.trainer.dims.n_params
+
+    def run(self, steps, seed=0, next_sync=None):
+        state = self.trainer.init_state(seed)
+        if next_sync is not None:
+            state["paft"]["next_sync"] = jnp.int32(next_sync)
+            state = jax.device_put(state, self.shardings[0])
+        out = []
+        for _ in range(steps):
+            state, metrics, *_ = self.fn(state, self.batch)
+            out.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+        return out
+
+
+@pytest.fixture(scope="module")
+def sync4():
+    return Stepper(["paft.noise.sigma2=1e-3", "paft.sync_every=4"])
+
+
+def test_divergence_matches_expectation_without_sync(sync4):
+    """E[div] = t lr^2 d sigma2 (M-1)/M: the common averaged gradient cancels. The paper's
+    (M+1)/M would be 5/3 of this and must be rejected."""
+    assert PaftTrainer.from_config(C.from_dict({}, BASE)).first_h == 0  # sync_every=0 is
+    # next_sync=0 in the state: never synchronize
+    runs = [sync4.run(8, seed, next_sync=0) for seed in range(3)]
+    for t in range(1, 9):
+        mean = np.mean([r[t - 1]["div/mean_sq"] for r in runs])
+        expected = T.expected_divergence(t, LR, sync4.d, 1e-3, WORKERS)
+        assert abs(mean / expected - 1) < TOLERANCE, (t, mean, expected)
+        paper = t * LR ** 2 * 1e-3 * sync4.d * (WORKERS + 1) / WORKERS
+        assert abs(mean / paper - 1) > 3 * TOLERANCE
+    assert all(r[-1]["paft/sync"] == 0 for r in runs)
+
+
+def test_sync_every_h_zeroes_and_bounds_divergence(sync4):
+    h = 4
+    runs = [sync4.run(12, seed) for seed in range(3)]
+    bound = T.divergence_quantile(h - 1, LR, sync4.d, 1e-3, WORKERS, QUANTILE)
+    assert bound < T.expected_divergence(h, LR, sync4.d, 1e-3, WORKERS)
+    for step in range(1, 13):
+        values = [r[step - 1]["div/mean_sq"] for r in runs]
+        synced = [r[step - 1]["paft/sync"] for r in runs]
+        k = step % h
+        if k == 0:
+            assert synced == [1.0] * 3 and values == [0.0] * 3
+            assert [r[step - 1]["div/max"] for r in runs] == [0.0] * 3
+        else:
+            assert synced == [0.0] * 3
+            expected = T.expected_divergence(k, LR, sync4.d, 1e-3, WORKERS)
+            assert abs(np.mean(values) / expected - 1) < TOLERANCE, (step, values, expected)
+        assert max(values) <= bound
+
+
+def test_seeds_change_noise_not_determinism(sync4):
+    a, b, c = sync4.run(3, 5), sync4.run(3, 5), sync4.run(3, 6)
+    assert a == b
+    assert a[-1]["div/mean_sq"] != c[-1]["div/mean_sq"]
+
+
+def test_overlap_dynamic_run_folder(tmp_path):
+    """PAFT-Dyn with overlap through `sdcstudy run`'s loop: the metrics the contract names, the
+    error estimate from the divergence, H from the SNR, and one step of divergence right
+    after each overlapped average."""
+    from sdcstudy import runner
+
+    sigma2 = 1e-3
+    cfg = C.from_dict({}, BASE + ["experiment.steps=9", f"paft.noise.sigma2={sigma2}",
+                                  "paft.sync_every=3", "paft.dynamic=true", "paft.overlap=true",
+                                  "paft.h_max=8", "data.synthetic_tokens=20000"])
+    summary = runner.run(cfg, tmp_path / "run", progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    d = summary["n_params"]
+    assert d == PaftTrainer.from_config(cfg).dims.n_params
+    for key in ("loss/w0", "loss/w3", "loss/mean", "div/mean_sq", "div/max", "paft/sync",
+                "paft/H", "bytes/grad", "bytes/sync", "time/step_s"):
+        assert key in rows[0], key
+    assert rows[0]["loss/mean"] == pytest.approx(np.mean([rows[0][f"loss/w{m}"]
+                                                          for m in range(WORKERS)]), rel=1e-6)
+    applied = [r for r in rows if r["paft/sync"] == 1]
+    assert applied[0]["step"] == 4  # launched at step 3, applied at step 4
+    one_step = T.expected_divergence(1, LR, d, sigma2, WORKERS)
+    for r in applied:
+        assert abs(r["div/mean_sq"] / one_step - 1) < TOLERANCE
+        assert abs(r["paft/sigma2_est"] / sigma2 - 1) < TOLERANCE
+        noise_norm = np.sqrt(d * r["paft/sigma2_est"])
+        assert r["paft/H"] == np.clip(np.ceil(r["grad/norm"] / noise_norm), 1, 8)
+        assert r["bytes/sync"] > 0
+    assert len(applied) >= 2
+    assert all(r["bytes/sync"] == 0 for r in rows if r["paft/sync"] == 0)
+    assert summary["paft/syncs"] == len(applied)
+
+
+# --- packet loss ------------------------------------------------------------------------------
+
+
+def _aggregate(g_MNS, me, mode, prev=None):
+    def fn(arrived_M):
+        arrived_MN = jnp.broadcast_to(jnp.asarray(arrived_M)[:, None], g_MNS.shape[:2])
+        return np.asarray(aggregate_packets(g_MNS, arrived_MN, me, mode, prev), np.float64)
+    return fn
+
+
+@pytest.mark.parametrize("me", [0, 2])
+def test_renormalized_average_is_unbiased_given_an_arrival(me):
+    """Enumerating every loss mask of the M-1 links into receiver `me`: given at least one
+    arrival (and given exactly n arrivals, for each n) the mean is the true average; over all
+    masks it is off by p^(M-1) (M-1)/M (mean of the others - own), the case where nothing
+    arrived and the receiver falls back on its own gradient."""
+    m, p = 5, 0.3
+    g = jnp.asarray(np.random.default_rng(me).normal(size=(m, 3, 2)), jnp.float32)
+    g64 = np.asarray(g, np.float64)
+    mean = g64.mean(axis=0)
+    agg = _aggregate(g, me, "renormalized")
+    got = T.mask_average(agg, m, me, p, condition=lambda a: a.sum() > 1)
+    np.testing.assert_allclose(got, mean, rtol=0, atol=1e-6)
+    for n in range(1, m):
+        got = T.mask_average(agg, m, me, p, condition=lambda a, n=n: a.sum() - 1 == n)
+        np.testing.assert_allclose(got, mean, rtol=0, atol=1e-6)
+    others = (g64.sum(axis=0) - g64[me]) / (m - 1)
+    unconditional = T.mask_average(agg, m, me, p)
+    bias = p ** (m - 1) * (m - 1) / m * (others - g64[me])
+    np.testing.assert_allclose(unconditional, mean - bias, rtol=0, atol=1e-6)
+    assert np.abs(unconditional - mean).max() > 1e-3
+
+
+def test_zero_fill_and_stale_are_biased_as_derived():
+    m, p, me = 4, 0.25, 1
+    rng = np.random.default_rng(7)
+    g = jnp.asarray(rng.normal(size=(m, 2, 3)), jnp.float32)
+    prev = jnp.asarray(rng.normal(size=(2, 3)), jnp.float32)
+    g64, prev64 = np.asarray(g, np.float64), np.asarray(prev, np.float64)
+    others = g64.sum(axis=0) - g64[me]
+    zero = T.mask_average(_aggregate(g, me, "zero"), m, me, p)
+    np.testing.assert_allclose(zero, (g64[me] + (1 - p) * others) / m, atol=1e-6)
+    stale = T.mask_average(_aggregate(g, me, "stale", prev), m, me, p)
+    np.testing.assert_allclose(stale, (g64[me] + (1 - p) * others + p * (m - 1) * prev64) / m,
+                               atol=1e-6)
+    # Every packet arrived: all three modes give the plain mean.
+    for mode in ("renormalized", "zero", "stale"):
+        full = _aggregate(g, me, mode, prev)(np.ones(m, bool))
+        np.testing.assert_allclose(full, g64.mean(axis=0), atol=1e-6)
+
+
+@pytest.mark.parametrize("burst", [0.0, 4.0])
+def test_arrival_mask_rate_and_runs(burst):
+    p = 0.2
+    arrived = np.asarray(arrival_mask(jax.random.key(3), 8, 20000, p, burst))
+    lost = ~arrived
+    assert abs(lost.mean() - p) < 0.01
+    runs = []  # lengths of runs of lost packets along each sender's sequence
+    for row in lost:
+        edges = np.diff(np.concatenate([[0], row.astype(int), [0]]))
+        runs += list(np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1))
+    expected = burst if burst else 1 / (1 - p)  # independent drops: geometric runs
+    assert abs(np.mean(runs) / expected - 1) < 0.05
+
+
+def test_lossy_broadcast_drift_is_bounded_as_derived():
+    """Owner broadcasts lost with probability q: the stationary divergence is
+    d (M-1)/M^2 ((M-1) a - (M-2) c) with a = q s/(1-q), c = q^2 s/(1-q^2), s = lr^2 sigma2
+    the variance of the owner's step (the gradient's part is ~1e-3 of it here); it does not
+    grow with t."""
+    sigma2, q = 1e-2, 0.3
+    stepper = Stepper([f"paft.noise.sigma2={sigma2}", f"paft.loss.param_p={q}"])
+    rows = stepper.run(30)
+    values = [r["div/mean_sq"] for r in rows[8:]]
+    expected = T.broadcast_divergence(q, LR ** 2 * sigma2, stepper.d, WORKERS)
+    assert abs(np.mean(values) / expected - 1) < TOLERANCE
+    assert abs(np.mean(values[:11]) / np.mean(values[11:]) - 1) < TOLERANCE  # stationary
+    # The packet-loss paper's 2 q s / (1 + q) for every pair of copies, through
+    # mean_m ||theta_bar - theta_m||^2 = sum over ordered pairs of D^2 / (2 M^2):
+    paper = stepper.d * (WORKERS - 1) / WORKERS * q * LR ** 2 * sigma2 / (1 + q)
+    assert abs(np.mean(values) / paper - 1) > TOLERANCE
