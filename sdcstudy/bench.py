@@ -116,8 +116,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
     add_paft_parser(sub)
 
-    a = sub.add_parser("all", help="every suite in turn (train, faults, paired, abft), 3 "
-                                   "repetitions each unless --repeats says otherwise")
+    a = sub.add_parser("all", help="every suite in turn (train, faults, paired, abft, paft with "
+                                   "4 workers), 3 repetitions each unless --repeats says "
+                                   "otherwise")
     _add_common_args(a, None, repeats=3)
     a.set_defaults(bench=run_all_suites)
 
@@ -127,15 +128,18 @@ def main(args) -> int:
 
 
 def run_all_suites(args) -> int:
-    """Every suite in turn with the shared options (the suites' own at their defaults); one
-    table, and one JSON file holding each suite's results."""
+    """Every suite in turn with the shared options (the suites' own at their defaults, paft
+    with 4 workers, which the batch of every preset splits over); one table, and one JSON
+    file holding each suite's results."""
     from . import runfolder as RF
+    from .bench_paft import run_paft_suite
 
     suites = {"train": (run_train_suite, {"torch_attention": ",".join(TORCH_ATTENTION),
                                           "no_torch": False}),
               "faults": (run_faults_suite, {}),
               "paired": (run_paired_suite, {"tp": 1, "dp": 1}),
-              "abft": (run_abft_suite, {})}
+              "abft": (run_abft_suite, {}),
+              "paft": (run_paft_suite, {"workers": "4", "sigma2": 1e-3})}
     check_args(args)
     tables, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:

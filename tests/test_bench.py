@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sdcstudy import bench, cli
+from sdcstudy import bench, bench_paft, cli
 
 # One layer, short sequences, one repetition of one step: structure, not speed.
 FAST = ["--presets", "tiny", "--batch", "4", "--seq-len", "16", "--steps", "1", "--repeats", "1",
@@ -164,12 +164,14 @@ def test_all_runs_every_suite_with_its_own_defaults(tmp_path, capsys, monkeypatc
 
     for name in ("train", "faults", "paired", "abft"):
         monkeypatch.setattr(bench, f"run_{name}_suite", fake(name))
+    monkeypatch.setattr(bench_paft, "run_paft_suite", fake("paft"))
     json_path, md_path = tmp_path / "all.json", tmp_path / "all.md"
     assert cli.main(["bench", "all", "--presets", "tiny", "--json", str(json_path),
                      "--markdown", str(md_path)]) == 0
-    assert list(seen) == ["train", "faults", "paired", "abft"]
+    assert list(seen) == ["train", "faults", "paired", "abft", "paft"]
     assert all(a.repeats == 3 and a.presets == "tiny" for a in seen.values())
     assert seen["train"].no_torch is False and seen["paired"].tp == 1
+    assert seen["paft"].workers == "4"
     report = json.loads(json_path.read_text())
     assert {k: v["results"] for k, v in report["suites"].items()} == {
         name: [{"suite": name}] for name in seen}
