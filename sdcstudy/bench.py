@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import roofline
 from .config import UserError
 
 # Per suite and preset: (sequences per step, sequence length, timed steps per repetition).
@@ -575,6 +576,13 @@ def measure_train(preset: str, args, attentions: tuple[str, ...], echo=echo_stde
         best = max(attentions, key=lambda a: result["torch"][a]["tokens_per_s"]["median"])
         result["torch_baseline"] = best
         result["ratio"] = result["torch"][best]["ratio"]
+    echo(f"{preset}: timing a {roofline.PEAK_SIZE}x{roofline.PEAK_SIZE} float32 matmul "
+         "for the machine's peak")
+    rates = {name: steps / float(np.median(s)) for name, s in seconds.items()}
+    result["roofline"] = roofline.summary(
+        dims, e.microsteps * e.batch_size, cfg.data.seq_len, rates,
+        roofline.matmul_peak(with_torch=bool(attentions)),
+        f"torch-{result['torch_baseline']}" if attentions else None)
     return result
 
 
@@ -601,6 +609,36 @@ def train_table(results: list[dict]) -> str:
                                  f"losses within {v['max_loss_diff']:.1e} of ours"
                                  for a, v in r["torch"].items())
             lines.append(f"- {r['preset']}: torch {variants}.")
+    return "\n".join(lines) + "\n" + roofline_table(results)
+
+
+def roofline_table(results: list[dict]) -> str:
+    """Model FLOP/s of each contender against the matmul peak measured in the same run, and
+    the ceiling that peak puts on ours / torch (sdcstudy/roofline.py)."""
+    rows = [r for r in results if r.get("roofline")]
+    if not rows:
+        return ""
+    lines = ["", "| preset | GFLOP / step | ours GFLOP/s (of peak) | torch GFLOP/s (of peak) | "
+             "matmul peak GFLOP/s | ceiling on ours / torch |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        f = r["roofline"]
+        cell = lambda name: (f"{f['gflops'][name]:.1f} ({f['fraction_of_peak'][name]:.0%})"  # noqa: E731
+                             if name in f["gflops"] else "-")
+        peaks = " / ".join(f"{v:.1f} ({k})" for k, v in f["peak_gflops"].items())
+        torch_name = f"torch-{r['torch_baseline']}" if r["torch_baseline"] else ""
+        ceiling = "-" if f["ceiling"] is None else f"{f['ceiling']:.2f}x"
+        lines.append(f"| {r['preset']} | {f['step_gflop']:.2f} | {cell('ours')} | "
+                     f"{cell(torch_name)} | {peaks} | {ceiling} |")
+    lines += ["", f"Model FLOPs of the step's matmuls (forward and backward, full L x L attention "
+              f"scores) at the median step time; the peak is a "
+              f"{roofline.PEAK_SIZE}x{roofline.PEAK_SIZE} float32 matmul timed in the same "
+              f"run. The ceiling, peak / torch's FLOP/s, is the highest ours / torch any "
+              f"implementation of this step could reach on this machine."]
+    beyond = [r["preset"] for r in rows
+              if r["roofline"]["ceiling"] is not None and r["roofline"]["ceiling"] < TARGET_RATIO]
+    if beyond:
+        lines.append(f"The {TARGET_RATIO:g}x goal is beyond this machine's matmul peak for "
+                     f"{', '.join(beyond)}.")
     return "\n".join(lines) + "\n"
 
 

@@ -109,6 +109,41 @@ def test_train_suite_matches_torch(tmp_path, capsys):
     assert result["torch"]["sdpa"]["max_loss_diff"] < 1e-4
     assert torch_losses[-1] != torch_losses[0]
     assert "(sdpa)" in table
+    # The roofline: both contenders' FLOP/s below the matmul peak measured beside them, and the
+    # ceiling is that peak over torch's rate.
+    roof = result["roofline"]
+    peak = max(roof["peak_gflops"].values())
+    assert 0 < roof["gflops"]["ours"] <= peak and 0 < roof["gflops"]["torch-sdpa"] <= peak
+    assert roof["ceiling"] == pytest.approx(peak / roof["gflops"]["torch-sdpa"])
+    assert "ceiling on ours / torch" in table
+
+
+def _dot_flops(jaxpr) -> int:
+    """FLOPs of every dot_general in a jaxpr and the jaxprs inside it."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contracted, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contracted)
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                total += _dot_flops(inner)
+    return total
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.tie_embeddings=true", "model.n_kv_heads=4"]])
+def test_step_flops_count_every_matmul_of_the_traced_step(overrides):
+    from sdcstudy import config as C
+    from sdcstudy import model, roofline
+
+    dims = C.model_dims(C.from_dict({"model": {"preset": "tiny"}}, overrides).model)
+    graphdef, params = model.abstract_init(dims)
+    tokens = jax.ShapeDtypeStruct((3, 17), jnp.int32)
+    grad = jax.grad(lambda p, t: model.token_losses(graphdef, p, t)[0])
+    traced = jax.make_jaxpr(grad)(params, tokens).jaxpr
+    assert roofline.step_flops(dims, 3, 16) == _dot_flops(traced)
 
 
 def _scale_by(k):
