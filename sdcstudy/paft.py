@@ -7,12 +7,13 @@ so each worker keeps its own parameters and optimizer state and they may drift a
 
 One step, on every worker m:
 1. the gradient of its own data shard at its own parameters;
-2. aggregation: the exact mean (`pmean`), or, with packet loss (`paft.loss.p`), the mean of
-   the packets that reached m (renormalized, zero-filled or stale; drops independent or in
-   bursts along the packet sequence);
+2. aggregation: the exact mean, or, with packet loss (`paft.loss.p`), the mean of the packets
+   that reached m (renormalized, zero-filled or stale; drops independent or in bursts along
+   the packet sequence);
 3. the per-worker error of Definition 2.1, eps_m ~ N(0, sigma2) per coordinate (with an
-   accidental large variance every `large_every` steps), then the fault engine's
-   `collective/grad_allreduce` site (bit corruption of the received gradient);
+   accidental large variance every `large_every` steps; one normal draw over all the
+   gradient's coordinates), then the fault engine's `collective/grad_allreduce` site (bit
+   corruption of the received gradient);
 4. the optimizer update; with lossy owner broadcasts (`paft.loss.param_p`) each worker's copy
    of a packet it does not own is the owner's new value or, if the broadcast was lost, stale;
 5. PAFT-Sync: every H steps the parameters (and with `sync_opt_state` the optimizer state) are
@@ -22,6 +23,11 @@ One step, on every worker m:
 
 H, the next sync step and the estimates live in the state and decide through `lax.cond`: the
 step compiles once and never waits for the host. Metrics leave as replicated scalars.
+
+Collectives per step: the exact mean is one all-reduce that also carries the per-worker losses
+and gradient norms (the metrics) and, with overlap, on a step that applies an average, the
+copies being averaged; the divergence that average removed costs one more all-reduce of M
+scalars. A trainer that never averages (no `sync_every`, not dynamic) compiles no average.
 """
 
 from __future__ import annotations
@@ -65,6 +71,15 @@ def _unsqueeze(tree):
 
 def _is_float(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _sq_distance(new_leaves, old_leaves):
+    """sum over the float leaves of ||new - old||^2, in float32."""
+    sq = jnp.float32(0)
+    for a, b in zip(new_leaves, old_leaves):
+        if _is_float(b):
+            sq = sq + jnp.sum(jnp.square((a - b).astype(jnp.float32)))
+    return sq
 
 
 # --- packets ----------------------------------------------------------------------------------
@@ -173,6 +188,13 @@ class PaftTrainer:
         return self.cfg.mesh.dp
 
     @property
+    def averages(self) -> bool:
+        """Whether the copies are ever averaged (PAFT-Sync or PAFT-Dyn): without, the step
+        compiles no average at all."""
+        c = self.cfg.paft
+        return c.sync_every > 0 or c.dynamic
+
+    @property
     def first_h(self) -> int:
         c = self.cfg.paft
         return c.sync_every if c.sync_every > 0 else (c.h_min if c.dynamic else 0)
@@ -227,19 +249,34 @@ class PaftTrainer:
         total, count = model.token_losses(self.graphdef, params, batch["tokens"])
         return total, (count, {})
 
-    def _average(self, tree):
-        """Every worker gets the workers' mean (one all-reduce per leaf), and this worker's
-        squared distance ||mean - x||^2 before it. Non-float leaves (step counts) are kept."""
-        leaves, treedef = jax.tree.flatten(tree)
-        out, sq = [], jnp.float32(0)
-        for x in leaves:
-            if not _is_float(x):
-                out.append(x)
-                continue
-            mean = M.vary(lax.pmean(x, M.DATA), (M.DATA,))
-            sq = sq + jnp.sum(jnp.square((mean - x).astype(jnp.float32)))
-            out.append(mean)
-        return jax.tree.unflatten(treedef, out), sq
+    def _sum_and_average(self, summed, params, opt):
+        """One all-reduce: the workers' sum of `summed` (any tree), and every worker gets the
+        workers' mean of the parameters (and with `sync_opt_state` of the optimizer state) with
+        this worker's squared distance ||theta_bar - theta_m||^2 before it. Non-float leaves
+        (step counts) are kept."""
+        trees = (params, opt) if self.cfg.paft.sync_opt_state else (params,)
+        leaves, treedef = jax.tree.flatten(trees)
+        floats = tuple(x for x in leaves if _is_float(x))
+        summed, sums = lax.psum((summed, floats), M.DATA)
+        means = iter(M.vary(x / self.workers, (M.DATA,)) for x in sums)
+        out = [next(means) if _is_float(x) else x for x in leaves]
+        p_leaves = jax.tree.leaves(params)
+        sq = _sq_distance(out[:len(p_leaves)], p_leaves)
+        averaged = jax.tree.unflatten(treedef, out)
+        return summed, (averaged[0], averaged[1] if len(averaged) > 1 else opt, sq)
+
+    def _average_state(self, params, opt):
+        """The averaged copies (and optimizer states, with `sync_opt_state`) and the (mean,
+        max) over workers of the divergence they replaced."""
+        _, (params, opt, sq) = self._sum_and_average((), params, opt)
+        return params, opt, *self._averaged_stats(sq)
+
+    def _averaged_stats(self, sq):
+        """(mean over workers, max over workers) of each worker's `sq`, from one all-reduce
+        of the workers' values placed in a vector."""
+        sq_M = lax.psum(jnp.where(jnp.arange(self.workers) == lax.axis_index(M.DATA), sq, 0.0),
+                        M.DATA)
+        return jnp.sum(sq_M) / self.workers, jnp.max(sq_M)
 
     def _divergence(self, params):
         """(mean over workers, max over workers) of ||theta_bar - theta_m||^2, computed from
@@ -271,9 +308,15 @@ class PaftTrainer:
         std = jnp.sqrt(jnp.where(large, ctl["large_sigma2"], ctl["sigma2"]))
         key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, NOISE_STREAM),
                                                     step), me)
+        # One draw for the whole tree, cut into the leaves: a single generator kernel instead
+        # of one per leaf (the draws are independent across coordinates either way).
         leaves, treedef = jax.tree.flatten(tree)
-        out = [x + (std * jax.random.normal(jax.random.fold_in(key, i), x.shape)).astype(x.dtype)
-               for i, x in enumerate(leaves)]
+        eps = std * jax.random.normal(key, (sum(x.size for x in leaves),))
+        out, offset = [], 0
+        for x in leaves:
+            out.append(x + lax.slice_in_dim(eps, offset, offset + x.size).reshape(x.shape)
+                       .astype(x.dtype))
+            offset += x.size
         return jax.tree.unflatten(treedef, out)
 
     def _lossy_mean(self, grads, prev, loss_p, key, step, me):
@@ -332,7 +375,7 @@ class PaftTrainer:
     # --- the step ------------------------------------------------------------------------
 
     def _local_step(self, state, batch):
-        c = self.cfg.paft
+        c, m = self.cfg.paft, self.workers
         me = lax.axis_index(M.DATA)
         params, opt = _squeeze(state["params"]), _squeeze(state["opt_state"])
         ctl = state["paft"]
@@ -341,7 +384,10 @@ class PaftTrainer:
         key = jax.random.wrap_key_data(state["key"])
 
         loss, grads, _ = accumulate_gradients(self._loss, params, batch)
-        grad_norm = lax.pmean(optax.tree.norm(grads), M.DATA)
+        # Summed over the workers together with the gradients: each worker's loss in its own
+        # slot, and the norm of its own gradient.
+        stats = {"loss_M": jnp.where(jnp.arange(m) == me, loss, 0.0),
+                 "norm": optax.tree.norm(grads)}
         records = {}
         transform_updates = lambda u: u  # noqa: E731
         ctx = None
@@ -349,32 +395,46 @@ class PaftTrainer:
             ctx = F.FaultContext(jax.random.fold_in(key, FAULT_STREAM), step, jnp.int32(-1),
                                  dp_axis=M.DATA)
             grads = self.injector.corrupt_tree(grads, ctx, "grad")
+
+        zero = jnp.float32(0)
+        keep = lambda p, o: (p, o, zero, zero)  # noqa: E731
+        # With overlap, the average launched last step replaces the copies before this step's
+        # update (a trainer that never averages has nothing to apply).
+        average_first = c.overlap and self.averages
+        applied = ctl["pending"] > 0
+        params_in, opt_in = params, opt
         new_prev = None
         if c.loss.p > 0:
             prev = _squeeze(state["prev_grad"]) if "prev_grad" in state else None
             grads, new_prev = self._lossy_mean(grads, prev, ctl["loss_p"], key, step, me)
+            stats = lax.psum(stats, M.DATA)
+            if average_first:
+                params_in, opt_in, pre_div, pre_max = lax.cond(applied, self._average_state,
+                                                               keep, params, opt)
+        elif average_first:  # one all-reduce: gradients, statistics and, if applied, copies
+            def reduce_and_average(g, s, p, o):
+                (g, s), (p, o, sq) = self._sum_and_average((g, s), p, o)
+                return g, s, p, o, *self._averaged_stats(sq)
+
+            def reduce_only(g, s, p, o):
+                return *lax.psum((g, s), M.DATA), p, o, zero, zero
+
+            grads, stats, params_in, opt_in, pre_div, pre_max = lax.cond(
+                applied, reduce_and_average, reduce_only, grads, stats, params, opt)
+            grads = jax.tree.map(lambda g: M.vary(g / m, (M.DATA,)), grads)
         else:
-            grads = jax.tree.map(lambda g: M.vary(lax.pmean(g, M.DATA), (M.DATA,)), grads)
+            grads, stats = lax.psum((grads, stats), M.DATA)
+            grads = jax.tree.map(lambda g: M.vary(g / m, (M.DATA,)), grads)
+        grad_norm = stats["norm"] / m  # the mean over workers of ||g_m||
         grads = self._noise(grads, ctl, key, step, me)
         if ctx is not None:
             grads = self.injector.corrupt_tree(grads, ctx, GRAD_SITE)
             transform_updates = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
             records = ctx.records
 
-        def average_state(p, o):
-            p_avg, sq = self._average(p)
-            o_avg = self._average(o)[0] if c.sync_opt_state else o
-            return p_avg, o_avg, lax.pmean(sq, M.DATA), lax.pmax(sq, M.DATA)
-
-        keep = lambda p, o: (p, o, jnp.float32(0), jnp.float32(0))  # noqa: E731
         next_sync, h, sigma2_est = ctl["next_sync"], ctl["H"], ctl["sigma2_est"]
-        if c.overlap:  # apply the average launched last step, before this step's update
-            applied = ctl["pending"] > 0
-            params_in, opt_in, pre_div, pre_max = lax.cond(applied, average_state, keep, params,
-                                                           opt)
+        if c.overlap:
             lr2_pre = ctl["lr2"]
-        else:
-            params_in, opt_in = params, opt
         new = apply_update(self.tx, {"params": params_in, "opt_state": opt_in,
                                      "step": state["step"]}, grads, transform_updates)
         new_params, new_opt = new["params"], new["opt_state"]
@@ -382,13 +442,18 @@ class PaftTrainer:
             new_params = self._broadcast(new_params, params, key, step, me)
 
         if c.overlap:
+            if not average_first:  # never averages: pending stays 0
+                applied, pre_div, pre_max = jnp.bool_(False), zero, zero
             pending = jnp.int32(0)
             since = jnp.where(applied, 1, ctl["since"] + 1)
             lr2 = jnp.where(applied, lr ** 2, ctl["lr2"] + lr ** 2)
         else:
             applied = next_sync == step
-            new_params, new_opt, pre_div, pre_max = lax.cond(applied, average_state, keep,
-                                                             new_params, new_opt)
+            if self.averages:
+                new_params, new_opt, pre_div, pre_max = lax.cond(
+                    applied, self._average_state, keep, new_params, new_opt)
+            else:  # next_sync stays 0: never applied
+                pre_div, pre_max = zero, zero
             since_pre, lr2_pre = ctl["since"] + 1, ctl["lr2"] + lr ** 2
             since = jnp.where(applied, 0, since_pre)
             lr2 = jnp.where(applied, 0.0, lr2_pre)
@@ -426,8 +491,8 @@ class PaftTrainer:
                                                      "loss_p")}}}
         if new_prev is not None:
             out_state["prev_grad"] = _unsqueeze(new_prev)
-        losses_M = lax.psum(jnp.where(jnp.arange(self.workers) == me, loss, 0.0), M.DATA)
-        metrics = {**{f"loss/w{m}": losses_M[m] for m in range(self.workers)},
+        losses_M = stats["loss_M"]
+        metrics = {**{f"loss/w{w}": losses_M[w] for w in range(m)},
                    LOSS_KEY: jnp.mean(losses_M), "div/mean_sq": div, "div/max": div_max,
                    "div/measured": measure.astype(jnp.float32),
                    "paft/sync": applied.astype(jnp.float32), "paft/H": h.astype(jnp.float32),
