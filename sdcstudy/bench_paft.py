@@ -64,18 +64,16 @@ def _overrides(variant: str, workers: int, sigma2: float) -> list[str]:
 
 
 def _configs(preset: str, args, workers: int) -> tuple[dict, int, int]:
-    """Per variant its config, the timed steps, and the batch asked for (before rounding up
-    to a multiple of `workers`)."""
-    configs, steps, asked = {}, 0, 0
+    """Per variant its config, the timed steps, and the batch asked for (the suite's shape or
+    --batch), which is rounded up to a multiple of `workers` when it does not split."""
+    asked = B.preset_config("paft", preset, args, ["experiment.mode=train",
+                                                   "mesh.dp=1"])[0].experiment.batch_size
+    rounded = -(-asked // workers) * workers
+    batch = [f"experiment.batch_size={rounded}"] if rounded != asked else []
+    configs, steps = {}, 0
     for variant in VARIANTS:
-        overrides = _overrides(variant, workers, args.sigma2)
-        cfg, steps = B.preset_config("paft", preset, args, overrides)
-        asked = cfg.experiment.batch_size
-        if asked % workers:
-            rounded = -(-asked // workers) * workers
-            cfg, steps = B.preset_config("paft", preset, args,
-                                         [*overrides, f"experiment.batch_size={rounded}"])
-        configs[variant] = cfg
+        configs[variant], steps = B.preset_config(
+            "paft", preset, args, [*_overrides(variant, workers, args.sigma2), *batch])
     return configs, steps, asked
 
 

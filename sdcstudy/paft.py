@@ -251,23 +251,21 @@ class PaftTrainer:
 
     def _sum_and_average(self, summed, params, opt):
         """One all-reduce: the workers' sum of `summed` (any tree), and every worker gets the
-        workers' mean of the parameters (and with `sync_opt_state` of the optimizer state) with
-        this worker's squared distance ||theta_bar - theta_m||^2 before it. Non-float leaves
-        (step counts) are kept."""
-        trees = (params, opt) if self.cfg.paft.sync_opt_state else (params,)
-        leaves, treedef = jax.tree.flatten(trees)
+        workers' mean of `params` and `opt` (the optimizer state with `sync_opt_state`, else
+        `()`) with this worker's squared distance ||theta_bar - theta_m||^2 before it.
+        Non-float leaves (step counts) are kept."""
+        leaves, treedef = jax.tree.flatten((params, opt))
         floats = tuple(x for x in leaves if _is_float(x))
         summed, sums = lax.psum((summed, floats), M.DATA)
         means = iter(M.vary(x / self.workers, (M.DATA,)) for x in sums)
         out = [next(means) if _is_float(x) else x for x in leaves]
         p_leaves = jax.tree.leaves(params)
-        sq = _sq_distance(out[:len(p_leaves)], p_leaves)
-        averaged = jax.tree.unflatten(treedef, out)
-        return summed, (averaged[0], averaged[1] if len(averaged) > 1 else opt, sq)
+        params, opt = jax.tree.unflatten(treedef, out)
+        return summed, (params, opt, _sq_distance(out[:len(p_leaves)], p_leaves))
 
     def _average_state(self, params, opt):
-        """The averaged copies (and optimizer states, with `sync_opt_state`) and the (mean,
-        max) over workers of the divergence they replaced."""
+        """The averaged copies and `opt` (the optimizer states with `sync_opt_state`, else
+        `()`), and the (mean, max) over workers of the divergence they replaced."""
         _, (params, opt, sq) = self._sum_and_average((), params, opt)
         return params, opt, *self._averaged_stats(sq)
 
@@ -402,7 +400,10 @@ class PaftTrainer:
         # update (a trainer that never averages has nothing to apply).
         average_first = c.overlap and self.averages
         applied = ctl["pending"] > 0
-        params_in, opt_in = params, opt
+        # An average touches the optimizer state only with sync_opt_state; otherwise it stays
+        # out of the branches (no copy of it through them).
+        sync_opt = c.sync_opt_state
+        params_in, opt_in = params, (opt if sync_opt else ())
         new_prev = None
         if c.loss.p > 0:
             prev = _squeeze(state["prev_grad"]) if "prev_grad" in state else None
@@ -410,7 +411,7 @@ class PaftTrainer:
             stats = lax.psum(stats, M.DATA)
             if average_first:
                 params_in, opt_in, pre_div, pre_max = lax.cond(applied, self._average_state,
-                                                               keep, params, opt)
+                                                               keep, params, opt_in)
         elif average_first:  # one all-reduce: gradients, statistics and, if applied, copies
             def reduce_and_average(g, s, p, o):
                 (g, s), (p, o, sq) = self._sum_and_average((g, s), p, o)
@@ -420,7 +421,7 @@ class PaftTrainer:
                 return *lax.psum((g, s), M.DATA), p, o, zero, zero
 
             grads, stats, params_in, opt_in, pre_div, pre_max = lax.cond(
-                applied, reduce_and_average, reduce_only, grads, stats, params, opt)
+                applied, reduce_and_average, reduce_only, grads, stats, params, opt_in)
             grads = jax.tree.map(lambda g: M.vary(g / m, (M.DATA,)), grads)
         else:
             grads, stats = lax.psum((grads, stats), M.DATA)
@@ -435,6 +436,7 @@ class PaftTrainer:
         next_sync, h, sigma2_est = ctl["next_sync"], ctl["H"], ctl["sigma2_est"]
         if c.overlap:
             lr2_pre = ctl["lr2"]
+        opt_in = opt_in if sync_opt else opt
         new = apply_update(self.tx, {"params": params_in, "opt_state": opt_in,
                                      "step": state["step"]}, grads, transform_updates)
         new_params, new_opt = new["params"], new["opt_state"]
@@ -450,8 +452,9 @@ class PaftTrainer:
         else:
             applied = next_sync == step
             if self.averages:
-                new_params, new_opt, pre_div, pre_max = lax.cond(
-                    applied, self._average_state, keep, new_params, new_opt)
+                new_params, opt_avg, pre_div, pre_max = lax.cond(
+                    applied, self._average_state, keep, new_params, new_opt if sync_opt else ())
+                new_opt = opt_avg if sync_opt else new_opt
             else:  # next_sync stays 0: never applied
                 pre_div, pre_max = zero, zero
             since_pre, lr2_pre = ctl["since"] + 1, ctl["lr2"] + lr ** 2
