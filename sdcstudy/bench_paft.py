@@ -119,7 +119,8 @@ def paft_table(results: list[dict]) -> str:
             for variant, v in w["variants"].items():
                 goal = ""
                 if variant == "dyn-overlap":
-                    goal = ("met" if w["goal_met"] else "NOT met") + f" (<= {GOAL:.2f}x)"
+                    goal = (("met" if w["goal_met"] else "NOT met")
+                            + f" (<= {GOAL:.2f}x of noised)")
                 h = ", ".join(f"{x:g}" for x in v.get("H", []) if x is not None) or "-"
                 lines.append(f"| {r['preset']} | {w['workers']} | {batch} | {variant} | "
                              f"{B._ms(v['seconds_per_step'])} | {B._ratio(v['ratio_to_noised'])} "
