@@ -11,8 +11,8 @@ One step, on every worker m:
    that reached m (renormalized, zero-filled or stale; drops independent or in bursts along
    the packet sequence);
 3. the per-worker error of Definition 2.1, eps_m ~ N(0, sigma2) per coordinate (with an
-   accidental large variance every `large_every` steps; one normal draw over all the
-   gradient's coordinates), then the fault engine's `collective/grad_allreduce` site (bit
+   accidental large variance every `large_every` steps; one threefry normal draw over all
+   the gradient's coordinates), then the fault engine's `collective/grad_allreduce` site (bit
    corruption of the received gradient);
 4. the optimizer update; with lossy owner broadcasts (`paft.loss.param_p`) each worker's copy
    of a packet it does not own is the owner's new value or, if the broadcast was lost, stale;
