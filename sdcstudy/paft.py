@@ -25,9 +25,10 @@ H, the next sync step and the estimates live in the state and decide through `la
 step compiles once and never waits for the host. Metrics leave as replicated scalars.
 
 Collectives per step: the exact mean is one all-reduce that also carries the per-worker losses
-and gradient norms (the metrics) and, with overlap, on a step that applies an average, the
-copies being averaged; the divergence that average removed costs one more all-reduce of M
-scalars. A trainer that never averages (no `sync_every`, not dynamic) compiles no average.
+and gradient norms (the metrics) and, with overlap, the divergence an applied average removed.
+An overlapped average is one all-reduce of the copies at the start of the step that applies
+it (it needs nothing from that step's gradient, so it may run beside the forward and backward
+passes). A trainer that never averages (no `sync_every`, not dynamic) compiles no average.
 """
 
 from __future__ import annotations
@@ -249,24 +250,22 @@ class PaftTrainer:
         total, count = model.token_losses(self.graphdef, params, batch["tokens"])
         return total, (count, {})
 
-    def _sum_and_average(self, summed, params, opt):
-        """One all-reduce: the workers' sum of `summed` (any tree), and every worker gets the
-        workers' mean of `params` and `opt` (the optimizer state with `sync_opt_state`, else
-        `()`) with this worker's squared distance ||theta_bar - theta_m||^2 before it.
-        Non-float leaves (step counts) are kept."""
+    def _average(self, params, opt):
+        """One all-reduce: every worker gets the workers' mean of `params` and `opt` (the
+        optimizer state with `sync_opt_state`, else `()`), and this worker's squared distance
+        ||theta_bar - theta_m||^2 before it. Non-float leaves (step counts) are kept."""
         leaves, treedef = jax.tree.flatten((params, opt))
         floats = tuple(x for x in leaves if _is_float(x))
-        summed, sums = lax.psum((summed, floats), M.DATA)
-        means = iter(M.vary(x / self.workers, (M.DATA,)) for x in sums)
+        means = iter(M.vary(x / self.workers, (M.DATA,)) for x in lax.psum(floats, M.DATA))
         out = [next(means) if _is_float(x) else x for x in leaves]
         p_leaves = jax.tree.leaves(params)
         params, opt = jax.tree.unflatten(treedef, out)
-        return summed, (params, opt, _sq_distance(out[:len(p_leaves)], p_leaves))
+        return params, opt, _sq_distance(out[:len(p_leaves)], p_leaves)
 
     def _average_state(self, params, opt):
-        """The averaged copies and `opt` (the optimizer states with `sync_opt_state`, else
-        `()`), and the (mean, max) over workers of the divergence they replaced."""
-        _, (params, opt, sq) = self._sum_and_average((), params, opt)
+        """The averaged copies and `opt`, and the (mean, max) over workers of the divergence
+        they replaced."""
+        params, opt, sq = self._average(params, opt)
         return params, opt, *self._averaged_stats(sq)
 
     def _averaged_stats(self, sq):
@@ -385,11 +384,30 @@ class PaftTrainer:
         lr = self.schedule(state["step"])
         key = jax.random.wrap_key_data(state["key"])
 
+        zero = jnp.float32(0)
+        sync_opt = c.sync_opt_state
+        # An average touches the optimizer state only with sync_opt_state; otherwise it stays
+        # out of the branches (no copy of it through them).
+        params_in, opt_in = params, (opt if sync_opt else ())
+        # With overlap, the average launched last step replaces the copies before this step's
+        # update. It needs nothing from this step's gradient, so it comes first (free to run
+        # beside the forward and backward passes); the divergence it removed travels with the
+        # gradients. A trainer that never averages has nothing to apply.
+        average_first = c.overlap and self.averages
+        applied = ctl["pending"] > 0
+        if average_first:
+            keep_copies = lambda p, o: (p, o, M.vary(zero, (M.DATA,)))  # noqa: E731
+            params_in, opt_in, sq = lax.cond(applied, self._average, keep_copies, params,
+                                             opt_in)
+
         loss, grads, _ = accumulate_gradients(self._loss, params, batch)
-        # Summed over the workers together with the gradients: each worker's loss in its own
-        # slot, and the norm of its own gradient.
-        stats = {"loss_M": jnp.where(jnp.arange(m) == me, loss, 0.0),
-                 "norm": optax.tree.norm(grads)}
+        # Summed over the workers together with the gradients: each worker's loss (and the
+        # divergence its copy had before an overlapped average) in its own slot, and the norm
+        # of its own gradient.
+        mine_M = jnp.arange(m) == me
+        stats = {"loss_M": jnp.where(mine_M, loss, 0.0), "norm": optax.tree.norm(grads)}
+        if average_first:
+            stats["sq_M"] = jnp.where(mine_M, sq, 0.0)
         records = {}
         transform_updates = lambda u: u  # noqa: E731
         ctx = None
@@ -398,38 +416,17 @@ class PaftTrainer:
                                  dp_axis=M.DATA)
             grads = self.injector.corrupt_tree(grads, ctx, "grad")
 
-        zero = jnp.float32(0)
         keep = lambda p, o: (p, o, zero, zero)  # noqa: E731
-        # With overlap, the average launched last step replaces the copies before this step's
-        # update (a trainer that never averages has nothing to apply).
-        average_first = c.overlap and self.averages
-        applied = ctl["pending"] > 0
-        # An average touches the optimizer state only with sync_opt_state; otherwise it stays
-        # out of the branches (no copy of it through them).
-        sync_opt = c.sync_opt_state
-        params_in, opt_in = params, (opt if sync_opt else ())
         new_prev = None
         if c.loss.p > 0:
             prev = _squeeze(state["prev_grad"]) if "prev_grad" in state else None
             grads, new_prev = self._lossy_mean(grads, prev, ctl["loss_p"], key, step, me)
             stats = lax.psum(stats, M.DATA)
-            if average_first:
-                params_in, opt_in, pre_div, pre_max = lax.cond(applied, self._average_state,
-                                                               keep, params, opt_in)
-        elif average_first:  # one all-reduce: gradients, statistics and, if applied, copies
-            def reduce_and_average(g, s, p, o):
-                (g, s), (p, o, sq) = self._sum_and_average((g, s), p, o)
-                return g, s, p, o, *self._averaged_stats(sq)
-
-            def reduce_only(g, s, p, o):
-                return *lax.psum((g, s), M.DATA), p, o, zero, zero
-
-            grads, stats, params_in, opt_in, pre_div, pre_max = lax.cond(
-                applied, reduce_and_average, reduce_only, grads, stats, params, opt_in)
-            grads = jax.tree.map(lambda g: M.vary(g / m, (M.DATA,)), grads)
-        else:
+        else:  # one all-reduce for the exact mean and the statistics
             grads, stats = lax.psum((grads, stats), M.DATA)
             grads = jax.tree.map(lambda g: M.vary(g / m, (M.DATA,)), grads)
+        if average_first:
+            pre_div, pre_max = jnp.sum(stats["sq_M"]) / m, jnp.max(stats["sq_M"])
         grad_norm = stats["norm"] / m  # the mean over workers of ||g_m||
         grads = self._noise(grads, ctl, key, step, me)
         if ctx is not None:
