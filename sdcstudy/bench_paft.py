@@ -1,16 +1,24 @@
-"""`sdcstudy bench paft`: the step time of PAFT-Dyn with overlap against plain data-parallel
-training, M workers side by side in one run (bench.py's compile, warm-up and rotation).
+"""`sdcstudy bench paft`: the step time of PAFT-Dyn with overlap, M workers side by side in one
+run (bench.py's compile, warm-up and rotation), against data-parallel training under the same
+simulated error and against error-free plain data-parallel training.
 
 Contenders, all on the same batch and mesh (M simulated devices):
 - `dp`: the plain data-parallel step (`train.Trainer`, one replicated model, gradients
-  all-reduced over `dp`), the baseline;
-- `noised`: PAFT mode with the aggregation error of Definition 2.1 and no mitigation (the
-  per-worker copies and their noise draws: the cost of simulating the error), divergence
-  not measured;
+  all-reduced over `dp`), with no aggregation error;
+- `noised`: PAFT mode with the aggregation error of Definition 2.1 and no mitigation: plain
+  data-parallel training (gradients averaged by one all-reduce) in the simulator, each worker
+  with its own copy, optimizer state and error draw; divergence not measured;
 - `dyn-overlap`: the same error with PAFT-Dyn and overlapped averages, the divergence measured
   only when an average is applied (`paft.div_every=0`), as Algorithm 2 needs it.
-The goal is dyn-overlap / dp <= 1.05 (the PAFT paper reports +18.9% at 32 workers);
-dyn-overlap / noised is PAFT's own share.
+
+The PAFT paper compares PAFT with plain DSGD under the same aggregation errors. Here the error
+is the environment, so the like-for-like baseline of PAFT's cost is `noised`: the goal is
+dyn-overlap / noised <= 1.05 (the paper reports +18.9% at 32 workers), "PAFT's cost over
+data-parallel training under the same simulated error". dyn-overlap / dp (error-free plain data
+parallel) is reported beside it: it includes the simulator's cost, noised / dp.
+
+The batch must split over the M workers: a batch that does not is rounded up to the next
+multiple of M (for every contender of that M), and the table says so.
 """
 
 from __future__ import annotations
@@ -19,12 +27,13 @@ from . import bench as B
 from .config import UserError
 
 GOAL = 1.05
+GOAL_RATIO = "dyn-overlap / noised"
 VARIANTS = ("dp", "noised", "dyn-overlap")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("paft", help="step time of PAFT-Dyn with overlap against plain "
-                                    "data-parallel training")
+    p = sub.add_parser("paft", help="step time of PAFT-Dyn with overlap against data-parallel "
+                                    "training under the same simulated error (and without it)")
     B._add_common_args(p, "paft")
     p.add_argument("--workers", default="4,8", help="comma-separated worker counts (default 4,8)")
     p.add_argument("--sigma2", type=float, default=1e-3,
@@ -54,59 +63,89 @@ def _overrides(variant: str, workers: int, sigma2: float) -> list[str]:
     return paft
 
 
+def _configs(preset: str, args, workers: int) -> tuple[dict, int, int]:
+    """Per variant its config, the timed steps, and the batch asked for (the suite's shape or
+    --batch), which is rounded up to a multiple of `workers` when it does not split."""
+    asked = B.preset_config("paft", preset, args, ["experiment.mode=train",
+                                                   "mesh.dp=1"])[0].experiment.batch_size
+    rounded = -(-asked // workers) * workers
+    batch = [f"experiment.batch_size={rounded}"] if rounded != asked else []
+    configs, steps = {}, 0
+    for variant in VARIANTS:
+        configs[variant], steps = B.preset_config(
+            "paft", preset, args, [*_overrides(variant, workers, args.sigma2), *batch])
+    return configs, steps, asked
+
+
 def measure_paft(preset: str, args, echo=B.echo_stderr) -> dict:
     from .paft import PaftTrainer
     from .train import Trainer
 
     results = []
     for workers in _workers(args):
-        trainers, cfg, steps = {}, None, 0
-        for variant in VARIANTS:
-            cfg_v, steps = B.preset_config("paft", preset, args,
-                                           _overrides(variant, workers, args.sigma2))
-            cfg = cfg if variant != "dp" else cfg_v
-            trainers[variant] = (Trainer if variant == "dp" else PaftTrainer).from_config(cfg_v)
-        _, warmup, variants, result = B.time_variants(preset, args, cfg, steps, trainers, "dp",
-                                                      f"M={workers} {{}}", echo)
+        configs, steps, asked = _configs(preset, args, workers)
+        trainers = {variant: (Trainer if variant == "dp" else PaftTrainer).from_config(cfg)
+                    for variant, cfg in configs.items()}
+        _, warmup, variants, result = B.time_variants(preset, args, configs["dp"], steps,
+                                                      trainers, "dp", f"M={workers} {{}}", echo)
+        seconds = {v: variants[v]["seconds_per_step"]["runs"] for v in VARIANTS}
         for variant in VARIANTS[1:]:
             variants[variant]["H"] = [w.get("paft/H") for w in warmup[variant]]
             variants[variant]["syncs"] = sum(w.get("paft/sync", 0) for w in warmup[variant])
-        ratio = variants["dyn-overlap"]["ratio"]["median"]
-        per_noised = B.ratio_spread(variants["dyn-overlap"]["seconds_per_step"]["runs"],
-                                    variants["noised"]["seconds_per_step"]["runs"])
+        for variant in VARIANTS:
+            variants[variant]["ratio_to_noised"] = B.ratio_spread(seconds[variant],
+                                                                  seconds["noised"])
+        goal = B.ratio_spread(seconds["dyn-overlap"], seconds["noised"])
         results.append({**result, "workers": workers, "sigma2": args.sigma2,
-                        "variants": variants, "goal": GOAL, "goal_met": ratio <= GOAL,
-                        "dyn_over_noised": per_noised})
+                        "batch_asked": asked, "batch_rounded": result["batch"] != asked,
+                        "variants": variants, "goal": GOAL, "goal_ratio": GOAL_RATIO,
+                        "goal_met": goal["median"] <= GOAL, "dyn_over_noised": goal,
+                        "dyn_over_dp": variants["dyn-overlap"]["ratio"],
+                        "noised_over_dp": variants["noised"]["ratio"]})
     return {"preset": preset, "by_workers": results}
 
 
 def paft_table(results: list[dict]) -> str:
-    lines = ["| preset | M | variant | ms/step | ratio to dp | H (warm-up) | goal |",
-             "|---|---:|---|---:|---:|---|---|"]
+    lines = ["| preset | M | batch | variant | ms/step | ratio to noised (goal) | ratio to dp | "
+             "H (warm-up) | goal |",
+             "|---|---:|---:|---|---:|---:|---:|---|---|"]
+    notes = []
     for r in results:
         for w in r["by_workers"]:
+            batch = f"{w['batch']}" + ("*" if w.get("batch_rounded") else "")
+            if w.get("batch_rounded"):
+                notes.append(f"{r['preset']}, M = {w['workers']}: batch {w['batch_asked']} does "
+                             f"not split over {w['workers']} workers, rounded up to {w['batch']}.")
             for variant, v in w["variants"].items():
                 goal = ""
                 if variant == "dyn-overlap":
-                    goal = ("met" if w["goal_met"] else "NOT met") + f" (<= {GOAL:.2f}x)"
+                    goal = (("met" if w["goal_met"] else "NOT met")
+                            + f" (<= {GOAL:.2f}x of noised)")
                 h = ", ".join(f"{x:g}" for x in v.get("H", []) if x is not None) or "-"
-                lines.append(f"| {r['preset']} | {w['workers']} | {variant} | "
-                             f"{B._ms(v['seconds_per_step'])} | {B._ratio(v['ratio'])} | {h} | "
-                             f"{goal} |")
+                lines.append(f"| {r['preset']} | {w['workers']} | {batch} | {variant} | "
+                             f"{B._ms(v['seconds_per_step'])} | {B._ratio(v['ratio_to_noised'])} "
+                             f"| {B._ratio(v['ratio'])} | {h} | {goal} |")
     lines += ["", "Median (min-max) over interleaved repetitions; ratios per repetition. dp: "
-              "plain data-parallel step; noised: PAFT workers with the aggregation error and no "
-              "mitigation; dyn-overlap: PAFT-Dyn with overlapped averages (divergence measured "
-              "at averages only)."]
+              "plain data-parallel step without aggregation error; noised: data-parallel "
+              "training under the simulated aggregation error (PAFT workers, no mitigation); "
+              "dyn-overlap: the same error with PAFT-Dyn and overlapped averages (divergence "
+              "measured at averages only). The goal is dyn-overlap / noised <= "
+              f"{GOAL:.2f}x: PAFT's cost over data-parallel training under the same simulated "
+              "error. dyn-overlap / dp compares with error-free plain data parallel and includes "
+              "the simulator's cost (noised / dp)."]
     for r in results:
         for w in r["by_workers"]:
             lines.append(f"- {r['preset']}, M = {w['workers']}: dyn-overlap / noised "
-                         f"{B._ratio(w['dyn_over_noised'])} (PAFT's own share).")
+                         f"{B._ratio(w['dyn_over_noised'])} (goal: PAFT's cost over data-parallel "
+                         f"training under the same simulated error); dyn-overlap / dp "
+                         f"{B._ratio(w['dyn_over_dp'])} (error-free plain data parallel), of which "
+                         f"the simulator, noised / dp, is {B._ratio(w['noised_over_dp'])}.")
+    lines += [f"- * {note}" for note in notes]
     return "\n".join(lines) + "\n"
 
 
 def run_paft_suite(args) -> int:
     def check(preset):
-        for variant in VARIANTS:
-            B.preset_config("paft", preset, args, _overrides(variant, _workers(args)[0],
-                                                             args.sigma2))
+        for workers in _workers(args):
+            _configs(preset, args, workers)
     return B.run_suite(args, "paft", measure_paft, paft_table, check=check)

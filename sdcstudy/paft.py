@@ -7,12 +7,13 @@ so each worker keeps its own parameters and optimizer state and they may drift a
 
 One step, on every worker m:
 1. the gradient of its own data shard at its own parameters;
-2. aggregation: the exact mean (`pmean`), or, with packet loss (`paft.loss.p`), the mean of
-   the packets that reached m (renormalized, zero-filled or stale; drops independent or in
-   bursts along the packet sequence);
+2. aggregation: the exact mean, or, with packet loss (`paft.loss.p`), the mean of the packets
+   that reached m (renormalized, zero-filled or stale; drops independent or in bursts along
+   the packet sequence);
 3. the per-worker error of Definition 2.1, eps_m ~ N(0, sigma2) per coordinate (with an
-   accidental large variance every `large_every` steps), then the fault engine's
-   `collective/grad_allreduce` site (bit corruption of the received gradient);
+   accidental large variance every `large_every` steps; one threefry normal draw over all
+   the gradient's coordinates), then the fault engine's `collective/grad_allreduce` site (bit
+   corruption of the received gradient);
 4. the optimizer update; with lossy owner broadcasts (`paft.loss.param_p`) each worker's copy
    of a packet it does not own is the owner's new value or, if the broadcast was lost, stale;
 5. PAFT-Sync: every H steps the parameters (and with `sync_opt_state` the optimizer state) are
@@ -22,6 +23,12 @@ One step, on every worker m:
 
 H, the next sync step and the estimates live in the state and decide through `lax.cond`: the
 step compiles once and never waits for the host. Metrics leave as replicated scalars.
+
+Collectives per step: the exact mean is one all-reduce that also carries the per-worker losses
+and gradient norms (the metrics) and, with overlap, the divergence an applied average removed.
+An overlapped average is one all-reduce of the copies at the start of the step that applies
+it (it needs nothing from that step's gradient, so it may run beside the forward and backward
+passes). A trainer that never averages (no `sync_every`, not dynamic) compiles no average.
 """
 
 from __future__ import annotations
@@ -65,6 +72,15 @@ def _unsqueeze(tree):
 
 def _is_float(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _sq_distance(new_leaves, old_leaves):
+    """sum over the float leaves of ||new - old||^2, in float32."""
+    sq = jnp.float32(0)
+    for a, b in zip(new_leaves, old_leaves):
+        if _is_float(b):
+            sq = sq + jnp.sum(jnp.square((a - b).astype(jnp.float32)))
+    return sq
 
 
 # --- packets ----------------------------------------------------------------------------------
@@ -173,6 +189,13 @@ class PaftTrainer:
         return self.cfg.mesh.dp
 
     @property
+    def averages(self) -> bool:
+        """Whether the copies are ever averaged (PAFT-Sync or PAFT-Dyn): without, the step
+        compiles no average at all."""
+        c = self.cfg.paft
+        return c.sync_every > 0 or c.dynamic
+
+    @property
     def first_h(self) -> int:
         c = self.cfg.paft
         return c.sync_every if c.sync_every > 0 else (c.h_min if c.dynamic else 0)
@@ -227,19 +250,30 @@ class PaftTrainer:
         total, count = model.token_losses(self.graphdef, params, batch["tokens"])
         return total, (count, {})
 
-    def _average(self, tree):
-        """Every worker gets the workers' mean (one all-reduce per leaf), and this worker's
-        squared distance ||mean - x||^2 before it. Non-float leaves (step counts) are kept."""
-        leaves, treedef = jax.tree.flatten(tree)
-        out, sq = [], jnp.float32(0)
-        for x in leaves:
-            if not _is_float(x):
-                out.append(x)
-                continue
-            mean = M.vary(lax.pmean(x, M.DATA), (M.DATA,))
-            sq = sq + jnp.sum(jnp.square((mean - x).astype(jnp.float32)))
-            out.append(mean)
-        return jax.tree.unflatten(treedef, out), sq
+    def _average(self, params, opt):
+        """One all-reduce: every worker gets the workers' mean of `params` and `opt` (the
+        optimizer state with `sync_opt_state`, else `()`), and this worker's squared distance
+        ||theta_bar - theta_m||^2 before it. Non-float leaves (step counts) are kept."""
+        leaves, treedef = jax.tree.flatten((params, opt))
+        floats = tuple(x for x in leaves if _is_float(x))
+        means = iter(M.vary(x / self.workers, (M.DATA,)) for x in lax.psum(floats, M.DATA))
+        out = [next(means) if _is_float(x) else x for x in leaves]
+        p_leaves = jax.tree.leaves(params)
+        params, opt = jax.tree.unflatten(treedef, out)
+        return params, opt, _sq_distance(out[:len(p_leaves)], p_leaves)
+
+    def _average_state(self, params, opt):
+        """The averaged copies and `opt`, and the (mean, max) over workers of the divergence
+        they replaced."""
+        params, opt, sq = self._average(params, opt)
+        return params, opt, *self._averaged_stats(sq)
+
+    def _averaged_stats(self, sq):
+        """(mean over workers, max over workers) of each worker's `sq`, from one all-reduce
+        of the workers' values placed in a vector."""
+        sq_M = lax.psum(jnp.where(jnp.arange(self.workers) == lax.axis_index(M.DATA), sq, 0.0),
+                        M.DATA)
+        return jnp.sum(sq_M) / self.workers, jnp.max(sq_M)
 
     def _divergence(self, params):
         """(mean over workers, max over workers) of ||theta_bar - theta_m||^2, computed from
@@ -271,9 +305,19 @@ class PaftTrainer:
         std = jnp.sqrt(jnp.where(large, ctl["large_sigma2"], ctl["sigma2"]))
         key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, NOISE_STREAM),
                                                     step), me)
+        # One draw for the whole tree, cut into the leaves: a single generator kernel instead
+        # of one per leaf (the draws are independent across coordinates either way). Threefry
+        # with its sequential counter layout (`threefry_partitionable` off): the draw is local
+        # to one worker and never sharded, and on CPU this layout makes the bits about twice
+        # as fast as the partitionable one, which hashes two words per output.
         leaves, treedef = jax.tree.flatten(tree)
-        out = [x + (std * jax.random.normal(jax.random.fold_in(key, i), x.shape)).astype(x.dtype)
-               for i, x in enumerate(leaves)]
+        with jax.threefry_partitionable(False):
+            eps = std * jax.random.normal(key, (sum(x.size for x in leaves),))
+        out, offset = [], 0
+        for x in leaves:
+            out.append(x + lax.slice_in_dim(eps, offset, offset + x.size).reshape(x.shape)
+                       .astype(x.dtype))
+            offset += x.size
         return jax.tree.unflatten(treedef, out)
 
     def _lossy_mean(self, grads, prev, loss_p, key, step, me):
@@ -332,7 +376,7 @@ class PaftTrainer:
     # --- the step ------------------------------------------------------------------------
 
     def _local_step(self, state, batch):
-        c = self.cfg.paft
+        c, m = self.cfg.paft, self.workers
         me = lax.axis_index(M.DATA)
         params, opt = _squeeze(state["params"]), _squeeze(state["opt_state"])
         ctl = state["paft"]
@@ -340,8 +384,30 @@ class PaftTrainer:
         lr = self.schedule(state["step"])
         key = jax.random.wrap_key_data(state["key"])
 
+        zero = jnp.float32(0)
+        sync_opt = c.sync_opt_state
+        # An average touches the optimizer state only with sync_opt_state; otherwise it stays
+        # out of the branches (no copy of it through them).
+        params_in, opt_in = params, (opt if sync_opt else ())
+        # With overlap, the average launched last step replaces the copies before this step's
+        # update. It needs nothing from this step's gradient, so it comes first (free to run
+        # beside the forward and backward passes); the divergence it removed travels with the
+        # gradients. A trainer that never averages has nothing to apply.
+        average_first = c.overlap and self.averages
+        applied = ctl["pending"] > 0
+        if average_first:
+            keep_copies = lambda p, o: (p, o, M.vary(zero, (M.DATA,)))  # noqa: E731
+            params_in, opt_in, sq = lax.cond(applied, self._average, keep_copies, params,
+                                             opt_in)
+
         loss, grads, _ = accumulate_gradients(self._loss, params, batch)
-        grad_norm = lax.pmean(optax.tree.norm(grads), M.DATA)
+        # Summed over the workers together with the gradients: each worker's loss (and the
+        # divergence its copy had before an overlapped average) in its own slot, and the norm
+        # of its own gradient.
+        mine_M = jnp.arange(m) == me
+        stats = {"loss_M": jnp.where(mine_M, loss, 0.0), "norm": optax.tree.norm(grads)}
+        if average_first:
+            stats["sq_M"] = jnp.where(mine_M, sq, 0.0)
         records = {}
         transform_updates = lambda u: u  # noqa: E731
         ctx = None
@@ -349,32 +415,29 @@ class PaftTrainer:
             ctx = F.FaultContext(jax.random.fold_in(key, FAULT_STREAM), step, jnp.int32(-1),
                                  dp_axis=M.DATA)
             grads = self.injector.corrupt_tree(grads, ctx, "grad")
+
+        keep = lambda p, o: (p, o, zero, zero)  # noqa: E731
         new_prev = None
         if c.loss.p > 0:
             prev = _squeeze(state["prev_grad"]) if "prev_grad" in state else None
             grads, new_prev = self._lossy_mean(grads, prev, ctl["loss_p"], key, step, me)
-        else:
-            grads = jax.tree.map(lambda g: M.vary(lax.pmean(g, M.DATA), (M.DATA,)), grads)
+            stats = lax.psum(stats, M.DATA)
+        else:  # one all-reduce for the exact mean and the statistics
+            grads, stats = lax.psum((grads, stats), M.DATA)
+            grads = jax.tree.map(lambda g: M.vary(g / m, (M.DATA,)), grads)
+        if average_first:
+            pre_div, pre_max = jnp.sum(stats["sq_M"]) / m, jnp.max(stats["sq_M"])
+        grad_norm = stats["norm"] / m  # the mean over workers of ||g_m||
         grads = self._noise(grads, ctl, key, step, me)
         if ctx is not None:
             grads = self.injector.corrupt_tree(grads, ctx, GRAD_SITE)
             transform_updates = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
             records = ctx.records
 
-        def average_state(p, o):
-            p_avg, sq = self._average(p)
-            o_avg = self._average(o)[0] if c.sync_opt_state else o
-            return p_avg, o_avg, lax.pmean(sq, M.DATA), lax.pmax(sq, M.DATA)
-
-        keep = lambda p, o: (p, o, jnp.float32(0), jnp.float32(0))  # noqa: E731
         next_sync, h, sigma2_est = ctl["next_sync"], ctl["H"], ctl["sigma2_est"]
-        if c.overlap:  # apply the average launched last step, before this step's update
-            applied = ctl["pending"] > 0
-            params_in, opt_in, pre_div, pre_max = lax.cond(applied, average_state, keep, params,
-                                                           opt)
+        if c.overlap:
             lr2_pre = ctl["lr2"]
-        else:
-            params_in, opt_in = params, opt
+        opt_in = opt_in if sync_opt else opt
         new = apply_update(self.tx, {"params": params_in, "opt_state": opt_in,
                                      "step": state["step"]}, grads, transform_updates)
         new_params, new_opt = new["params"], new["opt_state"]
@@ -382,13 +445,19 @@ class PaftTrainer:
             new_params = self._broadcast(new_params, params, key, step, me)
 
         if c.overlap:
+            if not average_first:  # never averages: pending stays 0
+                applied, pre_div, pre_max = jnp.bool_(False), zero, zero
             pending = jnp.int32(0)
             since = jnp.where(applied, 1, ctl["since"] + 1)
             lr2 = jnp.where(applied, lr ** 2, ctl["lr2"] + lr ** 2)
         else:
             applied = next_sync == step
-            new_params, new_opt, pre_div, pre_max = lax.cond(applied, average_state, keep,
-                                                             new_params, new_opt)
+            if self.averages:
+                new_params, opt_avg, pre_div, pre_max = lax.cond(
+                    applied, self._average_state, keep, new_params, new_opt if sync_opt else ())
+                new_opt = opt_avg if sync_opt else new_opt
+            else:  # next_sync stays 0: never applied
+                pre_div, pre_max = zero, zero
             since_pre, lr2_pre = ctl["since"] + 1, ctl["lr2"] + lr ** 2
             since = jnp.where(applied, 0, since_pre)
             lr2 = jnp.where(applied, 0.0, lr2_pre)
@@ -426,8 +495,8 @@ class PaftTrainer:
                                                      "loss_p")}}}
         if new_prev is not None:
             out_state["prev_grad"] = _unsqueeze(new_prev)
-        losses_M = lax.psum(jnp.where(jnp.arange(self.workers) == me, loss, 0.0), M.DATA)
-        metrics = {**{f"loss/w{m}": losses_M[m] for m in range(self.workers)},
+        losses_M = stats["loss_M"]
+        metrics = {**{f"loss/w{w}": losses_M[w] for w in range(m)},
                    LOSS_KEY: jnp.mean(losses_M), "div/mean_sq": div, "div/max": div_max,
                    "div/measured": measure.astype(jnp.float32),
                    "paft/sync": applied.astype(jnp.float32), "paft/H": h.astype(jnp.float32),

@@ -211,3 +211,47 @@ def test_lossy_broadcast_drift_is_bounded_as_derived():
     # mean_m ||theta_bar - theta_m||^2 = sum over ordered pairs of D^2 / (2 M^2):
     paper = stepper.d * (WORKERS - 1) / WORKERS * q * LR ** 2 * sigma2 / (1 + q)
     assert abs(np.mean(values) / paper - 1) > TOLERANCE
+
+
+# --- the benchmark suite ----------------------------------------------------------------------
+
+
+def test_bench_suite_goal_is_against_noised_and_batch_splits(tmp_path, capsys, monkeypatch):
+    """`sdcstudy bench paft` with made-up step times (the timing machinery is bench.py's and
+    tested there): the goal ratio is dyn-overlap / noised (PAFT's cost over data parallel under
+    the same simulated error), dyn-overlap / dp and noised / dp are reported beside it, and a
+    batch that does not split over the workers is rounded up for every contender. If this
+    fails, the headline compares against the wrong baseline or M workers cannot split the
+    batch."""
+    from sdcstudy import bench, bench_paft, cli
+
+    times = {"dp": [1.0, 2.0], "noised": [1.5, 2.5], "dyn-overlap": [1.6, 2.5]}
+    seen = {}
+
+    def fake_time_variants(preset, args, cfg, steps, trainers, base, label, echo):
+        seen.update({name: t.cfg for name, t in trainers.items()})
+        warmup = {name: [{"paft/H": 1.0, "paft/sync": 1.0}] for name in trainers}
+        variants = {name: {"seconds_per_step": bench.spread(times[name]),
+                           "ratio": bench.ratio_spread(times[name], times[base])}
+                    for name in trainers}
+        return {}, warmup, variants, {"preset": preset, "batch": cfg.experiment.batch_size}
+
+    monkeypatch.setattr(bench, "time_variants", fake_time_variants)
+    json_path = tmp_path / "paft.json"
+    code = cli.main(["bench", "paft", "--presets", "tiny", "--batch", "6", "--workers", "4",
+                     "--set", "model.n_layers=1", "--json", str(json_path)])
+    table = capsys.readouterr().out
+    assert code == 0
+    assert [(c.experiment.batch_size, c.mesh.dp) for c in seen.values()] == [(8, 4)] * 3
+    (w,) = json.loads(json_path.read_text())["results"][0]["by_workers"]
+    assert (w["batch_asked"], w["batch"], w["batch_rounded"]) == (6, 8, True)
+    assert w["goal_ratio"] == "dyn-overlap / noised"
+    assert w["dyn_over_noised"]["runs"] == [1.6 / 1.5, 2.5 / 2.5]
+    # 1.03x over noised meets the goal; over dp (1.43x) it would not.
+    assert bench_paft.GOAL == 1.05 and w["goal_met"] is True
+    assert w["dyn_over_dp"]["runs"] == [1.6, 2.5 / 2.0]
+    assert w["noised_over_dp"]["runs"] == [1.5, 2.5 / 2.0]
+    assert w["variants"]["noised"]["ratio_to_noised"]["runs"] == [1.0, 1.0]
+    assert "dyn-overlap / noised 1.03x (1.00-1.07)" in table
+    assert "noised / dp, is 1.38x (1.25-1.50)" in table
+    assert "rounded up to 8" in table and "| tiny | 4 | 8* | dyn-overlap |" in table
