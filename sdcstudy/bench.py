@@ -830,12 +830,13 @@ def run_faults_suite(args) -> int:
 # --- abft: checksummed matmuls on and off ---------------------------------------------------
 
 
-def measure_abft(preset: str, args, echo=echo_stderr) -> dict:
-    """The single-node step without ABFT, with it, and with recomputation, timed in rotation."""
+def measure_abft(preset: str, args, echo=echo_stderr, which=ABFT_VARIANTS) -> dict:
+    """The single-node step without ABFT, with it, and with recomputation (or the variants
+    `which` names, "off" among them), timed in rotation."""
     from .train import Trainer
 
     trainers, cfg, steps = {}, None, 0
-    for variant, overrides in ABFT_VARIANTS.items():
+    for variant, overrides in which.items():
         cfg, steps = preset_config("abft", preset, args, ["experiment.mode=train", *overrides])
         trainers[variant] = Trainer.from_config(cfg)
     _, warmup, variants, result = time_variants(preset, args, cfg, steps, trainers, "off",
