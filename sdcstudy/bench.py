@@ -39,7 +39,7 @@ from .config import UserError
 # The shapes keep `sdcstudy bench all` for tiny and small within 10 minutes on a 2-core CPU;
 # medium (`--presets medium`, not in `all`'s default) takes a few seconds a step there.
 SHAPES = {
-    "train": {"tiny": (16, 64, 20), "small": (4, 128, 3), "medium": (2, 128, 1)},
+    "train": {"tiny": (16, 64, 20), "small": (4, 128, 2), "medium": (2, 128, 1)},
     "faults": {"tiny": (16, 64, 20), "small": (4, 128, 2), "medium": (2, 128, 1)},
     "paired": {"tiny": (16, 64, 10), "small": (4, 128, 1), "medium": (2, 128, 1)},
     "abft": {"tiny": (16, 64, 20), "small": (4, 128, 3), "medium": (2, 128, 1)},
@@ -331,23 +331,25 @@ def compile_threads(args) -> int:
 
 def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{}",
                   preset: str = "", echo=echo_stderr, runner=None) -> tuple[dict, dict]:
-    """One `StepRunner` per contender, compiled `threads` at a time; (runners, phase seconds).
+    """One `StepRunner` per contender, compiled `threads` at a time; (runners, phase seconds:
+    initial states, lowering, the compile pool's wall time).
 
     Tracing and lowering run one after the other (they hold the GIL), then the distinct
     programs compile in a thread pool (XLA compiles without the GIL). Contenders whose lowered
     programs are identical, source locations included, share one executable, since compiling
     the same module twice gives the same program; each still trains its own state. A
     contender's `compile_s` is its lowering plus its compilation's wall time, which is longer
-    than alone while others compile beside it; `phases["compile_s"]` is the pool's wall time.
+    than alone while others compile beside it.
     """
     import jax
 
     runner = runner or StepRunner
-    start = time.perf_counter()
     placed, lowered, lower_s, same_as = {}, {}, {}, {}
-    by_text = {}
+    by_text, size, init_s = {}, {}, 0.0
     for variant, trainer in trainers.items():
+        t0 = time.perf_counter()
         placed[variant] = place(trainer, tokens_MBL1)
+        init_s += time.perf_counter() - t0
         state, batch, shardings = placed[variant]
         t0 = time.perf_counter()
         jitted = jax.jit(trainer.train_step, donate_argnums=0,
@@ -356,8 +358,9 @@ def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{
         lower_s[variant] = time.perf_counter() - t0
         text = lowered[variant].as_text(debug_info=True)
         same_as[variant] = by_text.setdefault(text, variant)
-    distinct = [v for v in trainers if same_as[v] == v]
-    lowered_s = time.perf_counter() - start
+        size[variant] = len(text)
+    # The longest programs first, so the pool's last compilation is a short one.
+    distinct = sorted((v for v in trainers if same_as[v] == v), key=lambda v: -size[v])
     echo(f"{preset}: compiling {len(distinct)} program(s) for "
          f"{', '.join(label.format(v) for v in trainers)}, {threads} at a time")
 
@@ -383,8 +386,8 @@ def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{
                                                   (0.0 if shared else seconds)),
                                   placed=placed[variant])
         runners[variant].shares_program_of = same_as[variant] if shared else None
-    return runners, {"lower_s": lowered_s, "compile_s": compile_s, "threads": threads,
-                     "programs": len(distinct)}
+    return runners, {"init_s": init_s, "lower_s": sum(lower_s.values()),
+                     "compile_s": compile_s, "threads": threads, "programs": len(distinct)}
 
 
 def interleaved(runners: dict, steps: int, repeats: int, tokens: int, label: str,

@@ -59,7 +59,7 @@ def test_faults_suite(tmp_path, capsys):
         assert variants[name]["shares_program_of"] == "plain", name
     assert "shares_program_of" not in variants["idle"]
     assert result["phases"]["programs"] == 2
-    assert {"lower_s", "compile_s", "warmup_s", "timed_s"} <= set(result["phases"])
+    assert {"init_s", "lower_s", "compile_s", "warmup_s", "timed_s"} <= set(result["phases"])
     # The idle profile compiles the engine in (a different program) but never fires: nothing
     # lands and the losses are plain's bit for bit (corruptions select in the integer domain).
     idle = variants["idle"]
