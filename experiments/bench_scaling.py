@@ -10,21 +10,22 @@ repetition to the plain step of the same rotation):
 - layers (1, 2, 4), hidden size (32, 64, 128) and sequence length (32, 64, 128): lock-step /
   free and paramsync / free (a pair at tp 1), ABFT on / off (one node);
 - tp degree (1, 2, 4): lock-step / free and paramsync / free at each degree, and free at the
-  degree / free at tp 1, all six programs of a degree in one rotation;
+  degree / free at tp 1, the nine programs (three modes at three degrees) in one rotation;
 - PAFT workers (2, 4, 8): PAFT-Dyn with overlap / noised (PAFT's own share) and noised / plain
   data parallel.
 
 What it should show: ABFT's ratio falling as the hidden size grows (checksums are a thin
-extra row and column on each product); lock-step's share growing with the activations it
-compares (layers x tokens x hidden) and paramsync's with the parameters it copies; the tp
+extra row and column on each product); lock-step's share following the activations it
+compares and paramsync's the parameters it copies, both relative to the step's work; the tp
 degree costing collectives and smaller matmuls on simulated devices that share the cores;
 PAFT-Dyn's share staying small next to the per-worker copies that simulate the error.
 
 Results in DIR: scaling.csv and scaling.parquet (one row per axis, value and overhead:
 median, min and max of the ratio, the parameter count), one PNG per axis, scaling.md (a table
 per axis, each curve with a sentence on what is communicated or recomputed). The default sweep
-compiles about 50 small programs and takes about 6-8 minutes on a quiet 2-core CPU. Timings
-on a loaded machine are indicative: compare ratios, not absolute times.
+compiles 53 small programs; estimated 5-7 minutes on a quiet 2-core CPU (three of the five
+axes, 33 programs, at --repeats 1 --steps 1 took 8.5 minutes on a heavily loaded one).
+Timings on a loaded machine are indicative: compare ratios, not absolute times.
 """
 
 from __future__ import annotations
@@ -55,17 +56,19 @@ MODEL_AXES = ("layers", "hidden", "seq_len")
 EXPLAIN = {
     "lockstep/free": "At the four sites of every layer (attention and FFN outputs forward, "
                      "their input gradients backward) the suspect's tensor is gathered with "
-                     "the healthy one, compared bit for bit and overwritten, and parameters "
-                     "and optimizer state are copied after the step, so the extra work grows "
-                     "with layers x tokens x hidden size.",
+                     "the healthy one, compared bit for bit and overwritten, and the state is "
+                     "copied after the step: extra work in layers x tokens x D against the "
+                     "step's layers x tokens x D^2, so its share should fall with D and stay "
+                     "flat in layers and tokens.",
     "paramsync/free": "After every step the healthy node's parameters and optimizer state "
                       "(three floats per parameter) are copied over the suspect's and the "
-                      "gradient difference is reduced to a norm, so it grows with the "
-                      "parameter count and not with the tokens.",
+                      "gradient difference is reduced to a norm: extra work in the parameter "
+                      "count, so its share falls as the tokens per step grow.",
     "abft on/off": "Every forward matmul and both backward products also compute row and "
-                   "column checksums (a matrix-vector product on each side, O(nk + km) extra "
-                   "for an O(nkm) product) and compare them, so the share shrinks as the "
-                   "hidden size grows and stays flat in layers and sequence length.",
+                   "column checksums (matrix-vector products, O(nk + km) extra for an O(nkm) "
+                   "product) and compare them, so the extra arithmetic falls as 1/D; vector "
+                   "products run at memory speed on a CPU, so the time share falls more "
+                   "slowly.",
     "free tp/tp 1": "Megatron tensor and sequence parallelism splits every matmul over the tp "
                     "ranks and adds an all-gather and a reduce-scatter around each attention "
                     "and FFN block, forward and backward; simulated devices share the same "

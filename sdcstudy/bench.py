@@ -817,7 +817,9 @@ def faults_table(results: list[dict]) -> str:
               "plain: no injector; healthy: `suspect.profile: healthy` (its ratio is the "
               "measurement's noise floor); zero-rate: specs at rate 0 (no injector is built); "
               "idle: specs at the four paper sites with a pattern that never fires (the "
-              "engine compiled in). \"ops only\": equal apart from source locations."]
+              "engine compiled in). \"ops only\": equal apart from source locations. A variant "
+              "whose lowered program is plain's, byte for byte, runs plain's executable "
+              "(compiled once), so its compile s is its lowering alone."]
     for r in results:
         unequal = [k for k, v in r["variants"].items() if not v["losses_equal_plain"]]
         if unequal:
