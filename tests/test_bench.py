@@ -283,3 +283,37 @@ def test_plot_command_writes_the_figure(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no overhead ratio" in err and err.count("\n") == 1
     assert not (tmp_path / "t.png").exists()
+
+
+def _scaling_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / "bench_scaling.py"
+    spec = importlib.util.spec_from_file_location("bench_scaling", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_scaling_summary_tables_and_explains_every_curve(tmp_path):
+    # The sweep's write-up from measured rows (here hand-made): a table per axis with the
+    # ratios, a figure, and under it one sentence per curve on what it communicates.
+    import pandas as pd
+
+    scaling = _scaling_module()
+    point = {"n_params": 1000, "seq_len": 32, "batch": 8}
+    rows = []
+    for tp in (1, 2):
+        rows += scaling.rows_of("tp", tp, point, {"lockstep/free": _ratio(1.1 * tp, 1.0, 1.3 * tp),
+                                                  "free tp/tp 1": _ratio(tp, 0.9, 2.5)})
+    rows += scaling.rows_of("workers", 4, point, {"dyn-overlap/noised": _ratio(1.05, 1, 1.1)})
+    table = pd.DataFrame(rows)
+    text = scaling.summary(table, 90.0, argparse.Namespace(repeats=3, steps=5))
+    assert "| tp | lockstep/free | free tp/tp 1 |" in text
+    assert "| 2 | 2.20x (1.00-2.60) | 2.00x (0.90-2.50) |" in text
+    assert "## workers" in text and "| 4 | 1.05x (1.00-1.10) |" in text
+    for name in ("lockstep/free", "free tp/tp 1", "dyn-overlap/noised"):
+        assert text.count(f"- {name}: {scaling.EXPLAIN[name]}") == 1
+    scaling.figure(table, "tp", tmp_path / "tp.png")
+    assert (tmp_path / "tp.png").read_bytes()[:4] == b"\x89PNG"
