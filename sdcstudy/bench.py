@@ -1,6 +1,7 @@
 """`sdcstudy bench`: performance benchmarks, measured side by side in one run.
 
-Every suite compiles each contender's step once (state donated, `train.compile_step`), runs
+Every suite compiles each contender's step once (state donated; `build_runners` compiles the
+distinct programs several at a time and lets identical ones share an executable), runs
 `WARMUP_STEPS` untimed steps that also check the contenders compute what they should, then
 times `repeats` repetitions of N steps of every contender in a rotating order, so load from
 other processes falls on all of them alike. Ratios are taken per repetition (both sides timed
@@ -16,7 +17,12 @@ within seconds of each other) and reported as median (min-max).
 - `abft`: the single-node step without ABFT, with checksummed matmuls (`abft.enabled`) and
   with recomputation on a flag (`abft.recompute`).
 - `paired`: the `PairedTrainer` step in modes free, lockstep and paramsync on a
-  (node=2, dp, tp) mesh with the healthy profile, with XLA's compiled memory per device.
+  (node=2, dp, tp) mesh with the healthy profile, with XLA's compiled memory per device; with
+  several tp degrees, all of them in one rotation.
+- `paft` (bench_paft.py), `detect` (bench_detect.py); `plot` (bench_plot.py) draws the
+  overhead ratios of saved results against the parameter count.
+Each suite's JSON records the seconds spent per phase (initial states, lowering, compiling,
+warm-up, timed steps), and `all` prints each suite's elapsed time.
 
 JAX and torch are imported inside the functions that use them (the CLI builds its parser
 without them); the CLI sets the simulated CPU device count before JAX starts.
