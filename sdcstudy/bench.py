@@ -69,7 +69,7 @@ ABFT_VARIANTS = {"off": [], "on": ["abft.enabled=true"],
                  "recompute": ["abft.enabled=true", "abft.recompute=true"]}
 ABFT_GOAL = 1.10  # the project's goal: checked step time at most 1.10x the plain step's
 # Contenders compiled at once (`--compile-threads`): XLA compiles without the GIL, and one
-# compilation keeps a core busy only part of the time.
+# compilation keeps the cores busy only part of the time.
 MAX_COMPILE_THREADS = 4
 
 
@@ -338,52 +338,48 @@ def compile_threads(args) -> int:
 def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{}",
                   preset: str = "", echo=echo_stderr, runner=None) -> tuple[dict, dict]:
     """One `StepRunner` per contender, compiled `threads` at a time; (runners, phase seconds:
-    initial states, lowering, the compile pool's wall time).
+    initial states, lowering, and from the first compilation to the last one's end).
 
-    Tracing and lowering run one after the other (they hold the GIL), then the distinct
-    programs compile in a thread pool (XLA compiles without the GIL). Contenders whose lowered
-    programs are identical, source locations included, share one executable, since compiling
-    the same module twice gives the same program; each still trains its own state. A
-    contender's `compile_s` is its lowering plus its compilation's wall time, which is longer
-    than alone while others compile beside it.
+    Initial states and lowering run in this thread, one contender after the other (they hold
+    the GIL); each distinct program goes to a thread pool as soon as it is lowered, so it
+    compiles (XLA compiles without the GIL) while the next contender is set up. Contenders
+    whose lowered programs are identical, source locations included, share one executable,
+    since compiling the same module twice gives the same program; each still trains its own
+    state. A contender's `compile_s` is its lowering plus its compilation's wall time, which is
+    longer than alone while others compile beside it.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     import jax
 
     runner = runner or StepRunner
-    placed, lowered, lower_s, same_as = {}, {}, {}, {}
-    by_text, size, init_s = {}, {}, 0.0
-    for variant, trainer in trainers.items():
-        t0 = time.perf_counter()
-        placed[variant] = place(trainer, tokens_MBL1)
-        init_s += time.perf_counter() - t0
-        state, batch, shardings = placed[variant]
-        t0 = time.perf_counter()
-        jitted = jax.jit(trainer.train_step, donate_argnums=0,
-                         **({} if shardings is None else dict(in_shardings=shardings)))
-        lowered[variant] = jitted.lower(state, batch)
-        lower_s[variant] = time.perf_counter() - t0
-        text = lowered[variant].as_text(debug_info=True)
-        same_as[variant] = by_text.setdefault(text, variant)
-        size[variant] = len(text)
-    # The longest programs first, so the pool's last compilation is a short one.
-    distinct = sorted((v for v in trainers if same_as[v] == v), key=lambda v: -size[v])
-    echo(f"{preset}: compiling {len(distinct)} program(s) for "
-         f"{', '.join(label.format(v) for v in trainers)}, {threads} at a time")
+    echo(f"{preset}: compiling {', '.join(label.format(v) for v in trainers)}, {threads} at "
+         f"a time")
 
-    def compile_one(variant):
+    def compile_one(lowered):
         t0 = time.perf_counter()
-        step = lowered[variant].compile()
+        step = lowered.compile()
         return step, step.as_text(), time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    if threads > 1 and len(distinct) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(threads) as pool:
-            compiled = dict(zip(distinct, pool.map(compile_one, distinct)))
-    else:
-        compiled = {v: compile_one(v) for v in distinct}
-    compile_s = time.perf_counter() - t0
+    placed, lower_s, same_as, futures, by_text = {}, {}, {}, {}, {}
+    init_s, first_compile = 0.0, None
+    with ThreadPoolExecutor(threads) as pool:
+        for variant, trainer in trainers.items():
+            t0 = time.perf_counter()
+            placed[variant] = place(trainer, tokens_MBL1)
+            init_s += time.perf_counter() - t0
+            state, batch, shardings = placed[variant]
+            t0 = time.perf_counter()
+            jitted = jax.jit(trainer.train_step, donate_argnums=0,
+                             **({} if shardings is None else dict(in_shardings=shardings)))
+            lowered = jitted.lower(state, batch)
+            lower_s[variant] = time.perf_counter() - t0
+            same_as[variant] = by_text.setdefault(lowered.as_text(debug_info=True), variant)
+            if same_as[variant] == variant:
+                first_compile = first_compile or time.perf_counter()
+                futures[variant] = pool.submit(compile_one, lowered)
+        compiled = {variant: future.result() for variant, future in futures.items()}
+    compile_s = time.perf_counter() - first_compile
     runners = {}
     for variant, trainer in trainers.items():
         step, hlo, seconds = compiled[same_as[variant]]
@@ -393,7 +389,7 @@ def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{
                                   placed=placed[variant])
         runners[variant].shares_program_of = same_as[variant] if shared else None
     return runners, {"init_s": init_s, "lower_s": sum(lower_s.values()),
-                     "compile_s": compile_s, "threads": threads, "programs": len(distinct)}
+                     "compile_s": compile_s, "threads": threads, "programs": len(futures)}
 
 
 def interleaved(runners: dict, steps: int, repeats: int, tokens: int, label: str,
