@@ -48,7 +48,7 @@ SHAPES = {
     "train": {"tiny": (16, 64, 20), "small": (4, 128, 2), "medium": (2, 128, 1)},
     "faults": {"tiny": (16, 64, 20), "small": (4, 128, 2), "medium": (2, 128, 1)},
     "paired": {"tiny": (16, 64, 10), "small": (4, 128, 1), "medium": (2, 128, 1)},
-    "abft": {"tiny": (16, 64, 20), "small": (4, 128, 3), "medium": (2, 128, 1)},
+    "abft": {"tiny": (16, 64, 20), "small": (4, 128, 2), "medium": (2, 128, 1)},
     "paft": {"tiny": (16, 64, 10), "small": (4, 128, 1), "medium": (4, 128, 1)},
     "detect": {"tiny": (16, 64, 10), "small": (4, 128, 1), "medium": (2, 128, 1)},
 }
