@@ -458,6 +458,10 @@ def warm_up_and_time(runners: dict, steps: int, repeats: int, tokens: int, label
     t1 = time.perf_counter()
     seconds = interleaved(runners, steps, repeats, tokens, label, echo)
     phases.update({"warmup_s": t1 - t0, "timed_s": time.perf_counter() - t1})
+    echo(f"{label}: seconds spent on initial states {phases['init_s']:.1f}, lowering "
+         f"{phases['lower_s']:.1f}, compiling {phases['compile_s']:.1f} "
+         f"({phases['programs']} programs), warm-up {phases['warmup_s']:.1f}, timed steps "
+         f"{phases['timed_s']:.1f}")
     return warmup, seconds
 
 
