@@ -316,12 +316,26 @@ class StepRunner:
         return out
 
 
-def place(trainer, tokens_MBL1):
+def place(trainer, tokens_MBL1, initial_states: dict | None = None):
     """(state, batch, shardings): the initial state and one batch on the devices, placed as
-    the host loop places them."""
+    the host loop places them.
+
+    With `initial_states` (a dict kept across contenders) the initial state is computed by a
+    compiled initializer, once per distinct lowered initializer (source locations, constants
+    such as the seed, and shardings included), and copied for every contender that lowers to
+    the same one: the same program gives the same values, and each contender gets buffers of
+    its own to donate.
+    """
     import jax
 
-    state = trainer.init_state()
+    if initial_states is None:
+        state = trainer.init_state()
+    else:
+        lowered = jax.jit(trainer.init_state).lower()
+        key = lowered.as_text(debug_info=True)
+        if key not in initial_states:
+            initial_states[key] = lowered.compile()()
+        state = jax.tree.map(lambda x: x.copy(), initial_states[key])
     batch = trainer.make_batch(tokens_MBL1)
     shardings = trainer.shardings(state, batch)
     if shardings is None:
@@ -340,9 +354,10 @@ def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{
     """One `StepRunner` per contender, compiled `threads` at a time; (runners, phase seconds:
     initial states, lowering, and from the first compilation to the last one's end).
 
-    Initial states and lowering run in this thread, one contender after the other (they hold
-    the GIL); each distinct program goes to a thread pool as soon as it is lowered, so it
-    compiles (XLA compiles without the GIL) while the next contender is set up. Contenders
+    Initial states (shared where their initializers are identical, see `place`) and lowering
+    run in this thread, one contender after the other (they hold the GIL); each distinct
+    program goes to a thread pool as soon as it is lowered, so it compiles (XLA compiles
+    without the GIL) while the next contender is set up. Contenders
     whose lowered programs are identical, source locations included, share one executable,
     since compiling the same module twice gives the same program; each still trains its own
     state. A contender's `compile_s` is its lowering plus its compilation's wall time, which is
@@ -361,12 +376,12 @@ def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{
         step = lowered.compile()
         return step, step.as_text(), time.perf_counter() - t0
 
-    placed, lower_s, same_as, futures, by_text = {}, {}, {}, {}, {}
+    placed, lower_s, same_as, futures, by_text, initial_states = {}, {}, {}, {}, {}, {}
     init_s, first_compile = 0.0, None
     with ThreadPoolExecutor(threads) as pool:
         for variant, trainer in trainers.items():
             t0 = time.perf_counter()
-            placed[variant] = place(trainer, tokens_MBL1)
+            placed[variant] = place(trainer, tokens_MBL1, initial_states)
             init_s += time.perf_counter() - t0
             state, batch, shardings = placed[variant]
             t0 = time.perf_counter()
@@ -389,7 +404,8 @@ def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{
                                   placed=placed[variant])
         runners[variant].shares_program_of = same_as[variant] if shared else None
     return runners, {"init_s": init_s, "lower_s": sum(lower_s.values()),
-                     "compile_s": compile_s, "threads": threads, "programs": len(futures)}
+                     "compile_s": compile_s, "threads": threads, "programs": len(futures),
+                     "initializers": len(initial_states)}
 
 
 def interleaved(runners: dict, steps: int, repeats: int, tokens: int, label: str,

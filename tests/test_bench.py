@@ -59,6 +59,8 @@ def test_faults_suite(tmp_path, capsys):
         assert variants[name]["shares_program_of"] == "plain", name
     assert "shares_program_of" not in variants["idle"]
     assert result["phases"]["programs"] == 2
+    # The four variants start from one initial state, computed once and copied.
+    assert result["phases"]["initializers"] == 1
     assert {"init_s", "lower_s", "compile_s", "warmup_s", "timed_s"} <= set(result["phases"])
     # The idle profile compiles the engine in (a different program) but never fires: nothing
     # lands and the losses are plain's bit for bit (corruptions select in the integer domain).
