@@ -91,6 +91,8 @@ def test_paired_suite(tmp_path, capsys):
         # The six programs differ (mode or mesh): none may borrow another's executable.
         assert {v["compile_s"] > 0 for v in modes.values()} == {True}
     one, two = report["results"]
+    # The three modes of a degree start from one initial state; the degrees shard it apart.
+    assert one["phases"]["initializers"] == 2
     assert one["free_ratio_to_tp"]["median"] == 1.0 and _positive(two["free_ratio_to_tp"])
     # tp 2 halves each device's share of the weights, so its compiled memory is not tp 1's.
     assert two["modes"]["free"]["memory"]["peak"] != one["modes"]["free"]["memory"]["peak"]
