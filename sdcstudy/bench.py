@@ -320,21 +320,20 @@ def place(trainer, tokens_MBL1, initial_states: dict | None = None):
     """(state, batch, shardings): the initial state and one batch on the devices, placed as
     the host loop places them.
 
-    With `initial_states` (a dict kept across contenders) the initial state is computed by a
-    compiled initializer, once per distinct lowered initializer (source locations, constants
-    such as the seed, and shardings included), and copied for every contender that lowers to
-    the same one: the same program gives the same values, and each contender gets buffers of
-    its own to donate.
+    With `initial_states` (a dict kept across contenders) the initial state is computed once
+    per distinct initializer, told apart by its lowered program (source locations, constants
+    such as the seed, and shardings included), and copied for every contender whose
+    initializer lowers to the same one: the same operations on the same inputs give the same
+    values, and each contender gets buffers of its own to donate.
     """
     import jax
 
     if initial_states is None:
         state = trainer.init_state()
     else:
-        lowered = jax.jit(trainer.init_state).lower()
-        key = lowered.as_text(debug_info=True)
+        key = jax.jit(trainer.init_state).lower().as_text(debug_info=True)
         if key not in initial_states:
-            initial_states[key] = lowered.compile()()
+            initial_states[key] = trainer.init_state()
         state = jax.tree.map(lambda x: x.copy(), initial_states[key])
     batch = trainer.make_batch(tokens_MBL1)
     shardings = trainer.shardings(state, batch)
