@@ -1,6 +1,7 @@
 """`sdcstudy bench`: performance benchmarks, measured side by side in one run.
 
-Every suite compiles each contender's step once (state donated, `train.compile_step`), runs
+Every suite compiles each contender's step once (state donated; `build_runners` compiles the
+distinct programs several at a time and lets identical ones share an executable), runs
 `WARMUP_STEPS` untimed steps that also check the contenders compute what they should, then
 times `repeats` repetitions of N steps of every contender in a rotating order, so load from
 other processes falls on all of them alike. Ratios are taken per repetition (both sides timed
@@ -16,7 +17,12 @@ within seconds of each other) and reported as median (min-max).
 - `abft`: the single-node step without ABFT, with checksummed matmuls (`abft.enabled`) and
   with recomputation on a flag (`abft.recompute`).
 - `paired`: the `PairedTrainer` step in modes free, lockstep and paramsync on a
-  (node=2, dp, tp) mesh with the healthy profile, with XLA's compiled memory per device.
+  (node=2, dp, tp) mesh with the healthy profile, with XLA's compiled memory per device; with
+  several tp degrees, all of them in one rotation.
+- `paft` (bench_paft.py), `detect` (bench_detect.py); `plot` (bench_plot.py) draws the
+  overhead ratios of saved results against the parameter count.
+Each suite's JSON records the seconds spent per phase (initial states, lowering, compiling,
+warm-up, timed steps), and `all` prints each suite's elapsed time.
 
 JAX and torch are imported inside the functions that use them (the CLI builds its parser
 without them); the CLI sets the simulated CPU device count before JAX starts.
@@ -37,13 +43,15 @@ from . import roofline
 from .config import UserError
 
 # Per suite and preset: (sequences per step, sequence length, timed steps per repetition).
-# The shapes keep `sdcstudy bench all` for tiny and small within 10 minutes on a 2-core CPU.
+# The shapes keep `sdcstudy bench all` for tiny and small within 10 minutes on a 2-core CPU;
+# medium (`--presets medium`, not in `all`'s default) takes a few seconds a step there.
 SHAPES = {
-    "train": {"tiny": (16, 64, 20), "small": (4, 128, 3)},
-    "faults": {"tiny": (16, 64, 20), "small": (4, 128, 2)},
-    "paired": {"tiny": (16, 64, 10), "small": (4, 128, 1)},
-    "abft": {"tiny": (16, 64, 20), "small": (4, 128, 3)},
-    "paft": {"tiny": (16, 64, 10), "small": (4, 128, 1)},
+    "train": {"tiny": (16, 64, 20), "small": (4, 128, 2), "medium": (2, 128, 1)},
+    "faults": {"tiny": (16, 64, 20), "small": (4, 128, 2), "medium": (2, 128, 1)},
+    "paired": {"tiny": (16, 64, 10), "small": (4, 128, 1), "medium": (2, 128, 1)},
+    "abft": {"tiny": (16, 64, 20), "small": (4, 128, 2), "medium": (2, 128, 1)},
+    "paft": {"tiny": (16, 64, 10), "small": (4, 128, 1), "medium": (4, 128, 1)},
+    "detect": {"tiny": (16, 64, 10), "small": (4, 128, 1), "medium": (2, 128, 1)},
 }
 FALLBACK_SHAPE = (8, 64, 5)
 # Untimed steps per contender after compilation. The benchmarks train without learning-rate
@@ -61,6 +69,9 @@ PAIRED_GOALS = {"lockstep": {"time": 1.3, "memory": 1.25}, "paramsync": {"time":
 ABFT_VARIANTS = {"off": [], "on": ["abft.enabled=true"],
                  "recompute": ["abft.enabled=true", "abft.recompute=true"]}
 ABFT_GOAL = 1.10  # the project's goal: checked step time at most 1.10x the plain step's
+# Contenders compiled at once (`--compile-threads`): XLA compiles without the GIL, and one
+# compilation keeps the cores busy only part of the time.
+MAX_COMPILE_THREADS = 4
 
 
 def _add_common_args(p: argparse.ArgumentParser, suite: str | None, repeats: int = 5) -> None:
@@ -81,9 +92,14 @@ def _add_common_args(p: argparse.ArgumentParser, suite: str | None, repeats: int
                    help=f"interleaved repetitions (default {repeats})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key of every contender, e.g. --set model.n_layers=4")
+    p.add_argument("--compile-threads", type=int, default=None, metavar="N",
+                   help="contenders compiled at once (default: the CPU cores, at most "
+                        f"{MAX_COMPILE_THREADS}; 1 compiles one after the other)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write results here")
     p.add_argument("--markdown", type=Path, default=None, metavar="FILE",
                    help="write the table here")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                   help="draw each overhead ratio against the parameter count here")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -105,7 +121,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     d = sub.add_parser("paired", help="step time and memory of lockstep and paramsync against "
                                       "free-running pairs")
     _add_common_args(d, "paired")
-    d.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per node (default 1)")
+    d.add_argument("--tp", default="1", metavar="LIST",
+                   help="tensor-parallel ranks per node, or several degrees timed in one run "
+                        "(e.g. 1,2,4; ratios to free running at the same degree; default 1)")
     d.add_argument("--dp", type=int, default=1, help="data-parallel workers per node (default 1)")
     d.set_defaults(bench=run_paired_suite)
 
@@ -113,9 +131,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     _add_common_args(b, "abft")
     b.set_defaults(bench=run_abft_suite)
 
+    from .bench_detect import add_parser as add_detect_parser
     from .bench_paft import add_parser as add_paft_parser
+    from .bench_plot import add_parser as add_plot_parser
 
     add_paft_parser(sub)
+    add_detect_parser(sub)
+    add_plot_parser(sub)
 
     a = sub.add_parser("all", help="every suite in turn (train, faults, paired, abft, paft with "
                                    "4 workers), 3 repetitions each unless --repeats says "
@@ -138,26 +160,46 @@ def run_all_suites(args) -> int:
     suites = {"train": (run_train_suite, {"torch_attention": ",".join(TORCH_ATTENTION),
                                           "no_torch": False}),
               "faults": (run_faults_suite, {}),
-              "paired": (run_paired_suite, {"tp": 1, "dp": 1}),
+              "paired": (run_paired_suite, {"tp": "1", "dp": 1}),
               "abft": (run_abft_suite, {}),
               "paft": (run_paft_suite, {"workers": "4", "sigma2": 1e-3})}
     check_args(args)
-    tables, results = [], {}
+    tables, results, elapsed = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (run, extra) in suites.items():
             echo_stderr(f"== sdcstudy bench {name}")
+            start = time.perf_counter()
             out = Path(tmp) / name
             sub = argparse.Namespace(**{**vars(args), **extra, "json": out.with_suffix(".json"),
-                                        "markdown": out.with_suffix(".md")})
+                                        "markdown": out.with_suffix(".md"), "plot": None})
             run(sub)
+            elapsed[name] = time.perf_counter() - start
             tables.append(f"## {name}\n\n" + out.with_suffix(".md").read_text())
             results[name] = RF.json_load(out.with_suffix(".json"))
     table = "\n".join(tables)
+    total = sum(elapsed.values())
+    echo_stderr("elapsed: " + ", ".join(f"{name} {s:.0f} s" for name, s in elapsed.items()) +
+                f"; all {total:.0f} s ({total / 60:.1f} min)")
+    report = {"suite": "all", "suites": results, "elapsed_s": elapsed}
     if args.json is not None:
-        RF.atomic_write_json(args.json, {"suite": "all", "suites": results})
+        RF.atomic_write_json(args.json, report)
     if args.markdown is not None:
         RF.atomic_write_text(args.markdown, table)
+    plot(args, report)
     return 0
+
+
+def plot(args, report: dict) -> None:
+    """The overhead figure when `--plot` asks for it."""
+    if getattr(args, "plot", None) is None:
+        return
+    from .bench_plot import overhead_figure
+
+    if overhead_figure(report, args.plot) is None:
+        echo_stderr(f"no overhead ratio to plot, so {args.plot} was not written (the train "
+                    f"suite measures a speed-up).")
+    else:
+        echo_stderr(f"figure: {args.plot}")
 
 
 # --- shared by the suites ---------------------------------------------------------------------
@@ -169,7 +211,7 @@ def echo_stderr(line: str) -> None:
 
 def check_args(args) -> list[str]:
     """The presets asked for; one-sentence errors for numbers below 1 or no preset."""
-    for name in ("batch", "seq_len", "steps", "repeats", "tp", "dp"):
+    for name in ("batch", "seq_len", "steps", "repeats", "dp", "compile_threads"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, not {value}.")
@@ -218,25 +260,22 @@ def tokens_per_step(cfg) -> int:
 
 class StepRunner:
     """A trainer's step (`Trainer` or `PairedTrainer`), compiled once with its state donated,
-    run again and again on one batch placed as the host loop places it."""
+    run again and again on one batch placed as the host loop places it.
 
-    def __init__(self, trainer, tokens_MBL1):
-        import jax
+    `compiled` (step, HLO text, seconds) is a step compiled elsewhere for the same program
+    and `placed` its (state, batch, shardings) (`build_runners` compiles several at once);
+    without them the runner places its state and batch and compiles its own step."""
 
+    shares_program_of: str | None = None  # the contender whose executable it runs, if not its own
+
+    def __init__(self, trainer, tokens_MBL1, compiled=None, placed=None):
         from .train import compile_step
 
         self.trainer = trainer
-        state = trainer.init_state()
-        batch = trainer.make_batch(tokens_MBL1)
-        shardings = trainer.shardings(state, batch)
-        if shardings is None:
-            self.batch = jax.device_put(batch)
-        else:
-            state = jax.device_put(state, shardings[0])
-            self.batch = jax.device_put(batch, shardings[1])
-        self.state = state
-        self.step_fn, self.hlo, self.compile_s = compile_step(trainer.train_step, state,
-                                                              self.batch, shardings)
+        self.state, self.batch, shardings = placed or place(trainer, tokens_MBL1)
+        if compiled is None:
+            compiled = compile_step(trainer.train_step, self.state, self.batch, shardings)
+        self.step_fn, self.hlo, self.compile_s = compiled
         self.metrics, self.extras = None, []
 
     def run(self, n: int) -> None:
@@ -278,6 +317,97 @@ class StepRunner:
         return out
 
 
+def place(trainer, tokens_MBL1, initial_states: dict | None = None):
+    """(state, batch, shardings): the initial state and one batch on the devices, placed as
+    the host loop places them.
+
+    With `initial_states` (a dict kept across contenders) the initial state is computed once
+    per distinct initializer, told apart by its lowered program (source locations, constants
+    such as the seed, and shardings included), and copied for every contender whose
+    initializer lowers to the same one: the same operations on the same inputs give the same
+    values, and each contender gets buffers of its own to donate.
+    """
+    import jax
+
+    if initial_states is None:
+        state = trainer.init_state()
+    else:
+        key = jax.jit(trainer.init_state).lower().as_text(debug_info=True)
+        if key not in initial_states:
+            initial_states[key] = trainer.init_state()
+        state = jax.tree.map(lambda x: x.copy(), initial_states[key])
+    batch = trainer.make_batch(tokens_MBL1)
+    shardings = trainer.shardings(state, batch)
+    if shardings is None:
+        return state, jax.device_put(batch), None
+    return jax.device_put(state, shardings[0]), jax.device_put(batch, shardings[1]), shardings
+
+
+def compile_threads(args) -> int:
+    """How many contenders compile at once (`--compile-threads`, default: the CPU cores)."""
+    threads = getattr(args, "compile_threads", None)
+    return threads or max(1, min(os.cpu_count() or 1, MAX_COMPILE_THREADS))
+
+
+def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{}",
+                  preset: str = "", echo=echo_stderr, runner=None) -> tuple[dict, dict]:
+    """One `StepRunner` per contender, compiled `threads` at a time; (runners, phase seconds:
+    initial states, lowering, and from the first compilation to the last one's end).
+
+    Initial states (shared where their initializers are identical, see `place`) and lowering
+    run in this thread, one contender after the other (they hold the GIL); each distinct
+    program goes to a thread pool as soon as it is lowered, so it compiles (XLA compiles
+    without the GIL) while the next contender is set up. Contenders
+    whose lowered programs are identical, source locations included, share one executable,
+    since compiling the same module twice gives the same program; each still trains its own
+    state. A contender's `compile_s` is its lowering plus its compilation's wall time, which is
+    longer than alone while others compile beside it.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jax
+
+    runner = runner or StepRunner
+    echo(f"{preset}: compiling {', '.join(label.format(v) for v in trainers)}, {threads} at "
+         f"a time")
+
+    def compile_one(lowered):
+        t0 = time.perf_counter()
+        step = lowered.compile()
+        return step, step.as_text(), time.perf_counter() - t0
+
+    placed, lower_s, same_as, futures, by_text, initial_states = {}, {}, {}, {}, {}, {}
+    init_s, first_compile = 0.0, None
+    with ThreadPoolExecutor(threads) as pool:
+        for variant, trainer in trainers.items():
+            t0 = time.perf_counter()
+            placed[variant] = place(trainer, tokens_MBL1, initial_states)
+            init_s += time.perf_counter() - t0
+            state, batch, shardings = placed[variant]
+            t0 = time.perf_counter()
+            jitted = jax.jit(trainer.train_step, donate_argnums=0,
+                             **({} if shardings is None else dict(in_shardings=shardings)))
+            lowered = jitted.lower(state, batch)
+            lower_s[variant] = time.perf_counter() - t0
+            same_as[variant] = by_text.setdefault(lowered.as_text(debug_info=True), variant)
+            if same_as[variant] == variant:
+                first_compile = first_compile or time.perf_counter()
+                futures[variant] = pool.submit(compile_one, lowered)
+        compiled = {variant: future.result() for variant, future in futures.items()}
+    compile_s = time.perf_counter() - first_compile
+    runners = {}
+    for variant, trainer in trainers.items():
+        step, hlo, seconds = compiled[same_as[variant]]
+        shared = same_as[variant] != variant
+        runners[variant] = runner(trainer, None, (step, hlo, lower_s[variant] +
+                                                  (0.0 if shared else seconds)),
+                                  placed=placed[variant])
+        runners[variant].shares_program_of = same_as[variant] if shared else None
+    return runners, {"init_s": init_s, "lower_s": sum(lower_s.values()),
+                     "compile_s": compile_s, "threads": threads, "programs": len(futures),
+                     "initializers": len(initial_states)}
+
+
 def interleaved(runners: dict, steps: int, repeats: int, tokens: int, label: str,
                 echo=echo_stderr) -> dict[str, list[float]]:
     """Seconds for `steps` steps of each runner per repetition, in a rotating order."""
@@ -304,7 +434,7 @@ def spread(values: list[float]) -> dict:
 
 
 def time_variants(preset: str, args, cfg, steps: int, trainers: dict, base: str, label: str,
-                  echo=echo_stderr):
+                  echo=echo_stderr, runner=None):
     """Single-node variants of one step: compiled, warmed up, timed in rotation.
 
     Returns (runners, warm-up metrics, per variant its timing, ratio to `base`, compile time
@@ -313,12 +443,10 @@ def time_variants(preset: str, args, cfg, steps: int, trainers: dict, base: str,
     from .config import model_dims
 
     tokens_MBL1, tokens = random_tokens(cfg), tokens_per_step(cfg)
-    runners = {}
-    for variant, trainer in trainers.items():
-        echo(f"{preset}: compiling the {label.format(variant)} step")
-        runners[variant] = StepRunner(trainer, tokens_MBL1)
-    warmup = {variant: r.warm_up(WARMUP_STEPS) for variant, r in runners.items()}
-    seconds = interleaved(runners, steps, args.repeats, tokens, preset)
+    runners, phases = build_runners(trainers, tokens_MBL1, compile_threads(args), label, preset,
+                                    echo, runner)
+    warmup, seconds = warm_up_and_time(runners, steps, args.repeats, tokens, preset, phases,
+                                       echo)
     loss = lambda v, w: w[getattr(trainers[v], "loss_key", "loss/healthy")]  # noqa: E731
     base_losses = [loss(base, w) for w in warmup[base]]
     variants = {}
@@ -328,11 +456,29 @@ def time_variants(preset: str, args, cfg, steps: int, trainers: dict, base: str,
                              "ratio": ratio_spread(seconds[variant], seconds[base]),
                              "compile_s": runner.compile_s, "warmup_losses": losses,
                              f"losses_equal_{base}": losses == base_losses}
+        if runner.shares_program_of is not None:
+            variants[variant]["shares_program_of"] = runner.shares_program_of
     result = {"preset": preset, "n_params": model_dims(cfg.model).n_params,
               "batch": cfg.experiment.batch_size, "seq_len": cfg.data.seq_len,
               "tokens_per_step": tokens, "steps": steps, "repeats": args.repeats,
-              "warmup_steps": WARMUP_STEPS}
+              "warmup_steps": WARMUP_STEPS, "phases": phases}
     return runners, warmup, variants, result
+
+
+def warm_up_and_time(runners: dict, steps: int, repeats: int, tokens: int, label: str,
+                     phases: dict, echo=echo_stderr):
+    """(warm-up metrics per runner, timed seconds per runner); adds both phases' wall time
+    to `phases`."""
+    t0 = time.perf_counter()
+    warmup = {name: r.warm_up(WARMUP_STEPS) for name, r in runners.items()}
+    t1 = time.perf_counter()
+    seconds = interleaved(runners, steps, repeats, tokens, label, echo)
+    phases.update({"warmup_s": t1 - t0, "timed_s": time.perf_counter() - t1})
+    echo(f"{label}: seconds spent on initial states {phases['init_s']:.1f}, lowering "
+         f"{phases['lower_s']:.1f}, compiling {phases['compile_s']:.1f} "
+         f"({phases['programs']} programs), warm-up {phases['warmup_s']:.1f}, timed steps "
+         f"{phases['timed_s']:.1f}")
+    return warmup, seconds
 
 
 def timing(seconds: list[float], steps: int, tokens: int) -> dict:
@@ -394,10 +540,12 @@ def finish(args, suite: str, results: list[dict], table: str, **extra) -> int:
     from . import runfolder as RF
 
     print(table, end="")
+    report = {"suite": suite, "results": results, **extra}
     if args.json is not None:
-        RF.atomic_write_json(args.json, {"suite": suite, "results": results, **extra})
+        RF.atomic_write_json(args.json, report)
     if args.markdown is not None:
         RF.atomic_write_text(args.markdown, table)
+    plot(args, report)
     return 0
 
 
@@ -408,7 +556,10 @@ def run_suite(args, suite: str, measure, table, check=None, **extra) -> int:
     for preset in presets:
         (check or (lambda p: preset_config(suite, p, args)))(preset)
     env = environment()
-    results = [measure(preset, args) for preset in presets]
+    results = []
+    for preset in presets:  # a suite measures one result per preset, or a list of them
+        measured = measure(preset, args)
+        results += measured if isinstance(measured, list) else [measured]
     env["load_average_end"] = list(os.getloadavg())
     return finish(args, suite, results, table(results), environment=env, **extra)
 
@@ -725,7 +876,9 @@ def faults_table(results: list[dict]) -> str:
               "plain: no injector; healthy: `suspect.profile: healthy` (its ratio is the "
               "measurement's noise floor); zero-rate: specs at rate 0 (no injector is built); "
               "idle: specs at the four paper sites with a pattern that never fires (the "
-              "engine compiled in). \"ops only\": equal apart from source locations."]
+              "engine compiled in). \"ops only\": equal apart from source locations. A variant "
+              "whose lowered program is plain's, byte for byte, runs plain's executable "
+              "(compiled once), so its compile s is its lowering alone."]
     for r in results:
         unequal = [k for k, v in r["variants"].items() if not v["losses_equal_plain"]]
         if unequal:
@@ -741,12 +894,13 @@ def run_faults_suite(args) -> int:
 # --- abft: checksummed matmuls on and off ---------------------------------------------------
 
 
-def measure_abft(preset: str, args, echo=echo_stderr) -> dict:
-    """The single-node step without ABFT, with it, and with recomputation, timed in rotation."""
+def measure_abft(preset: str, args, echo=echo_stderr, which=ABFT_VARIANTS) -> dict:
+    """The single-node step without ABFT, with it, and with recomputation (or the variants
+    `which` names, "off" among them), timed in rotation."""
     from .train import Trainer
 
     trainers, cfg, steps = {}, None, 0
-    for variant, overrides in ABFT_VARIANTS.items():
+    for variant, overrides in which.items():
         cfg, steps = preset_config("abft", preset, args, ["experiment.mode=train", *overrides])
         trainers[variant] = Trainer.from_config(cfg)
     _, warmup, variants, result = time_variants(preset, args, cfg, steps, trainers, "off",
@@ -785,9 +939,23 @@ def run_abft_suite(args) -> int:
 # --- paired: lockstep and paramsync against free-running pairs --------------------------------
 
 
-def paired_config(preset: str, args, mode: str):
+def tp_degrees(args) -> list[int]:
+    """`--tp` as a list of degrees: an int, or a comma-separated list such as "1,2,4"."""
+    text = str(args.tp)
+    try:
+        degrees = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise UserError(f"--tp must be a degree or comma-separated degrees such as 1,2,4, "
+                        f"not {text!r}.")
+    if not degrees or min(degrees) < 1 or len(set(degrees)) != len(degrees):
+        raise UserError(f"--tp needs distinct degrees of at least 1, e.g. --tp 1,2,4, not "
+                        f"{text!r}.")
+    return degrees
+
+
+def paired_config(preset: str, args, mode: str, tp: int):
     return preset_config("paired", preset, args, [
-        f"experiment.mode={mode}", "suspect.profile=healthy", f"mesh.tp={args.tp}",
+        f"experiment.mode={mode}", "suspect.profile=healthy", f"mesh.tp={tp}",
         f"mesh.dp={args.dp}"])
 
 
@@ -795,48 +963,71 @@ def check_paired(preset: str, args) -> None:
     """The mesh fits the devices and the model (tp divides heads, FFN and sequence)."""
     from .paired import PairedTrainer
 
-    PairedTrainer.from_config(paired_config(preset, args, PAIRED_MODES[0])[0])
+    for tp in tp_degrees(args):
+        PairedTrainer.from_config(paired_config(preset, args, PAIRED_MODES[0], tp)[0])
 
 
-def measure_paired(preset: str, args, echo=echo_stderr) -> dict:
-    """The three paired modes of one preset, warmed up, then timed in rotation."""
+def measure_paired(preset: str, args, echo=echo_stderr) -> list[dict]:
+    """The three paired modes of one preset at each tp degree, warmed up, then timed in one
+    rotation; one result per degree, its ratios to free running at the same degree."""
     from .config import model_dims
     from .paired import PairedTrainer
 
-    runners, cfg, steps = {}, None, 0
-    for mode in PAIRED_MODES:
-        cfg, steps = paired_config(preset, args, mode)
-        trainer = PairedTrainer.from_config(cfg)
-        echo(f"{preset}: compiling the {mode} step (node 2 x dp {args.dp} x tp {args.tp})")
-        runners[mode] = StepRunner(trainer, random_tokens(cfg))
-    dims, tokens = model_dims(cfg.model), tokens_per_step(cfg)
-    warmup = {mode: r.warm_up(WARMUP_STEPS) for mode, r in runners.items()}
-    seconds = interleaved(runners, steps, args.repeats, tokens, preset)
+    degrees = tp_degrees(args)
 
-    free_memory = runners["free"].memory()
-    modes = {}
-    for mode, runner in runners.items():
-        memory = runner.memory()
-        memory_ratio = (memory["peak"] / free_memory["peak"]
-                        if memory and free_memory and free_memory["peak"] else None)
-        modes[mode] = {
-            **timing(seconds[mode], steps, tokens),
-            "ratio": ratio_spread(seconds[mode], seconds["free"]),
-            "compile_s": runner.compile_s, "memory": memory, "memory_ratio": memory_ratio,
-            "warmup": warmup[mode],
-            "pair_agrees": all(w["loss/healthy"] == w["loss/suspect"] and w["grad/diff_l2"] == 0
-                               for w in warmup[mode]),
-        }
-    goals = {}
-    for mode, limits in PAIRED_GOALS.items():
-        measured = {"time": modes[mode]["ratio"]["median"], "memory": modes[mode]["memory_ratio"]}
-        goals[mode] = {what: {"limit": limit, "measured": measured[what],
-                              "met": measured[what] is not None and measured[what] <= limit}
-                       for what, limit in limits.items()}
-    return {"preset": preset, "n_params": dims.n_params, "batch": cfg.experiment.batch_size,
-            "seq_len": cfg.data.seq_len, "tokens_per_step": tokens, "steps": steps,
-            "repeats": args.repeats, "warmup_steps": WARMUP_STEPS,
-            "mesh": {"node": 2, "dp": args.dp, "tp": args.tp}, "modes": modes, "goals": goals}
+    def name(mode, tp):
+        return mode if len(degrees) == 1 else f"{mode}@tp{tp}"
+
+    trainers, cfg, steps = {}, None, 0
+    for tp in degrees:
+        for mode in PAIRED_MODES:
+            cfg, steps = paired_config(preset, args, mode, tp)
+            trainers[name(mode, tp)] = PairedTrainer.from_config(cfg)
+    dims, tokens = model_dims(cfg.model), tokens_per_step(cfg)
+    runners, phases = build_runners(
+        trainers, random_tokens(cfg), compile_threads(args),
+        f"{{}} (node 2 x dp {args.dp}{' x tp ' + str(degrees[0]) if len(degrees) == 1 else ''})",
+        preset, echo)
+    warmup, seconds = warm_up_and_time(runners, steps, args.repeats, tokens, preset, phases,
+                                       echo)
+    results = []
+    for tp in degrees:
+        free = runners[name("free", tp)]
+        free_memory = free.memory()
+        modes = {}
+        for mode in PAIRED_MODES:
+            key = name(mode, tp)
+            runner, memory = runners[key], runners[key].memory()
+            memory_ratio = (memory["peak"] / free_memory["peak"]
+                            if memory and free_memory and free_memory["peak"] else None)
+            modes[mode] = {
+                **timing(seconds[key], steps, tokens),
+                "ratio": ratio_spread(seconds[key], seconds[name("free", tp)]),
+                "compile_s": runner.compile_s, "memory": memory, "memory_ratio": memory_ratio,
+                "warmup": warmup[key],
+                "pair_agrees": all(w["loss/healthy"] == w["loss/suspect"]
+                                   and w["grad/diff_l2"] == 0 for w in warmup[key]),
+            }
+        goals = {}
+        for mode, limits in PAIRED_GOALS.items():
+            measured = {"time": modes[mode]["ratio"]["median"],
+                        "memory": modes[mode]["memory_ratio"]}
+            goals[mode] = {what: {"limit": limit, "measured": measured[what],
+                                  "met": measured[what] is not None and measured[what] <= limit}
+                           for what, limit in limits.items()}
+        result = {"preset": preset, "n_params": dims.n_params,
+                  "batch": cfg.experiment.batch_size, "seq_len": cfg.data.seq_len,
+                  "tokens_per_step": tokens, "steps": steps, "repeats": args.repeats,
+                  "warmup_steps": WARMUP_STEPS, "mesh": {"node": 2, "dp": args.dp, "tp": tp},
+                  "modes": modes, "goals": goals, "phases": phases}
+        if len(degrees) > 1:
+            # Free running at this degree against free running at the first degree, timed in
+            # the same repetitions: what splitting the model over tp ranks costs (or saves).
+            result["free_ratio_to_tp"] = {
+                "tp": degrees[0],
+                **ratio_spread(seconds[name("free", tp)], seconds[name("free", degrees[0])])}
+        results.append(result)
+    return results
 
 
 def _mib(n: int | None) -> str:
@@ -869,7 +1060,12 @@ def paired_table(results: list[dict]) -> str:
                                 f"{'met' if g['met'] else 'NOT met'})")
         disagree = [mode for mode, v in r["modes"].items() if not v["pair_agrees"]]
         note = f"; healthy pairs disagree in {', '.join(disagree)}" if disagree else ""
-        lines.append(f"- {r['preset']}: {', '.join(verdicts)}{note}.")
+        if "free_ratio_to_tp" in r and r["mesh"]["tp"] != r["free_ratio_to_tp"]["tp"]:
+            note += (f"; free at tp {r['mesh']['tp']} / free at tp "
+                     f"{r['free_ratio_to_tp']['tp']}: {_ratio(r['free_ratio_to_tp'])}")
+        where = r["preset"] if "free_ratio_to_tp" not in r else \
+            f"{r['preset']} at tp {r['mesh']['tp']}"
+        lines.append(f"- {where}: {', '.join(verdicts)}{note}.")
     return "\n".join(lines) + "\n"
 
 

@@ -223,6 +223,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
     # About 25M parameters: the largest that trains comfortably on a 2-core CPU.
     "small": dict(vocab_size=256, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536),
+    # About 104M parameters: the scaling benchmarks' third size, between small and the 8B
+    # blocks; 12 heads and 4 KV heads (head dim 64) and FFN 4x split over tp = 1, 2 or 4.
+    "medium": dict(vocab_size=256, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4,
+                   ffn_dim=3072),
     # Ma et al., appendix B.2: Llama3-8B blocks (d=4096, 32 heads, 8 KV heads, head dim 128,
     # FFN 4x = 16384), 16 layers for section 4 and appendix D, 32 for sections 5-6.
     "llama3-8b-16l": dict(vocab_size=128256, d_model=4096, n_layers=16, n_heads=32, n_kv_heads=8,

@@ -6,6 +6,7 @@ make the figures meaningless: a contender missing, a ratio that is not a positiv
 a healthy pair that disagrees.
 """
 
+import argparse
 import json
 import math
 import subprocess
@@ -15,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sdcstudy import bench, bench_paft, cli
+from sdcstudy import bench, bench_paft, bench_plot, cli
+from sdcstudy.detect_plan import DETECTORS
 
 # One layer, short sequences, one repetition of one step: structure, not speed.
 FAST = ["--presets", "tiny", "--batch", "4", "--seq-len", "16", "--steps", "1", "--repeats", "1",
@@ -53,6 +55,13 @@ def test_faults_suite(tmp_path, capsys):
     # byte for byte. If not, the fault engine costs something even when it is switched off.
     for name in ("healthy", "zero-rate"):
         assert not variants[name]["injector"] and variants[name]["hlo_identical"], name
+        # ... and so it is compiled once and shared, which is what makes it identical here.
+        assert variants[name]["shares_program_of"] == "plain", name
+    assert "shares_program_of" not in variants["idle"]
+    assert result["phases"]["programs"] == 2
+    # The four variants start from one initial state, computed once and copied.
+    assert result["phases"]["initializers"] == 1
+    assert {"init_s", "lower_s", "compile_s", "warmup_s", "timed_s"} <= set(result["phases"])
     # The idle profile compiles the engine in (a different program) but never fires: nothing
     # lands and the losses are plain's bit for bit (corruptions select in the integer domain).
     idle = variants["idle"]
@@ -62,22 +71,61 @@ def test_faults_suite(tmp_path, capsys):
 
 
 def test_paired_suite(tmp_path, capsys):
-    report, table = _run(tmp_path, capsys, "paired")
+    # Two tp degrees timed in one rotation: one result each, ratios to free at its own degree.
+    report, table = _run(tmp_path, capsys, "paired", "--tp", "1,2")
+    assert [r["mesh"] for r in report["results"]] == [{"node": 2, "dp": 1, "tp": tp}
+                                                      for tp in (1, 2)]
+    for result in report["results"]:
+        modes = result["modes"]
+        assert list(modes) == list(bench.PAIRED_MODES)
+        for mode, v in modes.items():
+            assert _positive(v["ratio"]) and _positive(v["tokens_per_s"]), mode
+            assert v["memory"]["peak"] > 0 and v["memory_ratio"] > 0
+            # A healthy pair computes the same thing on both nodes in every mode.
+            assert v["pair_agrees"], mode
+        assert modes["free"]["ratio"]["median"] == 1.0 and modes["free"]["memory_ratio"] == 1.0
+        assert all(w["mismatches"] == 0 for w in modes["lockstep"]["warmup"])
+        # Every goal of the project is judged, and the table says so.
+        assert {(m, w) for m, g in result["goals"].items() for w in g} == {
+            ("lockstep", "time"), ("lockstep", "memory"), ("paramsync", "time")}
+        # The six programs differ (mode or mesh): none may borrow another's executable.
+        assert {v["compile_s"] > 0 for v in modes.values()} == {True}
+    one, two = report["results"]
+    # The three modes of a degree start from one initial state; the degrees shard it apart.
+    assert one["phases"]["initializers"] == 2
+    assert one["free_ratio_to_tp"]["median"] == 1.0 and _positive(two["free_ratio_to_tp"])
+    # tp 2 halves each device's share of the weights, so its compiled memory is not tp 1's.
+    assert two["modes"]["free"]["memory"]["peak"] != one["modes"]["free"]["memory"]["peak"]
+    assert "lockstep/free memory" in table and "| 2 x 1 x 2 | lockstep |" in table
+    assert "free at tp 2 / free at tp 1" in table
+
+
+@pytest.mark.parametrize("text, degrees", [("1", [1]), ("1,2,4", [1, 2, 4]), (2, [2])])
+def test_tp_degrees(text, degrees):
+    assert bench.tp_degrees(argparse.Namespace(tp=text)) == degrees
+
+
+def test_detect_suite(tmp_path, capsys):
+    report, table = _run(tmp_path, capsys, "detect")
     (result,) = report["results"]
-    assert result["mesh"] == {"node": 2, "dp": 1, "tp": 1}
-    modes = result["modes"]
-    assert list(modes) == list(bench.PAIRED_MODES)
-    for mode, v in modes.items():
-        assert _positive(v["ratio"]) and _positive(v["tokens_per_s"]), mode
-        assert v["memory"]["peak"] > 0 and v["memory_ratio"] > 0
-        # A healthy pair computes the same thing on both nodes in every mode.
-        assert v["pair_agrees"], mode
-    assert modes["free"]["ratio"]["median"] == 1.0 and modes["free"]["memory_ratio"] == 1.0
-    assert all(w["mismatches"] == 0 for w in modes["lockstep"]["warmup"])
-    # Every goal of the project is judged, and the table says so.
-    assert {(m, w) for m, g in result["goals"].items() for w in g} == {
-        ("lockstep", "time"), ("lockstep", "memory"), ("paramsync", "time")}
-    assert "lockstep/free memory" in table
+    variants = result["variants"]
+    assert list(variants) == ["none", *DETECTORS]
+    for name, v in variants.items():
+        assert _positive(v["ratio"]) and f"| {name} |" in table, name
+        # A healthy run: no detector may raise a flag (a flag here is a false alarm).
+        assert v["flags"] == 0, name
+    assert variants["none"]["ratio"]["median"] == 1.0
+    # The executions each detector adds on 2 ranks (detect_plan.executions): the shadow one
+    # copy, re-execution and the mirror one per rank, localization two per rank.
+    assert {k: v["executions"] for k, v in variants.items()} == {
+        "none": 2, "monitor": 2, "abft": 2, "shadow": 3, "reexec": 4, "lockstep": 4,
+        "localize": 6}
+    # The monitor adds no device work: it runs none's executable (compiled once); every
+    # device detector is a program of its own.
+    assert variants["monitor"]["shares_program_of"] == "none"
+    assert not any("shares_program_of" in v for k, v in variants.items() if k != "monitor")
+    assert result["phases"]["programs"] == 6
+    assert variants["localize"]["memory_ratio"] > 1.0
 
 
 def test_abft_suite(tmp_path, capsys):
@@ -177,6 +225,10 @@ def test_bad_preset_is_one_sentence_and_exit_2():
     (["faults", "--repeats", "0"], "--repeats"),
     (["train", "--seq-len", "-4"], "--seq-len"),
     (["paired", "--tp", "3"], "mesh.tp"),
+    (["paired", "--tp", "1,x"], "--tp"),
+    (["paired", "--tp", "2,2"], "--tp"),
+    (["detect", "--compile-threads", "0"], "--compile-threads"),
+    (["plot", "/nonexistent/bench.json", "--out", "x.png"], "does not exist"),
     (["train", "--torch-attention", "flash"], "flash"),
 ])
 def test_bad_numbers_exit_2(argv, needle, capsys):
@@ -205,10 +257,102 @@ def test_all_runs_every_suite_with_its_own_defaults(tmp_path, capsys, monkeypatc
                      "--markdown", str(md_path)]) == 0
     assert list(seen) == ["train", "faults", "paired", "abft", "paft"]
     assert all(a.repeats == 3 and a.presets == "tiny" for a in seen.values())
-    assert seen["train"].no_torch is False and seen["paired"].tp == 1
+    assert seen["train"].no_torch is False and bench.tp_degrees(seen["paired"]) == [1]
     assert seen["paft"].workers == "4"
+    # Each suite's elapsed time, printed at the end and kept in the JSON file.
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("elapsed: train ") and "; all " in err
     report = json.loads(json_path.read_text())
+    assert list(report["elapsed_s"]) == list(seen)
+    assert all(s >= 0 for s in report["elapsed_s"].values())
     assert {k: v["results"] for k, v in report["suites"].items()} == {
         name: [{"suite": name}] for name in seen}
     table = md_path.read_text()
     assert all(f"## {name}" in table and f"| {name} table |" in table for name in seen)
+
+
+def _ratio(median, low, high):
+    return {"median": median, "min": low, "max": high}
+
+
+# A small hand-written `bench all` file: what the plot reads from each suite.
+SMALL_REPORT = {"suite": "all", "suites": {
+    "train": {"suite": "train", "results": [{"preset": "tiny", "n_params": 100,
+                                             "ratio": _ratio(0.9, 0.8, 1.0)}]},
+    "abft": {"suite": "abft", "results": [
+        {"preset": p, "n_params": n, "variants": {"off": {"ratio": _ratio(1.0, 1.0, 1.0)},
+                                                  "on": {"ratio": _ratio(r, r - 0.1, r + 0.1)}}}
+        for p, n, r in (("tiny", 100, 1.2), ("small", 1000, 1.05))]},
+    "paired": {"suite": "paired", "results": [
+        {"preset": "tiny", "n_params": 100, "mesh": {"node": 2, "dp": 1, "tp": tp},
+         "modes": {"free": {"ratio": _ratio(1.0, 1.0, 1.0)},
+                   "lockstep": {"ratio": _ratio(1.1 * tp, 1.0, 1.3 * tp)}},
+         "free_ratio_to_tp": {"tp": 1, **_ratio(0.5 * tp, 0.4, tp)}} for tp in (1, 2)]},
+    "paft": {"suite": "paft", "results": [
+        {"preset": "tiny", "by_workers": [
+            {"preset": "tiny", "n_params": 100, "workers": 4,
+             "variants": {"dp": {"ratio": _ratio(1.0, 1.0, 1.0)},
+                          "dyn-overlap": {"ratio": _ratio(1.5, 1.4, 1.6)}}}]}]}}}
+
+
+def test_overhead_points_read_every_suite():
+    rows = {(r["overhead"], r["preset"]): (r["n_params"], r["median"], r["min"], r["max"])
+            for r in bench_plot.overhead_points(SMALL_REPORT)}
+    # The plain steps (ratio 1 by construction) and the train speed-up are not overheads.
+    assert rows == {
+        ("abft: on/off", "tiny"): (100, 1.2, 1.2 - 0.1, 1.2 + 0.1),
+        ("abft: on/off", "small"): (1000, 1.05, 1.05 - 0.1, 1.05 + 0.1),
+        ("paired: lockstep/free", "tiny"): (100, 1.1, 1.0, 1.3),
+        ("paired: lockstep/free (tp 2)", "tiny"): (100, 2.2, 1.0, 2.6),
+        ("paired: free tp 2/tp 1", "tiny"): (100, 1.0, 0.4, 2),
+        ("paft: dyn-overlap/dp (M=4)", "tiny"): (100, 1.5, 1.4, 1.6)}
+
+
+def test_plot_command_writes_the_figure(tmp_path, capsys):
+    one = tmp_path / "all.json"
+    one.write_text(json.dumps(SMALL_REPORT))
+    out = tmp_path / "overhead.png"
+    assert cli.main(["bench", "plot", str(one), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A file with only the train suite has no overhead to draw: one sentence, exit 2.
+    train_only = tmp_path / "train.json"
+    train_only.write_text(json.dumps(SMALL_REPORT["suites"]["train"]))
+    capsys.readouterr()
+    assert cli.main(["bench", "plot", str(train_only), "--out", str(tmp_path / "t.png")]) == 2
+    err = capsys.readouterr().err
+    assert "no overhead ratio" in err and err.count("\n") == 1
+    assert not (tmp_path / "t.png").exists()
+
+
+def _scaling_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / "bench_scaling.py"
+    spec = importlib.util.spec_from_file_location("bench_scaling", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_scaling_summary_tables_and_explains_every_curve(tmp_path):
+    # The sweep's write-up from measured rows (here hand-made): a table per axis with the
+    # ratios, a figure, and under it one sentence per curve on what it communicates.
+    import pandas as pd
+
+    scaling = _scaling_module()
+    point = {"n_params": 1000, "seq_len": 32, "batch": 8}
+    rows = []
+    for tp in (1, 2):
+        rows += scaling.rows_of("tp", tp, point, {"lockstep/free": _ratio(1.1 * tp, 1.0, 1.3 * tp),
+                                                  "free tp/tp 1": _ratio(tp, 0.9, 2.5)})
+    rows += scaling.rows_of("workers", 4, point, {"dyn-overlap/noised": _ratio(1.05, 1, 1.1)})
+    table = pd.DataFrame(rows)
+    text = scaling.summary(table, 90.0, argparse.Namespace(repeats=3, steps=5))
+    assert "| tp | lockstep/free | free tp/tp 1 |" in text
+    assert "| 2 | 2.20x (1.00-2.60) | 2.00x (0.90-2.50) |" in text
+    assert "## workers" in text and "| 4 | 1.05x (1.00-1.10) |" in text
+    for name in ("lockstep/free", "free tp/tp 1", "dyn-overlap/noised"):
+        assert text.count(f"- {name}: {scaling.EXPLAIN[name]}") == 1
+    scaling.figure(table, "tp", tmp_path / "tp.png")
+    assert (tmp_path / "tp.png").read_bytes()[:4] == b"\x89PNG"

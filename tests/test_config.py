@@ -106,3 +106,13 @@ def test_cli_refuses_to_clobber_a_run_folder(tmp_path, capsys):
     assert code == 2 and "already exists" in err
     assert (out / "precious.txt").read_text() == "keep me"
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
+
+
+def test_medium_preset_sits_between_small_and_8b_and_splits_over_tp_4():
+    # The benchmarks' third size: about 100M parameters, and tp = 1, 2, 4 must divide its
+    # heads, KV heads and FFN (the paired bench times it at each degree).
+    dims = C.model_dims(C.ModelConfig(preset="medium"))
+    assert 90e6 < dims.n_params < 120e6
+    assert (dims.vocab_size, dims.d_model, dims.n_layers, dims.head_dim) == (256, 768, 12, 64)
+    assert dims.n_heads % 4 == 0 and dims.n_kv_heads % 4 == 0 and dims.ffn_dim % 4 == 0
+    assert dims.n_kv_heads < dims.n_heads  # grouped-query attention, as in Llama 3
