@@ -292,7 +292,8 @@ SMALL_REPORT = {"suite": "all", "suites": {
         {"preset": "tiny", "by_workers": [
             {"preset": "tiny", "n_params": 100, "workers": 4,
              "variants": {"dp": {"ratio": _ratio(1.0, 1.0, 1.0)},
-                          "dyn-overlap": {"ratio": _ratio(1.5, 1.4, 1.6)}}}]}]}}}
+                          "dyn-overlap": {"ratio": _ratio(1.5, 1.4, 1.6),
+                                          "ratio_to_noised": _ratio(1.03, 0.98, 1.07)}}}]}]}}}
 
 
 def test_overhead_points_read_every_suite():
@@ -305,7 +306,8 @@ def test_overhead_points_read_every_suite():
         ("paired: lockstep/free", "tiny"): (100, 1.1, 1.0, 1.3),
         ("paired: lockstep/free (tp 2)", "tiny"): (100, 2.2, 1.0, 2.6),
         ("paired: free tp 2/tp 1", "tiny"): (100, 1.0, 0.4, 2),
-        ("paft: dyn-overlap/dp (M=4)", "tiny"): (100, 1.5, 1.4, 1.6)}
+        ("paft: dyn-overlap/dp (M=4)", "tiny"): (100, 1.5, 1.4, 1.6),
+        ("paft: dyn-overlap/noised (M=4)", "tiny"): (100, 1.03, 0.98, 1.07)}
 
 
 def test_plot_command_writes_the_figure(tmp_path, capsys):
