@@ -50,7 +50,8 @@ SHAPES = {
     "faults": {"tiny": (16, 64, 20), "small": (4, 128, 2), "medium": (2, 128, 1)},
     "paired": {"tiny": (16, 64, 10), "small": (4, 128, 1), "medium": (2, 128, 1)},
     "abft": {"tiny": (16, 64, 20), "small": (4, 128, 2), "medium": (2, 128, 1)},
-    "paft": {"tiny": (16, 64, 10), "small": (4, 128, 1), "medium": (4, 128, 1)},
+    # paft: sequences per worker (the step's batch is M times that; see bench_paft.py).
+    "paft": {"tiny": (16, 64, 10), "small": (1, 128, 1), "medium": (1, 128, 1)},
     "detect": {"tiny": (16, 64, 10), "small": (4, 128, 1), "medium": (2, 128, 1)},
 }
 FALLBACK_SHAPE = (8, 64, 5)
@@ -74,8 +75,10 @@ ABFT_GOAL = 1.10  # the project's goal: checked step time at most 1.10x the plai
 MAX_COMPILE_THREADS = 4
 
 
-def _add_common_args(p: argparse.ArgumentParser, suite: str | None, repeats: int = 5) -> None:
-    """The options every suite takes; `suite` None: each suite keeps its own default shapes."""
+def _add_common_args(p: argparse.ArgumentParser, suite: str | None, repeats: int = 5,
+                     batch_help: str | None = None) -> None:
+    """The options every suite takes; `suite` None: each suite keeps its own default shapes.
+    `batch_help` replaces the help of --batch for a suite that reads it differently."""
     def default(i):
         if suite is None:
             return "each suite's own"
@@ -83,7 +86,7 @@ def _add_common_args(p: argparse.ArgumentParser, suite: str | None, repeats: int
     p.add_argument("--presets", default="tiny,small",
                    help="comma-separated model presets (default tiny,small)")
     p.add_argument("--batch", type=int, default=None, metavar="B",
-                   help=f"sequences per step (default: {default(0)})")
+                   help=batch_help or f"sequences per step (default: {default(0)})")
     p.add_argument("--seq-len", type=int, default=None, metavar="L",
                    help=f"predicted tokens per sequence (default: {default(1)})")
     p.add_argument("--steps", type=int, default=None, metavar="N",

@@ -17,8 +17,14 @@ dyn-overlap / noised <= 1.05 (the paper reports +18.9% at 32 workers), "PAFT's c
 data-parallel training under the same simulated error". dyn-overlap / dp (error-free plain data
 parallel) is reported beside it: it includes the simulator's cost, noised / dp.
 
-The batch must split over the M workers: a batch that does not is rounded up to the next
-multiple of M (for every contender of that M), and the table says so.
+The batch grows with M by default: each worker trains on the suite's sequences per worker
+(`--worker-batch`), so the step's batch is M times that. This is how data parallelism is
+used and how the PAFT paper's Table 1 measures (its DSGD iteration time grows from 4 to 32
+workers). PAFT's own cost is per parameter (an all-reduce of the copies, the divergence) and
+does not grow with the tokens a worker trains on, so its share shrinks as they grow: with a
+fixed global batch (`--batch B`, split over the workers) it is largest. `--batch` must split
+over the M workers: a batch that does not is rounded up to the next multiple of M (for every
+contender of that M), and the table says so.
 """
 
 from __future__ import annotations
@@ -34,7 +40,11 @@ VARIANTS = ("dp", "noised", "dyn-overlap")
 def add_parser(sub) -> None:
     p = sub.add_parser("paft", help="step time of PAFT-Dyn with overlap against data-parallel "
                                     "training under the same simulated error (and without it)")
-    B._add_common_args(p, "paft")
+    per_worker = ", ".join(f"{k} {v[0]}" for k, v in B.SHAPES["paft"].items())
+    B._add_common_args(p, "paft", batch_help="sequences per step, split over the workers "
+                       "(default: --worker-batch sequences per worker)")
+    p.add_argument("--worker-batch", type=int, default=None, metavar="N",
+                   help=f"sequences per worker when --batch is not given (default: {per_worker})")
     p.add_argument("--workers", default="4,8", help="comma-separated worker counts (default 4,8)")
     p.add_argument("--sigma2", type=float, default=1e-3,
                    help="aggregation-error variance of the PAFT contenders (default 1e-3)")
@@ -63,17 +73,27 @@ def _overrides(variant: str, workers: int, sigma2: float) -> list[str]:
     return paft
 
 
+def _batch(preset: str, args, workers: int) -> tuple[int, int]:
+    """(sequences per step asked for, per step used): --batch rounded up to a multiple of
+    `workers`, else --worker-batch (or the suite's sequences per worker) times `workers`."""
+    if args.batch:
+        return args.batch, -(-args.batch // workers) * workers
+    per_worker = getattr(args, "worker_batch", None)
+    if per_worker is None:
+        per_worker = B.SHAPES["paft"].get(preset, B.FALLBACK_SHAPE)[0]
+    if per_worker < 1:
+        raise UserError(f"--worker-batch must be at least 1, not {per_worker}.")
+    return per_worker * workers, per_worker * workers
+
+
 def _configs(preset: str, args, workers: int) -> tuple[dict, int, int]:
-    """Per variant its config, the timed steps, and the batch asked for (the suite's shape or
-    --batch), which is rounded up to a multiple of `workers` when it does not split."""
-    asked = B.preset_config("paft", preset, args, ["experiment.mode=train",
-                                                   "mesh.dp=1"])[0].experiment.batch_size
-    rounded = -(-asked // workers) * workers
-    batch = [f"experiment.batch_size={rounded}"] if rounded != asked else []
+    """Per variant its config, the timed steps, and the batch asked for (see `_batch`)."""
+    asked, batch = _batch(preset, args, workers)
     configs, steps = {}, 0
     for variant in VARIANTS:
         configs[variant], steps = B.preset_config(
-            "paft", preset, args, [*_overrides(variant, workers, args.sigma2), *batch])
+            "paft", preset, args, [*_overrides(variant, workers, args.sigma2),
+                                   f"experiment.batch_size={batch}"])
     return configs, steps, asked
 
 
@@ -98,6 +118,8 @@ def measure_paft(preset: str, args, echo=B.echo_stderr) -> dict:
         goal = B.ratio_spread(seconds["dyn-overlap"], seconds["noised"])
         results.append({**result, "workers": workers, "sigma2": args.sigma2,
                         "batch_asked": asked, "batch_rounded": result["batch"] != asked,
+                        "worker_batch": result["batch"] // workers,
+                        "batch_per": "step" if args.batch else "worker",
                         "variants": variants, "goal": GOAL, "goal_ratio": GOAL_RATIO,
                         "goal_met": goal["median"] <= GOAL, "dyn_over_noised": goal,
                         "dyn_over_dp": variants["dyn-overlap"]["ratio"],
@@ -106,13 +128,14 @@ def measure_paft(preset: str, args, echo=B.echo_stderr) -> dict:
 
 
 def paft_table(results: list[dict]) -> str:
-    lines = ["| preset | M | batch | variant | ms/step | ratio to noised (goal) | ratio to dp | "
-             "H (warm-up) | goal |",
+    lines = ["| preset | M | batch (per worker) | variant | ms/step | ratio to noised (goal) | "
+             "ratio to dp | H (warm-up) | goal |",
              "|---|---:|---:|---|---:|---:|---:|---|---|"]
     notes = []
     for r in results:
         for w in r["by_workers"]:
-            batch = f"{w['batch']}" + ("*" if w.get("batch_rounded") else "")
+            batch = (f"{w['batch']}" + ("*" if w.get("batch_rounded") else "")
+                     + f" ({w['batch'] // w['workers']})")
             if w.get("batch_rounded"):
                 notes.append(f"{r['preset']}, M = {w['workers']}: batch {w['batch_asked']} does "
                              f"not split over {w['workers']} workers, rounded up to {w['batch']}.")
@@ -129,7 +152,9 @@ def paft_table(results: list[dict]) -> str:
               "plain data-parallel step without aggregation error; noised: data-parallel "
               "training under the simulated aggregation error (PAFT workers, no mitigation); "
               "dyn-overlap: the same error with PAFT-Dyn and overlapped averages (divergence "
-              "measured at averages only). The goal is dyn-overlap / noised <= "
+              "measured at averages only). Batch: sequences per step, and per worker in "
+              "parentheses; PAFT's own cost is per parameter, so its share falls as a worker's "
+              "batch grows. The goal is dyn-overlap / noised <= "
               f"{GOAL:.2f}x: PAFT's cost over data-parallel training under the same simulated "
               "error. dyn-overlap / dp compares with error-free plain data parallel and includes "
               "the simulator's cost (noised / dp)."]

@@ -250,23 +250,38 @@ class PaftTrainer:
         total, count = model.token_losses(self.graphdef, params, batch["tokens"])
         return total, (count, {})
 
-    def _average(self, params, opt):
+    def _average(self, params, opt, extra=()):
         """One all-reduce: every worker gets the workers' mean of `params` and `opt` (the
         optimizer state with `sync_opt_state`, else `()`), and this worker's squared distance
-        ||theta_bar - theta_m||^2 before it. Non-float leaves (step counts) are kept."""
+        ||theta_bar - theta_m||^2 before it; `extra`, summed over the workers, rides in the
+        same all-reduce. Non-float leaves (step counts) are kept. Returns (summed extra,
+        params, opt, squared distance)."""
         leaves, treedef = jax.tree.flatten((params, opt))
         floats = tuple(x for x in leaves if _is_float(x))
-        means = iter(M.vary(x / self.workers, (M.DATA,)) for x in lax.psum(floats, M.DATA))
+        extra, totals = lax.psum((extra, floats), M.DATA)
+        means = iter(M.vary(x / self.workers, (M.DATA,)) for x in totals)
         out = [next(means) if _is_float(x) else x for x in leaves]
         p_leaves = jax.tree.leaves(params)
         params, opt = jax.tree.unflatten(treedef, out)
-        return params, opt, _sq_distance(out[:len(p_leaves)], p_leaves)
+        return extra, params, opt, _sq_distance(out[:len(p_leaves)], p_leaves)
 
     def _average_state(self, params, opt):
         """The averaged copies and `opt`, and the (mean, max) over workers of the divergence
         they replaced."""
-        params, opt, sq = self._average(params, opt)
+        _, params, opt, sq = self._average(params, opt)
         return params, opt, *self._averaged_stats(sq)
+
+    def _sum_and_average(self, applied, extra, params, opt):
+        """`extra` summed over the workers; where `applied`, the same all-reduce also averages
+        the copies (see `_average`). Returns (summed extra, params, opt, and the mean and max
+        over workers of the divergence the average removed, 0 without one)."""
+        def average(extra, params, opt):
+            extra, params, opt, sq = self._average(params, opt, extra)
+            return extra, params, opt, *self._averaged_stats(sq)
+
+        def keep(extra, params, opt):
+            return lax.psum(extra, M.DATA), params, opt, jnp.float32(0), jnp.float32(0)
+        return lax.cond(applied, average, keep, extra, params, opt)
 
     def _averaged_stats(self, sq):
         """(mean over workers, max over workers) of each worker's `sq`, from one all-reduce
@@ -390,24 +405,17 @@ class PaftTrainer:
         # out of the branches (no copy of it through them).
         params_in, opt_in = params, (opt if sync_opt else ())
         # With overlap, the average launched last step replaces the copies before this step's
-        # update. It needs nothing from this step's gradient, so it comes first (free to run
-        # beside the forward and backward passes); the divergence it removed travels with the
-        # gradients. A trainer that never averages has nothing to apply.
-        average_first = c.overlap and self.averages
+        # update. It needs nothing from this step's gradient, so it travels in the gradients'
+        # all-reduce (one collective, one point where the workers wait for each other) and
+        # the update starts from the mean. A trainer that never averages has nothing to apply.
+        average_in_sum = c.overlap and self.averages
         applied = ctl["pending"] > 0
-        if average_first:
-            keep_copies = lambda p, o: (p, o, M.vary(zero, (M.DATA,)))  # noqa: E731
-            params_in, opt_in, sq = lax.cond(applied, self._average, keep_copies, params,
-                                             opt_in)
 
         loss, grads, _ = accumulate_gradients(self._loss, params, batch)
-        # Summed over the workers together with the gradients: each worker's loss (and the
-        # divergence its copy had before an overlapped average) in its own slot, and the norm
-        # of its own gradient.
+        # Summed over the workers together with the gradients: each worker's loss in its own
+        # slot, and the norm of its own gradient.
         mine_M = jnp.arange(m) == me
         stats = {"loss_M": jnp.where(mine_M, loss, 0.0), "norm": optax.tree.norm(grads)}
-        if average_first:
-            stats["sq_M"] = jnp.where(mine_M, sq, 0.0)
         records = {}
         transform_updates = lambda u: u  # noqa: E731
         ctx = None
@@ -418,15 +426,22 @@ class PaftTrainer:
 
         keep = lambda p, o: (p, o, zero, zero)  # noqa: E731
         new_prev = None
-        if c.loss.p > 0:
+        exact = c.loss.p == 0  # else each worker aggregates the packets that reached it
+        if not exact:
             prev = _squeeze(state["prev_grad"]) if "prev_grad" in state else None
             grads, new_prev = self._lossy_mean(grads, prev, ctl["loss_p"], key, step, me)
-            stats = lax.psum(stats, M.DATA)
-        else:  # one all-reduce for the exact mean and the statistics
-            grads, stats = lax.psum((grads, stats), M.DATA)
+        # One all-reduce for the exact mean, the statistics and an overlapped average.
+        summed = (grads, stats) if exact else stats
+        if average_in_sum:
+            summed, params_in, opt_in, pre_div, pre_max = self._sum_and_average(
+                applied, summed, params, opt_in)
+        else:
+            summed = lax.psum(summed, M.DATA)
+        if exact:
+            grads, stats = summed
             grads = jax.tree.map(lambda g: M.vary(g / m, (M.DATA,)), grads)
-        if average_first:
-            pre_div, pre_max = jnp.sum(stats["sq_M"]) / m, jnp.max(stats["sq_M"])
+        else:
+            stats = summed
         grad_norm = stats["norm"] / m  # the mean over workers of ||g_m||
         grads = self._noise(grads, ctl, key, step, me)
         if ctx is not None:
@@ -445,7 +460,7 @@ class PaftTrainer:
             new_params = self._broadcast(new_params, params, key, step, me)
 
         if c.overlap:
-            if not average_first:  # never averages: pending stays 0
+            if not average_in_sum:  # never averages: pending stays 0
                 applied, pre_div, pre_max = jnp.bool_(False), zero, zero
             pending = jnp.int32(0)
             since = jnp.where(applied, 1, ctl["since"] + 1)

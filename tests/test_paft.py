@@ -254,4 +254,22 @@ def test_bench_suite_goal_is_against_noised_and_batch_splits(tmp_path, capsys, m
     assert w["variants"]["noised"]["ratio_to_noised"]["runs"] == [1.0, 1.0]
     assert "dyn-overlap / noised 1.03x (1.00-1.07)" in table
     assert "noised / dp, is 1.38x (1.25-1.50)" in table
-    assert "rounded up to 8" in table and "| tiny | 4 | 8* | dyn-overlap |" in table
+    assert "rounded up to 8" in table and "| tiny | 4 | 8* (2) | dyn-overlap |" in table
+    assert w["batch_per"] == "step" and w["worker_batch"] == 2
+
+    # Without --batch each worker trains on --worker-batch sequences (by default the suite's
+    # own), so the step's batch grows with M.
+    for flags, batches in ((["--worker-batch", "3"], [6, 12]),
+                           ([], [bench.SHAPES["paft"]["tiny"][0] * m for m in (2, 4)])):
+        seen.clear()
+        used = []
+        monkeypatch.setattr(bench, "time_variants", lambda *a: (
+            used.append(a[4]["dp"].cfg.experiment.batch_size), fake_time_variants(*a))[1])
+        assert cli.main(["bench", "paft", "--presets", "tiny", "--workers", "2,4", *flags,
+                         "--set", "model.n_layers=1", "--json", str(json_path)]) == 0
+        assert used == batches
+        by_workers = json.loads(json_path.read_text())["results"][0]["by_workers"]
+        assert [(w["batch_per"], w["batch_rounded"]) for w in by_workers] == [("worker", False)] * 2
+    capsys.readouterr()
+    assert cli.main(["bench", "paft", "--presets", "tiny", "--worker-batch", "0"]) == 2
+    assert "--worker-batch must be at least 1" in capsys.readouterr().err
