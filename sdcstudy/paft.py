@@ -74,13 +74,32 @@ def _is_float(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _sq_distance(new_leaves, old_leaves):
-    """sum over the float leaves of ||new - old||^2, in float32."""
-    sq = jnp.float32(0)
-    for a, b in zip(new_leaves, old_leaves):
-        if _is_float(b):
-            sq = sq + jnp.sum(jnp.square((a - b).astype(jnp.float32)))
-    return sq
+def _flatten_floats(tree):
+    """(vectors, rebuild): the float leaves of `tree` raveled into one vector per dtype, and
+    the function that gives the tree back from such vectors (other leaves as they were).
+
+    One vector per dtype makes an average a handful of kernels instead of a few per tensor:
+    on the simulated devices each kernel is paid per worker, one after the other. The
+    slices that `rebuild` takes fuse into the consumers of the leaves."""
+    leaves, treedef = jax.tree.flatten(tree)
+    order: dict[str, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if _is_float(x):
+            order.setdefault(jnp.dtype(x.dtype).name, []).append(i)
+    vectors = {dtype: jnp.concatenate([leaves[i].reshape(-1) for i in idx])
+               for dtype, idx in order.items()}
+
+    def rebuild(vectors):
+        out = list(leaves)
+        for dtype, idx in order.items():
+            offset = 0
+            for i in idx:
+                out[i] = lax.slice_in_dim(vectors[dtype], offset, offset + leaves[i].size
+                                          ).reshape(leaves[i].shape)
+                offset += leaves[i].size
+        return jax.tree.unflatten(treedef, out)
+
+    return vectors, rebuild
 
 
 # --- packets ----------------------------------------------------------------------------------
@@ -250,38 +269,29 @@ class PaftTrainer:
         total, count = model.token_losses(self.graphdef, params, batch["tokens"])
         return total, (count, {})
 
-    def _average(self, params, opt, extra=()):
-        """One all-reduce: every worker gets the workers' mean of `params` and `opt` (the
-        optimizer state with `sync_opt_state`, else `()`), and this worker's squared distance
-        ||theta_bar - theta_m||^2 before it; `extra`, summed over the workers, rides in the
-        same all-reduce. Non-float leaves (step counts) are kept. Returns (summed extra,
-        params, opt, squared distance)."""
-        leaves, treedef = jax.tree.flatten((params, opt))
-        floats = tuple(x for x in leaves if _is_float(x))
-        extra, totals = lax.psum((extra, floats), M.DATA)
-        means = iter(M.vary(x / self.workers, (M.DATA,)) for x in totals)
-        out = [next(means) if _is_float(x) else x for x in leaves]
-        p_leaves = jax.tree.leaves(params)
-        params, opt = jax.tree.unflatten(treedef, out)
-        return extra, params, opt, _sq_distance(out[:len(p_leaves)], p_leaves)
-
-    def _average_state(self, params, opt):
-        """The averaged copies and `opt`, and the (mean, max) over workers of the divergence
-        they replaced."""
-        _, params, opt, sq = self._average(params, opt)
-        return params, opt, *self._averaged_stats(sq)
-
     def _sum_and_average(self, applied, extra, params, opt):
-        """`extra` summed over the workers; where `applied`, the same all-reduce also averages
-        the copies (see `_average`). Returns (summed extra, params, opt, and the mean and max
-        over workers of the divergence the average removed, 0 without one)."""
-        def average(extra, params, opt):
-            extra, params, opt, sq = self._average(params, opt, extra)
-            return extra, params, opt, *self._averaged_stats(sq)
+        """One all-reduce: `extra` summed over the workers and, where `applied`, the workers'
+        mean of `params` and `opt` (the optimizer state with `sync_opt_state`, else `()`;
+        non-float leaves such as step counts are kept). Returns (summed extra, params, opt,
+        and the mean and max over workers of ||theta_bar - theta_m||^2 before the average,
+        0 without one)."""
+        p_vecs, p_tree = _flatten_floats(params)
+        o_vecs, o_tree = _flatten_floats(opt)
 
-        def keep(extra, params, opt):
-            return lax.psum(extra, M.DATA), params, opt, jnp.float32(0), jnp.float32(0)
-        return lax.cond(applied, average, keep, extra, params, opt)
+        def average(extra, p_vecs, o_vecs):
+            extra, p_sums, o_sums = lax.psum((extra, p_vecs, o_vecs), M.DATA)
+            mean = lambda x: M.vary(x / self.workers, (M.DATA,))  # noqa: E731
+            p_means = jax.tree.map(mean, p_sums)
+            sq = sum(jnp.sum(jnp.square((p_means[k] - p_vecs[k]).astype(jnp.float32)))
+                     for k in p_vecs)
+            return extra, p_means, jax.tree.map(mean, o_sums), *self._averaged_stats(sq)
+
+        def keep(extra, p_vecs, o_vecs):
+            return lax.psum(extra, M.DATA), p_vecs, o_vecs, jnp.float32(0), jnp.float32(0)
+
+        extra, p_vecs, o_vecs, div, div_max = lax.cond(applied, average, keep, extra, p_vecs,
+                                                       o_vecs)
+        return extra, p_tree(p_vecs), o_tree(o_vecs), div, div_max
 
     def _averaged_stats(self, sq):
         """(mean over workers, max over workers) of each worker's `sq`, from one all-reduce
@@ -424,7 +434,6 @@ class PaftTrainer:
                                  dp_axis=M.DATA)
             grads = self.injector.corrupt_tree(grads, ctx, "grad")
 
-        keep = lambda p, o: (p, o, zero, zero)  # noqa: E731
         new_prev = None
         exact = c.loss.p == 0  # else each worker aggregates the packets that reached it
         if not exact:
@@ -468,8 +477,8 @@ class PaftTrainer:
         else:
             applied = next_sync == step
             if self.averages:
-                new_params, opt_avg, pre_div, pre_max = lax.cond(
-                    applied, self._average_state, keep, new_params, new_opt if sync_opt else ())
+                _, new_params, opt_avg, pre_div, pre_max = self._sum_and_average(
+                    applied, (), new_params, new_opt if sync_opt else ())
                 new_opt = opt_avg if sync_opt else new_opt
             else:  # next_sync stays 0: never applied
                 pre_div, pre_max = zero, zero
