@@ -269,29 +269,27 @@ class PaftTrainer:
         total, count = model.token_losses(self.graphdef, params, batch["tokens"])
         return total, (count, {})
 
-    def _sum_and_average(self, applied, extra, params, opt):
-        """One all-reduce: `extra` summed over the workers and, where `applied`, the workers'
-        mean of `params` and `opt` (the optimizer state with `sync_opt_state`, else `()`;
-        non-float leaves such as step counts are kept). Returns (summed extra, params, opt,
-        and the mean and max over workers of ||theta_bar - theta_m||^2 before the average,
-        0 without one)."""
+    def _average(self, applied, params, opt):
+        """Where `applied`, one all-reduce gives every worker the workers' mean of `params`
+        and `opt` (the optimizer state with `sync_opt_state`, else `()`; non-float leaves such
+        as step counts are kept). Returns (params, opt, and the mean and max over workers of
+        ||theta_bar - theta_m||^2 before the average, 0 without one)."""
         p_vecs, p_tree = _flatten_floats(params)
         o_vecs, o_tree = _flatten_floats(opt)
 
-        def average(extra, p_vecs, o_vecs):
-            extra, p_sums, o_sums = lax.psum((extra, p_vecs, o_vecs), M.DATA)
+        def average(p_vecs, o_vecs):
+            p_sums, o_sums = lax.psum((p_vecs, o_vecs), M.DATA)
             mean = lambda x: M.vary(x / self.workers, (M.DATA,))  # noqa: E731
             p_means = jax.tree.map(mean, p_sums)
             sq = sum(jnp.sum(jnp.square((p_means[k] - p_vecs[k]).astype(jnp.float32)))
                      for k in p_vecs)
-            return extra, p_means, jax.tree.map(mean, o_sums), *self._averaged_stats(sq)
+            return p_means, jax.tree.map(mean, o_sums), *self._averaged_stats(sq)
 
-        def keep(extra, p_vecs, o_vecs):
-            return lax.psum(extra, M.DATA), p_vecs, o_vecs, jnp.float32(0), jnp.float32(0)
+        def keep(p_vecs, o_vecs):
+            return p_vecs, o_vecs, jnp.float32(0), jnp.float32(0)
 
-        extra, p_vecs, o_vecs, div, div_max = lax.cond(applied, average, keep, extra, p_vecs,
-                                                       o_vecs)
-        return extra, p_tree(p_vecs), o_tree(o_vecs), div, div_max
+        p_vecs, o_vecs, div, div_max = lax.cond(applied, average, keep, p_vecs, o_vecs)
+        return p_tree(p_vecs), o_tree(o_vecs), div, div_max
 
     def _averaged_stats(self, sq):
         """(mean over workers, max over workers) of each worker's `sq`, from one all-reduce
@@ -415,10 +413,10 @@ class PaftTrainer:
         # out of the branches (no copy of it through them).
         params_in, opt_in = params, (opt if sync_opt else ())
         # With overlap, the average launched last step replaces the copies before this step's
-        # update. It needs nothing from this step's gradient, so it travels in the gradients'
-        # all-reduce (one collective, one point where the workers wait for each other) and
-        # the update starts from the mean. A trainer that never averages has nothing to apply.
-        average_in_sum = c.overlap and self.averages
+        # update. It needs nothing from this step's gradient: its all-reduce follows the
+        # gradients' (the workers are in step there already, with nothing to wait for) and the
+        # update starts from the mean. A trainer that never averages has nothing to apply.
+        average_before_update = c.overlap and self.averages
         applied = ctl["pending"] > 0
 
         loss, grads, _ = accumulate_gradients(self._loss, params, batch)
@@ -435,22 +433,15 @@ class PaftTrainer:
             grads = self.injector.corrupt_tree(grads, ctx, "grad")
 
         new_prev = None
-        exact = c.loss.p == 0  # else each worker aggregates the packets that reached it
-        if not exact:
+        if c.loss.p > 0:  # each worker aggregates the packets that reached it
             prev = _squeeze(state["prev_grad"]) if "prev_grad" in state else None
             grads, new_prev = self._lossy_mean(grads, prev, ctl["loss_p"], key, step, me)
-        # One all-reduce for the exact mean, the statistics and an overlapped average.
-        summed = (grads, stats) if exact else stats
-        if average_in_sum:
-            summed, params_in, opt_in, pre_div, pre_max = self._sum_and_average(
-                applied, summed, params, opt_in)
-        else:
-            summed = lax.psum(summed, M.DATA)
-        if exact:
-            grads, stats = summed
+            stats = lax.psum(stats, M.DATA)
+        else:  # one all-reduce for the exact mean and the statistics
+            grads, stats = lax.psum((grads, stats), M.DATA)
             grads = jax.tree.map(lambda g: M.vary(g / m, (M.DATA,)), grads)
-        else:
-            stats = summed
+        if average_before_update:
+            params_in, opt_in, pre_div, pre_max = self._average(applied, params, opt_in)
         grad_norm = stats["norm"] / m  # the mean over workers of ||g_m||
         grads = self._noise(grads, ctl, key, step, me)
         if ctx is not None:
@@ -469,7 +460,7 @@ class PaftTrainer:
             new_params = self._broadcast(new_params, params, key, step, me)
 
         if c.overlap:
-            if not average_in_sum:  # never averages: pending stays 0
+            if not average_before_update:  # never averages: pending stays 0
                 applied, pre_div, pre_max = jnp.bool_(False), zero, zero
             pending = jnp.int32(0)
             since = jnp.where(applied, 1, ctl["since"] + 1)
@@ -477,8 +468,8 @@ class PaftTrainer:
         else:
             applied = next_sync == step
             if self.averages:
-                _, new_params, opt_avg, pre_div, pre_max = self._sum_and_average(
-                    applied, (), new_params, new_opt if sync_opt else ())
+                new_params, opt_avg, pre_div, pre_max = self._average(
+                    applied, new_params, new_opt if sync_opt else ())
                 new_opt = opt_avg if sync_opt else new_opt
             else:  # next_sync stays 0: never applied
                 pre_div, pre_max = zero, zero

@@ -130,6 +130,26 @@ def test_overlap_dynamic_run_folder(tmp_path):
     assert summary["paft/syncs"] == len(applied)
 
 
+def test_flattened_floats_rebuild_the_tree_exactly():
+    """An average works on one vector per float dtype: if this fails, it would mix up, cast or
+    drop a leaf (an optimizer's integer step count must come back untouched)."""
+    from sdcstudy.paft import _flatten_floats
+
+    tree = {"a": jnp.arange(6, dtype=jnp.float32).reshape(2, 3),
+            "b": (jnp.array([1.5, -2.0], jnp.bfloat16), jnp.int32(7)),
+            "c": jnp.full((4,), -0.0, jnp.float32)}
+    vectors, rebuild = _flatten_floats(tree)
+    assert {k: (v.dtype, v.size) for k, v in vectors.items()} == {
+        "float32": (jnp.float32, 10), "bfloat16": (jnp.bfloat16, 2)}
+    back = rebuild(vectors)
+    for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(back)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x).reshape(-1).view(np.uint8),
+                                      np.asarray(y).reshape(-1).view(np.uint8))
+    doubled = rebuild({k: v * 2 for k, v in vectors.items()})
+    assert float(doubled["b"][0][1]) == -4.0 and int(doubled["b"][1]) == 7
+
+
 # --- packet loss ------------------------------------------------------------------------------
 
 
