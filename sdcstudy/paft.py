@@ -413,9 +413,10 @@ class PaftTrainer:
         # out of the branches (no copy of it through them).
         params_in, opt_in = params, (opt if sync_opt else ())
         # With overlap, the average launched last step replaces the copies before this step's
-        # update. It needs nothing from this step's gradient: its all-reduce follows the
-        # gradients' (the workers are in step there already, with nothing to wait for) and the
-        # update starts from the mean. A trainer that never averages has nothing to apply.
+        # update. It needs nothing from this step's gradient, so its all-reduce is free to run
+        # beside the forward and backward passes (XLA's runtime starts it once the copies are
+        # there), and the update starts from the mean. A trainer that never averages has
+        # nothing to apply.
         average_before_update = c.overlap and self.averages
         applied = ctl["pending"] > 0
 
