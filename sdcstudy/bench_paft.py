@@ -13,7 +13,7 @@ Contenders, all on the same batch and mesh (M simulated devices):
 
 The PAFT paper compares PAFT with plain DSGD under the same aggregation errors. Here the error
 is the environment, so the like-for-like baseline of PAFT's cost is `noised`: the goal is
-dyn-overlap / noised <= 1.05 (the paper reports +18.9% at 32 workers), "PAFT's cost over
+dyn-overlap / noised <= 1.05 (the paper's Table 1: 1.12x at 32 workers), "PAFT's cost over
 data-parallel training under the same simulated error". dyn-overlap / dp (error-free plain data
 parallel) is reported beside it: it includes the simulator's cost, noised / dp.
 
@@ -135,7 +135,7 @@ def paft_table(results: list[dict]) -> str:
     for r in results:
         for w in r["by_workers"]:
             batch = (f"{w['batch']}" + ("*" if w.get("batch_rounded") else "")
-                     + f" ({w['batch'] // w['workers']})")
+                     + f" ({w['worker_batch']})")
             if w.get("batch_rounded"):
                 notes.append(f"{r['preset']}, M = {w['workers']}: batch {w['batch_asked']} does "
                              f"not split over {w['workers']} workers, rounded up to {w['batch']}.")
