@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import importlib
 
+from . import hostmem
+
+# Freed host memory stays in the process (see hostmem.py): each step's buffers are reused
+# instead of being faulted in again. SDCSTUDY_MALLOC=system keeps the C library's defaults.
+hostmem.tune()
+
 # Public name -> submodule that defines it. Add a line here to export another name lazily.
 _LAZY = {
     "load_hf_checkpoint": "hf",

@@ -525,6 +525,7 @@ def environment() -> dict:
 
     import jax
 
+    from . import hostmem
     from .determinism import cpu_info
 
     versions = {}
@@ -535,7 +536,7 @@ def environment() -> dict:
             continue
     return {"cpu": cpu_info(), "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
-            "load_average": list(os.getloadavg())}
+            "load_average": list(os.getloadavg()), "allocator": hostmem.describe()}
 
 
 def finish(args, suite: str, results: list[dict], table: str, **extra) -> int:

@@ -25,10 +25,14 @@ H, the next sync step and the estimates live in the state and decide through `la
 step compiles once and never waits for the host. Metrics leave as replicated scalars.
 
 Collectives per step: the exact mean is one all-reduce that also carries the per-worker losses
-and gradient norms (the metrics) and, with overlap, the divergence an applied average removed.
-An overlapped average is one all-reduce of the copies at the start of the step that applies
-it (it needs nothing from that step's gradient, so it may run beside the forward and backward
-passes). A trainer that never averages (no `sync_every`, not dynamic) compiles no average.
+and gradient norms (the metrics) and, with overlap, the divergence an applied average removed
+(Algorithm 2's all-reduce for the next H, line 11). An overlapped average is one all-reduce of
+the copies at the start of the step that applies it: it needs nothing from that step's
+gradient, and the gradients' all-reduce waits for it, since it carries the divergence it
+removed. PAFT-Dyn with overlap thus adds one all-reduce per step to data-parallel training
+(none on the steps that apply no average). Without overlap an average follows the update and
+its divergence needs an all-reduce of its own. A trainer that never averages (no
+`sync_every`, not dynamic) compiles no average.
 """
 
 from __future__ import annotations
@@ -269,11 +273,14 @@ class PaftTrainer:
         total, count = model.token_losses(self.graphdef, params, batch["tokens"])
         return total, (count, {})
 
-    def _average(self, applied, params, opt):
+    def _average(self, applied, params, opt, gather: bool = True):
         """Where `applied`, one all-reduce gives every worker the workers' mean of `params`
         and `opt` (the optimizer state with `sync_opt_state`, else `()`; non-float leaves such
-        as step counts are kept). Returns (params, opt, and the mean and max over workers of
-        ||theta_bar - theta_m||^2 before the average, 0 without one)."""
+        as step counts are kept). Returns (params, opt, divergence): the divergence the
+        average removed, ||theta_bar - theta_m||^2 before it, 0 without one. With `gather`
+        it is (mean over workers, max over workers), from a second all-reduce; without, this
+        worker's value in its slot of an M-vector (`_in_slot`), for the caller to sum over
+        the workers in an all-reduce it makes anyway."""
         p_vecs, p_tree = _flatten_floats(params)
         o_vecs, o_tree = _flatten_floats(opt)
 
@@ -283,19 +290,26 @@ class PaftTrainer:
             p_means = jax.tree.map(mean, p_sums)
             sq = sum(jnp.sum(jnp.square((p_means[k] - p_vecs[k]).astype(jnp.float32)))
                      for k in p_vecs)
-            return p_means, jax.tree.map(mean, o_sums), *self._averaged_stats(sq)
+            sq_M = self._in_slot(sq)
+            div = self._divergence_stats(lax.psum(sq_M, M.DATA)) if gather else sq_M
+            return p_means, jax.tree.map(mean, o_sums), div
 
         def keep(p_vecs, o_vecs):
-            return p_vecs, o_vecs, jnp.float32(0), jnp.float32(0)
+            zero = jnp.float32(0)
+            return p_vecs, o_vecs, ((zero, zero) if gather
+                                    else M.vary(jnp.zeros(self.workers), (M.DATA,)))
 
-        p_vecs, o_vecs, div, div_max = lax.cond(applied, average, keep, p_vecs, o_vecs)
-        return p_tree(p_vecs), o_tree(o_vecs), div, div_max
+        p_vecs, o_vecs, div = lax.cond(applied, average, keep, p_vecs, o_vecs)
+        return p_tree(p_vecs), o_tree(o_vecs), div
 
-    def _averaged_stats(self, sq):
-        """(mean over workers, max over workers) of each worker's `sq`, from one all-reduce
-        of the workers' values placed in a vector."""
-        sq_M = lax.psum(jnp.where(jnp.arange(self.workers) == lax.axis_index(M.DATA), sq, 0.0),
-                        M.DATA)
+    def _in_slot(self, x):
+        """This worker's scalar `x` in its own slot of an M-vector: summed over the workers,
+        the vector holds every worker's value."""
+        return jnp.where(jnp.arange(self.workers) == lax.axis_index(M.DATA), x, 0.0)
+
+    def _divergence_stats(self, sq_M):
+        """(mean over workers, max over workers) of the workers' `sq`, from `_in_slot`
+        vectors summed over the workers."""
         return jnp.sum(sq_M) / self.workers, jnp.max(sq_M)
 
     def _divergence(self, params):
@@ -413,18 +427,15 @@ class PaftTrainer:
         # out of the branches (no copy of it through them).
         params_in, opt_in = params, (opt if sync_opt else ())
         # With overlap, the average launched last step replaces the copies before this step's
-        # update. It needs nothing from this step's gradient, so its all-reduce is free to run
-        # beside the forward and backward passes (XLA's runtime starts it once the copies are
-        # there), and the update starts from the mean. A trainer that never averages has
-        # nothing to apply.
+        # update, which starts from the mean. It needs nothing from this step's gradient. A
+        # trainer that never averages has nothing to apply.
         average_before_update = c.overlap and self.averages
         applied = ctl["pending"] > 0
 
         loss, grads, _ = accumulate_gradients(self._loss, params, batch)
         # Summed over the workers together with the gradients: each worker's loss in its own
         # slot, and the norm of its own gradient.
-        mine_M = jnp.arange(m) == me
-        stats = {"loss_M": jnp.where(mine_M, loss, 0.0), "norm": optax.tree.norm(grads)}
+        stats = {"loss_M": self._in_slot(loss), "norm": optax.tree.norm(grads)}
         records = {}
         transform_updates = lambda u: u  # noqa: E731
         ctx = None
@@ -433,6 +444,12 @@ class PaftTrainer:
                                  dp_axis=M.DATA)
             grads = self.injector.corrupt_tree(grads, ctx, "grad")
 
+        if average_before_update:
+            # The average's all-reduce comes first, so the divergence it removed rides in the
+            # gradients' all-reduce below (as Algorithm 2's all-reduce for H would): one
+            # all-reduce more than data-parallel training, not two.
+            params_in, opt_in, stats["sq_M"] = self._average(applied, params, opt_in,
+                                                             gather=False)
         new_prev = None
         if c.loss.p > 0:  # each worker aggregates the packets that reached it
             prev = _squeeze(state["prev_grad"]) if "prev_grad" in state else None
@@ -442,7 +459,7 @@ class PaftTrainer:
             grads, stats = lax.psum((grads, stats), M.DATA)
             grads = jax.tree.map(lambda g: M.vary(g / m, (M.DATA,)), grads)
         if average_before_update:
-            params_in, opt_in, pre_div, pre_max = self._average(applied, params, opt_in)
+            pre_div, pre_max = self._divergence_stats(stats["sq_M"])
         grad_norm = stats["norm"] / m  # the mean over workers of ||g_m||
         grads = self._noise(grads, ctl, key, step, me)
         if ctx is not None:
@@ -469,7 +486,7 @@ class PaftTrainer:
         else:
             applied = next_sync == step
             if self.averages:
-                new_params, opt_avg, pre_div, pre_max = self._average(
+                new_params, opt_avg, (pre_div, pre_max) = self._average(
                     applied, new_params, new_opt if sync_opt else ())
                 new_opt = opt_avg if sync_opt else new_opt
             else:  # next_sync stays 0: never applied
