@@ -26,6 +26,7 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import warnings
 
 # mallopt's parameter numbers (malloc.h).
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
@@ -55,8 +56,12 @@ def tune() -> bool:
 
 
 def _skip_reason() -> str | None:
-    if os.environ.get(OPT_OUT, "").lower() == "system":
+    choice = os.environ.get(OPT_OUT, "").lower()
+    if choice == "system":
         return f"{OPT_OUT}=system"
+    if choice:  # a misspelt opt-out should not pass unnoticed
+        warnings.warn(f"{OPT_OUT}={os.environ[OPT_OUT]!r} is not understood; only 'system' "
+                      f"keeps the C library's allocator defaults.", stacklevel=3)
     user = [name for name in USER_TUNABLES if name in os.environ]
     if user:
         return f"{user[0]} is set"

@@ -13,12 +13,15 @@ from sdcstudy import hostmem
 SNIPPET = "import sdcstudy; from sdcstudy import hostmem; print(hostmem.describe())"
 
 
-def _describe(**env) -> str:
+def _run(**env) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items()
              if k not in hostmem.USER_TUNABLES and k != hostmem.OPT_OUT}
-    out = subprocess.run([sys.executable, "-c", SNIPPET], env={**clean, **env},
-                         capture_output=True, text=True, timeout=60, check=True)
-    return out.stdout.strip()
+    return subprocess.run([sys.executable, "-c", SNIPPET], env={**clean, **env},
+                          capture_output=True, text=True, timeout=60, check=True)
+
+
+def _describe(**env) -> str:
+    return _run(**env).stdout.strip()
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's")
@@ -30,3 +33,9 @@ def test_import_sets_glibc_thresholds_and_respects_the_user():
     assert _describe(**{hostmem.OPT_OUT: "system"}) == \
         f"allocator defaults ({hostmem.OPT_OUT}=system)"
     assert _describe(MALLOC_TOP_PAD_="131072") == "allocator defaults (MALLOC_TOP_PAD_ is set)"
+
+
+def test_a_misspelt_opt_out_is_named_in_one_warning():
+    """If this fails, `SDCSTUDY_MALLOC=sytem` would tune the allocator without a word."""
+    out = _run(**{hostmem.OPT_OUT: "sytem"})
+    assert "SDCSTUDY_MALLOC='sytem' is not understood" in out.stderr
