@@ -5,7 +5,12 @@ distinct programs several at a time and lets identical ones share an executable)
 `WARMUP_STEPS` untimed steps that also check the contenders compute what they should, then
 times `repeats` repetitions of N steps of every contender in a rotating order, so load from
 other processes falls on all of them alike. Ratios are taken per repetition (both sides timed
-within seconds of each other) and reported as median (min-max).
+within seconds of each other) and reported as median (min-max), with their geometric mean
+and its 95% confidence interval (Student's t on the logarithms of the per-repetition ratios).
+Each contender's timed blocks also record the kernel's share: minor page faults and system CPU
+seconds per step (`getrusage`, process-wide, so only what ran during that contender's block).
+On the simulated devices a large step's cost can be page faults on XLA's per-step buffers
+rather than arithmetic (docs/paft.md, section 7); these columns say so at once.
 
 - `train`: our `Trainer.train_step` against the same Llama trained by transformers + torch on
   the CPU: the same initial weights (`torch_state_dict`), batch, next-token loss, global-norm
@@ -412,19 +417,30 @@ def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{
 
 
 def interleaved(runners: dict, steps: int, repeats: int, tokens: int, label: str,
-                echo=echo_stderr) -> dict[str, list[float]]:
-    """Seconds for `steps` steps of each runner per repetition, in a rotating order."""
+                echo=echo_stderr) -> tuple[dict[str, list[float]], dict[str, dict]]:
+    """(seconds for `steps` steps of each runner per repetition, in a rotating order; per
+    runner its minor page faults and system CPU seconds per step over its timed blocks)."""
+    import resource
+
     names = list(runners)
     seconds = {name: [] for name in names}
+    faults, system = dict.fromkeys(names, 0), dict.fromkeys(names, 0.0)
     for rep in range(repeats):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
+            before = resource.getrusage(resource.RUSAGE_SELF)
             start = time.perf_counter()
             runners[name].run(steps)
             seconds[name].append(time.perf_counter() - start)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            faults[name] += after.ru_minflt - before.ru_minflt
+            system[name] += after.ru_stime - before.ru_stime
         echo(f"{label} repetition {rep + 1}/{repeats}: " + ", ".join(
             f"{name} {tokens * steps / seconds[name][-1]:,.0f} tokens/s" for name in names))
-    return seconds
+    timed = max(1, repeats * steps)
+    kernel = {name: {"minor_faults_per_step": faults[name] / timed,
+                     "system_s_per_step": system[name] / timed} for name in names}
+    return seconds, kernel
 
 
 def spread(values: list[float]) -> dict:
@@ -448,8 +464,8 @@ def time_variants(preset: str, args, cfg, steps: int, trainers: dict, base: str,
     tokens_MBL1, tokens = random_tokens(cfg), tokens_per_step(cfg)
     runners, phases = build_runners(trainers, tokens_MBL1, compile_threads(args), label, preset,
                                     echo, runner)
-    warmup, seconds = warm_up_and_time(runners, steps, args.repeats, tokens, preset, phases,
-                                       echo)
+    warmup, seconds, kernel = warm_up_and_time(runners, steps, args.repeats, tokens, preset,
+                                               phases, echo)
     loss = lambda v, w: w[getattr(trainers[v], "loss_key", "loss/healthy")]  # noqa: E731
     base_losses = [loss(base, w) for w in warmup[base]]
     variants = {}
@@ -457,6 +473,7 @@ def time_variants(preset: str, args, cfg, steps: int, trainers: dict, base: str,
         losses = [loss(variant, w) for w in warmup[variant]]
         variants[variant] = {**timing(seconds[variant], steps, tokens),
                              "ratio": ratio_spread(seconds[variant], seconds[base]),
+                             "kernel": kernel[variant],
                              "compile_s": runner.compile_s, "warmup_losses": losses,
                              f"losses_equal_{base}": losses == base_losses}
         if runner.shares_program_of is not None:
@@ -470,18 +487,18 @@ def time_variants(preset: str, args, cfg, steps: int, trainers: dict, base: str,
 
 def warm_up_and_time(runners: dict, steps: int, repeats: int, tokens: int, label: str,
                      phases: dict, echo=echo_stderr):
-    """(warm-up metrics per runner, timed seconds per runner); adds both phases' wall time
-    to `phases`."""
+    """(warm-up metrics per runner, timed seconds per runner, the kernel's share per runner,
+    see `interleaved`); adds both phases' wall time to `phases`."""
     t0 = time.perf_counter()
     warmup = {name: r.warm_up(WARMUP_STEPS) for name, r in runners.items()}
     t1 = time.perf_counter()
-    seconds = interleaved(runners, steps, repeats, tokens, label, echo)
+    seconds, kernel = interleaved(runners, steps, repeats, tokens, label, echo)
     phases.update({"warmup_s": t1 - t0, "timed_s": time.perf_counter() - t1})
     echo(f"{label}: seconds spent on initial states {phases['init_s']:.1f}, lowering "
          f"{phases['lower_s']:.1f}, compiling {phases['compile_s']:.1f} "
          f"({phases['programs']} programs), warm-up {phases['warmup_s']:.1f}, timed steps "
          f"{phases['timed_s']:.1f}")
-    return warmup, seconds
+    return warmup, seconds, kernel
 
 
 def timing(seconds: list[float], steps: int, tokens: int) -> dict:
@@ -490,8 +507,26 @@ def timing(seconds: list[float], steps: int, tokens: int) -> dict:
 
 
 def ratio_spread(numerator: list[float], denominator: list[float]) -> dict:
-    """The ratio per repetition, then its spread (both sides timed in the same repetition)."""
-    return spread([a / b for a, b in zip(numerator, denominator)])
+    """The ratio per repetition, then its spread (both sides timed in the same repetition),
+    its geometric mean and that mean's 95% confidence interval (`geomean_ci`)."""
+    ratios = [a / b for a, b in zip(numerator, denominator)]
+    return {**spread(ratios), **geomean_ci(ratios)}
+
+
+def geomean_ci(ratios: list[float], level: float = 0.95) -> dict:
+    """{"geomean", "ci95": [low, high]}: the geometric mean of positive ratios and a
+    confidence interval for it, from Student's t on their logarithms (repetitions taken as
+    independent draws); `ci95` is None with fewer than two ratios."""
+    import numpy as np
+    from scipy import stats
+
+    logs = np.log(np.asarray(ratios, np.float64))
+    out = {"geomean": float(np.exp(logs.mean())), "ci95": None}
+    if len(logs) > 1:
+        half = (stats.t.ppf(0.5 + level / 2, len(logs) - 1) * logs.std(ddof=1)
+                / np.sqrt(len(logs)))
+        out["ci95"] = [float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half))]
+    return out
 
 
 def program_text(hlo: str) -> str:
@@ -711,10 +746,11 @@ def measure_train(preset: str, args, attentions: tuple[str, ...], echo=echo_stde
                                                         attention, lrs)
     losses = {name: [r["loss/healthy"] for r in runner.warm_up(WARMUP_STEPS)]
               for name, runner in runners.items()}
-    seconds = interleaved(runners, steps, args.repeats, tokens, preset)
+    seconds, kernel = interleaved(runners, steps, args.repeats, tokens, preset)
 
     def contender(name):
-        return {**timing(seconds[name], steps, tokens), "warmup_losses": losses[name]}
+        return {**timing(seconds[name], steps, tokens), "warmup_losses": losses[name],
+                "kernel": kernel[name]}
 
     result = {"preset": preset, "n_params": dims.n_params, "batch": e.batch_size,
               "seq_len": cfg.data.seq_len, "tokens_per_step": tokens, "steps": steps,
@@ -992,8 +1028,8 @@ def measure_paired(preset: str, args, echo=echo_stderr) -> list[dict]:
         trainers, random_tokens(cfg), compile_threads(args),
         f"{{}} (node 2 x dp {args.dp}{' x tp ' + str(degrees[0]) if len(degrees) == 1 else ''})",
         preset, echo)
-    warmup, seconds = warm_up_and_time(runners, steps, args.repeats, tokens, preset, phases,
-                                       echo)
+    warmup, seconds, kernel = warm_up_and_time(runners, steps, args.repeats, tokens, preset,
+                                               phases, echo)
     results = []
     for tp in degrees:
         free = runners[name("free", tp)]
@@ -1007,7 +1043,7 @@ def measure_paired(preset: str, args, echo=echo_stderr) -> list[dict]:
             modes[mode] = {
                 **timing(seconds[key], steps, tokens),
                 "ratio": ratio_spread(seconds[key], seconds[name("free", tp)]),
-                "compile_s": runner.compile_s, "memory": memory, "memory_ratio": memory_ratio,
+                "kernel": kernel[key], "compile_s": runner.compile_s, "memory": memory, "memory_ratio": memory_ratio,
                 "warmup": warmup[key],
                 "pair_agrees": all(w["loss/healthy"] == w["loss/suspect"]
                                    and w["grad/diff_l2"] == 0 for w in warmup[key]),

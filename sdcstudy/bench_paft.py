@@ -35,13 +35,17 @@ from .config import UserError
 GOAL = 1.05
 GOAL_RATIO = "dyn-overlap / noised"
 VARIANTS = ("dp", "noised", "dyn-overlap")
+# Repetitions by default: tiny's per-repetition ratios spread by +-5-15% on a loaded 2-core
+# machine, as wide as the goal's margin; 15 put the geometric mean's 95% interval within a few
+# percent.
+REPEATS = 15
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("paft", help="step time of PAFT-Dyn with overlap against data-parallel "
                                     "training under the same simulated error (and without it)")
     per_worker = ", ".join(f"{k} {v[0]}" for k, v in B.SHAPES["paft"].items())
-    B._add_common_args(p, "paft", batch_help="sequences per step, split over the workers "
+    B._add_common_args(p, "paft", repeats=REPEATS, batch_help="sequences per step, split over the workers "
                        "(default: --worker-batch sequences per worker)")
     p.add_argument("--worker-batch", type=int, default=None, metavar="N",
                    help=f"sequences per worker when --batch is not given (default: {per_worker})")
@@ -129,8 +133,8 @@ def measure_paft(preset: str, args, echo=B.echo_stderr) -> dict:
 
 def paft_table(results: list[dict]) -> str:
     lines = ["| preset | M | batch (per worker) | variant | ms/step | ratio to noised (goal) | "
-             "ratio to dp | H (warm-up) | goal |",
-             "|---|---:|---:|---|---:|---:|---:|---|---|"]
+             "ratio to dp | H (warm-up) | page faults/step | system ms/step | goal |",
+             "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---|"]
     notes = []
     for r in results:
         for w in r["by_workers"]:
@@ -145,9 +149,13 @@ def paft_table(results: list[dict]) -> str:
                     goal = (("met" if w["goal_met"] else "NOT met")
                             + f" (<= {GOAL:.2f}x of noised)")
                 h = ", ".join(f"{x:g}" for x in v.get("H", []) if x is not None) or "-"
+                kernel = v.get("kernel")
+                faults, system = ((f"{kernel['minor_faults_per_step']:,.0f}",
+                                   f"{kernel['system_s_per_step'] * 1e3:,.1f}") if kernel
+                                  else ("-", "-"))
                 lines.append(f"| {r['preset']} | {w['workers']} | {batch} | {variant} | "
                              f"{B._ms(v['seconds_per_step'])} | {B._ratio(v['ratio_to_noised'])} "
-                             f"| {B._ratio(v['ratio'])} | {h} | {goal} |")
+                             f"| {B._ratio(v['ratio'])} | {h} | {faults} | {system} | {goal} |")
     lines += ["", "Median (min-max) over interleaved repetitions; ratios per repetition. dp: "
               "plain data-parallel step without aggregation error; noised: data-parallel "
               "training under the simulated aggregation error (PAFT workers, no mitigation); "
@@ -157,16 +165,26 @@ def paft_table(results: list[dict]) -> str:
               "batch grows. The goal is dyn-overlap / noised <= "
               f"{GOAL:.2f}x: PAFT's cost over data-parallel training under the same simulated "
               "error. dyn-overlap / dp compares with error-free plain data parallel and includes "
-              "the simulator's cost (noised / dp)."]
+              "the simulator's cost (noised / dp). Page faults and system time: the process's, "
+              "per step, over each contender's timed blocks."]
     for r in results:
         for w in r["by_workers"]:
             lines.append(f"- {r['preset']}, M = {w['workers']}: dyn-overlap / noised "
-                         f"{B._ratio(w['dyn_over_noised'])} (goal: PAFT's cost over data-parallel "
+                         f"{B._ratio(w['dyn_over_noised'])}{_geomean(w['dyn_over_noised'])} "
+                         f"(goal: PAFT's cost over data-parallel "
                          f"training under the same simulated error); dyn-overlap / dp "
                          f"{B._ratio(w['dyn_over_dp'])} (error-free plain data parallel), of which "
                          f"the simulator, noised / dp, is {B._ratio(w['noised_over_dp'])}.")
     lines += [f"- * {note}" for note in notes]
     return "\n".join(lines) + "\n"
+
+
+def _geomean(ratio: dict) -> str:
+    """", geometric mean G (95% interval low-high)" where the ratio has them."""
+    if ratio.get("ci95") is None:
+        return ""
+    low, high = ratio["ci95"]
+    return f", geometric mean {ratio['geomean']:.3f}x (95% interval {low:.3f}-{high:.3f})"
 
 
 def run_paft_suite(args) -> int:

@@ -200,6 +200,55 @@ def _scale_by(k):
     return scaled
 
 
+class _Toucher:
+    """A stand-in runner: each step maps `size` fresh bytes and writes every page of them
+    (0: does nothing)."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def run(self, steps):
+        import mmap
+
+        for _ in range(steps):
+            if self.size:
+                with mmap.mmap(-1, self.size) as m:
+                    m.write(b"\x01" * self.size)
+
+
+def test_interleaved_charges_page_faults_to_the_contender_that_takes_them():
+    # If this fails, the kernel columns of a benchmark table blame the wrong contender (or
+    # none): each runner's faults must be counted around its own timed blocks only.
+    pages = 2048  # 8 MiB of fresh pages per step
+    size = pages * mmap_page_size()
+    seconds, kernel = bench.interleaved({"idle": _Toucher(0), "toucher": _Toucher(size)},
+                                        steps=2, repeats=3, tokens=1, label="t",
+                                        echo=lambda line: None)
+    assert [len(v) for v in seconds.values()] == [3, 3]
+    assert kernel["toucher"]["minor_faults_per_step"] >= 0.9 * pages
+    assert kernel["idle"]["minor_faults_per_step"] < 0.1 * pages
+    assert all(k["system_s_per_step"] >= 0 for k in kernel.values())
+
+
+def mmap_page_size():
+    import mmap
+
+    return mmap.PAGESIZE
+
+
+def test_geomean_ci_is_students_t_on_the_logarithms():
+    # Ratios 1, 1.1, 1.21: logs 0, a, 2a with a = log 1.1; mean a, sample sd a, 2 degrees of
+    # freedom (t = 4.303). If this fails, the interval printed beside a goal is not a 95% one.
+    a = math.log(1.1)
+    out = bench.geomean_ci([1.0, 1.1, 1.21])
+    assert out["geomean"] == pytest.approx(1.1, rel=1e-12)
+    half = 4.302652729911275 * a / math.sqrt(3)
+    assert out["ci95"] == pytest.approx([math.exp(a - half), math.exp(a + half)], rel=1e-9)
+    assert bench.geomean_ci([1.3]) == {"geomean": pytest.approx(1.3), "ci95": None}
+    ratio = bench.ratio_spread([2.0, 2.2, 2.42], [2.0, 2.0, 2.0])
+    assert ratio["median"] == pytest.approx(1.1) and ratio["ci95"] == pytest.approx(out["ci95"])
+
+
 def test_program_text_ignores_only_source_locations():
     # The faults suite compares programs traced from different lines; the comparison must
     # see through the lines and still see a different constant.

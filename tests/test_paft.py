@@ -252,7 +252,9 @@ def test_bench_suite_goal_is_against_noised_and_batch_splits(tmp_path, capsys, m
         seen.update({name: t.cfg for name, t in trainers.items()})
         warmup = {name: [{"paft/H": 1.0, "paft/sync": 1.0}] for name in trainers}
         variants = {name: {"seconds_per_step": bench.spread(times[name]),
-                           "ratio": bench.ratio_spread(times[name], times[base])}
+                           "ratio": bench.ratio_spread(times[name], times[base]),
+                           "kernel": {"minor_faults_per_step": 1234.4,
+                                      "system_s_per_step": 0.0056}}
                     for name in trainers}
         return {}, warmup, variants, {"preset": preset, "batch": cfg.experiment.batch_size}
 
@@ -272,7 +274,8 @@ def test_bench_suite_goal_is_against_noised_and_batch_splits(tmp_path, capsys, m
     assert w["dyn_over_dp"]["runs"] == [1.6, 2.5 / 2.0]
     assert w["noised_over_dp"]["runs"] == [1.5, 2.5 / 2.0]
     assert w["variants"]["noised"]["ratio_to_noised"]["runs"] == [1.0, 1.0]
-    assert "dyn-overlap / noised 1.03x (1.00-1.07)" in table
+    assert "dyn-overlap / noised 1.03x (1.00-1.07), geometric mean 1.033x (95% interval" in table
+    assert "| 1,234 | 5.6 | met" in table  # the kernel's share per step beside the goal
     assert "noised / dp, is 1.38x (1.25-1.50)" in table
     assert "rounded up to 8" in table and "| tiny | 4 | 8* (2) | dyn-overlap |" in table
     assert w["batch_per"] == "step" and w["worker_batch"] == 2
