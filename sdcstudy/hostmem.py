@@ -16,8 +16,13 @@ process keeps its peak footprint. Results do not change: where a buffer lies doe
 what XLA computes.
 
 It runs when `sdcstudy` is imported. It does nothing on a C library other than glibc, nor when
-the user set any of glibc's `MALLOC_*_` tunables in the environment (theirs win), nor with
-`SDCSTUDY_MALLOC=system`.
+the user set any of glibc's `MALLOC_*_` tunables in the environment (theirs win), nor when
+`LD_PRELOAD` puts another allocator in glibc's place (jemalloc, tcmalloc, mimalloc: glibc's
+settings would not reach it), nor with `SDCSTUDY_MALLOC=system`.
+
+Blocks above 64 MiB that XLA's worker threads allocate are mapped afresh on every step
+whatever the thresholds say (a thread's own arena cannot hold them); docs/paft.md, section 7,
+measures that, and an allocator to preload that keeps them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import re
 import warnings
 
 # mallopt's parameter numbers (malloc.h).
@@ -65,8 +71,21 @@ def _skip_reason() -> str | None:
     user = [name for name in USER_TUNABLES if name in os.environ]
     if user:
         return f"{user[0]} is set"
+    preloaded = preloaded_allocator()
+    if preloaded:
+        conf = os.environ.get("MALLOC_CONF")
+        return f"LD_PRELOAD allocator {preloaded}" + (f", MALLOC_CONF={conf}" if conf else "")
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return "not glibc"
+    return None
+
+
+def preloaded_allocator() -> str | None:
+    """The file name of an allocator `LD_PRELOAD` loads in glibc's place, if any."""
+    for entry in re.split(r"[:\s]+", os.environ.get("LD_PRELOAD", "")):
+        name = os.path.basename(entry)
+        if "malloc" in name:
+            return name
     return None
 
 

@@ -9,6 +9,7 @@ a healthy pair that disagrees.
 import argparse
 import json
 import math
+import mmap
 import subprocess
 import sys
 
@@ -50,6 +51,9 @@ def test_faults_suite(tmp_path, capsys):
     for name, v in variants.items():
         assert _positive(v["ratio"]) and _positive(v["tokens_per_s"]), name
         assert f"| {name} |" in table
+        # The kernel's share of each contender's timed steps is recorded beside its time.
+        assert v["kernel"]["minor_faults_per_step"] >= 0 <= v["kernel"]["system_s_per_step"]
+        assert v["ratio"]["geomean"] > 0 and v["ratio"]["ci95"] is None  # one repetition
     assert variants["plain"]["ratio"]["median"] == 1.0
     # healthy and rate-0 profiles build no injector: the compiled program must be plain's,
     # byte for byte. If not, the fault engine costs something even when it is switched off.
@@ -208,8 +212,6 @@ class _Toucher:
         self.size = size
 
     def run(self, steps):
-        import mmap
-
         for _ in range(steps):
             if self.size:
                 with mmap.mmap(-1, self.size) as m:
@@ -220,7 +222,7 @@ def test_interleaved_charges_page_faults_to_the_contender_that_takes_them():
     # If this fails, the kernel columns of a benchmark table blame the wrong contender (or
     # none): each runner's faults must be counted around its own timed blocks only.
     pages = 2048  # 8 MiB of fresh pages per step
-    size = pages * mmap_page_size()
+    size = pages * mmap.PAGESIZE
     seconds, kernel = bench.interleaved({"idle": _Toucher(0), "toucher": _Toucher(size)},
                                         steps=2, repeats=3, tokens=1, label="t",
                                         echo=lambda line: None)
@@ -228,12 +230,6 @@ def test_interleaved_charges_page_faults_to_the_contender_that_takes_them():
     assert kernel["toucher"]["minor_faults_per_step"] >= 0.9 * pages
     assert kernel["idle"]["minor_faults_per_step"] < 0.1 * pages
     assert all(k["system_s_per_step"] >= 0 for k in kernel.values())
-
-
-def mmap_page_size():
-    import mmap
-
-    return mmap.PAGESIZE
 
 
 def test_geomean_ci_is_students_t_on_the_logarithms():

@@ -35,6 +35,23 @@ def test_import_sets_glibc_thresholds_and_respects_the_user():
     assert _describe(MALLOC_TOP_PAD_="131072") == "allocator defaults (MALLOC_TOP_PAD_ is set)"
 
 
+def test_a_preloaded_allocator_is_named_and_left_alone(monkeypatch):
+    """If this fails, a benchmark run under jemalloc (docs/paft.md, section 7) would record
+    glibc's thresholds as in force, which then reach nothing."""
+    monkeypatch.delenv(hostmem.OPT_OUT, raising=False)
+    for name in hostmem.USER_TUNABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "/opt/x/libfoo.so /usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    assert hostmem.preloaded_allocator() == "libjemalloc.so.2"
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+    assert hostmem._skip_reason() == "LD_PRELOAD allocator libjemalloc.so.2"
+    monkeypatch.setenv("MALLOC_CONF", "dirty_decay_ms:-1")  # recorded with the benchmark
+    assert hostmem._skip_reason() == ("LD_PRELOAD allocator libjemalloc.so.2, "
+                                      "MALLOC_CONF=dirty_decay_ms:-1")
+    monkeypatch.setenv("LD_PRELOAD", "libfoo.so:libbar.so")
+    assert hostmem.preloaded_allocator() is None
+
+
 def test_a_misspelt_opt_out_is_named_in_one_warning():
     """If this fails, `SDCSTUDY_MALLOC=sytem` would tune the allocator without a word."""
     out = _run(**{hostmem.OPT_OUT: "sytem"})
