@@ -1043,7 +1043,8 @@ def measure_paired(preset: str, args, echo=echo_stderr) -> list[dict]:
             modes[mode] = {
                 **timing(seconds[key], steps, tokens),
                 "ratio": ratio_spread(seconds[key], seconds[name("free", tp)]),
-                "kernel": kernel[key], "compile_s": runner.compile_s, "memory": memory, "memory_ratio": memory_ratio,
+                "kernel": kernel[key], "compile_s": runner.compile_s, "memory": memory,
+                "memory_ratio": memory_ratio,
                 "warmup": warmup[key],
                 "pair_agrees": all(w["loss/healthy"] == w["loss/suspect"]
                                    and w["grad/diff_l2"] == 0 for w in warmup[key]),

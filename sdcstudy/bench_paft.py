@@ -45,8 +45,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("paft", help="step time of PAFT-Dyn with overlap against data-parallel "
                                     "training under the same simulated error (and without it)")
     per_worker = ", ".join(f"{k} {v[0]}" for k, v in B.SHAPES["paft"].items())
-    B._add_common_args(p, "paft", repeats=REPEATS, batch_help="sequences per step, split over the workers "
-                       "(default: --worker-batch sequences per worker)")
+    B._add_common_args(p, "paft", repeats=REPEATS,
+                       batch_help="sequences per step, split over the workers (default: "
+                       "--worker-batch sequences per worker)")
     p.add_argument("--worker-batch", type=int, default=None, metavar="N",
                    help=f"sequences per worker when --batch is not given (default: {per_worker})")
     p.add_argument("--workers", default="4,8", help="comma-separated worker counts (default 4,8)")

@@ -40,7 +40,7 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 64 << 20
 USER_TUNABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_",
-                 "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")
+                 "MALLOC_MMAP_MAX_", "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST", "GLIBC_TUNABLES")
 OPT_OUT = "SDCSTUDY_MALLOC"
 
 _state: dict = {"tuned": False, "why": "not tried"}
