@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import roofline
+from . import hostmem, roofline
 from .config import UserError
 
 # Per suite and preset: (sequences per step, sequence length, timed steps per repetition).
@@ -560,7 +560,6 @@ def environment() -> dict:
 
     import jax
 
-    from . import hostmem
     from .determinism import cpu_info
 
     versions = {}
@@ -597,6 +596,7 @@ def run_suite(args, suite: str, measure, table, check=None, **extra) -> int:
     env = environment()
     results = []
     for preset in presets:  # a suite measures one result per preset, or a list of them
+        hostmem.release()  # the previous preset's buffers are free by now
         measured = measure(preset, args)
         results += measured if isinstance(measured, list) else [measured]
     env["load_average_end"] = list(os.getloadavg())

@@ -30,6 +30,7 @@ contender of that M), and the table says so.
 from __future__ import annotations
 
 from . import bench as B
+from . import hostmem
 from .config import UserError
 
 GOAL = 1.05
@@ -108,11 +109,13 @@ def measure_paft(preset: str, args, echo=B.echo_stderr) -> dict:
 
     results = []
     for workers in _workers(args):
+        hostmem.release()  # the previous worker count's buffers are free by now
         configs, steps, asked = _configs(preset, args, workers)
         trainers = {variant: (Trainer if variant == "dp" else PaftTrainer).from_config(cfg)
                     for variant, cfg in configs.items()}
-        _, warmup, variants, result = B.time_variants(preset, args, configs["dp"], steps,
-                                                      trainers, "dp", f"M={workers} {{}}", echo)
+        # The runners (and their buffers) are not kept: the next worker count releases them.
+        warmup, variants, result = B.time_variants(preset, args, configs["dp"], steps, trainers,
+                                                   "dp", f"M={workers} {{}}", echo)[1:]
         seconds = {v: variants[v]["seconds_per_step"]["runs"] for v in VARIANTS}
         for variant in VARIANTS[1:]:
             variants[variant]["H"] = [w.get("paft/H") for w in warmup[variant]]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import platform
 import re
@@ -42,6 +43,7 @@ TOP_PAD = 64 << 20
 USER_TUNABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_",
                  "MALLOC_MMAP_MAX_", "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST", "GLIBC_TUNABLES")
 OPT_OUT = "SDCSTUDY_MALLOC"
+JEMALLOC_PURGE_ALL = b"arena.4096.purge"  # 4096: MALLCTL_ARENAS_ALL
 
 _state: dict = {"tuned": False, "why": "not tried"}
 
@@ -89,6 +91,26 @@ def preloaded_allocator() -> str | None:
     return None
 
 
+def release() -> str | None:
+    """Hand the memory freed so far back to the kernel; the allocator that did it, or None.
+
+    For the boundaries between a benchmark's stages (presets, worker counts), whose buffers
+    differ in size: an allocator that keeps freed memory for the next step (glibc with the
+    thresholds above, or jemalloc preloaded with decay off) would otherwise hold each stage's
+    peak beside the next one's. jemalloc purges every arena (`mallctl`); glibc trims its heaps
+    (`malloc_trim`). Buffers still in use are untouched."""
+    gc.collect()  # arrays held only by reference cycles free their buffers first
+    process = ctypes.CDLL(None)  # the global symbols: a preloaded allocator's come first
+    mallctl = getattr(process, "mallctl", None)
+    if mallctl is not None:
+        return "jemalloc" if mallctl(JEMALLOC_PURGE_ALL, None, None, None, 0) == 0 else None
+    trim = getattr(process, "malloc_trim", None)
+    if trim is not None and platform.libc_ver()[0] == "glibc":
+        trim(0)
+        return "glibc"
+    return None
+
+
 def describe() -> str:
     """One line for a benchmark's environment record."""
     if _state["tuned"]:
@@ -97,4 +119,4 @@ def describe() -> str:
     return f"allocator defaults ({_state['why']})"
 
 
-__all__ = ["tune", "describe"]
+__all__ = ["tune", "describe", "release"]

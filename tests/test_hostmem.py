@@ -56,3 +56,33 @@ def test_a_misspelt_opt_out_is_named_in_one_warning():
     """If this fails, `SDCSTUDY_MALLOC=sytem` would tune the allocator without a word."""
     out = _run(**{hostmem.OPT_OUT: "sytem"})
     assert "SDCSTUDY_MALLOC='sytem' is not understood" in out.stderr
+
+
+RELEASE_SNIPPET = """
+import numpy as np
+import sdcstudy
+from sdcstudy import hostmem
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+blocks = [np.ones(2 << 20) for _ in range(32)]  # 32 blocks of 16 MiB, from the heap
+del blocks
+before = rss()
+who = hostmem.release()
+print(who, before - rss())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's")
+def test_release_hands_freed_heap_memory_back():
+    """With the thresholds the heap keeps up to 1 GiB of freed memory for the next step; if
+    this fails, a benchmark's next stage (preset, worker count) is built beside the previous
+    one's freed peak instead of in its place."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in hostmem.USER_TUNABLES and k != hostmem.OPT_OUT and k != "LD_PRELOAD"}
+    out = subprocess.run([sys.executable, "-c", RELEASE_SNIPPET], env=clean, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    assert out[0] == "glibc"
+    assert int(out[1]) > 400 << 20  # of the 512 MiB freed
