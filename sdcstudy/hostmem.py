@@ -28,7 +28,6 @@ measures that, and an allocator to preload that keeps them.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import os
 import platform
@@ -54,8 +53,7 @@ def tune() -> bool:
         return True
     why = _skip_reason()
     if why is None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = all(libc.mallopt(param, value) == 1 for param, value in (
+        ok = all(_process_symbols().mallopt(param, value) == 1 for param, value in (
             (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
             (M_TOP_PAD, TOP_PAD)))
         why = None if ok else "mallopt refused a value"
@@ -100,7 +98,7 @@ def release() -> str | None:
     peak beside the next one's. jemalloc purges every arena (`mallctl`); glibc trims its heaps
     (`malloc_trim`). Buffers still in use are untouched."""
     gc.collect()  # arrays held only by reference cycles free their buffers first
-    process = ctypes.CDLL(None)  # the global symbols: a preloaded allocator's come first
+    process = _process_symbols()
     mallctl = getattr(process, "mallctl", None)
     if mallctl is not None:
         return "jemalloc" if mallctl(JEMALLOC_PURGE_ALL, None, None, None, 0) == 0 else None
@@ -109,6 +107,11 @@ def release() -> str | None:
         trim(0)
         return "glibc"
     return None
+
+
+def _process_symbols() -> ctypes.CDLL:
+    """The process's global symbols (the C library's, and a preloaded allocator's first)."""
+    return ctypes.CDLL(None)
 
 
 def describe() -> str:

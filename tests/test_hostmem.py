@@ -13,10 +13,12 @@ from sdcstudy import hostmem
 SNIPPET = "import sdcstudy; from sdcstudy import hostmem; print(hostmem.describe())"
 
 
-def _run(**env) -> subprocess.CompletedProcess:
+def _run(snippet: str = SNIPPET, **env) -> subprocess.CompletedProcess:
+    """`snippet` in a fresh process whose environment holds none of the user's allocator
+    choices (their tunables, the opt-out, a preloaded allocator), then `env`."""
     clean = {k: v for k, v in os.environ.items()
-             if k not in hostmem.USER_TUNABLES and k != hostmem.OPT_OUT}
-    return subprocess.run([sys.executable, "-c", SNIPPET], env={**clean, **env},
+             if k not in (*hostmem.USER_TUNABLES, hostmem.OPT_OUT, "LD_PRELOAD")}
+    return subprocess.run([sys.executable, "-c", snippet], env={**clean, **env},
                           capture_output=True, text=True, timeout=60, check=True)
 
 
@@ -80,9 +82,6 @@ def test_release_hands_freed_heap_memory_back():
     """With the thresholds the heap keeps up to 1 GiB of freed memory for the next step; if
     this fails, a benchmark's next stage (preset, worker count) is built beside the previous
     one's freed peak instead of in its place."""
-    clean = {k: v for k, v in os.environ.items()
-             if k not in hostmem.USER_TUNABLES and k != hostmem.OPT_OUT and k != "LD_PRELOAD"}
-    out = subprocess.run([sys.executable, "-c", RELEASE_SNIPPET], env=clean, capture_output=True,
-                         text=True, timeout=60, check=True).stdout.split()
+    out = _run(RELEASE_SNIPPET).stdout.split()
     assert out[0] == "glibc"
     assert int(out[1]) > 400 << 20  # of the 512 MiB freed
