@@ -81,15 +81,15 @@ MAX_COMPILE_THREADS = 4
 
 
 def _add_common_args(p: argparse.ArgumentParser, suite: str | None, repeats: int = 5,
-                     batch_help: str | None = None) -> None:
+                     batch_help: str | None = None, presets: str = "tiny,small") -> None:
     """The options every suite takes; `suite` None: each suite keeps its own default shapes.
     `batch_help` replaces the help of --batch for a suite that reads it differently."""
     def default(i):
         if suite is None:
             return "each suite's own"
         return ", ".join(f"{k} {v[i]}" for k, v in SHAPES[suite].items())
-    p.add_argument("--presets", default="tiny,small",
-                   help="comma-separated model presets (default tiny,small)")
+    p.add_argument("--presets", default=presets,
+                   help=f"comma-separated model presets (default {presets})")
     p.add_argument("--batch", type=int, default=None, metavar="B",
                    help=batch_help or f"sequences per step (default: {default(0)})")
     p.add_argument("--seq-len", type=int, default=None, metavar="L",

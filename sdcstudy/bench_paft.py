@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("paft", help="step time of PAFT-Dyn with overlap against data-parallel "
                                     "training under the same simulated error (and without it)")
     per_worker = ", ".join(f"{k} {v[0]}" for k, v in B.SHAPES["paft"].items())
-    B._add_common_args(p, "paft", repeats=REPEATS,
+    B._add_common_args(p, "paft", repeats=REPEATS, presets="tiny",
                        batch_help="sequences per step, split over the workers (default: "
                        "--worker-batch sequences per worker)")
     p.add_argument("--worker-batch", type=int, default=None, metavar="N",
@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", default="4,8", help="comma-separated worker counts (default 4,8)")
     p.add_argument("--sigma2", type=float, default=1e-3,
                    help="aggregation-error variance of the PAFT contenders (default 1e-3)")
-    p.set_defaults(bench=run_paft_suite, presets="tiny")
+    p.set_defaults(bench=run_paft_suite)
 
 
 def _workers(args) -> list[int]:

@@ -266,6 +266,15 @@ def test_bad_preset_is_one_sentence_and_exit_2():
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+@pytest.mark.parametrize("suite", ["train", "faults", "paired", "abft", "detect", "paft", "all"])
+def test_every_suite_help_names_the_presets_it_runs(suite, capsys):
+    # A suite may run other presets by default (paft: tiny only); its --help must say which.
+    used = cli.build_parser().parse_args(["bench", suite]).presets
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", suite, "--help"])
+    assert f"(default {used})" in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["faults", "--repeats", "0"], "--repeats"),
     (["train", "--seq-len", "-4"], "--seq-len"),
