@@ -3,9 +3,9 @@
 How each overhead grows with the model and the parallelism, on small models derived from
 `tiny` (D=64, 1 layer, 4 heads and 4 KV heads so that tp = 4 divides them, FFN 2D, byte
 vocabulary), batch 8 x 32 tokens unless an axis changes it. Each point is one measurement of
-`sdcstudy bench`'s own suites (`bench.measure_paired`, `measure_abft`, `bench_paft.
-measure_paft`: compiled once, warmed up, timed in interleaved repetitions, ratios per
-repetition to the plain step of the same rotation):
+`sdcstudy bench`'s own suites (`bench_paired.measure_paired`, `bench_abft.measure_abft`,
+`bench_paft.measure_paft`: compiled once, warmed up, timed in interleaved repetitions, ratios
+per repetition to the plain step of the same rotation):
 
 - layers (1, 2, 4), hidden size (32, 64, 128) and sequence length (32, 64, 128): lock-step /
   free and paramsync / free (a pair at tp 1), ABFT on / off (one node);
@@ -105,7 +105,7 @@ def rows_of(axis: str, value, result: dict, ratios: dict) -> list[dict]:
 def measure_model_point(args, axis: str, value, cache: dict) -> list[dict]:
     """lockstep / free, paramsync / free and ABFT on / off at one point of a model axis; the
     base point, shared by the three axes, is measured once."""
-    from sdcstudy import bench as B
+    from sdcstudy import bench_abft, bench_paired
 
     key_name = AXES[axis][0]
     overrides = {} if value == _base_value(axis) else {key_name: value}
@@ -114,8 +114,8 @@ def measure_model_point(args, axis: str, value, cache: dict) -> list[dict]:
     key = tuple(sorted(overrides.items()))
     if key not in cache:
         ns = bench_args(args, overrides)
-        (paired,) = B.measure_paired("tiny", ns)
-        abft = B.measure_abft("tiny", ns, which={"off": [], "on": ["abft.enabled=true"]})
+        (paired,) = bench_paired.measure_paired("tiny", ns)
+        abft = bench_abft.measure_abft("tiny", ns, which={"off": [], "on": ["abft.enabled=true"]})
         cache[key] = (paired, {"lockstep/free": paired["modes"]["lockstep"]["ratio"],
                                "paramsync/free": paired["modes"]["paramsync"]["ratio"]},
                       abft, {"abft on/off": abft["variants"]["on"]["ratio"]})
@@ -129,13 +129,13 @@ def _base_value(axis: str):
 
 
 def measure_tp(args) -> list[dict]:
-    from sdcstudy import bench as B
+    from sdcstudy import bench_paired
 
     degrees = AXES["tp"][1]
     ns = bench_args(args, {})
     ns.tp = ",".join(str(d) for d in degrees)
     rows = []
-    for result in B.measure_paired("tiny", ns):
+    for result in bench_paired.measure_paired("tiny", ns):
         tp = result["mesh"]["tp"]
         ratios = {"lockstep/free": result["modes"]["lockstep"]["ratio"],
                   "paramsync/free": result["modes"]["paramsync"]["ratio"],

@@ -1,5 +1,5 @@
 """`sdcstudy bench detect`: the step time of each SDC detector against the step without one,
-side by side in one run (bench.py's compile, warm-up and rotation).
+side by side in one run (bench_timing.py's compile, warm-up and rotation).
 
 The step is `experiment.mode: detect` (detect.py) on `mesh.dp` = 2 ranks with the healthy
 profile, training on what the ranks computed (`detect.advance: primary`), so the contender
@@ -20,6 +20,7 @@ running in parallel would add to the wall time.
 from __future__ import annotations
 
 from . import bench as B
+from . import bench_timing as BT
 
 RANKS = 2
 BASE = "none"
@@ -38,7 +39,7 @@ def detect_config(preset: str, args):
         "detect.detectors=all", "detect.advance=primary", "detect.rollback=false"])
 
 
-class DetectRunner(B.StepRunner):
+class DetectRunner(BT.StepRunner):
     """A detect step: the monitor's contender judges every step on the host, as the host
     loop does; warm-up steps are judged for every contender and their flags counted."""
 
@@ -72,8 +73,8 @@ def measure_detect(preset: str, args, echo=B.echo_stderr) -> dict:
     cfg, steps = detect_config(preset, args)
     full = DetectTrainer.from_config(cfg)
     trainers = {BASE: full.variant(())} | {name: full.variant((name,)) for name in DETECTORS}
-    runners, warmup, variants, result = B.time_variants(preset, args, cfg, steps, trainers, BASE,
-                                                        "{}", echo, DetectRunner)
+    runners, warmup, variants, result = BT.time_variants(preset, args, cfg, steps, trainers, BASE,
+                                                         "{}", echo, DetectRunner)
     base_memory = runners[BASE].memory()
     for name, runner in runners.items():
         memory = runner.memory()

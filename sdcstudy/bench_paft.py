@@ -1,6 +1,6 @@
 """`sdcstudy bench paft`: the step time of PAFT-Dyn with overlap, M workers side by side in one
-run (bench.py's compile, warm-up and rotation), against data-parallel training under the same
-simulated error and against error-free plain data-parallel training.
+run (bench_timing.py's compile, warm-up and rotation), against data-parallel training under the
+same simulated error and against error-free plain data-parallel training.
 
 Contenders, all on the same batch and mesh (M simulated devices):
 - `dp`: the plain data-parallel step (`train.Trainer`, one replicated model, gradients
@@ -30,6 +30,7 @@ contender of that M), and the table says so.
 from __future__ import annotations
 
 from . import bench as B
+from . import bench_timing as BT
 from . import hostmem
 from .config import UserError
 
@@ -114,16 +115,16 @@ def measure_paft(preset: str, args, echo=B.echo_stderr) -> dict:
         trainers = {variant: (Trainer if variant == "dp" else PaftTrainer).from_config(cfg)
                     for variant, cfg in configs.items()}
         # The runners (and their buffers) are not kept: the next worker count releases them.
-        warmup, variants, result = B.time_variants(preset, args, configs["dp"], steps, trainers,
-                                                   "dp", f"M={workers} {{}}", echo)[1:]
+        warmup, variants, result = BT.time_variants(preset, args, configs["dp"], steps, trainers,
+                                                    "dp", f"M={workers} {{}}", echo)[1:]
         seconds = {v: variants[v]["seconds_per_step"]["runs"] for v in VARIANTS}
         for variant in VARIANTS[1:]:
             variants[variant]["H"] = [w.get("paft/H") for w in warmup[variant]]
             variants[variant]["syncs"] = sum(w.get("paft/sync", 0) for w in warmup[variant])
         for variant in VARIANTS:
-            variants[variant]["ratio_to_noised"] = B.ratio_spread(seconds[variant],
-                                                                  seconds["noised"])
-        goal = B.ratio_spread(seconds["dyn-overlap"], seconds["noised"])
+            variants[variant]["ratio_to_noised"] = BT.ratio_spread(seconds[variant],
+                                                                   seconds["noised"])
+        goal = BT.ratio_spread(seconds["dyn-overlap"], seconds["noised"])
         results.append({**result, "workers": workers, "sigma2": args.sigma2,
                         "batch_asked": asked, "batch_rounded": result["batch"] != asked,
                         "worker_batch": result["batch"] // workers,

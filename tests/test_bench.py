@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sdcstudy import bench, bench_paft, bench_plot, cli
+from sdcstudy import (bench, bench_abft, bench_faults, bench_paft, bench_paired, bench_plot,
+                      bench_timing, bench_train, cli)
 from sdcstudy.detect_plan import DETECTORS
 
 # One layer, short sequences, one repetition of one step: structure, not speed.
@@ -47,7 +48,7 @@ def test_faults_suite(tmp_path, capsys):
     report, table = _run(tmp_path, capsys, "faults")
     (result,) = report["results"]
     variants = result["variants"]
-    assert list(variants) == list(bench.FAULT_VARIANTS)
+    assert list(variants) == list(bench_faults.FAULT_VARIANTS)
     for name, v in variants.items():
         assert _positive(v["ratio"]) and _positive(v["tokens_per_s"]), name
         assert f"| {name} |" in table
@@ -81,7 +82,7 @@ def test_paired_suite(tmp_path, capsys):
                                                       for tp in (1, 2)]
     for result in report["results"]:
         modes = result["modes"]
-        assert list(modes) == list(bench.PAIRED_MODES)
+        assert list(modes) == list(bench_paired.PAIRED_MODES)
         for mode, v in modes.items():
             assert _positive(v["ratio"]) and _positive(v["tokens_per_s"]), mode
             assert v["memory"]["peak"] > 0 and v["memory_ratio"] > 0
@@ -106,7 +107,7 @@ def test_paired_suite(tmp_path, capsys):
 
 @pytest.mark.parametrize("text, degrees", [("1", [1]), ("1,2,4", [1, 2, 4]), (2, [2])])
 def test_tp_degrees(text, degrees):
-    assert bench.tp_degrees(argparse.Namespace(tp=text)) == degrees
+    assert bench_paired.tp_degrees(argparse.Namespace(tp=text)) == degrees
 
 
 def test_detect_suite(tmp_path, capsys):
@@ -136,7 +137,7 @@ def test_abft_suite(tmp_path, capsys):
     report, table = _run(tmp_path, capsys, "abft")
     (result,) = report["results"]
     variants = result["variants"]
-    assert list(variants) == list(bench.ABFT_VARIANTS)
+    assert list(variants) == list(bench_abft.ABFT_VARIANTS)
     for name, v in variants.items():
         assert _positive(v["ratio"]) and f"| {name} |" in table, name
     # Checks ran (one layer: q k v o gate up down and the head, three products each, per
@@ -223,9 +224,9 @@ def test_interleaved_charges_page_faults_to_the_contender_that_takes_them():
     # none): each runner's faults must be counted around its own timed blocks only.
     pages = 2048  # 8 MiB of fresh pages per step
     size = pages * mmap.PAGESIZE
-    seconds, kernel = bench.interleaved({"idle": _Toucher(0), "toucher": _Toucher(size)},
-                                        steps=2, repeats=3, tokens=1, label="t",
-                                        echo=lambda line: None)
+    seconds, kernel = bench_timing.interleaved({"idle": _Toucher(0), "toucher": _Toucher(size)},
+                                               steps=2, repeats=3, tokens=1, label="t",
+                                               echo=lambda line: None)
     assert [len(v) for v in seconds.values()] == [3, 3]
     assert kernel["toucher"]["minor_faults_per_step"] >= 0.9 * pages
     assert kernel["idle"]["minor_faults_per_step"] < 0.1 * pages
@@ -236,12 +237,12 @@ def test_geomean_ci_is_students_t_on_the_logarithms():
     # Ratios 1, 1.1, 1.21: logs 0, a, 2a with a = log 1.1; mean a, sample sd a, 2 degrees of
     # freedom (t = 4.303). If this fails, the interval printed beside a goal is not a 95% one.
     a = math.log(1.1)
-    out = bench.geomean_ci([1.0, 1.1, 1.21])
+    out = bench_timing.geomean_ci([1.0, 1.1, 1.21])
     assert out["geomean"] == pytest.approx(1.1, rel=1e-12)
     half = 4.302652729911275 * a / math.sqrt(3)
     assert out["ci95"] == pytest.approx([math.exp(a - half), math.exp(a + half)], rel=1e-9)
-    assert bench.geomean_ci([1.3]) == {"geomean": pytest.approx(1.3), "ci95": None}
-    ratio = bench.ratio_spread([2.0, 2.2, 2.42], [2.0, 2.0, 2.0])
+    assert bench_timing.geomean_ci([1.3]) == {"geomean": pytest.approx(1.3), "ci95": None}
+    ratio = bench_timing.ratio_spread([2.0, 2.2, 2.42], [2.0, 2.0, 2.0])
     assert ratio["median"] == pytest.approx(1.1) and ratio["ci95"] == pytest.approx(out["ci95"])
 
 
@@ -253,8 +254,8 @@ def test_program_text_ignores_only_source_locations():
     b = jax.jit(_scale_by(2.0)).lower(x).compile().as_text()
     c = jax.jit(_scale_by(3.0)).lower(x).compile().as_text()
     assert a != b, "the premise: compiled text names the lines that traced it"
-    assert bench.program_text(a) == bench.program_text(b)
-    assert bench.program_text(a) != bench.program_text(c)
+    assert bench_timing.program_text(a) == bench_timing.program_text(b)
+    assert bench_timing.program_text(a) != bench_timing.program_text(c)
 
 
 def test_bad_preset_is_one_sentence_and_exit_2():
@@ -303,15 +304,16 @@ def test_all_runs_every_suite_with_its_own_defaults(tmp_path, capsys, monkeypatc
             return 0
         return run
 
-    for name in ("train", "faults", "paired", "abft"):
-        monkeypatch.setattr(bench, f"run_{name}_suite", fake(name))
-    monkeypatch.setattr(bench_paft, "run_paft_suite", fake("paft"))
+    # Patched in the suites' own modules, where `bench all` looks them up when it runs.
+    for module, name in ((bench_train, "train"), (bench_faults, "faults"),
+                         (bench_paired, "paired"), (bench_abft, "abft"), (bench_paft, "paft")):
+        monkeypatch.setattr(module, f"run_{name}_suite", fake(name))
     json_path, md_path = tmp_path / "all.json", tmp_path / "all.md"
     assert cli.main(["bench", "all", "--presets", "tiny", "--json", str(json_path),
                      "--markdown", str(md_path)]) == 0
     assert list(seen) == ["train", "faults", "paired", "abft", "paft"]
     assert all(a.repeats == 3 and a.presets == "tiny" for a in seen.values())
-    assert seen["train"].no_torch is False and bench.tp_degrees(seen["paired"]) == [1]
+    assert seen["train"].no_torch is False and bench_paired.tp_degrees(seen["paired"]) == [1]
     assert seen["paft"].workers == "4"
     # Each suite's elapsed time, printed at the end and kept in the JSON file.
     err = capsys.readouterr().err

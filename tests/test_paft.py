@@ -237,13 +237,13 @@ def test_lossy_broadcast_drift_is_bounded_as_derived():
 
 
 def test_bench_suite_goal_is_against_noised_and_batch_splits(tmp_path, capsys, monkeypatch):
-    """`sdcstudy bench paft` with made-up step times (the timing machinery is bench.py's and
-    tested there): the goal ratio is dyn-overlap / noised (PAFT's cost over data parallel under
-    the same simulated error), dyn-overlap / dp and noised / dp are reported beside it, and a
-    batch that does not split over the workers is rounded up for every contender. If this
+    """`sdcstudy bench paft` with made-up step times (the timing machinery is bench_timing.py's
+    and tested there): the goal ratio is dyn-overlap / noised (PAFT's cost over data parallel
+    under the same simulated error), dyn-overlap / dp and noised / dp are reported beside it, and
+    a batch that does not split over the workers is rounded up for every contender. If this
     fails, the headline compares against the wrong baseline or M workers cannot split the
     batch."""
-    from sdcstudy import bench, bench_paft, cli
+    from sdcstudy import bench, bench_paft, bench_timing, cli
 
     times = {"dp": [1.0, 2.0], "noised": [1.5, 2.5], "dyn-overlap": [1.6, 2.5]}
     seen = {}
@@ -251,14 +251,14 @@ def test_bench_suite_goal_is_against_noised_and_batch_splits(tmp_path, capsys, m
     def fake_time_variants(preset, args, cfg, steps, trainers, base, label, echo):
         seen.update({name: t.cfg for name, t in trainers.items()})
         warmup = {name: [{"paft/H": 1.0, "paft/sync": 1.0}] for name in trainers}
-        variants = {name: {"seconds_per_step": bench.spread(times[name]),
-                           "ratio": bench.ratio_spread(times[name], times[base]),
+        variants = {name: {"seconds_per_step": bench_timing.spread(times[name]),
+                           "ratio": bench_timing.ratio_spread(times[name], times[base]),
                            "kernel": {"minor_faults_per_step": 1234.4,
                                       "system_s_per_step": 0.0056}}
                     for name in trainers}
         return {}, warmup, variants, {"preset": preset, "batch": cfg.experiment.batch_size}
 
-    monkeypatch.setattr(bench, "time_variants", fake_time_variants)
+    monkeypatch.setattr(bench_timing, "time_variants", fake_time_variants)
     json_path = tmp_path / "paft.json"
     code = cli.main(["bench", "paft", "--presets", "tiny", "--batch", "6", "--workers", "4",
                      "--set", "model.n_layers=1", "--json", str(json_path)])
@@ -286,7 +286,7 @@ def test_bench_suite_goal_is_against_noised_and_batch_splits(tmp_path, capsys, m
                            ([], [bench.SHAPES["paft"]["tiny"][0] * m for m in (2, 4)])):
         seen.clear()
         used = []
-        monkeypatch.setattr(bench, "time_variants", lambda *a: (
+        monkeypatch.setattr(bench_timing, "time_variants", lambda *a: (
             used.append(a[4]["dp"].cfg.experiment.batch_size), fake_time_variants(*a))[1])
         assert cli.main(["bench", "paft", "--presets", "tiny", "--workers", "2,4", *flags,
                          "--set", "model.n_layers=1", "--json", str(json_path)]) == 0
