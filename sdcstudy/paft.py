@@ -45,7 +45,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.sharding import NamedSharding
@@ -54,12 +53,11 @@ from jax.sharding import PartitionSpec as P
 from . import config as C
 from . import faults as F
 from . import mesh as M
-from . import model, profiles
+from . import model, packets, profiles
 from .config import Config, UserError
 from .train import accumulate_gradients, apply_update, learning_rate_schedule, make_optimizer
 
 LOSS_KEY = "loss/mean"
-AGGREGATES = ("renormalized", "zero", "stale")
 GRAD_SITE = "collective/grad_allreduce"
 PAFT_SITES = ("grad", GRAD_SITE, "update")
 # Streams folded into the run key: one per kind of randomness.
@@ -104,69 +102,6 @@ def _flatten_floats(tree):
         return jax.tree.unflatten(treedef, out)
 
     return vectors, rebuild
-
-
-# --- packets ----------------------------------------------------------------------------------
-
-
-def packetize(x, size: int):
-    """A tensor as (packets, size), zero-padded at the end."""
-    flat = x.reshape(-1)
-    n = -(-flat.size // size)
-    return jnp.pad(flat, (0, n * size - flat.size)).reshape(n, size)
-
-
-def unpacketize(packets_NS, shape):
-    return packets_NS.reshape(-1)[:math.prod(shape)].reshape(shape)
-
-
-def arrival_mask(key, senders: int, packets: int, p: float, burst: float):
-    """bool (senders, packets): which packets reach the receiver. Independent drops with
-    probability p, or (burst > 0) a two-state chain along the packet sequence with loss rate p
-    and mean run of lost packets `burst`: P(lost -> ok) = 1/burst, P(ok -> lost) chosen so the
-    stationary loss rate is p, and the chain starts in its stationary state. `p` may be traced;
-    `burst` is static (0 or not)."""
-    if not burst:
-        return ~jax.random.bernoulli(key, p, (senders, packets))
-    recover = 1.0 / burst
-    fall = p * recover / (1 - p)
-    k0, k1 = jax.random.split(key)
-    lost0 = jax.random.bernoulli(k0, p, (senders,))
-    u_NS = jax.random.uniform(k1, (packets, senders))
-
-    def advance(lost, u):
-        lost = jnp.where(lost, u >= recover, u < fall)
-        return lost, lost
-
-    _, lost_rest = lax.scan(advance, lost0, u_NS[1:])
-    lost_NS = jnp.concatenate([lost0[None], lost_rest], axis=0)
-    return ~lost_NS.T
-
-
-def aggregate_packets(g_MNS, arrived_MN, me, mode: str, prev_NS=None):
-    """Receiver `me`'s estimate of the mean of the M senders' packets (M, N, S).
-
-    Its own gradient never crosses the network (`arrived[me]` is ignored). renormalized: own
-    gradient weight 1/M, the others' (M-1)/M spread over those that arrived, the own gradient
-    alone when none did; exactly unbiased for the mean given at least one arrival
-    (docs/paft.md). zero: lost packets count as zeros. stale: a lost packet is replaced by the
-    receiver's previous aggregate `prev_NS`.
-    """
-    m = g_MNS.shape[0]
-    is_me_M = jnp.arange(m) == me
-    others_MN = arrived_MN & ~is_me_M[:, None]
-    count_N = jnp.sum(others_MN, axis=0)
-    if mode == "renormalized":
-        some_N = count_N > 0
-        w_other_N = jnp.where(some_N, (m - 1) / (m * jnp.maximum(count_N, 1)), 0.0)
-        w_MN = jnp.where(is_me_M[:, None], jnp.where(some_N, 1.0 / m, 1.0)[None],
-                         others_MN * w_other_N[None])
-    else:
-        w_MN = jnp.where(is_me_M[:, None], 1.0 / m, others_MN / m)
-    out_NS = jnp.einsum("mn,mns->ns", w_MN.astype(g_MNS.dtype), g_MNS)
-    if mode == "stale":
-        out_NS = out_NS + ((m - 1 - count_N) / m).astype(g_MNS.dtype)[:, None] * prev_NS
-    return out_NS
 
 
 # --- the trainer ------------------------------------------------------------------------------
@@ -359,41 +294,15 @@ class PaftTrainer:
 
     def _lossy_mean(self, grads, prev, loss_p, key, step, me):
         """Each worker's aggregate of the packets that reached it (and the new stale memory)."""
-        c = self.cfg.paft.loss
         key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, LOSS_STREAM), step),
                                  me)
-        leaves, treedef = jax.tree.flatten(grads)
-        prev_leaves = jax.tree.leaves(prev) if prev is not None else [None] * len(leaves)
-        out = []
-        for i, (g, pv) in enumerate(zip(leaves, prev_leaves)):
-            pk_NS = packetize(g, c.packet_size)
-            all_MNS = lax.all_gather(pk_NS, M.DATA)
-            arrived_MN = arrival_mask(jax.random.fold_in(key, i), self.workers, pk_NS.shape[0],
-                                      loss_p, c.burst)
-            prev_NS = None if pv is None else packetize(pv, c.packet_size)
-            agg_NS = aggregate_packets(all_MNS, arrived_MN, me, c.aggregate, prev_NS)
-            out.append(unpacketize(agg_NS, g.shape))
-        agg = jax.tree.unflatten(treedef, out)
-        return agg, (agg if prev is not None else None)
+        return packets.lossy_mean(grads, prev, self.cfg.paft.loss, loss_p, key, me)
 
     def _broadcast(self, new, old, key, step, me):
-        """Packet k belongs to worker (k mod M) (numbered across leaves); its owner's new value
-        reaches each other worker with probability 1 - param_p, which otherwise keeps its
-        copy from before the step."""
-        c = self.cfg.paft.loss
+        """The owners' broadcast of the updated copies, lost with probability param_p."""
         key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, BROADCAST_STREAM),
                                                     step), me)
-        new_leaves, treedef = jax.tree.flatten(new)
-        out, offset = [], 0
-        for i, (x, x_old) in enumerate(zip(new_leaves, jax.tree.leaves(old))):
-            new_NS, old_NS = packetize(x, c.packet_size), packetize(x_old, c.packet_size)
-            n = new_NS.shape[0]
-            mine_N = (jnp.arange(n) + offset) % self.workers == me
-            offset += n
-            owner_NS = lax.psum(jnp.where(mine_N[:, None], new_NS, 0), M.DATA)
-            got_N = jax.random.bernoulli(jax.random.fold_in(key, i), 1 - c.param_p, (n,)) | mine_N
-            out.append(unpacketize(jnp.where(got_N[:, None], owner_NS, old_NS), x.shape))
-        return jax.tree.unflatten(treedef, out)
+        return packets.lossy_broadcast(new, old, self.cfg.paft.loss, key, me)
 
     def _next_h(self, pre_div, lr2, grad_norm):
         """PAFT-Dyn (Algorithm 2, lines 10-12): the error estimated from the divergence, then
@@ -616,12 +525,11 @@ def check_config(cfg: Config) -> None:
     for key, ok, what in checks:
         if not ok:
             raise UserError(f"{key} must be {what}.")
-    if loss.aggregate not in AGGREGATES:
+    if loss.aggregate not in packets.AGGREGATES:
         raise UserError(f"paft.loss.aggregate {loss.aggregate!r} is not one of "
-                        f"{', '.join(AGGREGATES)}.")
+                        f"{', '.join(packets.AGGREGATES)}.")
     if c.dynamic and c.sync_every == 0 and c.h_min < 1:
         raise UserError("paft.dynamic needs paft.h_min >= 1.")
 
 
-__all__ = ["PaftTrainer", "aggregate_packets", "arrival_mask", "packetize", "unpacketize",
-           "check_config", "LOSS_KEY", "AGGREGATES"]
+__all__ = ["PaftTrainer", "check_config", "LOSS_KEY"]

@@ -14,7 +14,8 @@ import pytest
 
 from sdcstudy import config as C
 from sdcstudy import paft_theory as T
-from sdcstudy.paft import PaftTrainer, aggregate_packets, arrival_mask
+from sdcstudy.packets import aggregate_packets, arrival_mask
+from sdcstudy.paft import PaftTrainer
 from sdcstudy.train import compile_step
 
 WORKERS, LR = 4, 0.1
@@ -40,10 +41,13 @@ class Stepper:
         self.fn, _, _ = compile_step(self.trainer.train_step, state, self.batch, self.shardings)
         self.d = self.trainer.dims.n_params
 
-    def run(self, steps, seed=0, next_sync=None):
+    def run(self, steps, seed=0, next_sync=None, loss_p=None):
         state = self.trainer.init_state(seed)
-        if next_sync is not None:
-            state["paft"]["next_sync"] = jnp.int32(next_sync)
+        if next_sync is not None or loss_p is not None:
+            if next_sync is not None:
+                state["paft"]["next_sync"] = jnp.int32(next_sync)
+            if loss_p is not None:  # the drop rate is state: one compiled step for any p
+                state["paft"]["loss_p"] = jnp.float32(loss_p)
             state = jax.device_put(state, self.shardings[0])
         out = []
         for _ in range(steps):
@@ -213,6 +217,28 @@ def test_arrival_mask_rate_and_runs(burst):
         runs += list(np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1))
     expected = burst if burst else 1 / (1 - p)  # independent drops: geometric runs
     assert abs(np.mean(runs) / expected - 1) < 0.05
+
+
+@pytest.fixture(scope="module")
+def exact_rows():
+    return Stepper(["paft.noise.sigma2=0"]).run(3)
+
+
+@pytest.mark.parametrize("mode", ["renormalized", "zero", "stale"])
+def test_lossy_aggregation_in_the_trainer(mode, exact_rows):
+    """The trainer's packet path (all-gather, arrival masks, each worker's own aggregate):
+    with nothing lost every mode is the exact mean, so the workers' copies stay bitwise equal
+    and the losses are those of exact aggregation; with drops the workers aggregate different
+    packets and their copies drift apart. If this fails, the path mixes up senders, packets
+    or leaves (or a mode weighs what arrived wrongly)."""
+    lossy = Stepper(["paft.noise.sigma2=0", "paft.loss.p=0.3", f"paft.loss.aggregate={mode}",
+                     "paft.loss.packet_size=64"])
+    none_lost = lossy.run(3, loss_p=0.0)
+    assert [r["div/mean_sq"] for r in none_lost] == [0.0] * 3
+    for e, r in zip(exact_rows, none_lost):
+        assert r["loss/mean"] == pytest.approx(e["loss/mean"], rel=1e-6)  # float32 sums
+    dropped = lossy.run(3)
+    assert all(r["div/mean_sq"] > 0 and np.isfinite(r["loss/mean"]) for r in dropped)
 
 
 def test_lossy_broadcast_drift_is_bounded_as_derived():
