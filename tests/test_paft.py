@@ -303,6 +303,9 @@ def test_bench_suite_goal_is_against_noised_and_batch_splits(tmp_path, capsys, m
     assert "dyn-overlap / noised 1.03x (1.00-1.07), geometric mean 1.033x (95% interval" in table
     assert "| 1,234 | 5.6 | met" in table  # the kernel's share per step beside the goal
     assert "noised / dp, is 1.38x (1.25-1.50)" in table
+    # PAFT's own time per repetition over dp's: (1.6 - 1.5) / 1.0 and (2.5 - 2.5) / 2.0.
+    assert w["paft_share"]["runs"] == pytest.approx([0.1, 0.0])
+    assert "dyn-overlap minus noised, is 5.0% (0.0% to 10.0%) of the dp step" in table
     assert "rounded up to 8" in table and "| tiny | 4 | 8* (2) | dyn-overlap |" in table
     assert w["batch_per"] == "step" and w["worker_batch"] == 2
 
