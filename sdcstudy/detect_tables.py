@@ -9,6 +9,7 @@ Per detector and fault profile:
   is not its detection. It is `LATENCY_WINDOW` when the run trained on the corrupted
   gradients (`primary`), where a fault can surface steps later (a loss spike);
 - latency: mean steps from an event to the detector's first flag, over detected events;
+  none with a window of 0, where every detection is at its event's step by definition;
 - precision: flags that fall in some event's window, over all flags of the run;
 - false alarms: flagged steps over steps of the healthy run(s) (profile `healthy`);
 - named (localization only): events at which the named device is the one that was wrong;
@@ -62,7 +63,7 @@ def detector_scores(metrics: pd.DataFrame, name: str, window: int = LATENCY_WIND
         named = float(np.mean(localized == metrics["detect/truth_device"].to_numpy()[events]))
     return {"steps": len(steps), "events": len(events), "named": named,
             "recall": len(delays) / len(events) if len(events) else None,
-            "latency_steps": float(np.mean(delays)) if delays else None,
+            "latency_steps": float(np.mean(delays)) if delays and window else None,
             "precision": float(covered[flagged].mean()) if len(flagged) else None,
             "flags": len(flagged)}
 

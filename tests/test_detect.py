@@ -252,6 +252,11 @@ def test_scores_count_recall_latency_and_precision_by_hand():
     assert scores["recall"] == 0.5
     assert scores["latency_steps"] == 2.0
     assert scores["precision"] == 0.5
+    # With no window (the run advanced on the clean gradient) only same-step flags count, and
+    # a latency would be 0 by definition: none is given.
+    same_step = detector_scores(frame.assign(**{"detect/monitor": frame["detect/truth"]}),
+                                "monitor", window=0)
+    assert same_step["recall"] == 1.0 and same_step["latency_steps"] is None
 
 
 def test_report_has_the_detector_table(tmp_path):
