@@ -13,6 +13,9 @@ import pytest
 from sdcstudy import cli, determinism
 from sdcstudy import faults as F
 from sdcstudy import golden as G
+from sdcstudy import golden_compare as GC
+from sdcstudy import golden_digest as GD
+from sdcstudy import golden_record as GR
 from sdcstudy import sites as S
 
 # Single-bit flips, each its own check. Sampled once with a fixed seed so that a failure can be
@@ -71,7 +74,7 @@ def _mix_np(u):
 
 def _digest_np(x):
     bits = x.reshape(-1).view(np.uint32)
-    blocks = G.n_blocks(bits.size)
+    blocks = GD.n_blocks(bits.size)
     per = -(-bits.size // blocks)
     bits = np.pad(bits, (0, blocks * per - bits.size))
     i = np.arange(blocks * per, dtype=np.uint32)
@@ -87,7 +90,7 @@ def test_device_digest_matches_numpy_and_sees_every_single_flip():
     # place.
     rng = np.random.default_rng(1)
     x = rng.standard_normal((5, 7, 9)).astype(np.float32)  # 315 elements, uneven blocks
-    digest = jax.jit(G.block_digest)
+    digest = jax.jit(GD.block_digest)
     clean = np.asarray(digest(x))
     np.testing.assert_array_equal(clean, _digest_np(x))
     for _ in range(40):
@@ -96,8 +99,8 @@ def test_device_digest_matches_numpy_and_sees_every_single_flip():
         flipped.view(np.uint32)[index] ^= np.uint32(1 << bit)
         differ = np.asarray(digest(flipped.reshape(x.shape))) != clean
         (blocks,) = np.nonzero(differ.any(-1))
-        assert blocks.tolist() == [next(b for b in range(G.n_blocks(x.size))
-                                        if index < G.block_range(b, x.size)[1])]
+        assert blocks.tolist() == [next(b for b in range(GD.n_blocks(x.size))
+                                        if index < GD.block_range(b, x.size)[1])]
         assert differ[blocks[0]].all(), "both lanes must see a single-element change"
     # Moving values around (same multiset of bits, other positions) must change it too.
     assert not np.array_equal(np.asarray(digest(x[::-1].copy())), clean)
@@ -108,11 +111,11 @@ def test_backward_digest_is_the_digest_of_the_gradient():
     # and the gradient itself must pass through unchanged.
     x = jnp.linspace(-1.0, 1.0, 300, dtype=jnp.float32).reshape(3, 100)
     weights = jnp.cos(jnp.arange(300, dtype=jnp.float32)).reshape(3, 100)
-    sink = jnp.zeros(G.sink_shape(x.size), jnp.float32)
+    sink = jnp.zeros(GD.sink_shape(x.size), jnp.float32)
     grad_x, grad_sink = jax.grad(
-        lambda x, s: jnp.sum(G.backward_digest(x, s) * weights), argnums=(0, 1))(x, sink)
+        lambda x, s: jnp.sum(GD.backward_digest(x, s) * weights), argnums=(0, 1))(x, sink)
     np.testing.assert_array_equal(grad_x, weights)
-    np.testing.assert_array_equal(np.asarray(G._to_uint(grad_sink)),
+    np.testing.assert_array_equal(np.asarray(GD._to_uint(grad_sink)),
                                   _digest_np(np.asarray(weights)))
 
 
@@ -128,11 +131,11 @@ def test_record_is_small_complete_and_never_overwritten(golden_dir, capsys):
     assert size < 5e6, f"a tiny golden record must stay under 5 MB, it is {size / 1e6:.2f} MB"
     _, env, meta, arrays = G.load(golden_dir)
     assert meta["full_param_steps"] == list(range(1, meta["steps"] + 1))
-    assert set(G.ENV_FIELDS) <= set(env) and len(env["compiled_step_sha256"]) == 64
-    before = (golden_dir / G.MANIFEST).read_bytes()
+    assert set(GC.ENV_FIELDS) <= set(env) and len(env["compiled_step_sha256"]) == 64
+    before = (golden_dir / GR.MANIFEST).read_bytes()
     code = cli.main(["golden", "record", "--out", str(golden_dir), "--no-progress"])
     assert code == 2 and "never overwritten" in capsys.readouterr().err
-    assert (golden_dir / G.MANIFEST).read_bytes() == before
+    assert (golden_dir / GR.MANIFEST).read_bytes() == before
 
 
 def test_clean_node_passes_every_repetition(golden_dir, tmp_path):
@@ -156,15 +159,15 @@ def test_a_parameter_difference_is_reported_to_the_bit(golden_dir, tmp_path):
     # a record from another run would be) must FAIL at step 2 naming that element, with the
     # golden's bits as expected and the node's bits as observed.
     target = _copy(golden_dir, tmp_path)
-    with np.load(target / G.ARRAYS) as npz:
+    with np.load(target / GR.ARRAYS) as npz:
         arrays = {k: npz[k] for k in npz.files}
     name, index = "layers/1/ffn/w_up", 1234
     truth = int(arrays[f"full/2/{name}"].reshape(-1)[index])
     arrays[f"full/2/{name}"].reshape(-1)[index] ^= np.uint32(1 << 4)
     arrays[f"params/{name}"][2, 0, 0] ^= np.uint32(1)
-    with open(target / G.ARRAYS, "wb") as f:
+    with open(target / GR.ARRAYS, "wb") as f:
         np.savez_compressed(f, **arrays)
-    G.write_manifest(target)
+    GR.write_manifest(target)
     report = G.check(target, device_index=1)  # the program of the clean check, compiled once
     assert report["verdict"] == "FAIL", report["reason"]
     first = report["first_difference"]
@@ -180,10 +183,10 @@ def test_final_sha256_is_checked_even_when_every_digest_agrees(golden_dir, tmp_p
     # The digests are not cryptographic; the end-to-end SHA-256 of the final parameters is the
     # backstop. A record whose final SHA-256 of one tensor differs must FAIL, naming it.
     target = _copy(golden_dir, tmp_path)
-    meta = json.loads((target / G.META).read_text())
+    meta = json.loads((target / GR.META).read_text())
     meta["final_param_sha256"]["head"] = "0" * 64
-    (target / G.META).write_text(json.dumps(meta))
-    G.write_manifest(target)
+    (target / GR.META).write_text(json.dumps(meta))
+    GR.write_manifest(target)
     report = G.check(target, device_index=1)
     assert report["verdict"] == "FAIL", report["reason"]
     assert report["first_difference"]["differing_tensors"] == ["head"]
@@ -219,15 +222,15 @@ def test_differences_are_ordered_as_the_program_runs(golden_dir):
            for d in ("fwd", "bwd")}
     out["params"] = {p: arrays[f"params/{p}"][step].copy() for p in meta["params"]}
     out["loss"], out["grad_norm"] = arrays["loss"][step - 1], arrays["grad_norm"][step - 1]
-    assert G.step_differences(step, out, arrays, meta) == []
+    assert GC.step_differences(step, out, arrays, meta) == []
     out["loss"] = out["loss"] ^ np.uint32(1 << 22)
     out["bwd"]["attn_q/1"][1, 5, 0] += np.uint32(1)
     out["bwd"]["ffn_up/2"][0, 7, 1] += np.uint32(1)
     out["fwd"]["logits/0"][1, 0, 0] += np.uint32(1)
-    found = G.step_differences(step, out, arrays, meta)
-    assert [G._short(d) for d in found] == ["m0 bwd/ffn_up/2", "m1 fwd/logits/0",
+    found = GC.step_differences(step, out, arrays, meta)
+    assert [GC._short(d) for d in found] == ["m0 bwd/ffn_up/2", "m1 fwd/logits/0",
                                             "m1 bwd/attn_q/1", "loss"]
-    loss = G.describe(found[-1], step, meta, arrays, None)
+    loss = GC.describe(found[-1], step, meta, arrays, None)
     assert loss["exact"] and loss["differing_bits"] == [22]
     assert int(loss["expected_bits"], 16) == int(arrays["loss"][step - 1])
 
@@ -242,10 +245,10 @@ def _damage_byte(path):
 
 
 @pytest.mark.parametrize("damage, reason", [
-    (lambda d: _damage_byte(d / G.ARRAYS), "golden.npz"),
-    (lambda d: _damage_byte(d / G.MANIFEST), "MANIFEST.json"),
-    (lambda d: (d / G.ENV).unlink(), "env.json is missing"),
-    (lambda d: (d / G.MANIFEST).unlink(), "MANIFEST.json is missing"),
+    (lambda d: _damage_byte(d / GR.ARRAYS), "golden.npz"),
+    (lambda d: _damage_byte(d / GR.MANIFEST), "MANIFEST.json"),
+    (lambda d: (d / GR.ENV).unlink(), "env.json is missing"),
+    (lambda d: (d / GR.MANIFEST).unlink(), "MANIFEST.json is missing"),
 ], ids=["byte-in-arrays", "byte-in-manifest", "missing-env", "missing-manifest"])
 def test_damaged_or_incomplete_golden_is_inconclusive(golden_dir, tmp_path, damage, reason):
     target = _copy(golden_dir, tmp_path)
