@@ -41,6 +41,8 @@ VARIANTS = ("dp", "noised", "dyn-overlap")
 # machine, as wide as the goal's margin; 15 put the geometric mean's 95% interval within a few
 # percent.
 REPEATS = 15
+# A contender whose system time exceeds this share of its step gets a note under the table.
+KERNEL_NOTE = 0.10
 
 
 def add_parser(sub) -> None:
@@ -160,6 +162,12 @@ def paft_table(results: list[dict]) -> str:
                             + f" (<= {GOAL:.2f}x of noised)")
                 h = ", ".join(f"{x:g}" for x in v.get("H", []) if x is not None) or "-"
                 kernel = v.get("kernel")
+                in_kernel = kernel and kernel["system_s_per_step"] / v["seconds_per_step"]["median"]
+                if in_kernel and in_kernel > KERNEL_NOTE:
+                    notes.append(f"{r['preset']}, M = {w['workers']}, {variant}: {in_kernel:.0%}"
+                                 " of the step in the kernel, mostly faulting in memory that the "
+                                 "allocator gave back; an allocator that keeps it (jemalloc, "
+                                 "docs/paft.md section 7) removes that share.")
                 faults, system = ((f"{kernel['minor_faults_per_step']:,.0f}",
                                    f"{kernel['system_s_per_step'] * 1e3:,.1f}") if kernel
                                   else ("-", "-"))
@@ -184,19 +192,19 @@ def paft_table(results: list[dict]) -> str:
                          f"(goal: PAFT's cost over data-parallel "
                          f"training under the same simulated error); dyn-overlap / dp "
                          f"{B._ratio(w['dyn_over_dp'])} (error-free plain data parallel), of which "
-                         f"the simulator, noised / dp, is {B._ratio(w['noised_over_dp'])}; "
-                         f"PAFT's own time, dyn-overlap minus noised, is {_percent(w)} of "
-                         f"the dp step.")
+                         f"the simulator, noised / dp, is {B._ratio(w['noised_over_dp'])}"
+                         f"{_own_time(w)}.")
     lines += [f"- * {note}" for note in notes]
     return "\n".join(lines) + "\n"
 
 
-def _percent(w: dict) -> str:
-    """PAFT's own share of the dp step, "P% (low% to high%)"; "-" in files from before it."""
+def _own_time(w: dict) -> str:
+    """"; PAFT's own time ... is P% (low% to high%) of the dp step" where the result has it."""
     share = w.get("paft_share")
     if share is None:
-        return "-"
-    return f"{share['median']:.1%} ({share['min']:.1%} to {share['max']:.1%})"
+        return ""
+    return (f"; PAFT's own time, dyn-overlap minus noised, is {share['median']:.1%} "
+            f"({share['min']:.1%} to {share['max']:.1%}) of the dp step")
 
 
 def _geomean(ratio: dict) -> str:

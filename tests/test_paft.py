@@ -302,12 +302,19 @@ def test_bench_suite_goal_is_against_noised_and_batch_splits(tmp_path, capsys, m
     assert w["variants"]["noised"]["ratio_to_noised"]["runs"] == [1.0, 1.0]
     assert "dyn-overlap / noised 1.03x (1.00-1.07), geometric mean 1.033x (95% interval" in table
     assert "| 1,234 | 5.6 | met" in table  # the kernel's share per step beside the goal
+    assert "in the kernel" not in table  # 5.6 ms of a 1-2.5 s step
     assert "noised / dp, is 1.38x (1.25-1.50)" in table
     # PAFT's own time per repetition over dp's: (1.6 - 1.5) / 1.0 and (2.5 - 2.5) / 2.0.
     assert w["paft_share"]["runs"] == pytest.approx([0.1, 0.0])
     assert "dyn-overlap minus noised, is 5.0% (0.0% to 10.0%) of the dp step" in table
     assert "rounded up to 8" in table and "| tiny | 4 | 8* (2) | dyn-overlap |" in table
     assert w["batch_per"] == "step" and w["worker_batch"] == 2
+    # A contender that spends a tenth of its step or more in the kernel is pointed at the
+    # allocator: noised's median step is 2.0 s, of which 1.0 s system time.
+    results = json.loads(json_path.read_text())["results"]
+    results[0]["by_workers"][0]["variants"]["noised"]["kernel"]["system_s_per_step"] = 1.0
+    assert ("tiny, M = 4, noised: 50% of the step in the kernel"
+            in bench_paft.paft_table(results))
 
     # Without --batch each worker trains on --worker-batch sequences (by default the suite's
     # own), so the step's batch grows with M.
