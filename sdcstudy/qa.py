@@ -21,7 +21,7 @@ A record becomes the prompt of appendix E.2 (Figure 11):
 Training sees the whole text; evaluation cuts it after "### CORRECT ANSWER\\n" and reads the
 model's next token (E.2). Training rows are right-padded to a fixed length and the padding is
 left out of the loss (E.3). A built-in synthetic task, over the pseudo-language of the
-pre-training corpus (`data.synthetic_corpus`), makes the experiment run offline.
+pre-training corpus (`corpus.synthetic_corpus`), makes the experiment run offline.
 
 This module imports no JAX.
 """
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import corpus
 from . import data as D
 from .config import UserError
 
@@ -215,19 +216,19 @@ _SYNTHETIC_SEEDS = {"train": 1, "test": 2}  # the test questions are drawn apart
 
 
 def synthetic_records(n: int, split: str = "train") -> list[Record]:
-    """Sentences of the pre-training pseudo-language (`data.synthetic_corpus`, same words and
+    """Sentences of the pre-training pseudo-language (`corpus.synthetic_corpus`, same words and
     successor tables) with their final mark removed; the question asks which mark ended it.
     A sentence is a question ("?") exactly when it opens with one of the question words, else
     it ends in "." or, one time in ten, "!"; half the records are questions. So the first word
     decides "?" against "." and nothing in the text predicts "!": the best possible accuracy is
     about 95 %, chance 1/3, always answering "." or "?" 50 %."""
-    draws = D._Draws(np.random.default_rng(D.SYNTHETIC_SEED))
-    language = D._language(draws)  # the corpus's own words and successors
-    draws = D._Draws(np.random.default_rng([D.SYNTHETIC_SEED, _SYNTHETIC_SEEDS[split]]))
+    draws = corpus._Draws(np.random.default_rng(corpus.SYNTHETIC_SEED))
+    language = corpus._language(draws)  # the corpus's own words and successors
+    draws = corpus._Draws(np.random.default_rng([corpus.SYNTHETIC_SEED, _SYNTHETIC_SEEDS[split]]))
     wanted = {True: (n + 1) // 2, False: n // 2}
     records = []
     while wanted[True] or wanted[False]:
-        sentence = D._sentence(draws, *language)
+        sentence = corpus._sentence(draws, *language)
         asks = sentence.endswith("?")
         if not wanted[asks] or len(sentence) - 1 > SYNTHETIC_MAX_CONTEXT:
             continue

@@ -10,6 +10,7 @@ import pytest
 
 from sdcstudy import data
 from sdcstudy.config import DataConfig, UserError
+from sdcstudy.corpus import SYNTHETIC_SEED, synthetic_corpus, synthetic_entropy
 
 
 def _prepare(tmp_path, seed=0, **kwargs):
@@ -40,21 +41,21 @@ def _check_rows(path, stream: np.ndarray, seq_len: int, seed: int):
 
 def test_synthetic_corpus_is_fixed_by_its_seed():
     """Same seed, same text (runs and prepared caches would not be reproducible otherwise)."""
-    first = data.synthetic_corpus(20_000, seed=3)
-    assert first == data.synthetic_corpus(20_000, seed=3)
-    assert first != data.synthetic_corpus(20_000, seed=4)
+    first = synthetic_corpus(20_000, seed=3)
+    assert first == synthetic_corpus(20_000, seed=3)
+    assert first != synthetic_corpus(20_000, seed=4)
     assert sum(len(d) + 1 for d in first) >= 20_000
     assert all(d and d.isascii() and "\n" not in d for d in first)
     # A larger corpus extends a smaller one rather than reshuffling it.
-    larger = data.synthetic_corpus(40_000, seed=3)
+    larger = synthetic_corpus(40_000, seed=3)
     assert larger[:len(first)] == first
 
 
 def test_synthetic_corpus_is_learnable():
     """A tiny byte model must reach well below ln 256 = 5.55 nats; if these fail the generator
     has lost its structure (the measured values are 0.33 nats/byte and about 1.3 bits/byte)."""
-    assert data.synthetic_entropy(100_000, seed=0) < 0.5
-    text = ("\n".join(data.synthetic_corpus(100_000, seed=0)) + "\n").encode()
+    assert synthetic_entropy(100_000, seed=0) < 0.5
+    text = ("\n".join(synthetic_corpus(100_000, seed=0)) + "\n").encode()
     assert len(zlib.compress(text, 9)) * 8 / len(text) < 1.6
 
 
@@ -178,7 +179,7 @@ def test_a_crash_while_preparing_leaves_nothing_that_is_reused(tmp_path, monkeyp
 
 def test_prepare_synthetic_matches_the_corpus(tmp_path):
     path = _prepare(tmp_path, seed=7, synthetic_tokens=30_000, seq_len=32)
-    text = "".join(d + "\n" for d in data.synthetic_corpus(30_000, data.SYNTHETIC_SEED))
+    text = "".join(d + "\n" for d in synthetic_corpus(30_000, SYNTHETIC_SEED))
     _check_rows(path, np.frombuffer(text.encode(), np.uint8).astype(np.int32), 32, seed=7)
 
 
