@@ -49,7 +49,7 @@ def flip_text(flip: dict) -> str:
 
 def localized(flip: dict, report: dict) -> tuple[bool, str]:
     """(whether the first difference is exactly where the flip landed, a note)."""
-    from sdcstudy import faults as F
+    from sdcstudy import fault_specs as FS
 
     first, injected = report.get("first_difference"), (report.get("injected") or {})
     landed = injected.get("first") or []
@@ -57,7 +57,7 @@ def localized(flip: dict, report: dict) -> tuple[bool, str]:
         return False, f"verdict {report['verdict']}: {report['reason']}"
     if injected.get("landed") != 1:
         return False, f"{injected.get('landed')} corruptions landed, not 1"
-    direction, site = F.FaultSpec(flip["site"]).resolve()
+    direction, site = FS.FaultSpec(flip["site"]).resolve()
     want = (flip["step"], flip["microstep"], flip["layer"], f"{direction}/{site}")
     got = (first.get("step"), first.get("microstep"), first.get("layer"), first.get("site"))
     if got != want:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from . import config as C
 from . import determinism
-from . import faults as F
+from . import fault_specs as FS
 from . import runfolder as RF
 from .config import UserError
 from .golden_compare import (EXIT_CODES, FAIL, INCONCLUSIVE, PASS, _check_layout,
@@ -165,7 +165,7 @@ def _check_flip(flip: dict, meta: dict) -> None:
         raise UserError(f"--inject flip: step must be 1 to {steps}, not {flip['step']}.")
     if not 0 <= flip["microstep"] < micro:
         raise UserError(f"--inject flip: microstep must be 0 to {micro - 1}.")
-    site = F.FaultSpec(flip["site"]).resolve()[1]
+    site = FS.FaultSpec(flip["site"]).resolve()[1]
     keys = [k for k in meta["site_order"] if k.rsplit("/", 1)[0] == site]
     if "layer" in flip and site_key(site, flip["layer"]) not in keys:
         layers = sorted(int(k.rsplit("/", 1)[1]) for k in keys)

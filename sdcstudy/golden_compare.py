@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import faults as F
+from . import fault_specs as FS
 from .digest import tensor_digests
 from .golden_digest import block_range, n_blocks
 from .golden_record import ARRAYS, GoldenError, _bar
@@ -97,7 +97,7 @@ def step_differences(step: int, out: dict, arrays: dict, meta: dict) -> list[dic
 
 
 def _site_name(direction: str, site: str) -> str:
-    for alias, (d, s) in F.SITE_ALIASES.items():
+    for alias, (d, s) in FS.SITE_ALIASES.items():
         if (d, s) == (direction, site):
             return alias
     return f"{direction}/{site}"

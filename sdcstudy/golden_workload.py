@@ -20,6 +20,7 @@ import optax
 from jax import lax
 
 from . import config as C
+from . import fault_specs as FS
 from . import faults as F
 from . import model, profiles
 from . import sites as S
@@ -39,7 +40,7 @@ class Injection:
     """Faults for `golden check --inject`: a profile, or one flip (`flip:...`)."""
 
     label: str
-    profile: F.Profile
+    profile: FS.Profile
     microstep: int | None = None  # a flip strikes only this microstep
     seed: int = 0
     flip: dict | None = None
@@ -67,19 +68,19 @@ def parse_injection(text: str) -> Injection:
                         f"integers.") from None
     flip.setdefault("microstep", 0)
     flip.setdefault("seed", 0)
-    spec = F.FaultSpec(flip["site"], "bitflip", count=1, bits=(flip["bit"],),
-                       layers=(flip["layer"],) if "layer" in flip else None,
-                       pattern=F.TimePattern("steps", steps=(flip["step"],)))
+    spec = FS.FaultSpec(flip["site"], "bitflip", count=1, bits=(flip["bit"],),
+                        layers=(flip["layer"],) if "layer" in flip else None,
+                        pattern=FS.TimePattern("steps", steps=(flip["step"],)))
     try:
         spec.validate(f"--inject {text!r}")
-    except F.FaultSpecError as e:
+    except FS.FaultSpecError as e:
         raise UserError(str(e)) from None
     if spec.direction not in ("fwd", "bwd"):
         raise UserError(f"--inject {text!r}: a flip strikes a model site (fwd/... or bwd/...); "
                         f"use a YAML profile for {spec.site!r}.")
     if spec.resolve()[1] not in S.MODEL_SITES and "layer" not in flip:
         raise UserError(f"--inject {text!r} needs layer= (1 to the number of layers).")
-    return Injection(text, F.Profile("flip", (spec,), text), flip["microstep"], flip["seed"],
+    return Injection(text, FS.Profile("flip", (spec,), text), flip["microstep"], flip["seed"],
                      flip)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from .faults import FaultSpec, FaultSpecError, Profile, TimePattern, profile_from_dict
+from .fault_specs import FaultSpec, FaultSpecError, Profile, TimePattern, profile_from_dict
 from .published import SITES, TABLE1_FREQUENCY, TABLE2_MAX_SEVERITY, WCNTS
 from .published import published  # noqa: F401  (Ma et al.'s numbers for a profile name)
 

@@ -10,6 +10,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from sdcstudy import config as C
+from sdcstudy import fault_specs as FS
 from sdcstudy import faults as F
 from sdcstudy import mesh as M
 from sdcstudy import model, profiles
@@ -33,7 +34,7 @@ def test_counts_follow_the_rate_within_binomial_bounds(dtype):
     # 10 independent draws at rate 1e-3 over 1e5 elements: each count within 5 standard
     # deviations of n p, and their total within 4 (a biased sampler fails the total).
     x, rate = _x(dtype), 1e-3
-    spec = F.FaultSpec("fwd/attn", "bitflip", rate=rate, bit_class="mantissa")
+    spec = FS.FaultSpec("fwd/attn", "bitflip", rate=rate, bit_class="mantissa")
     n = x.size
     counts = [int(F.corrupt(x, jax.random.key(s), spec, rate)[1].sum()) for s in range(10)]
     sd = math.sqrt(n * rate * (1 - rate))
@@ -48,7 +49,7 @@ def test_the_flipped_bit_is_exactly_the_configured_one(dtype, bit):
     if bit >= width:
         pytest.skip("no such bit in this dtype")
     x = _x(dtype)
-    spec = F.FaultSpec("fwd/attn", "bitflip", rate=0.01, bits=(bit,))
+    spec = FS.FaultSpec("fwd/attn", "bitflip", rate=0.01, bits=(bit,))
     y, landed, got_bit = F.corrupt(x, jax.random.key(1), spec, 0.01)
     diff = _bits(x, dtype) ^ _bits(y, dtype)
     landed = np.asarray(landed)
@@ -66,7 +67,7 @@ def test_bit_classes_stay_in_their_field(dtype, bit_class):
                 16: {"sign": {15}, "exponent": set(range(7, 15)), "mantissa": set(range(7))}}
     assert allowed == expected[width][bit_class]
     x = _x(dtype)
-    spec = F.FaultSpec("fwd/attn", "bitflip", rate=0.05, bit_class=bit_class)
+    spec = FS.FaultSpec("fwd/attn", "bitflip", rate=0.05, bit_class=bit_class)
     y, landed, _ = F.corrupt(x, jax.random.key(2), spec, 0.05)
     diff = (_bits(x, dtype) ^ _bits(y, dtype))[np.asarray(landed)]
     positions = {int(math.log2(int(d))) for d in diff}
@@ -78,27 +79,27 @@ def test_value_kinds(dtype):
     x = _x(dtype)
     key = jax.random.key(3)
     lo, hi = 0.5, 8.0
-    y, landed, _ = F.corrupt(x, key, F.FaultSpec("fwd/ffn", "scale", rate=0.02, scale=(lo, hi)),
-                             0.02)
+    y, landed, _ = F.corrupt(x, key,
+                             FS.FaultSpec("fwd/ffn", "scale", rate=0.02, scale=(lo, hi)), 0.02)
     landed = np.asarray(landed)
     xf, yf = np.asarray(x, np.float64)[landed], np.asarray(y, np.float64)[landed]
     rel = np.abs(yf - xf) / np.abs(xf)
     ulp = 2.0 ** (-8 if dtype == jnp.bfloat16 else -24)  # rounding of the scaled value
     assert np.all(rel >= lo * (1 - 4 * ulp) - 2 * ulp) and np.all(rel <= hi * (1 + 4 * ulp))
     for kind, check in (("zero", lambda v: v == 0), ("nan", np.isnan), ("inf", np.isinf)):
-        y, landed, _ = F.corrupt(x, key, F.FaultSpec("fwd/ffn", kind, rate=0.02), 0.02)
+        y, landed, _ = F.corrupt(x, key, FS.FaultSpec("fwd/ffn", kind, rate=0.02), 0.02)
         assert np.asarray(landed).sum() > 0
         assert np.all(check(np.asarray(y, np.float32)[np.asarray(landed)]))
 
 
 def test_count_and_lanes():
     x = _x(jnp.float32, (4, 8, 16))
-    y, landed, _ = F.corrupt(x, jax.random.key(4), F.FaultSpec("fwd/ffn", count=3), 1.0)
+    y, landed, _ = F.corrupt(x, jax.random.key(4), FS.FaultSpec("fwd/ffn", count=3), 1.0)
     assert int(landed.sum()) == 3
-    y, landed, _ = F.corrupt(x, jax.random.key(4), F.FaultSpec("fwd/ffn", count=3), 0.0)
+    y, landed, _ = F.corrupt(x, jax.random.key(4), FS.FaultSpec("fwd/ffn", count=3), 0.0)
     assert int(landed.sum()) == 0  # a count spec is off when its pattern is off
     y, landed, _ = F.corrupt(x, jax.random.key(5),
-                             F.FaultSpec("fwd/ffn", "zero", rate=1.0, lanes=(3,)), 1.0)
+                             FS.FaultSpec("fwd/ffn", "zero", rate=1.0, lanes=(3,)), 1.0)
     lanes = np.nonzero(np.asarray(landed))[-1]
     assert set(lanes.tolist()) == {3} and landed.sum() == 4 * 8
     assert np.all(np.asarray(y)[..., 3] == 0)
@@ -107,7 +108,7 @@ def test_count_and_lanes():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_records_match_the_corruption_exactly(dtype):
     x = _x(dtype)
-    spec = F.FaultSpec("fwd/attn", "bitflip", rate=2e-4, bit_class="any")
+    spec = FS.FaultSpec("fwd/attn", "bitflip", rate=2e-4, bit_class="any")
     y, landed, bit = F.corrupt(x, jax.random.key(6), spec, 2e-4)
     count, rows = F.decode_record(np.asarray(F.make_record(x, y, landed, bit, 100)))
     flat_x, flat_y = np.asarray(x, np.float32).ravel(), np.asarray(y, np.float32).ravel()
@@ -131,7 +132,7 @@ def _inject(profile, seed, step=1, microstep=0, x=None):
 
 
 def test_same_seed_replays_other_seed_differs():
-    profile = F.Profile("p", (F.FaultSpec("fwd/attn", "bitflip", rate=1e-2),))
+    profile = FS.Profile("p", (FS.FaultSpec("fwd/attn", "bitflip", rate=1e-2),))
     a, b, c = _inject(profile, 0)[0], _inject(profile, 0)[0], _inject(profile, 1)[0]
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
     assert not np.array_equal(a.view(np.uint32), c.view(np.uint32))
@@ -141,7 +142,7 @@ def test_same_seed_replays_other_seed_differs():
 
 
 def test_repeatable_faults_depend_on_the_input_not_the_step():
-    profile = F.Profile("p", (F.FaultSpec("fwd/attn", "bitflip", rate=1e-2, repeatable=True),))
+    profile = FS.Profile("p", (FS.FaultSpec("fwd/attn", "bitflip", rate=1e-2, repeatable=True),))
     a, b = _inject(profile, 0, step=1)[0], _inject(profile, 0, step=7, microstep=1)[0]
     assert np.array_equal(a, b)
     other = _inject(profile, 0, x=_x(jnp.float32, (64, 64), seed=9))[0]
@@ -151,22 +152,22 @@ def test_repeatable_faults_depend_on_the_input_not_the_step():
 
 
 @pytest.mark.parametrize("pattern, active_steps", [
-    (F.TimePattern("onset", onset_step=3), [3, 4, 5]),
-    (F.TimePattern("steps", steps=(2, 5)), [2, 5]),
-    (F.TimePattern("periodic", period=2, amplitude=0.0), [1, 3, 5]),
+    (FS.TimePattern("onset", onset_step=3), [3, 4, 5]),
+    (FS.TimePattern("steps", steps=(2, 5)), [2, 5]),
+    (FS.TimePattern("periodic", period=2, amplitude=0.0), [1, 3, 5]),
 ])
 def test_time_patterns(pattern, active_steps):
-    profile = F.Profile("p", (F.FaultSpec("fwd/attn", "bitflip", rate=1e-2, pattern=pattern),))
+    profile = FS.Profile("p", (FS.FaultSpec("fwd/attn", "bitflip", rate=1e-2, pattern=pattern),))
     clean = np.asarray(_x(jnp.float32, (64, 64)))
     hit = [s for s in range(1, 6) if not np.array_equal(_inject(profile, 0, step=s)[0], clean)]
     assert hit == active_steps
 
 
 def test_burst_and_decay_multipliers():
-    burst = F.TimePattern("burst", p_active=0.25)
+    burst = FS.TimePattern("burst", p_active=0.25)
     active = [float(burst.multiplier(s, jax.random.key(s))) for s in range(400)]
     assert set(active) == {0.0, 1.0} and abs(np.mean(active) - 0.25) < 5 * math.sqrt(.25 * .75 / 400)
-    decay = F.TimePattern("decay", amplitude=10.0, decay_steps=20.0)
+    decay = FS.TimePattern("decay", amplitude=10.0, decay_steps=20.0)
     assert float(decay.multiplier(1, None)) == pytest.approx(11.0)
     assert float(decay.multiplier(201, None)) == pytest.approx(1 + 10 * math.exp(-10), rel=1e-5)
     assert decay.mean_multiplier(4500) == pytest.approx(1 + 10 * 20 / 4500, rel=0.01)
@@ -229,10 +230,10 @@ def _param_specs(params, node=True):
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-PROFILE = F.Profile("t", (
-    F.FaultSpec("fwd/attn", "bitflip", rate=2e-3, bit_class="mantissa", layers=(1,),
-                tp_ranks=(1,)),
-    F.FaultSpec("bwd/ffn", "bitflip", rate=2e-3, bit_class="exponent", layers=(2,)),
+PROFILE = FS.Profile("t", (
+    FS.FaultSpec("fwd/attn", "bitflip", rate=2e-3, bit_class="mantissa", layers=(1,),
+                 tp_ranks=(1,)),
+    FS.FaultSpec("bwd/ffn", "bitflip", rate=2e-3, bit_class="exponent", layers=(2,)),
 ))
 
 
@@ -245,7 +246,7 @@ def mesh_run():
 
 @pytest.fixture(scope="module")
 def clean_mesh_run():
-    return _mesh_run(F.Profile("clean", ()))
+    return _mesh_run(FS.Profile("clean", ()))
 
 
 def _mesh_run(profile):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sdcstudy import cli, determinism
-from sdcstudy import faults as F
+from sdcstudy import fault_specs as FS
 from sdcstudy import golden as G
 from sdcstudy import golden_compare as GC
 from sdcstudy import golden_digest as GD
@@ -204,7 +204,7 @@ def test_single_bit_flip_fails_where_it_landed(golden_dir, flip):
     (landed,) = report["injected"]["first"]
     assert report["injected"]["landed"] == 1
     first = report["first_difference"]
-    direction, site = F.FaultSpec(flip["site"]).resolve()
+    direction, site = FS.FaultSpec(flip["site"]).resolve()
     assert (first["step"], first["microstep"], first["layer"], first["site"]) == (
         flip["step"], flip["microstep"], flip["layer"], f"{direction}/{site}")
     assert (landed["step"], landed["microstep"], landed["bit"]) == (
