@@ -206,7 +206,7 @@ def test_yaml_profile_loads_and_errors_name_the_field(tmp_path):
         bad.write_text(f"name: bad\nspecs:\n  - {body}\n")
         with pytest.raises(UserError) as info:
             profiles.load(str(bad))
-        assert message in str(info.value) and f"specs[0]" in str(info.value)
+        assert message in str(info.value) and "specs[0]" in str(info.value)
     with pytest.raises(UserError, match="did you mean 'paper-node-1'"):
         profiles.load("paper-node1")
 
