@@ -41,8 +41,10 @@ VARIANTS = ("dp", "noised", "dyn-overlap")
 # machine, as wide as the goal's margin; 15 put the geometric mean's 95% interval within a few
 # percent.
 REPEATS = 15
-# A contender whose system time exceeds this share of its step gets a note under the table.
-KERNEL_NOTE = 0.10
+# A contender whose system time exceeds this share of its step, with at least this many minor
+# page faults a step (4 KiB each: tens of MiB faulted in again), gets a note under the table.
+# Without the faults the kernel's time is the threads' scheduling, which no allocator changes.
+KERNEL_NOTE, FAULTS_NOTE = 0.10, 10_000
 
 
 def add_parser(sub) -> None:
@@ -163,7 +165,8 @@ def paft_table(results: list[dict]) -> str:
                 h = ", ".join(f"{x:g}" for x in v.get("H", []) if x is not None) or "-"
                 kernel = v.get("kernel")
                 in_kernel = kernel and kernel["system_s_per_step"] / v["seconds_per_step"]["median"]
-                if in_kernel and in_kernel > KERNEL_NOTE:
+                if (in_kernel and in_kernel > KERNEL_NOTE
+                        and kernel["minor_faults_per_step"] >= FAULTS_NOTE):
                     notes.append(f"{r['preset']}, M = {w['workers']}, {variant}: {in_kernel:.0%}"
                                  " of the step in the kernel, mostly faulting in memory that the "
                                  "allocator gave back; an allocator that keeps it (jemalloc, "

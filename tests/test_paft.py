@@ -309,10 +309,14 @@ def test_bench_suite_goal_is_against_noised_and_batch_splits(tmp_path, capsys, m
     assert "dyn-overlap minus noised, is 5.0% (0.0% to 10.0%) of the dp step" in table
     assert "rounded up to 8" in table and "| tiny | 4 | 8* (2) | dyn-overlap |" in table
     assert w["batch_per"] == "step" and w["worker_batch"] == 2
-    # A contender that spends a tenth of its step or more in the kernel is pointed at the
-    # allocator: noised's median step is 2.0 s, of which 1.0 s system time.
+    # A contender that spends a tenth of its step or more in the kernel faulting pages in is
+    # pointed at the allocator: noised's median step is 2.0 s, of which 1.0 s system time. With
+    # few faults that time is something else (the threads' scheduling): no note.
     results = json.loads(json_path.read_text())["results"]
-    results[0]["by_workers"][0]["variants"]["noised"]["kernel"]["system_s_per_step"] = 1.0
+    kernel = results[0]["by_workers"][0]["variants"]["noised"]["kernel"]
+    kernel["system_s_per_step"] = 1.0
+    assert "in the kernel" not in bench_paft.paft_table(results)
+    kernel["minor_faults_per_step"] = 500_000
     assert ("tiny, M = 4, noised: 50% of the step in the kernel"
             in bench_paft.paft_table(results))
 
