@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import bench as B
 from . import bench_timing as BT
+from . import determinism as D
 
 FAULT_VARIANTS = ("plain", "healthy", "zero-rate", "idle")
 IDLE_RATE = 1e-3  # any rate above 0 compiles a spec in; the pattern keeps it from firing
@@ -67,7 +68,7 @@ def measure_faults(preset: str, args, echo=B.echo_stderr) -> dict:
         variants[variant].update({
             "injector": runner.trainer.injector is not None,
             "hlo_identical": runner.hlo == plain.hlo,
-            "program_identical": BT.program_text(runner.hlo) == BT.program_text(plain.hlo),
+            "program_identical": D.program_text(runner.hlo) == D.program_text(plain.hlo),
             "hlo_chars": len(runner.hlo),
             "faults_landed": sum(w.get("faults/landed", 0) for w in warmup[variant]),
         })

@@ -16,7 +16,6 @@ rather than arithmetic (docs/paft.md, section 7); these columns say so at once.
 from __future__ import annotations
 
 import os
-import re
 import time
 
 from . import bench as B
@@ -286,7 +285,7 @@ def ratio_spread(numerator: list[float], denominator: list[float]) -> dict:
     return {**spread(ratios), **geomean_ci(ratios)}
 
 
-def geomean_ci(ratios: list[float], level: float = 0.95) -> dict:
+def geomean_ci(ratios: list[float]) -> dict:
     """{"geomean", "ci95": [low, high]}: the geometric mean of positive ratios and a
     confidence interval for it, from Student's t on their logarithms (repetitions taken as
     independent draws); `ci95` is None with fewer than two ratios."""
@@ -296,21 +295,7 @@ def geomean_ci(ratios: list[float], level: float = 0.95) -> dict:
     logs = np.log(np.asarray(ratios, np.float64))
     out = {"geomean": float(np.exp(logs.mean())), "ci95": None}
     if len(logs) > 1:
-        half = (stats.t.ppf(0.5 + level / 2, len(logs) - 1) * logs.std(ddof=1)
+        half = (stats.t.ppf(0.975, len(logs) - 1) * logs.std(ddof=1)
                 / np.sqrt(len(logs)))
         out["ci95"] = [float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half))]
     return out
-
-
-def program_text(hlo: str) -> str:
-    """Compiled HLO text without source locations (op metadata and the stack-frame tables),
-    which name the Python lines that traced each operation."""
-    lines, skipping = [], False
-    for line in hlo.splitlines():
-        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            skipping = True
-        elif skipping and not line.strip():
-            skipping = False
-        elif not skipping:
-            lines.append(re.sub(r",? metadata=\{[^{}]*\}", "", line))
-    return "\n".join(lines)

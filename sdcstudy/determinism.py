@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import sys
 from importlib import metadata
 
@@ -30,6 +31,26 @@ PACKAGES = ("sdcstudy", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "n
 # Instruction-set extensions that change XLA:CPU code generation.
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
              "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "asimd", "sve", "sve2")
+
+
+_SOURCE_SECTIONS = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+_METADATA = re.compile(r',?\s*metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
+
+
+def program_text(hlo: str) -> str:
+    """Compiled HLO text without source locations and op metadata: what the program computes,
+    not where it was traced from (file paths and caller line numbers would otherwise make a
+    golden record depend on the install path and on which command compiled it, and two
+    benchmark contenders traced from different lines look like different programs)."""
+    lines, skipping = [], False
+    for line in hlo.splitlines():
+        if line in _SOURCE_SECTIONS:
+            skipping = True
+        elif skipping and not line:
+            skipping = False
+        elif not skipping:
+            lines.append(_METADATA.sub("", line))
+    return "\n".join(lines)
 
 
 def configure(device_count: int | None = None) -> None:

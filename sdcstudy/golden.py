@@ -35,8 +35,7 @@ from .golden_compare import (EXIT_CODES, FAIL, INCONCLUSIVE, PASS, _check_layout
 from .golden_digest import block_digest, site_key
 from .golden_record import GoldenError, load, record, verify
 from .golden_report import _sentence, junit_xml, report_json
-from .golden_workload import (Workload, device_info, parse_injection, pick_device,
-                              program_text, workload)
+from .golden_workload import Workload, device_info, parse_injection, pick_device, workload
 
 REPORT_SCHEMA = "sdcstudy-golden-check/1"
 
@@ -120,7 +119,8 @@ def check(golden_dir: Path, *, inject: str | None = None, allow_env_drift: bool 
     if work.injector is not None:
         env["skipped"] = ["compiled_step_sha256"]
     else:
-        observed = determinism.fingerprint(program_text(work.hlo))["compiled_step_sha256"]
+        observed = determinism.fingerprint(
+            determinism.program_text(work.hlo))["compiled_step_sha256"]
         expected = golden_env.get("compiled_step_sha256")
         if env_verdict([] if observed == expected else [
                 {"field": "compiled_step_sha256", "golden": expected, "observed": observed}]):

@@ -35,7 +35,7 @@ from .config import Config, UserError
 from .digest import tensor_digests, tree_digest
 from .golden_digest import BLOCKS
 from .golden_workload import (_bits, _param_leaves, check_config, device_info, pick_device,
-                              program_text, workload)
+                              workload)
 
 FORMAT = "sdcstudy-golden/1"
 FULL_PARAMS_BUDGET = 3 * 2**20  # bytes of full parameter values kept for all steps
@@ -143,7 +143,7 @@ def record(cfg: Config, out_dir: Path, *, device_index: int = 0, progress: bool 
         "compile_s": work.compile_s,
         "record_s": time.perf_counter() - started,
     }
-    env = determinism.fingerprint(program_text(work.hlo))
+    env = determinism.fingerprint(determinism.program_text(work.hlo))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:

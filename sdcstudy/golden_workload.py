@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from functools import partial
 
 import jax
@@ -237,25 +236,6 @@ class Workload:
             rows += F.record_rows({k: v[m] for k, v in faults["micro"].items()}, step, m,
                                   profile)[0]
         return rows
-
-
-_SOURCE_SECTIONS = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
-_METADATA = re.compile(r',?\s*metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
-
-
-def program_text(hlo: str) -> str:
-    """Compiled HLO text without source locations and op metadata: what the program computes,
-    not where it was traced from (file paths and caller line numbers would otherwise make a
-    golden record depend on the install path and on which command compiled it)."""
-    lines, skipping = [], False
-    for line in hlo.splitlines():
-        if line in _SOURCE_SECTIONS:
-            skipping = True
-        elif skipping and not line:
-            skipping = False
-        elif not skipping:
-            lines.append(_METADATA.sub("", line))
-    return "\n".join(lines)
 
 
 # In-process reuse, for callers that check many times in one process (tests, studies): the

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from sdcstudy import (bench, bench_abft, bench_faults, bench_paft, bench_paired, bench_plot,
-                      bench_timing, bench_train, cli)
+                      bench_timing, bench_train, cli, determinism)
 from sdcstudy.detect_plan import DETECTORS
 
 # One layer, short sequences, one repetition of one step: structure, not speed.
@@ -254,8 +254,8 @@ def test_program_text_ignores_only_source_locations():
     b = jax.jit(_scale_by(2.0)).lower(x).compile().as_text()
     c = jax.jit(_scale_by(3.0)).lower(x).compile().as_text()
     assert a != b, "the premise: compiled text names the lines that traced it"
-    assert bench_timing.program_text(a) == bench_timing.program_text(b)
-    assert bench_timing.program_text(a) != bench_timing.program_text(c)
+    assert determinism.program_text(a) == determinism.program_text(b)
+    assert determinism.program_text(a) != determinism.program_text(c)
 
 
 def test_bad_preset_is_one_sentence_and_exit_2():
