@@ -44,11 +44,11 @@ from jax import lax  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from sdcstudy import abft as A  # noqa: E402
-from sdcstudy import config as C  # noqa: E402
-from sdcstudy import faults as F  # noqa: E402
-from sdcstudy import model  # noqa: E402
-from sdcstudy import sites as S  # noqa: E402
+from sdcstudy.abft import checker as A  # noqa: E402
+from sdcstudy.core import config as C  # noqa: E402
+from sdcstudy.faults import inject as F  # noqa: E402
+from sdcstudy.core import model  # noqa: E402
+from sdcstudy.core import sites as S  # noqa: E402
 
 INSIDE = tuple(A.MATMULS)  # the protected matmuls' output sites
 OUTSIDE = (S.ATTN_PROBS, S.ATTN_CONTEXT, S.FFN_ACT, S.ATTN_NORM, S.FFN_NORM)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from sdcstudy import runfolder as RF  # noqa: E402
+from sdcstudy.core import runfolder as RF  # noqa: E402
 
 BASE = {"model.n_layers": 1, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 4,
         "model.ffn_dim": 128}
@@ -105,7 +105,7 @@ def rows_of(axis: str, value, result: dict, ratios: dict) -> list[dict]:
 def measure_model_point(args, axis: str, value, cache: dict) -> list[dict]:
     """lockstep / free, paramsync / free and ABFT on / off at one point of a model axis; the
     base point, shared by the three axes, is measured once."""
-    from sdcstudy import bench_abft, bench_paired
+    from sdcstudy.bench import abft as bench_abft, paired as bench_paired
 
     key_name = AXES[axis][0]
     overrides = {} if value == _base_value(axis) else {key_name: value}
@@ -129,7 +129,7 @@ def _base_value(axis: str):
 
 
 def measure_tp(args) -> list[dict]:
-    from sdcstudy import bench_paired
+    from sdcstudy.bench import paired as bench_paired
 
     degrees = AXES["tp"][1]
     ns = bench_args(args, {})
@@ -146,7 +146,7 @@ def measure_tp(args) -> list[dict]:
 
 
 def measure_workers(args) -> list[dict]:
-    from sdcstudy import bench_paft as BP
+    from sdcstudy.bench import paft as BP
 
     ns = bench_args(args, {})
     ns.workers = ",".join(str(m) for m in AXES["workers"][1])
@@ -159,7 +159,7 @@ def measure_workers(args) -> list[dict]:
 
 
 def figure(table, axis: str, path: Path) -> None:
-    from sdcstudy.plots import _pyplot, _save
+    from sdcstudy.report.plots import _pyplot, _save
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -182,7 +182,7 @@ def figure(table, axis: str, path: Path) -> None:
 
 
 def summary(table, elapsed: float, args) -> str:
-    from sdcstudy import tables
+    from sdcstudy.report import tables
 
     lines = ["# Overhead scaling", "",
              f"`python experiments/bench_scaling.py --out DIR --repeats {args.repeats} "
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
         return 2
     import pandas as pd
 
-    from sdcstudy import determinism
+    from sdcstudy.core import determinism
 
     determinism.configure()
     start, rows, cache = time.perf_counter(), [], {}

@@ -27,10 +27,11 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 
-from sdcstudy import config as C  # noqa: E402
-from sdcstudy import profiles, runner  # noqa: E402
-from sdcstudy import runfolder as RF  # noqa: E402
-from sdcstudy.config import UserError  # noqa: E402
+from sdcstudy.core import config as C  # noqa: E402
+from sdcstudy.faults import profiles  # noqa: E402
+from sdcstudy import runner  # noqa: E402
+from sdcstudy.core import runfolder as RF  # noqa: E402
+from sdcstudy.core.config import UserError  # noqa: E402
 from sdcstudy.demo import DEMO  # noqa: E402
 
 FREQ_TOLERANCE = 0.25

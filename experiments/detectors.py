@@ -28,8 +28,8 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from sdcstudy import config as C  # noqa: E402
-from sdcstudy import runfolder as RF  # noqa: E402
+from sdcstudy.core import config as C  # noqa: E402
+from sdcstudy.core import runfolder as RF  # noqa: E402
 
 # (profile, suspect.fault_kind): zoo nodes and synthetic profiles, transient and repeatable.
 PROFILES = (("paper-node-1", "transient"), ("paper-node-1", "repeatable"),
@@ -59,8 +59,8 @@ def main(argv=None) -> int:
     p.add_argument("--tables-only", action="store_true",
                    help="only redo the table and figure from the run folders already in --out")
     args = p.parse_args(argv)
-    from sdcstudy import detect_tables as DT
-    from sdcstudy import report, tables
+    from sdcstudy.detect import tables as DT
+    from sdcstudy.report import runs as report, tables
 
     names = [f"{profile}-{kind}" for profile, kind in (("healthy", "profile"), *PROFILES)]
     if not args.tables_only:
@@ -68,7 +68,8 @@ def main(argv=None) -> int:
             print(f"detectors: {str(args.out)!r} is not empty; give a new --out.",
                   file=sys.stderr)
             return 2
-        from sdcstudy import detect, runner
+        from sdcstudy.detect import trainer as detect
+        from sdcstudy import runner
 
         for name, (profile, kind) in zip(names, (("healthy", "profile"), *PROFILES)):
             cfg = base_config(args, profile, kind)

@@ -49,7 +49,7 @@ def flip_text(flip: dict) -> str:
 
 def localized(flip: dict, report: dict) -> tuple[bool, str]:
     """(whether the first difference is exactly where the flip landed, a note)."""
-    from sdcstudy import fault_specs as FS
+    from sdcstudy.faults import specs as FS
 
     first, injected = report.get("first_difference"), (report.get("injected") or {})
     landed = injected.get("first") or []
@@ -97,10 +97,10 @@ def main() -> int:
           f"check (new process) {clean['verdict']} exit {proc.returncode} in "
           f"{results['check_cli']['wall_s']:.1f} s", flush=True)
 
-    from sdcstudy import determinism
+    from sdcstudy.core import determinism
 
     determinism.configure(device_count=8)  # as the command line does
-    from sdcstudy import golden
+    from sdcstudy.golden import check as golden
 
     _, _, meta, _ = golden.load(golden_dir)
     verdicts = []

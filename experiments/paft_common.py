@@ -45,8 +45,9 @@ def compile_cache(folder: Path) -> None:
 
 def run(args, name: str, overrides: list[str]):
     """One run folder `runs/NAME` under --out; returns its Run (report.load_run)."""
-    from sdcstudy import config as C
-    from sdcstudy import report, runner
+    from sdcstudy.core import config as C
+    from sdcstudy.report import runs as report
+    from sdcstudy import runner
 
     cfg = C.from_dict({}, BASE + [f"experiment.steps={args.steps}", f"experiment.name={name}"]
                       + list(args.overrides) + overrides)
@@ -59,6 +60,6 @@ def run(args, name: str, overrides: list[str]):
 
 
 def write(args, name: str, text: str) -> None:
-    from sdcstudy import runfolder as RF
+    from sdcstudy.core import runfolder as RF
 
     RF.atomic_write_text(args.out / name, text)

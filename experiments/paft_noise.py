@@ -40,7 +40,7 @@ def main() -> int:
     args = PC.parse(__doc__, steps=150)
     PC.compile_cache(args.out / ".compile-cache")
     args.overrides = OPTIM + args.overrides
-    from sdcstudy import paft_report as R
+    from sdcstudy.paft import report as R
 
     def slug(text):
         return text.replace("(", "").replace(")", "").replace("=", "").replace("+", "-")
@@ -99,8 +99,8 @@ def main() -> int:
 
 def plot_grid(grid: dict, path: Path) -> None:
     """Final loss against sigma2, one line per method, Oracle as a horizontal line."""
-    from sdcstudy import paft_report as R
-    from sdcstudy import plots as PL
+    from sdcstudy.paft import report as R
+    from sdcstudy.report import plots as PL
 
     plt = PL._pyplot()
     tables = {s: R.final_table(runs).set_index("method") for s, runs in grid.items()}

@@ -28,7 +28,7 @@ def main() -> int:
     args = PC.parse(__doc__, steps=150)
     PC.compile_cache(args.out / ".compile-cache")
     args.overrides = OPTIM + args.overrides
-    from sdcstudy import paft_report as R
+    from sdcstudy.paft import report as R
 
     reliable = PC.run(args, "loss-0", [])
     runs = {"p=0": reliable}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from . import hostmem
+from sdcstudy.core import hostmem
 
 # Freed host memory stays in the process (see hostmem.py): each step's buffers are reused
 # instead of being faulted in again. SDCSTUDY_MALLOC=system keeps the C library's defaults.
@@ -15,11 +15,11 @@ hostmem.tune()
 
 # Public name -> submodule that defines it. Add a line here to export another name lazily.
 _LAZY = {
-    "load_hf_checkpoint": "hf",
-    "logits": "hf",
-    "mismatch_stats": "stats",
-    "bit_histogram": "stats",
-    "load_run": "report",
+    "load_hf_checkpoint": "core.hf",
+    "logits": "core.hf",
+    "mismatch_stats": "core.stats",
+    "bit_histogram": "core.stats",
+    "load_run": "report.runs",
 }
 
 __all__ = sorted(_LAZY)

@@ -11,8 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import config as C
-from .config import UserError
+from sdcstudy.core import config as C
+from sdcstudy.core.config import UserError
 
 DEMO_STEPS = 40  # sdcstudy.demo.DEMO_STEPS (kept here so the parser needs no JAX)
 SIMULATED_CPU_DEVICES = 8
@@ -32,12 +32,12 @@ def cmd_run(args) -> int:
     cfg = C.load(args.config, args.overrides)
     if args.resume and args.out is None:
         raise UserError("--resume needs --out RUN_DIR, the run folder to continue.")
-    from . import distributed
+    from sdcstudy.core import distributed
 
     with distributed.ends_together():
         distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                args.timeout)
-        from . import runner
+        from sdcstudy import runner
 
         summary = runner.run(cfg, args.out, resume=args.resume, stop_after=args.stop_after,
                              progress=_progress(args) and distributed.is_writer())
@@ -49,45 +49,45 @@ def cmd_run(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from . import demo
+    from sdcstudy import demo
 
     demo.main(args.out, steps=args.steps, progress=_progress(args))
     return 0
 
 
 def cmd_doctor(args) -> int:
-    from . import doctor
+    from sdcstudy import doctor
 
     return doctor.main(json_path=args.json, keep=args.keep)
 
 
 def cmd_golden(args) -> int:
-    from . import golden
+    from sdcstudy.golden import check as golden
 
     return golden.main(args)
 
 
 def cmd_profiles(args) -> int:
-    from . import profiles
+    from sdcstudy.faults import profiles
 
     print(profiles.listing())
     return 0
 
 
 def cmd_sweep(args) -> int:
-    from . import sweep
+    from sdcstudy import sweep
 
     return sweep.main(args)
 
 
 def cmd_report(args) -> int:
-    from . import report
+    from sdcstudy.report import runs as report
 
     return report.main(args.run_dirs, args.out)
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    from sdcstudy.bench import cli as bench
 
     return bench.main(args)
 
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_profiles)
 
     p = sub.add_parser("bench", help="performance benchmarks")
-    from .bench import add_bench_args
+    from sdcstudy.bench.cli import add_bench_args
 
     add_bench_args(p)
     p.set_defaults(func=cmd_bench)
@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from . import determinism
+    from sdcstudy.core import determinism
 
     # Simulated CPU devices for the paired mesh (node x dp x tp) unless XLA_FLAGS names a
     # count; a GPU or TPU backend ignores it.
@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sdcstudy: {e or 'interrupted'}", file=sys.stderr)
         return 130
     except Exception as e:
-        from .detect import DetectionError
-        from .train import NonFiniteError
+        from sdcstudy.detect.trainer import DetectionError
+        from sdcstudy.core.train import NonFiniteError
 
         if isinstance(e, (NonFiniteError, DetectionError)):  # the run stopped, as it should
             print(f"sdcstudy: error: {e}", file=sys.stderr)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import config as C
-from . import profiles
-from . import runfolder as RF
-from . import runner
-from .metrics import SITES
+from sdcstudy.core import config as C
+from sdcstudy.faults import profiles
+from sdcstudy.core import runfolder as RF
+from sdcstudy import runner
+from sdcstudy.core.metrics import SITES
 
 PROFILE = "paper-node-1"  # the node with the most mismatches at all four sites (Table 1)
 DEMO_STEPS = 40

@@ -11,8 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import config as C
-from . import runfolder as RF
+from sdcstudy.core import config as C
+from sdcstudy.core import runfolder as RF
 
 DOCTOR = {
     "experiment": {"mode": "train", "steps": 20, "batch_size": 8, "microsteps": 2,

@@ -17,15 +17,15 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import abft as A
-from . import config as C
-from . import data as D
-from . import determinism, digest, distributed
-from . import metrics as MX
-from . import runfolder as RF
-from .checkpoint import Checkpointer
-from .config import Config, UserError
-from .train import NonFiniteError, Trainer, compile_step
+from sdcstudy.abft import checker as A
+from sdcstudy.core import config as C
+from sdcstudy.core import data as D
+from sdcstudy.core import determinism, digest, distributed
+from sdcstudy.core import metrics as MX
+from sdcstudy.core import runfolder as RF
+from sdcstudy.core.checkpoint import Checkpointer
+from sdcstudy.core.config import Config, UserError
+from sdcstudy.core.train import NonFiniteError, Trainer, compile_step
 
 TABLE_COLUMNS = {RF.FAULTS: RF.FAULT_COLUMNS, RF.MISMATCH: RF.MISMATCH_COLUMNS,
                  RF.ABFT: A.COLUMNS}
@@ -36,19 +36,19 @@ def make_trainer(cfg: Config):
     if cfg.experiment.mode in ("train", "abft"):  # abft: the single-node trainer, ABFT on
         return Trainer.from_config(cfg)
     if cfg.experiment.mode == "finetune":
-        from .finetune import FinetuneTrainer
+        from sdcstudy.finetune.trainer import FinetuneTrainer
 
         return FinetuneTrainer.from_config(cfg)
-    from .paired import PAIRED_MODES, PairedTrainer
+    from sdcstudy.paired.trainer import PAIRED_MODES, PairedTrainer
 
     if cfg.experiment.mode in PAIRED_MODES:
         return PairedTrainer.from_config(cfg)
     if cfg.experiment.mode == "detect":
-        from .detect import DetectTrainer
+        from sdcstudy.detect.trainer import DetectTrainer
 
         return DetectTrainer.from_config(cfg)
     if cfg.experiment.mode == "paft":
-        from .paft import PaftTrainer
+        from sdcstudy.paft.trainer import PaftTrainer
 
         return PaftTrainer.from_config(cfg)
     raise UserError(f"experiment.mode {cfg.experiment.mode!r} is not available in this "
@@ -260,7 +260,7 @@ def paired_summary(rows: list[dict], tables: dict, histograms: dict, dtype: str)
 def bit_histogram_summary(histograms: dict, dtype: str) -> dict:
     """Per site: mismatching elements per bit position (index 0 = the lowest mantissa bit) and
     per field, to tell single bit flips (one position) from arithmetic faults (many low bits)."""
-    from .stats import bit_width, class_counts
+    from sdcstudy.core.stats import bit_width, class_counts
 
     width = bit_width(dtype)
     out = {}

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import config as C
-from . import report as R
-from . import runfolder as RF
-from .config import UserError
+from sdcstudy.core import config as C
+from sdcstudy.report import runs as R
+from sdcstudy.core import runfolder as RF
+from sdcstudy.core.config import UserError
 
 SWEEP = "sweep.json"  # what the sweep was asked to do, to check a --resume against
 ALL = "all"  # --profiles all: the whole zoo
@@ -31,7 +31,7 @@ def parse_profiles(text: str) -> list[str]:
         raise UserError(f"--profiles {text!r} needs profile names separated by commas, e.g. "
                         f"--profiles paper-node-1,paper-node-7, or all.")
     if ALL in names:
-        from . import profiles as zoo  # imports JAX: only here
+        from sdcstudy.faults import profiles as zoo  # imports JAX: only here
 
         whole = [name for name in zoo.zoo() if name != "healthy"]
         at = names.index(ALL)
@@ -78,8 +78,8 @@ def sweep(config_path, profiles: list[str], out: Path | None = None, overrides=(
           resume: bool = False, progress: bool = True, echo=print) -> dict:
     """Run `config_path` once per suspect profile, then report; returns {"root", "runs",
     "report"} (the report as `report.write_report` returns it)."""
-    from . import profiles as zoo
-    from . import runner
+    from sdcstudy.faults import profiles as zoo
+    from sdcstudy import runner
 
     overrides = list(overrides)
     configs = {}

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from sdcstudy import runfolder as RF
+from sdcstudy.core import runfolder as RF
 
 SITES = ("fwd/attn", "fwd/ffn", "bwd/attn", "bwd/ffn")
 ABFT_COLUMNS = ("step", "microstep", "layer", "matmul", "direction", "tp_rank", "residual",

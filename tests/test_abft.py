@@ -17,11 +17,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sdcstudy import abft as A
+from sdcstudy.abft import checker as A
 from sdcstudy import cli
-from sdcstudy import config as C
-from sdcstudy import faults as F
-from sdcstudy import report, runner, train
+from sdcstudy.core import config as C
+from sdcstudy.faults import inject as F
+from sdcstudy.report import runs as report
+from sdcstudy import runner
+from sdcstudy.core import train
 
 BASE = {"experiment": {"batch_size": 2, "steps": 2, "checkpoint_every": 0},
         "model": {"n_layers": 1}, "data": {"seq_len": 16}, "optim": {"warmup_steps": 1}}

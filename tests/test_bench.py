@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sdcstudy import (bench, bench_abft, bench_faults, bench_paft, bench_paired, bench_plot,
-                      bench_timing, bench_train, cli, determinism)
-from sdcstudy.detect_plan import DETECTORS
+from sdcstudy.bench import (
+    cli as bench, abft as bench_abft, faults as bench_faults, paft as bench_paft, paired as bench_paired, plot as bench_plot, timing as bench_timing, train as bench_train)
+from sdcstudy import cli
+from sdcstudy.core import determinism
+from sdcstudy.detect.plan import DETECTORS
 
 # One layer, short sequences, one repetition of one step: structure, not speed.
 FAST = ["--presets", "tiny", "--batch", "4", "--seq-len", "16", "--steps", "1", "--repeats", "1",
@@ -188,8 +190,9 @@ def _dot_flops(jaxpr) -> int:
 
 @pytest.mark.parametrize("overrides", [[], ["model.tie_embeddings=true", "model.n_kv_heads=4"]])
 def test_step_flops_count_every_matmul_of_the_traced_step(overrides):
-    from sdcstudy import config as C
-    from sdcstudy import model, roofline
+    from sdcstudy.core import config as C
+    from sdcstudy.core import model
+    from sdcstudy.bench import roofline
 
     dims = C.model_dims(C.from_dict({"model": {"preset": "tiny"}}, overrides).model)
     graphdef, params = model.abstract_init(dims)

@@ -3,7 +3,7 @@
 import pytest
 
 from sdcstudy import cli
-from sdcstudy import config as C
+from sdcstudy.core import config as C
 
 
 def test_partial_file_takes_defaults(tmp_path):

@@ -8,9 +8,9 @@ import zlib
 import numpy as np
 import pytest
 
-from sdcstudy import data
-from sdcstudy.config import DataConfig, UserError
-from sdcstudy.corpus import SYNTHETIC_SEED, synthetic_corpus, synthetic_entropy
+from sdcstudy.core import data
+from sdcstudy.core.config import DataConfig, UserError
+from sdcstudy.core.corpus import SYNTHETIC_SEED, synthetic_corpus, synthetic_entropy
 
 
 def _prepare(tmp_path, seed=0, **kwargs):

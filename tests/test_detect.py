@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import yaml
 
-from sdcstudy import config as C
-from sdcstudy import data as D
-from sdcstudy import digest
-from sdcstudy.detect import DetectTrainer, DetectionError, odd_one_out
-from sdcstudy.train import compile_step
+from sdcstudy.core import config as C
+from sdcstudy.core import data as D
+from sdcstudy.core import digest
+from sdcstudy.detect.trainer import DetectTrainer, DetectionError, odd_one_out
+from sdcstudy.core.train import compile_step
 
 SMALL = {"model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64},
          "data": {"seq_len": 16, "synthetic_tokens": 20_000}}
@@ -143,7 +143,7 @@ def test_odd_one_out_needs_three_replicas():
 
 
 def run_rollback(stepper: Stepper, steps: int, suspect: int):
-    from sdcstudy.rollback import VerifiedRollback
+    from sdcstudy.detect.rollback import VerifiedRollback
 
     wrapped = VerifiedRollback(stepper.step, stepper.trainer, max_retries=8)
     state = stepper.trainer.init_state()
@@ -165,7 +165,7 @@ def test_rollback_with_transient_faults_ends_bitwise_equal_to_the_clean_run(tran
 
 def test_rollback_gives_up_on_a_repeatable_fault(repeatable):
     """A repeatable fault recurs on every re-run: the run must stop, not loop or go on."""
-    from sdcstudy.rollback import VerifiedRollback
+    from sdcstudy.detect.rollback import VerifiedRollback
 
     stepper = repeatable
     wrapped = VerifiedRollback(stepper.step, stepper.trainer, max_retries=2)
@@ -199,7 +199,7 @@ def test_killing_a_snapshot_write_never_mixes_two_steps(tmp_path, transient):
     rollback = transient
     """The process is killed while step 3's snapshot is being written: the latest snapshot on
     disk is then step 2, whole, bit for bit the state the uninterrupted run has at step 2."""
-    from sdcstudy.checkpoint import Checkpointer
+    from sdcstudy.core.checkpoint import Checkpointer
 
     cfg = C.from_dict(C.to_dict(rollback.trainer.cfg))
     cfg.experiment.checkpoint_every = 1
@@ -240,7 +240,7 @@ def test_killing_a_snapshot_write_never_mixes_two_steps(tmp_path, transient):
 def test_scores_count_recall_latency_and_precision_by_hand():
     import pandas as pd
 
-    from sdcstudy.detect_tables import detector_scores
+    from sdcstudy.detect.tables import detector_scores
 
     # Events at steps 2 and 9; the detector flags at 4 (2 steps late), 15 (no event within
     # the 5-step window: a false flag) and never after step 9.
@@ -261,7 +261,7 @@ def test_scores_count_recall_latency_and_precision_by_hand():
 
 def test_report_has_the_detector_table(tmp_path):
     """`sdcstudy report` on detect-mode run folders (written here by hand) shows the table."""
-    from sdcstudy import report
+    from sdcstudy.report import runs as report
 
     def fake_run(name: str, profile: str, truth: list[int], flags: list[int]):
         cfg = make_config("healthy", "transient")

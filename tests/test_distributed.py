@@ -22,10 +22,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from sdcstudy import config as C
-from sdcstudy import data as D
-from sdcstudy import distributed
-from sdcstudy import runfolder as RF
+from sdcstudy.core import config as C
+from sdcstudy.core import data as D
+from sdcstudy.core import distributed
+from sdcstudy.core import runfolder as RF
 
 RUN_TIMEOUT_S = 120  # --timeout of the runs: start-up, heartbeats, each collective
 DEADLINE_S = 240  # hard limit for one group of processes

@@ -9,13 +9,14 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from sdcstudy import config as C
-from sdcstudy import fault_specs as FS
-from sdcstudy import faults as F
-from sdcstudy import mesh as M
-from sdcstudy import model, profiles
-from sdcstudy import sites as S
-from sdcstudy.config import UserError
+from sdcstudy.core import config as C
+from sdcstudy.faults import specs as FS
+from sdcstudy.faults import inject as F
+from sdcstudy.core import mesh as M
+from sdcstudy.core import model
+from sdcstudy.faults import profiles
+from sdcstudy.core import sites as S
+from sdcstudy.core.config import UserError
 
 DTYPES = [jnp.float32, jnp.bfloat16]
 UINT = {jnp.float32: np.uint32, jnp.bfloat16: np.uint16}
@@ -326,7 +327,7 @@ def test_backward_faults_reach_only_the_suspects_gradients(mesh_run, clean_mesh_
 def test_healthy_profile_compiles_to_the_plain_step():
     # The engine must cost nothing when off: the healthy profile builds no injector, and the
     # compiled training step is the same program as one built without any fault code.
-    from sdcstudy import train
+    from sdcstudy.core import train
 
     cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16}})
     healthy = train.Trainer.from_config(cfg)
@@ -347,7 +348,7 @@ def test_healthy_profile_compiles_to_the_plain_step():
 
 def test_step_level_sites_run_in_the_single_node_trainer():
     # Gradient and update specs carry no microstep; the trainer must still trace them.
-    from sdcstudy import train
+    from sdcstudy.core import train
 
     cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
                        "suspect": {"profile": "paper-node-2"}})

@@ -8,10 +8,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sdcstudy import config as C
-from sdcstudy import data as D
-from sdcstudy import qa
-from sdcstudy.config import UserError
+from sdcstudy.core import config as C
+from sdcstudy.core import data as D
+from sdcstudy.finetune import qa
+from sdcstudy.core.config import UserError
 
 # --- each task's own schema -> the E.2 prompt ----------------------------------------------
 
@@ -213,7 +213,7 @@ def test_predictions_ta_and_dp_against_a_direct_recomputation():
 
 
 def test_config_errors_are_one_sentence():
-    from sdcstudy.finetune import FinetuneTrainer
+    from sdcstudy.finetune.trainer import FinetuneTrainer
 
     with pytest.raises(UserError, match="finetune.task 'cosmos'"):
         FinetuneTrainer.from_config(C.from_dict({"experiment": {"mode": "finetune"},
@@ -292,9 +292,9 @@ def test_finetune_starts_from_the_run_folders_parameters_and_scores_like_numpy(p
     gives the letters' log-probabilities of a direct unsharded forward pass."""
     import jax
 
-    from sdcstudy import hf
-    from sdcstudy.finetune import FinetuneTrainer
-    from sdcstudy.train import final_params
+    from sdcstudy.core import hf
+    from sdcstudy.finetune.trainer import FinetuneTrainer
+    from sdcstudy.core.train import final_params
 
     trainer = FinetuneTrainer.from_config(_finetune_cfg(pretrained))
     state = trainer.init_state()
@@ -320,8 +320,8 @@ def test_finetune_starts_from_the_run_folders_parameters_and_scores_like_numpy(p
 def test_finetune_starts_from_a_hugging_face_llama_folder(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    from sdcstudy import hf
-    from sdcstudy.finetune import FinetuneTrainer
+    from sdcstudy.core import hf
+    from sdcstudy.finetune.trainer import FinetuneTrainer
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1,
@@ -343,7 +343,7 @@ def test_finetune_starts_from_a_hugging_face_llama_folder(tmp_path):
 
 def _fake_finetune_run(folder, profile, seed, healthy, suspect, spikes=()):
     """A finetune run folder as the runner leaves it (summary, metrics, predictions)."""
-    from sdcstudy import runfolder as RF
+    from sdcstudy.core import runfolder as RF
 
     answers = np.zeros(len(healthy), int)
     folder.mkdir()
@@ -366,7 +366,7 @@ def _fake_finetune_run(folder, profile, seed, healthy, suspect, spikes=()):
 def test_report_table3_rows_dp_of_the_other_seed_and_spike_flags(tmp_path):
     """DP of the other-seed baseline comes from both runs' healthy predictions; a run with a
     loss spike is starred and named; the reference seed is the one most runs share."""
-    from sdcstudy import report
+    from sdcstudy.report import runs as report
 
     ref = np.array([0, 0, 1, 2, 0, 1, 1, 0])
     other = np.array([0, 1, 1, 2, 0, 2, 1, 0])  # differs on 2 of 8 questions

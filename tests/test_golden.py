@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdcstudy import cli, determinism
-from sdcstudy import fault_specs as FS
-from sdcstudy import golden as G
-from sdcstudy import golden_compare as GC
-from sdcstudy import golden_digest as GD
-from sdcstudy import golden_record as GR
-from sdcstudy import sites as S
+from sdcstudy import cli
+from sdcstudy.core import determinism
+from sdcstudy.faults import specs as FS
+from sdcstudy.golden import check as G
+from sdcstudy.golden import compare as GC
+from sdcstudy.golden import digest as GD
+from sdcstudy.golden import record as GR
+from sdcstudy.core import sites as S
 
 # Single-bit flips, each its own check. Sampled once with a fixed seed so that a failure can be
 # replayed; `experiments/golden_flips.py` runs 50 of them.

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from sdcstudy import hf
-from sdcstudy.config import UserError
+from sdcstudy.core import hf
+from sdcstudy.core.config import UserError
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

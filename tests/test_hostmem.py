@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sdcstudy import hostmem
+from sdcstudy.core import hostmem
 
 SNIPPET = "import sdcstudy; from sdcstudy import hostmem; print(hostmem.describe())"
 

@@ -15,12 +15,12 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from sdcstudy import config as C
-from sdcstudy import lockstep as L
-from sdcstudy import mesh as M
-from sdcstudy import model
-from sdcstudy import sites as S
-from sdcstudy import stats
+from sdcstudy.core import config as C
+from sdcstudy.paired import lockstep as L
+from sdcstudy.core import mesh as M
+from sdcstudy.core import model
+from sdcstudy.core import sites as S
+from sdcstudy.core import stats
 
 BF16 = ml_dtypes.bfloat16
 # The device computes relative errors in float32 from exact significands and exponents (one

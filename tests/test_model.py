@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sdcstudy import config as C
-from sdcstudy import mesh as M
-from sdcstudy import model
-from sdcstudy import sites as S
+from sdcstudy.core import config as C
+from sdcstudy.core import mesh as M
+from sdcstudy.core import model
+from sdcstudy.core import sites as S
 
 DIMS = C.model_dims(C.ModelConfig(preset="tiny"))
 # Sharded and unsharded float32 programs sum in different orders: relative differences of

@@ -8,8 +8,8 @@ import pytest
 from nbclient import NotebookClient
 from report_runs import random_node
 
-from sdcstudy import report
-from sdcstudy import tables as T
+from sdcstudy.report import runs as report
+from sdcstudy.report import tables as T
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 NODES = (1, 7, 13)
@@ -71,7 +71,7 @@ def _paft_run(folder: Path, sigma2: float, sync_every: int, steps: int = 30) -> 
 
     import yaml
 
-    from sdcstudy import config as C
+    from sdcstudy.core import config as C
 
     cfg = C.to_dict(C.from_dict({}, ["experiment.mode=paft", "mesh.dp=4",
                                      f"paft.noise.sigma2={sigma2}",
@@ -91,7 +91,7 @@ def _paft_run(folder: Path, sigma2: float, sync_every: int, steps: int = 30) -> 
 
 
 def test_paft_notebook(monkeypatch, tmp_path):
-    from sdcstudy import paft_report
+    from sdcstudy.paft import report as paft_report
 
     dirs = [_paft_run(tmp_path / "runs" / name, s, h)
             for name, s, h in (("oracle", 0.0, 0), ("noised", 1e-3, 0), ("sync4", 1e-3, 4))]

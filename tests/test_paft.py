@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdcstudy import config as C
-from sdcstudy import paft_theory as T
-from sdcstudy.packets import aggregate_packets, arrival_mask
-from sdcstudy.paft import PaftTrainer
-from sdcstudy.train import compile_step
+from sdcstudy.core import config as C
+from sdcstudy.paft import theory as T
+from sdcstudy.paft.packets import aggregate_packets, arrival_mask
+from sdcstudy.paft.trainer import PaftTrainer
+from sdcstudy.core.train import compile_step
 
 WORKERS, LR = 4, 0.1
 BASE = ["experiment.mode=paft", f"mesh.dp={WORKERS}", "model.n_layers=1", "optim.name=sgd",
@@ -137,7 +137,7 @@ def test_overlap_dynamic_run_folder(tmp_path):
 def test_flattened_floats_rebuild_the_tree_exactly():
     """An average works on one vector per float dtype: if this fails, it would mix up, cast or
     drop a leaf (an optimizer's integer step count must come back untouched)."""
-    from sdcstudy.paft import _flatten_floats
+    from sdcstudy.paft.trainer import _flatten_floats
 
     tree = {"a": jnp.arange(6, dtype=jnp.float32).reshape(2, 3),
             "b": (jnp.array([1.5, -2.0], jnp.bfloat16), jnp.int32(7)),
@@ -269,7 +269,8 @@ def test_bench_suite_goal_is_against_noised_and_batch_splits(tmp_path, capsys, m
     a batch that does not split over the workers is rounded up for every contender. If this
     fails, the headline compares against the wrong baseline or M workers cannot split the
     batch."""
-    from sdcstudy import bench, bench_paft, bench_timing, cli
+    from sdcstudy.bench import cli as bench, paft as bench_paft, timing as bench_timing
+    from sdcstudy import cli
 
     times = {"dp": [1.0, 2.0], "noised": [1.5, 2.5], "dyn-overlap": [1.6, 2.5]}
     seen = {}

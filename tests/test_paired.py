@@ -9,11 +9,12 @@ import pandas as pd
 import pytest
 
 import sdcstudy
-from sdcstudy import config as C
-from sdcstudy import data as D
-from sdcstudy import runfolder as RF
-from sdcstudy import runner, stats, train
-from sdcstudy.lockstep import SITE_NAMES
+from sdcstudy.core import config as C
+from sdcstudy.core import data as D
+from sdcstudy.core import runfolder as RF
+from sdcstudy import runner
+from sdcstudy.core import stats, train
+from sdcstudy.paired.lockstep import SITE_NAMES
 
 # tp=2 and dp=2 on both nodes (8 simulated devices), two microsteps: every axis of the
 # statistics blocks is exercised.

@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sdcstudy import runfolder as RF
-from sdcstudy.config import UserError
+from sdcstudy.core import runfolder as RF
+from sdcstudy.core.config import UserError
 
 
 def _fake_run(path):
@@ -58,8 +58,11 @@ import math  # noqa: E402
 
 from report_runs import bit_histogram, grid_rows, paft_runs, random_node, write_run  # noqa: E402
 
-from sdcstudy import cli, paft_report, plots, published, report  # noqa: E402
-from sdcstudy import tables as T  # noqa: E402
+from sdcstudy import cli  # noqa: E402
+from sdcstudy.paft import report as paft_report  # noqa: E402
+from sdcstudy.report import plots, runs as report  # noqa: E402
+from sdcstudy.faults import published  # noqa: E402
+from sdcstudy.report import tables as T  # noqa: E402
 
 # A lock-step run worked out by hand: 2 steps x 2 microsteps, 2 layers, tp=2, 100 elements per
 # row; mismatches only in microstep 0. {(step, layer, site): ((rank 0, rank 1) counts,

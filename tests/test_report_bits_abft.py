@@ -7,9 +7,9 @@ import pytest
 import yaml
 from report_runs import abft_rows, grid_rows, write_run
 
-from sdcstudy import report
-from sdcstudy import runfolder as RF
-from sdcstudy import tables as T
+from sdcstudy.report import runs as report
+from sdcstudy.core import runfolder as RF
+from sdcstudy.report import tables as T
 
 
 def _metrics(steps):

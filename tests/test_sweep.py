@@ -10,7 +10,7 @@ import pytest
 from report_runs import grid_rows, write_run
 
 from sdcstudy import cli, runner
-from sdcstudy import runfolder as RF
+from sdcstudy.core import runfolder as RF
 from sdcstudy import sweep as SW
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
@@ -135,7 +135,8 @@ def test_sweep_end_to_end_report_matches_the_runs_summary(tmp_path):
 def test_sweep_profiles_all_runs_the_whole_zoo_but_healthy(fake, tmp_path, monkeypatch):
     # `--profiles all` is every zoo profile except `healthy` (the node each suspect is paired
     # with), in the zoo's order, one run folder each, then one report of them all.
-    from sdcstudy import plots, profiles
+    from sdcstudy.report import plots
+    from sdcstudy.faults import profiles
 
     monkeypatch.setattr(plots, "FIGURES", {})  # 20 panels per figure; the report tests draw them
     zoo = [name for name in profiles.zoo() if name != "healthy"]

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from sdcstudy import cli
-from sdcstudy import config as C
-from sdcstudy import runfolder as RF
-from sdcstudy import runner, train
+from sdcstudy.core import config as C
+from sdcstudy.core import runfolder as RF
+from sdcstudy import runner
+from sdcstudy.core import train
 
 BASE = {"experiment": {"steps": 12, "batch_size": 4, "microsteps": 2, "checkpoint_every": 4},
         "optim": {"warmup_steps": 3}, "data": {"seq_len": 32}}

@@ -1,0 +1,346 @@
+"""Algorithm-based fault tolerance: checksummed matrix multiplications on every linear layer.
+
+Ma et al., "Understanding Silent Data Corruption in LLM Training", appendix D, after Smith and
+van de Geijn (2015) and Wu et al.: for C = A B (A: m x k, B: k x n) and w a vector of ones,
+an SDC is flagged when
+
+    ||C w - A (B w)||_inf > tau ||A||_inf ||B||_inf,   tau = k u                  (eq. 6)
+
+with u the unit roundoff. We add the column checksums w^T C - (w^T A) B against
+tau ||A||_1 ||B||_1: the row whose row residual is largest and the column whose column residual
+is largest locate a single corrupted element.
+
+Thresholds (`abft.threshold`):
+- `paper`: tau = k * 2**-23 (float32's machine epsilon, as the paper takes
+  `torch.finfo(float32).eps`), one threshold per check. Checked as is on bfloat16 matmuls
+  (bfloat16 inputs, float32 accumulation) it raises false alarms: rounding C to bfloat16 moves
+  a row sum by up to 2**-8 (|C| w)_i, and (|C| w)_i can be as large as ||A|| ||B||, so the
+  bound is only safe for k >= 2**15.
+- `rounding` (ours): a first-order bound, row by row, on everything rounding can do to the
+  residual. C = fl_out(fl32(A B)) differs from A B by at most u_out |C| + k u |A| |B|
+  elementwise (u_out = 2**-8 when C is stored in bfloat16, 0 in float32; u = 2**-24, float32
+  accumulation); the float32 sums C w (n terms), B w (n terms) and A (B w) (k terms) add at
+  most n u |C| w + (n + k) u |A| |B| w. So, with a 1.01 margin for second-order terms,
+
+      |C w - A (B w)|_i <= 1.01 [(u_out + n u) (|C| w)_i + (2k + n) u (|A| (|B| w))_i]
+
+  and the same for columns with m for n. No rounding pattern can exceed it, so a healthy run
+  never flags, in bfloat16 as in float32; being per row rather than through the norms it is
+  about sqrt(k) tighter than the norm form, so it still catches corruptions larger than the
+  bfloat16 rounding of their own row. It assumes float32 accumulation: a backend that
+  accumulates in TF32 or bfloat16 breaks it (and the paper's).
+- `paper-dtype` (host side only, for the evaluation): tau = k times the input dtype's epsilon
+  (2**-7 for bfloat16), the paper's formula read with the bfloat16 epsilon.
+
+Three matmuls per linear layer are checked: `fwd` (C = A B), `bwd_input` (dA = dC B^T) and
+`bwd_weight` (dB = A^T dC). Forward faults at a projection's output site (`fwd/attn_q`, ...)
+are injected between the product and its check, so they count as faults inside the matmul.
+With `abft.recompute` a flagged product is recomputed (`lax.cond`, on the device) and training
+continues on the correct value. Results leave the step without a host sync: forward records
+through the loss function's aux output, backward records as the cotangent of a zero sink.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from sdcstudy.core import mesh as M
+from sdcstudy.core import sites as S
+from sdcstudy.abft.tables import (
+    COLUMNS, DIRECTIONS, EPS, EPS32, HOST_THRESHOLDS, MATMUL_OF_SITE, counters, detection_summary, host_flags, host_ratios, tau)
+
+MATMULS = MATMUL_OF_SITE  # model site of each protected matmul's output -> matmul name
+MATMUL_SITES = {name: site for site, name in MATMULS.items()}
+THRESHOLDS = ("paper", "rounding")
+PREFIX = "abft|"
+UNIT_ROUNDOFF = {32: 0.0, 16: 2.0 ** -8}  # rounding of a float32 accumulator to the output
+
+# One check's record: float32 values (integers below 2**24 are exact). Largest residuals
+# and norm products (the paper's rules), largest residual-to-bound ratios (ours), then the
+# device rule's reported residual, threshold and flag, and the located row and column.
+(ROW_MAX, COL_MAX, NORM_INF, NORM_ONE, ROW_RATIO, COL_RATIO, ROW_RESIDUAL, ROW_THRESHOLD,
+ COL_RESIDUAL, COL_THRESHOLD, FLAGGED, ROW, COL, RECOMPUTED, K, M_ROWS, N_COLS, OUT_BITS,
+ IN_BITS) = range(19)
+RECORD_LEN = 19
+MARGIN = 1.01  # second-order rounding terms (Golub and Van Loan, eq. 2.7.11)
+U32 = 2.0 ** -24  # float32 unit roundoff
+
+def _bits(dtype) -> int:
+    return jnp.dtype(dtype).itemsize * 8
+
+
+def _bound(abs_c_sum, abs_a, abs_b_sum, out_bits: int, k: int, other: int):
+    """Our rounding bound per row (or column): see the module docstring."""
+    u_out = UNIT_ROUNDOFF[out_bits]
+    spread = jnp.dot(abs_a, abs_b_sum, precision=lax.Precision.HIGHEST)
+    return MARGIN * ((u_out + other * U32) * abs_c_sum + (2 * k + other) * U32 * spread)
+
+
+def _ratio(residual, bound):
+    """residual / bound, 0 where both are 0 (exact zeros), inf where only the bound is."""
+    return jnp.where(residual == 0, 0.0, residual / bound)
+
+
+def check(a_MK, b_KN, c_MN, rule: str):
+    """The record of one checksummed product: row and column residuals, the paper's norms,
+    the configured rule's flag, and the located row and column. Under `rounding` the record
+    also holds our bound's ratios (so both rules can be read from one run); under `paper` they
+    are left out (NaN), which keeps the check cheaper."""
+    hi = lax.Precision.HIGHEST  # the checksums themselves in full float32 on every backend
+    a, b, c = (x.astype(jnp.float32) for x in (a_MK, b_KN, c_MN))
+    (m, k), n = a.shape, b.shape[1]
+    out_bits, in_bits = _bits(c_MN.dtype), _bits(a_MK.dtype)
+    row_M = jnp.abs(jnp.sum(c, axis=1) - jnp.dot(a, jnp.sum(b, axis=1), precision=hi))
+    col_N = jnp.abs(jnp.sum(c, axis=0) - jnp.dot(jnp.sum(a, axis=0), b, precision=hi))
+    # A NaN residual compares false with every threshold: count it as infinitely large.
+    row_M = jnp.where(jnp.isnan(row_M), jnp.inf, row_M)
+    col_N = jnp.where(jnp.isnan(col_N), jnp.inf, col_N)
+    abs_a, abs_b = jnp.abs(a), jnp.abs(b)
+    norm_inf = jnp.max(jnp.sum(abs_a, axis=1)) * jnp.max(jnp.sum(abs_b, axis=1))
+    norm_one = jnp.max(jnp.sum(abs_a, axis=0)) * jnp.max(jnp.sum(abs_b, axis=0))
+    f = jnp.float32
+    if rule == "rounding":
+        # A non-finite product element has no rounding to allow for: left out of the bound,
+        # it makes its residual (and the flag) infinite. Non-finite inputs make the bound so.
+        abs_c = jnp.where(jnp.isfinite(c), jnp.abs(c), 0.0)
+        row_bound_M = _bound(jnp.sum(abs_c, axis=1), abs_a, jnp.sum(abs_b, axis=1), out_bits,
+                             k, n)
+        col_bound_N = _bound(jnp.sum(abs_c, axis=0), abs_b.T, jnp.sum(abs_a, axis=0), out_bits,
+                             k, m)
+        row_ratio_M, col_ratio_N = _ratio(row_M, row_bound_M), _ratio(col_N, col_bound_N)
+        row, col = jnp.argmax(row_ratio_M), jnp.argmax(col_ratio_N)
+        row_thr, col_thr = row_bound_M[row], col_bound_N[col]
+        row_ratio, col_ratio = row_ratio_M[row], col_ratio_N[col]
+        flagged = (row_ratio > 1) | (col_ratio > 1)
+    else:
+        row, col = jnp.argmax(row_M), jnp.argmax(col_N)
+        factor = f(tau(rule, k, in_bits))
+        row_thr, col_thr = factor * norm_inf, factor * norm_one
+        row_ratio = col_ratio = f(jnp.nan)
+        flagged = (row_M[row] > row_thr) | (col_N[col] > col_thr)
+    return jnp.stack([jnp.max(row_M), jnp.max(col_N), norm_inf, norm_one, row_ratio, col_ratio,
+                      row_M[row], row_thr, col_N[col], col_thr, flagged.astype(f),
+                      row.astype(f), col.astype(f), f(0), f(k), f(m), f(n), f(out_bits),
+                      f(in_bits)])
+
+
+def _flagged(record):
+    return record[FLAGGED] > 0
+
+
+def _product(a, b, out_dtype):
+    return jnp.einsum("...k,kn->...n", a, b, preferred_element_type=out_dtype)
+
+
+def _mark_recomputed(record, recompute: bool):
+    return record.at[RECOMPUTED].set(_flagged(record).astype(jnp.float32)) if recompute else record
+
+
+# --- the forward check: product in, checked (and maybe recomputed) product out ----------------
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _verify(a, b, c, rule, recompute):
+    record = check(a.reshape(-1, a.shape[-1]), b, c.reshape(-1, c.shape[-1]), rule)
+    if recompute:
+        c = lax.cond(_flagged(record), lambda: _product(a, b, c.dtype), lambda: c)
+    return c, _mark_recomputed(record, recompute)
+
+
+def _verify_fwd(a, b, c, rule, recompute):
+    return _verify(a, b, c, rule, recompute), None
+
+
+def _verify_bwd(rule, recompute, residuals, cts):
+    del rule, recompute, residuals
+    ct_c, _ = cts  # the gradient flows through the product's own (checked) backward
+    return None, None, ct_c
+
+
+_verify.defvjp(_verify_fwd, _verify_bwd)
+
+
+# --- the product, whose backward checks both of its matmuls ------------------------------------
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _checked_product(a, b, sink, out_dtype, rule, recompute, corrupt_backward):
+    del sink, rule, recompute, corrupt_backward
+    return _product(a, b, out_dtype)
+
+
+def _checked_product_fwd(a, b, sink, out_dtype, rule, recompute, corrupt_backward):
+    del sink
+    return _product(a, b, out_dtype), (a, b)
+
+
+def _checked_product_bwd(out_dtype, rule, recompute, corrupt_backward, residuals, ct_c):
+    del out_dtype
+    a, b = residuals
+    ct_MN = ct_c.reshape(-1, ct_c.shape[-1])
+    a_MK = a.reshape(-1, a.shape[-1])
+
+    def input_grad():
+        return jnp.einsum("mn,kn->mk", ct_MN, b, preferred_element_type=jnp.float32
+                          ).astype(a.dtype)
+
+    def weight_grad():
+        return jnp.einsum("mk,mn->kn", a_MK, ct_MN, preferred_element_type=jnp.float32
+                          ).astype(b.dtype)
+
+    records = []
+    grads = []
+    for direction, compute, lhs, rhs in (("bwd_input", input_grad, ct_MN, b.T),
+                                         ("bwd_weight", weight_grad, a_MK.T, ct_MN)):
+        grad = compute()
+        if corrupt_backward is not None:  # a test's stand-in for a fault inside the matmul
+            grad = corrupt_backward(direction, grad)
+        record = check(lhs, rhs, grad, rule)
+        if recompute:
+            grad = lax.cond(_flagged(record), compute, lambda g=grad: g)
+        records.append(_mark_recomputed(record, recompute))
+        grads.append(grad)
+    sink_ct = M.vary(jnp.stack(records), M.varying_axes(ct_c))
+    return grads[0].reshape(a.shape), grads[1], sink_ct
+
+
+_checked_product.defvjp(_checked_product_fwd, _checked_product_bwd)
+
+
+def checked_matmul(a, b, sink, *, out_dtype=None, rule: str = "paper", recompute: bool = False,
+                   fault=None, corrupt_backward=None):
+    """(a @ b, forward record); the backward records of dA and dB become `sink`'s cotangent.
+
+    `fault(c) -> c` corrupts the product before its check (a fault inside the matmul).
+    """
+    out_dtype = jnp.dtype(out_dtype or a.dtype)
+    # Inside shard_map, a weight replicated over some axes enters a product that varies over
+    # them: mark it varying here, so that its gradient (which varies) is summed by the
+    # transpose of this mark, as autodiff does for an ordinary product.
+    axes = M.varying_axes(a) | M.varying_axes(b) | M.varying_axes(sink)
+    a, b, sink = (M.vary(x, axes) for x in (a, b, sink))
+    with jax.named_scope("abft"):
+        c = _checked_product(a, b, sink, out_dtype, rule, recompute, corrupt_backward)
+        if fault is not None:
+            c = fault(c)
+        return _verify(a, b, c, rule, recompute)
+
+
+# --- the hook ---------------------------------------------------------------------------------
+
+
+def record_key(matmul: str, layer: int) -> str:
+    return f"{PREFIX}{matmul}|{layer}"
+
+
+def parse_key(key: str) -> tuple[str, int]:
+    _, matmul, layer = key.split("|")
+    return matmul, int(layer)
+
+
+def is_key(key: str) -> bool:
+    return key.startswith(PREFIX)
+
+
+def split(records: dict) -> tuple[dict, dict]:
+    """(other records, ABFT records) of a dict that holds both."""
+    return ({k: v for k, v in records.items() if not is_key(k)},
+            {k: v for k, v in records.items() if is_key(k)})
+
+
+class AbftHook:
+    """A `sites.Hook` that also owns the protected matmuls (`sites.linear` calls `.linear`).
+
+    `full` is the hook at every other site; at a matmul's output site the product goes through
+    `fault`, then the check, then `after` (e.g. a lock-step tap). Forward records fill
+    `.records` while the model is traced.
+    """
+
+    def __init__(self, checker: "Checker", sinks: dict, full: S.Hook = S.identity_hook,
+                 fault: S.Hook = S.identity_hook, after: S.Hook = S.identity_hook):
+        self.checker, self.sinks = checker, sinks
+        self.full, self.fault, self.after = full, fault, after
+        self.records: dict[str, jax.Array] = {}
+
+    def __call__(self, site: str, x, layer: int):
+        return self.full(site, x, layer)
+
+    def linear(self, site: str, x, w, layer: int, out_dtype=None):
+        matmul = MATMULS[site]
+        key = record_key(matmul, layer)
+        corrupt = self.checker.corrupt_backward
+        c, self.records[key] = checked_matmul(
+            x, w, self.sinks[key], out_dtype=out_dtype, rule=self.checker.rule,
+            recompute=self.checker.recompute, fault=lambda y: self.fault(site, y, layer),
+            corrupt_backward=None if corrupt is None else partial(corrupt, matmul, layer))
+        return self.after(site, c, layer)
+
+
+class Checker:
+    """Static ABFT settings of a model: which records exist, their sinks, and the host rows."""
+
+    def __init__(self, n_layers: int, rule: str = "paper", recompute: bool = False,
+                 corrupt_backward=None):
+        """`corrupt_backward(matmul, layer, direction, grad) -> grad`, for tests only, stands
+        in for a fault inside a backward matmul (before its check)."""
+        if rule not in THRESHOLDS:
+            raise ValueError(f"abft.threshold must be one of {', '.join(THRESHOLDS)}.")
+        self.n_layers, self.rule, self.recompute = n_layers, rule, recompute
+        self.corrupt_backward = corrupt_backward
+
+    @classmethod
+    def from_config(cls, cfg, n_layers: int) -> "Checker | None":
+        a = cfg.abft
+        on = a.enabled or cfg.experiment.mode == "abft"  # the evaluation mode implies ABFT
+        return cls(n_layers, a.threshold, a.recompute) if on else None
+
+    def keys(self) -> list[str]:
+        block = [n for n in MATMULS.values() if n != "head"]
+        return [record_key(n, layer) for layer in range(1, self.n_layers + 1) for n in block] + \
+            [record_key("head", 0)]
+
+    def init_sinks(self, axes: tuple[str, ...] = ()) -> dict:
+        """Zero sinks, one (2, RECORD_LEN) per matmul (its two backward checks)."""
+        return {k: M.vary(jnp.zeros((2, RECORD_LEN), jnp.float32), axes) for k in self.keys()}
+
+    def hook(self, sinks: dict, full: S.Hook = S.identity_hook, fault: S.Hook = S.identity_hook,
+             after: S.Hook = S.identity_hook) -> AbftHook:
+        return AbftHook(self, sinks, full, fault, after)
+
+    @staticmethod
+    def rows(fwd: dict, bwd: dict, step: int, microstep: int, *, tp_rank: int = 0,
+             node: int = 0, dp_rank: int = 0) -> list[dict]:
+        """abft.parquet rows of one microstep on one device from host arrays: `fwd[key]` of
+        shape (RECORD_LEN,), `bwd[key]` of shape (2, RECORD_LEN)."""
+        rows = []
+        for key in sorted(fwd, key=_order):
+            matmul, layer = parse_key(key)
+            records = [("fwd", fwd[key])]
+            if key in bwd:
+                records += [("bwd_input", bwd[key][0]), ("bwd_weight", bwd[key][1])]
+            for direction, r in records:
+                r = np.asarray(r, np.float64)
+                flagged = bool(r[FLAGGED])
+                rows.append({
+                    "step": step, "microstep": microstep, "layer": layer, "matmul": matmul,
+                    "direction": direction, "tp_rank": tp_rank, "residual": r[ROW_RESIDUAL],
+                    "threshold": r[ROW_THRESHOLD], "flagged": flagged,
+                    "col_residual": r[COL_RESIDUAL], "col_threshold": r[COL_THRESHOLD],
+                    "row": int(r[ROW]) if flagged else -1, "col": int(r[COL]) if flagged else -1,
+                    "recomputed": bool(r[RECOMPUTED]), "node": node, "dp_rank": dp_rank,
+                    "k": int(r[K]), "m": int(r[M_ROWS]), "n": int(r[N_COLS]),
+                    "out_bits": int(r[OUT_BITS]), "in_bits": int(r[IN_BITS]),
+                    "max_residual": r[ROW_MAX], "max_col_residual": r[COL_MAX],
+                    "norm_inf": r[NORM_INF], "norm_one": r[NORM_ONE],
+                    "row_ratio": r[ROW_RATIO], "col_ratio": r[COL_RATIO]})
+        return rows
+
+
+def _order(key: str):
+    matmul, layer = parse_key(key)
+    return layer if layer else 10**9, list(MATMULS.values()).index(matmul)

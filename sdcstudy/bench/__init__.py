@@ -1,0 +1,2 @@
+"""`sdcstudy bench`: performance benchmarks, each suite timed side by side in one run.
+"""

@@ -1,0 +1,105 @@
+"""`sdcstudy bench faults`: the cost of the fault engine when nothing fires. The plain
+single-node step (no injector) against the step built from the `healthy` profile, from a profile
+of rate-0 specs, and from an `idle` profile whose specs have a non-zero rate at the paper's four
+sites but a time pattern that never fires (so the injection machinery is compiled in and runs,
+and changes nothing), timed side by side in one run (bench_timing.py's rotation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+from sdcstudy.bench import cli as B
+from sdcstudy.bench import timing as BT
+from sdcstudy.core import determinism as D
+
+FAULT_VARIANTS = ("plain", "healthy", "zero-rate", "idle")
+IDLE_RATE = 1e-3  # any rate above 0 compiles a spec in; the pattern keeps it from firing
+
+
+def add_parser(sub) -> None:
+    f = sub.add_parser("faults", help="step time with the fault engine compiled in but idle, "
+                                      "against the plain step")
+    B._add_common_args(f, "faults")
+    f.set_defaults(bench=run_faults_suite)
+
+
+def fault_profiles(folder: Path) -> dict[str, str]:
+    """`suspect.profile` per variant; the rate-0 and idle profiles are written to `folder`.
+
+    Both put one `scale` spec (the paper nodes' kind) at each of the paper's four sites.
+    Rate 0 makes `Profile.healthy` true, so no injector is built; the idle specs have a rate
+    but a `steps` pattern listing no step, so every draw happens and none lands.
+    """
+    import yaml
+
+    from sdcstudy.faults.profiles import SITES
+
+    def write(name: str, rate: float, pattern: dict | None) -> str:
+        specs = [{"site": site, "kind": "scale", "rate": rate, "scale": [0.25, 1.0],
+                  **({"pattern": pattern} if pattern else {})} for site in SITES]
+        path = folder / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"name": name, "specs": specs}, sort_keys=False))
+        return str(path)
+
+    return {"plain": "healthy", "healthy": "healthy", "zero-rate": write("zero-rate", 0.0, None),
+            "idle": write("idle", IDLE_RATE, {"kind": "steps", "steps": []})}
+
+
+def measure_faults(preset: str, args, echo=B.echo_stderr) -> dict:
+    """The four variants of one preset's single-node step, warmed up, then timed in rotation."""
+    from sdcstudy.core.train import Trainer
+
+    trainers, cfg, steps = {}, None, 0
+    with tempfile.TemporaryDirectory(prefix="sdcstudy-bench-") as folder:
+        for variant, profile in fault_profiles(Path(folder)).items():
+            cfg, steps = B.preset_config("faults", preset, args, [
+                "experiment.mode=train", f"suspect.profile={profile}"])
+            trainer = Trainer.from_config(cfg)
+            # plain: no fault engine at all, whatever the profile would build.
+            trainers[variant] = (dataclasses.replace(trainer, injector=None)
+                                 if variant == "plain" else trainer)
+    runners, warmup, variants, result = BT.time_variants(preset, args, cfg, steps, trainers,
+                                                         "plain", "{}", echo)
+    plain = runners["plain"]
+    for variant, runner in runners.items():
+        variants[variant].update({
+            "injector": runner.trainer.injector is not None,
+            "hlo_identical": runner.hlo == plain.hlo,
+            "program_identical": D.program_text(runner.hlo) == D.program_text(plain.hlo),
+            "hlo_chars": len(runner.hlo),
+            "faults_landed": sum(w.get("faults/landed", 0) for w in warmup[variant]),
+        })
+    return {**result, "idle_rate": IDLE_RATE, "variants": variants}
+
+
+def faults_table(results: list[dict]) -> str:
+    lines = ["| preset | batch x seq | variant | ms/step | ratio to plain | HLO = plain | "
+             "faults landed | compile s |",
+             "|---|---|---|---:|---:|---|---:|---:|"]
+    for r in results:
+        for variant, v in r["variants"].items():
+            same = "yes" if v["hlo_identical"] else (
+                "ops only" if v["program_identical"] else "no")
+            lines.append(f"| {r['preset']} | {r['batch']} x {r['seq_len']} | {variant} | "
+                         f"{B._ms(v['seconds_per_step'])} | {B._ratio(v['ratio'])} | {same} | "
+                         f"{v['faults_landed']} | {v['compile_s']:.1f} |")
+    lines += ["", "Median (min-max) over interleaved repetitions; ratios per repetition. "
+              "plain: no injector; healthy: `suspect.profile: healthy` (its ratio is the "
+              "measurement's noise floor); zero-rate: specs at rate 0 (no injector is built); "
+              "idle: specs at the four paper sites with a pattern that never fires (the "
+              "engine compiled in). \"ops only\": equal apart from source locations. A variant "
+              "whose lowered program is plain's, byte for byte, runs plain's executable "
+              "(compiled once), so its compile s is its lowering alone."]
+    for r in results:
+        unequal = [k for k, v in r["variants"].items() if not v["losses_equal_plain"]]
+        if unequal:
+            lines.append(f"- {r['preset']}: warm-up losses differ from plain's in "
+                         f"{', '.join(unequal)}.")
+    return "\n".join(lines) + "\n"
+
+
+def run_faults_suite(args) -> int:
+    return B.run_suite(args, "faults", measure_faults, faults_table)

@@ -1,0 +1,91 @@
+"""How close a training step runs to this machine's matmul peak, and what that allows.
+
+`sdcstudy bench train` compares our step with transformers + torch. Both spend nearly all
+their time in float32 matrix products, so neither can run faster than the machine multiplies
+matrices. This module counts a step's model FLOPs and measures that peak in the same process:
+the highest ratio to torch that *any* implementation of the step could reach is
+
+    ceiling = peak FLOP/s / torch's step FLOP/s
+
+and a goal above the ceiling is out of this machine's reach, whatever the code does.
+
+Model FLOPs count the matmuls of one forward and backward pass (backward = 2x forward):
+
+- projections and the output head: 6 * tokens * matmul parameters, the matmul parameters
+  being q, k, v, o and the three FFN matrices of every layer, and the head (d x V, tied or
+  not); embedding lookups and norms are not matmuls;
+- attention: standard (not flash) attention forms the whole L x L score matrix and masks it,
+  so per layer 2 products of B * H * L * L * E multiply-adds forward, 12 * B * L^2 * H * E
+  FLOPs forward and backward.
+
+Softmax, norms, the loss and the optimizer are left out: they only lower what a step can
+reach, so the ceiling is an upper bound.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sdcstudy.core.config import ModelDims
+
+PEAK_SIZE = 2048  # square float32 matmul timed for the peak; larger ones gain nothing here
+PEAK_SECONDS = 0.5  # per library and repetition
+
+
+def matmul_params(dims: ModelDims) -> int:
+    d, e = dims.d_model, dims.head_dim
+    attention = d * e * (2 * dims.n_heads + 2 * dims.n_kv_heads)  # q and o; k and v
+    per_layer = attention + 3 * d * dims.ffn_dim
+    return dims.n_layers * per_layer + d * dims.vocab_size
+
+
+def step_flops(dims: ModelDims, sequences: int, seq_len: int) -> float:
+    """Model FLOPs of one training step over `sequences` rows of `seq_len` tokens."""
+    tokens = sequences * seq_len
+    attention = 12 * sequences * seq_len ** 2 * dims.n_heads * dims.head_dim * dims.n_layers
+    return 6.0 * tokens * matmul_params(dims) + attention
+
+
+def _best_rate(run, flops: float, repeats: int) -> float:
+    run()  # compile, allocate, spin the threads up
+    best = 0.0
+    for _ in range(repeats):
+        calls, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < PEAK_SECONDS or calls == 0:
+            run()
+            calls += 1
+        best = max(best, flops * calls / elapsed)
+    return best
+
+
+def matmul_peak(repeats: int = 3, with_torch: bool = True) -> dict[str, float]:
+    """FLOP/s of a square float32 matmul: the best repetition, per library."""
+    import jax
+    import numpy as np
+
+    n = PEAK_SIZE
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    flops = 2.0 * n ** 3
+    x = jax.device_put(a)
+    product = jax.jit(lambda u, v: u @ v)
+    peaks = {"jax": _best_rate(lambda: product(x, x).block_until_ready(), flops, repeats)}
+    if with_torch:
+        import torch
+
+        t = torch.from_numpy(a)
+        peaks["torch"] = _best_rate(lambda: torch.matmul(t, t), flops, repeats)
+    return peaks
+
+
+def summary(dims: ModelDims, sequences: int, seq_len: int, steps_per_s: dict[str, float],
+            peaks: dict[str, float], baseline: str | None) -> dict:
+    """Achieved FLOP/s per contender, the peak, and the ceiling over `baseline`."""
+    flops = step_flops(dims, sequences, seq_len)
+    achieved = {name: flops * rate for name, rate in steps_per_s.items()}
+    peak = max(peaks.values())
+    out = {"step_gflop": flops / 1e9, "gflops": {k: v / 1e9 for k, v in achieved.items()},
+           "peak_gflops": {k: v / 1e9 for k, v in peaks.items()},
+           "fraction_of_peak": {k: v / peak for k, v in achieved.items()}, "ceiling": None}
+    if baseline is not None:
+        out["ceiling"] = peak / achieved[baseline]
+    return out

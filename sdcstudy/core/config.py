@@ -1,0 +1,458 @@
+"""Experiment configuration: a dataclass schema, YAML files, `--set key=value` overrides.
+
+Configs give only the keys they change; everything else takes the defaults below. Unknown
+keys and wrong types end in a `ConfigError` whose message names the key and, for a typo, the
+closest valid one. This module imports no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad input); the CLI prints it as one sentence, exit 2."""
+
+
+class ConfigError(UserError):
+    pass
+
+
+MODES = ("train", "lockstep", "paramsync", "free", "finetune", "abft", "paft", "detect")
+
+
+@dataclass
+class ExperimentConfig:
+    mode: str = "train"
+    steps: int = 200
+    microsteps: int = 1
+    seed: int = 0
+    batch_size: int = 8  # sequences per microstep, summed over data-parallel workers
+    checkpoint_every: int = 100  # 0 saves only at the end
+    checkpoint_keep: int = 2
+    name: str = ""
+
+
+@dataclass
+class ModelConfig:
+    """Llama-style decoder. Sizes set to null take the preset's value."""
+
+    preset: str = "tiny"
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"  # storage dtype of parameters and optimizer state
+    vocab_size: int | None = None
+    d_model: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn_dim: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    tie_embeddings: bool | None = None
+
+
+@dataclass
+class MeshConfig:
+    tp: int = 1
+    dp: int = 1
+
+
+@dataclass
+class SuspectConfig:
+    profile: str = "healthy"  # a zoo name (`sdcstudy profiles`) or a YAML profile file
+    log_limit: int = 64  # corruptions logged per (site, layer, spec, microstep); all are counted
+    # "profile" keeps each spec's own kind; "transient" (a re-execution draws afresh) or
+    # "repeatable" (the same inputs give the same corruption) applies to every spec.
+    fault_kind: str = "profile"
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    schedule: str = "warmup_cosine"  # or "constant"
+    warmup_steps: int = 20
+    decay_steps: int | None = None  # length of the cosine; null means experiment.steps
+    min_lr_ratio: float = 0.1  # cosine floor as a fraction of the peak
+    beta1: float = 0.9  # Ma et al., appendix B.3: Adam beta1 0.9, beta2 0.99, weight decay 0.01
+    beta2: float = 0.99
+    eps: float = 1e-8
+    momentum: float = 0.9  # for sgdm
+    weight_decay: float = 0.01
+    clip_norm: float | None = 1.0
+
+
+@dataclass
+class AbftConfig:
+    enabled: bool = False  # checksummed matmuls on every linear layer (abft.py)
+    recompute: bool = False  # recompute a flagged product, so training goes on correct values
+    threshold: str = "paper"  # "paper" (tau = k u, float32 u) or "rounding" (safe for bfloat16)
+
+
+@dataclass
+class PaftNoiseConfig:
+    sigma2: float = 0.0  # per-coordinate variance of each worker's aggregation error
+    large_sigma2: float = 0.0  # accidental large noise: this variance instead, every ...
+    large_every: int = 0  # ... large_every-th step (0: never)
+
+
+@dataclass
+class PaftLossConfig:
+    """Packet loss in gradient aggregation and parameter broadcasts (paft.py)."""
+
+    p: float = 0.0  # drop probability of each gradient packet on each link
+    burst: float = 0.0  # mean length of a run of dropped packets; 0: independent drops
+    aggregate: str = "renormalized"  # renormalized, zero or stale
+    packet_size: int = 256  # float32 elements per packet
+    param_p: float | None = None  # drop probability of owner broadcasts; null: no broadcasts
+
+
+@dataclass
+class PaftConfig:
+    noise: PaftNoiseConfig = field(default_factory=PaftNoiseConfig)
+    sync_every: int = 0  # H of PAFT-Sync (and PAFT-Dyn's first H); 0: never synchronize
+    dynamic: bool = False  # PAFT-Dyn: the next H from the error estimated at each sync
+    overlap: bool = False  # the average launched at step t is applied at step t+1
+    sync_opt_state: bool = False  # average optimizer state with the parameters
+    h_min: int = 1  # PAFT-Dyn's bounds on H
+    h_max: int = 64
+    div_every: int = 1  # measure the divergence every k steps (0: only when synchronizing)
+    loss: PaftLossConfig = field(default_factory=PaftLossConfig)
+
+
+@dataclass
+class DetectConfig:
+    """Detector benchmark and verified rollback (`experiment.mode: detect`, detect.py)."""
+
+    detectors: str = "all"  # comma-separated: monitor, abft, shadow, reexec, lockstep, localize
+    suspect_rank: int = 1  # the data-parallel rank whose device is faulty
+    shadow_rank: int = -1  # the rank the shadow replica recomputes; -1: round robin
+    replicas: int = 3  # replicas of each rank's step for localization (at least 3)
+    advance: str = "reference"  # train on the "reference" (clean) or the "primary" gradient
+    spike_window: int = 8  # steps of history for the loss / gradient-norm monitor
+    spike_loss: float = 0.5  # nats above the window's median loss
+    spike_grad: float = 4.0  # times the window's median gradient norm
+    rollback: bool = False  # re-run a flagged step from the last verified snapshot
+    max_retries: int = 8  # attempts per step before the run gives up
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # "synthetic", a local .txt/.jsonl file or folder, or a hub name
+    hub_config: str | None = None  # e.g. "20220301.en" for wikipedia
+    split: str = "train"
+    text_field: str = "text"
+    tokenizer: str = "byte"  # "byte" or a local Hugging Face tokenizer folder
+    seq_len: int = 64
+    synthetic_tokens: int = 400_000  # size of the built-in corpus, in bytes
+    cache_dir: str | None = None  # where prepared datasets are kept; default ~/.cache/sdcstudy
+
+
+@dataclass
+class FinetuneConfig:
+    """Fine-tuning on multiple-choice QA (Ma et al., section 6.1 experiment II, appendix E)."""
+
+    init: str = ""  # a Hugging Face model folder or an sdcstudy run folder; "" = random init
+    task: str = "synthetic"  # synthetic, cosmosqa, mathqa, scienceqa, openbookqa, boolq, race
+    test_split: str | None = None  # null: the task's labelled evaluation split
+    shuffle_seed: int | None = None  # order of the training questions; null = experiment.seed
+    loss_on: str = "all"  # "all" tokens but the padding (appendix E.3) or only the "answer"
+    predict: str = "generate"  # TA/DP from the greedy next token (E.2) or the best "score"
+    eval_batch_size: int = 16
+    max_train: int | None = None  # use at most this many training questions (null: all)
+    max_test: int | None = None
+    synthetic_train: int = 4000  # questions of the synthetic task
+    synthetic_test: int = 500
+
+
+@dataclass
+class Config:
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    suspect: SuspectConfig = field(default_factory=SuspectConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    abft: AbftConfig = field(default_factory=AbftConfig)
+    paft: PaftConfig = field(default_factory=PaftConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    detect: DetectConfig = field(default_factory=DetectConfig)
+
+
+# --- model presets ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Resolved model sizes: what the model code reads."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    rope_scaling: tuple | None = None  # llama3 scaling as a sorted tuple of (key, value)
+
+    @property
+    def n_params(self) -> int:
+        d, f, v = self.d_model, self.ffn_dim, self.vocab_size
+        attn = d * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_embeddings else v * d
+        return v * d + self.n_layers * per_layer + d + head
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Tests and CPU demos: D=64, 2 layers, byte vocabulary.
+    "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
+    # About 25M parameters: the largest that trains comfortably on a 2-core CPU.
+    "small": dict(vocab_size=256, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536),
+    # About 104M parameters: the scaling benchmarks' third size, between small and the 8B
+    # blocks; 12 heads and 4 KV heads (head dim 64) and FFN 4x split over tp = 1, 2 or 4.
+    "medium": dict(vocab_size=256, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4,
+                   ffn_dim=3072),
+    # Ma et al., appendix B.2: Llama3-8B blocks (d=4096, 32 heads, 8 KV heads, head dim 128,
+    # FFN 4x = 16384), 16 layers for section 4 and appendix D, 32 for sections 5-6.
+    "llama3-8b-16l": dict(vocab_size=128256, d_model=4096, n_layers=16, n_heads=32, n_kv_heads=8,
+                          ffn_dim=16384, rope_theta=500_000.0),
+    "llama3-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      ffn_dim=16384, rope_theta=500_000.0),
+}
+
+DTYPES = ("float32", "bfloat16")
+
+
+def model_dims(model: ModelConfig, presets_dir: Path | None = None) -> ModelDims:
+    """Resolve `model.preset` plus any explicit sizes into `ModelDims`."""
+    base = dict(PRESETS.get(model.preset) or _preset_from_file(model.preset, presets_dir))
+    for f in dataclasses.fields(ModelConfig):
+        value = getattr(model, f.name)
+        if f.name not in ("preset", "dtype", "param_dtype") and value is not None:
+            base[f.name] = value
+    base.setdefault("head_dim", base["d_model"] // base["n_heads"])
+    for key in ("dtype", "param_dtype"):
+        if getattr(model, key) not in DTYPES:
+            raise ConfigError(f"model.{key} must be one of {', '.join(DTYPES)}, "
+                              f"not {getattr(model, key)!r}.")
+    if base["n_heads"] % base["n_kv_heads"]:
+        raise ConfigError(f"model.n_heads ({base['n_heads']}) must be a multiple of "
+                          f"model.n_kv_heads ({base['n_kv_heads']}).")
+    return ModelDims(**base, dtype=model.dtype, param_dtype=model.param_dtype)
+
+
+def _preset_from_file(name: str, presets_dir: Path | None) -> dict:
+    """A preset that is not built in may be a YAML file `configs/models/NAME.yaml`."""
+    folder = presets_dir or Path(__file__).resolve().parent.parent / "configs" / "models"
+    path = folder / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(PRESETS) + sorted(p.stem for p in folder.glob("*.yaml"))
+        raise ConfigError(f"unknown model.preset {name!r}{_did_you_mean(name, known)}; "
+                          f"choose one of {', '.join(known)}.")
+    data = yaml.safe_load(path.read_text()) or {}
+    allowed = {f.name for f in dataclasses.fields(ModelDims)}
+    for key in data:
+        if key not in allowed:
+            raise ConfigError(f"unknown key {key!r} in model preset file {path}"
+                              f"{_did_you_mean(key, allowed)}.")
+    return data
+
+
+# --- loading, overriding, validating ---------------------------------------------------------
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check `value` against a field annotation, converting ints to floats where allowed."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif annotation is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    name = getattr(annotation, "__name__", str(annotation))
+    raise ConfigError(f"{key} must be {name}, not {value!r}.")
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping, not {data!r}.")
+    types_ = _field_types(cls)
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in types_:
+            valid = [f"{prefix}{k}" for k in types_]
+            raise ConfigError(f"unknown config key {full!r}{_did_you_mean(full, valid)}.")
+        annotation = types_[key]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[key] = _build(annotation, value if value is not None else {}, full + ".")
+        else:
+            kwargs[key] = _coerce(value, annotation, full)
+    return cls(**kwargs)
+
+
+def all_keys(cls=Config, prefix: str = "") -> list[str]:
+    keys = []
+    for name, annotation in _field_types(cls).items():
+        if dataclasses.is_dataclass(annotation):
+            keys += all_keys(annotation, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def _set_nested(data: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {dotted!r}: {part!r} is not a section.")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key=value` with the value read as YAML (so `1e-3`, `null`, `true` mean what they say)."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects key=value, got {text!r}.")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if key not in all_keys():
+        raise ConfigError(f"unknown config key {key!r}{_did_you_mean(key, all_keys())}.")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def from_dict(data: dict | None, overrides: list[str] = ()) -> Config:
+    data = _deepcopy(data or {})
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_nested(data, key, value)
+    cfg = _build(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> Config:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist.")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML ({_first_line(e)}).")
+    return from_dict(data, overrides)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _deepcopy(data):
+    if isinstance(data, dict):
+        return {k: _deepcopy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deepcopy(v) for v in data]
+    return data
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def validate(cfg: Config) -> None:
+    e, o, d = cfg.experiment, cfg.optim, cfg.data
+    if e.mode not in MODES:
+        raise ConfigError(f"experiment.mode {e.mode!r} is not one of {', '.join(MODES)}"
+                          f"{_did_you_mean(e.mode, MODES)}.")
+    for key, value in (("experiment.steps", e.steps), ("experiment.microsteps", e.microsteps),
+                       ("experiment.batch_size", e.batch_size), ("data.seq_len", d.seq_len),
+                       ("mesh.tp", cfg.mesh.tp), ("mesh.dp", cfg.mesh.dp)):
+        if value < 1:
+            raise ConfigError(f"{key} must be at least 1, not {value}.")
+    if o.name not in ("adamw", "adam", "sgd", "sgdm"):
+        raise ConfigError(f"optim.name {o.name!r} is not one of adamw, adam, sgd, sgdm"
+                          f"{_did_you_mean(o.name, ('adamw', 'adam', 'sgd', 'sgdm'))}.")
+    if o.schedule not in ("constant", "warmup_cosine"):
+        raise ConfigError(f"optim.schedule {o.schedule!r} is not one of constant, warmup_cosine.")
+    if o.clip_norm is not None and o.clip_norm <= 0:
+        raise ConfigError("optim.clip_norm must be positive, or null to turn clipping off.")
+    if e.batch_size % cfg.mesh.dp:
+        raise ConfigError(f"experiment.batch_size ({e.batch_size}) must be a multiple of "
+                          f"mesh.dp ({cfg.mesh.dp}).")
+    if cfg.abft.threshold not in ("paper", "rounding"):
+        raise ConfigError(f"abft.threshold {cfg.abft.threshold!r} is not one of paper, rounding"
+                          f"{_did_you_mean(cfg.abft.threshold, ('paper', 'rounding'))}.")
+    if e.mode == "detect":
+        from sdcstudy.detect.plan import validate as validate_detect
+
+        validate_detect(cfg)
+    kinds = ("profile", "transient", "repeatable")
+    if cfg.suspect.fault_kind not in kinds:
+        raise ConfigError(f"suspect.fault_kind {cfg.suspect.fault_kind!r} is not one of "
+                          f"{', '.join(kinds)}{_did_you_mean(cfg.suspect.fault_kind, kinds)}.")
+    dims = model_dims(cfg.model)
+    if d.tokenizer == "byte" and dims.vocab_size < 256:
+        raise ConfigError(f"the byte tokenizer needs model.vocab_size >= 256, "
+                          f"not {dims.vocab_size}.")

@@ -1,0 +1,417 @@
+"""Pretraining data, as in Ma et al., appendix B.1: tokenize the corpus, concatenate the entire
+token stream, chunk it into sequences, shuffle the sequences once with a fixed seed, save them;
+training then reads batches in order.
+
+- A document is one row of the source: a line of a .txt file (the `datasets` "text" builder),
+  a record of a .jsonl/.json file, an example of a hub dataset, or a document of the built-in
+  synthetic corpus. Empty documents are dropped.
+- Every document's tokens are followed by a separator: the newline byte 10 for the byte
+  tokenizer (so the byte stream of a .txt file is the file itself, less its blank lines), and
+  `eos_token_id` for a Hugging Face tokenizer (nothing if it has none). Nothing else is added:
+  no BOS, no special tokens from the tokenizer's template.
+- The stream is cut into rows of `seq_len + 1` tokens (the inputs plus the shifted targets;
+  rows do not overlap) and the remainder at the end is dropped.
+- The rows are permuted once by `np.random.default_rng(seed).permutation(n)` and saved with
+  `Dataset.save_to_disk` in a folder named by a hash of everything that determines them.
+- `TokenBatches.batch(step)` is a pure function of the step number, so the data position a
+  checkpoint needs is the step number and nothing else.
+
+This module imports no JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from sdcstudy.core.config import DataConfig, UserError
+from sdcstudy.core.corpus import SYNTHETIC_SEED, SYNTHETIC_VERSION, synthetic_corpus
+
+PIPELINE_VERSION = 1  # bump when a change alters what prepare() writes for the same inputs
+NEWLINE = 10  # the byte tokenizer's document separator
+COLUMN = "input_ids"
+META_FILE = "sdcstudy.json"  # written last, before the atomic rename: its presence = complete
+_LOCAL_KINDS = {".txt": "text", ".jsonl": "json", ".json": "json"}
+_HASHED_FILE_BYTES = 64 << 20  # tokenizer files larger than this are identified by size/mtime
+
+
+# --- tokenizers ------------------------------------------------------------------------------
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, no special tokens; documents end with b"\\n"."""
+
+    vocab_size = 256
+    eos_id = None
+    separator_ids = (NEWLINE,)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32) for t in texts]
+
+
+def load_tokenizer(name: str):
+    """"byte", or a local folder holding a Hugging Face tokenizer (from `save_pretrained`)."""
+    if name == "byte":
+        return ByteTokenizer()
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"tokenizer folder {name!r} does not exist; set data.tokenizer to "
+                        f"\"byte\" or to a folder written by a tokenizer's save_pretrained.")
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # any failure here means the folder is not a usable tokenizer
+        raise UserError(f"could not load a Hugging Face tokenizer from {name!r} "
+                        f"({_first_line(e)}); point data.tokenizer at a folder written by "
+                        f"save_pretrained.") from None
+
+
+def separator_ids(tokenizer) -> list[int]:
+    """The tokens that end every document: b"\\n" for bytes, EOS for a Hugging Face tokenizer."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return list(tokenizer.separator_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [] if eos is None else [int(eos)]
+
+
+def _encode_batch(tokenizer, texts: list[str]) -> list:
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode_batch(texts)
+    return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+
+
+class _Tokenize:
+    """The batched `map` function: drop empty documents, tokenize, append the separator."""
+
+    def __init__(self, tokenizer, text_field: str):
+        self.tokenizer, self.text_field = tokenizer, text_field
+        self.separator = np.asarray(separator_ids(tokenizer), dtype=np.int32)
+
+    def __call__(self, batch: dict) -> dict:
+        texts = [t for t in batch[self.text_field] if t]
+        encoded = _encode_batch(self.tokenizer, texts)
+        return {"ids": [np.concatenate([np.asarray(ids, dtype=np.int32), self.separator])
+                        for ids in encoded]}
+
+
+# --- prepare: source -> tokens -> stream -> rows -> shuffle -> disk ---------------------------
+
+
+def default_cache_dir(data_cfg: DataConfig) -> Path:
+    root = data_cfg.cache_dir or os.environ.get("SDCSTUDY_CACHE") or "~/.cache/sdcstudy/data"
+    return Path(root).expanduser()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _resolve_source(source: str) -> tuple[str, list[Path]]:
+    """("synthetic" | "text" | "json" | "hub", local files in the order they are read)."""
+    if source == "synthetic":
+        return "synthetic", []
+    path = Path(source).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file()
+                       and p.suffix.lower() in _LOCAL_KINDS
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        kinds = {_LOCAL_KINDS[p.suffix.lower()] for p in files}
+        if not files:
+            raise UserError(f"folder {source!r} holds no .txt, .jsonl or .json files; put the "
+                            f"corpus there or point data.source at a file.")
+        if len(kinds) > 1:
+            raise UserError(f"folder {source!r} mixes .txt and .jsonl/.json files; keep one kind "
+                            f"per folder.")
+        return kinds.pop(), files
+    if path.is_file():
+        if path.suffix.lower() not in _LOCAL_KINDS:
+            raise UserError(f"data.source {source!r} is not a .txt, .jsonl or .json file; convert "
+                            f"it to one of those.")
+        return _LOCAL_KINDS[path.suffix.lower()], [path]
+    if source.startswith(("/", ".", "~")) or path.suffix.lower() in _LOCAL_KINDS:
+        raise UserError(f"data.source {source!r} does not exist; give an existing .txt/.jsonl "
+                        f"file or folder, \"synthetic\", or a Hugging Face Hub dataset name.")
+    return "hub", []
+
+
+def _file_identity(path: Path) -> list:
+    stat = path.stat()
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def _tokenizer_identity(name: str):
+    """"byte", or a hash of the tokenizer folder's files (their contents, if not huge)."""
+    if name == "byte":
+        return "byte"
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        load_tokenizer(name)  # raises the UserError that names the folder
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(folder)).encode() + b"\0")
+        if path.stat().st_size <= _HASHED_FILE_BYTES:
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+        else:
+            digest.update(json.dumps(_file_identity(path)[1:]).encode())
+    return {"folder": str(folder.resolve()), "sha256": digest.hexdigest()}
+
+
+def _identity(data_cfg: DataConfig, kind: str, files: list[Path], seed: int) -> dict:
+    """Everything that determines the prepared rows; its hash names the cache folder."""
+    if kind == "synthetic":
+        source = {"kind": kind, "bytes": data_cfg.synthetic_tokens, "seed": SYNTHETIC_SEED,
+                  "version": SYNTHETIC_VERSION}
+    elif kind == "hub":
+        source = {"kind": kind, "name": data_cfg.source, "config": data_cfg.hub_config,
+                  "split": data_cfg.split, "text_field": data_cfg.text_field}
+    else:
+        source = {"kind": kind, "files": [_file_identity(p) for p in files]}
+        if kind == "json":
+            source["text_field"] = data_cfg.text_field
+    return {"pipeline": PIPELINE_VERSION, "source": source,
+            "tokenizer": _tokenizer_identity(data_cfg.tokenizer), "seq_len": data_cfg.seq_len,
+            "seed": seed}
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / META_FILE).is_file() and (folder / "state.json").is_file()
+
+
+def prepare(data_cfg: DataConfig, seed: int, cache_dir: Path | None = None) -> Path:
+    """Build (or reuse) the shuffled token rows for `data_cfg`; returns their folder."""
+    if data_cfg.seq_len < 1:
+        raise UserError(f"data.seq_len must be at least 1, not {data_cfg.seq_len}.")
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir(data_cfg)
+    kind, files = _resolve_source(data_cfg.source)
+    identity = _identity(data_cfg, kind, files, seed)
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+    final = root / f"{kind}-L{data_cfg.seq_len}-s{seed}-{key}"
+    if _is_complete(final):
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    try:
+        _build(data_cfg, kind, files, seed, identity, key, root, work)
+        if final.exists() and not _is_complete(final):
+            shutil.rmtree(final)  # left by hand or by an older version; never by a crash here
+        try:
+            os.rename(work / "dataset", final)
+        except OSError:
+            if not _is_complete(final):  # another process may have finished first
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+@contextlib.contextmanager
+def _hub_cache_inside(folder: Path):
+    """Send hub downloads to `folder` (not ~/.cache/huggingface) while a hub dataset loads:
+    `load_dataset(cache_dir=...)` places the built Arrow files, but the raw files come through
+    `hf_hub_download`, which reads these two settings."""
+    from huggingface_hub import constants
+
+    saved_hub, saved_xet = constants.HF_HUB_CACHE, os.environ.get("HF_XET_CACHE")
+    constants.HF_HUB_CACHE = str(folder / "hub")
+    os.environ["HF_XET_CACHE"] = str(folder / "xet")
+    try:
+        yield
+    finally:
+        constants.HF_HUB_CACHE = saved_hub
+        if saved_xet is None:
+            os.environ.pop("HF_XET_CACHE", None)
+        else:
+            os.environ["HF_XET_CACHE"] = saved_xet
+
+
+def _load_documents(data_cfg: DataConfig, kind: str, files: list[Path], root: Path, work: Path):
+    """A `datasets.Dataset` with one document per row; returns it and its text column."""
+    import datasets
+
+    if kind == "synthetic":
+        corpus = synthetic_corpus(data_cfg.synthetic_tokens, SYNTHETIC_SEED)
+        return datasets.Dataset.from_dict({"text": corpus}), "text"
+    if kind == "hub":
+        what = f"dataset {data_cfg.source!r}"
+        try:
+            with _hub_cache_inside(root / "hf"):
+                docs = datasets.load_dataset(data_cfg.source, data_cfg.hub_config,
+                                             split=data_cfg.split, cache_dir=str(root / "hf"))
+        except Exception as e:  # offline, unknown name, bad config or split: all the user's fix
+            raise UserError(
+                f"could not load data.source {data_cfg.source!r} (config {data_cfg.hub_config!r}, "
+                f"split {data_cfg.split!r}) from the Hugging Face Hub ({_first_line(e)}); check "
+                f"the name and the network, or give a local .txt/.jsonl file or folder.") from None
+    else:
+        what = f"{data_cfg.source!r}"
+        try:
+            docs = datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train",
+                                         cache_dir=str(work / "hf"))
+        except Exception as e:  # undecodable text, malformed JSON
+            raise UserError(f"could not read {what} as {'UTF-8 text' if kind == 'text' else 'JSON'}"
+                            f" ({_first_line(e)}); fix or remove the offending file.") from None
+        if kind == "text":
+            return docs, "text"
+    field = data_cfg.text_field
+    if field not in docs.column_names:
+        raise UserError(f"{what} has no field {field!r} (its fields: "
+                        f"{', '.join(docs.column_names)}); set data.text_field to the one that "
+                        f"holds the text.")
+    feature = docs.features[field]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise UserError(f"field {field!r} of {what} holds {feature}, not text; set "
+                        f"data.text_field to the field that holds the text.")
+    return docs, field
+
+
+def _build(data_cfg, kind, files, seed, identity, key, root: Path, work: Path) -> None:
+    """Run the pipeline inside `work`, leaving the finished dataset in `work / "dataset"`."""
+    import datasets
+
+    tokenizer = load_tokenizer(data_cfg.tokenizer)
+    docs, field = _load_documents(data_cfg, kind, files, root, work)
+    tokenized = docs.map(
+        _Tokenize(tokenizer, field), batched=True, batch_size=1000,
+        remove_columns=docs.column_names,
+        features=datasets.Features({"ids": datasets.List(datasets.Value("int32"))}),
+        cache_file_name=str(work / "tokens.arrow"), load_from_cache_file=False,
+        new_fingerprint=key, desc="Tokenizing")
+    total = _write_stream(tokenized, work / "stream.int32")
+    row_len = data_cfg.seq_len + 1
+    n_rows = total // row_len
+    if total == 0:
+        raise UserError(f"data.source {data_cfg.source!r} holds no text; give a corpus that is "
+                        f"not empty.")
+    if n_rows == 0:
+        raise UserError(f"data.source {data_cfg.source!r} gives {total} tokens, fewer than one "
+                        f"row of data.seq_len + 1 = {row_len}; use a larger corpus or a smaller "
+                        f"data.seq_len.")
+    permutation = np.random.default_rng(seed).permutation(n_rows)
+    _write_rows(work / "stream.int32", n_rows, row_len, permutation, work / "rows.arrow")
+    rows = datasets.Dataset.from_file(str(work / "rows.arrow"))
+    rows.save_to_disk(str(work / "dataset"))
+    meta = {"num_sequences": n_rows, "seq_len": data_cfg.seq_len, "tokens": n_rows * row_len,
+            "stream_tokens": total, "dropped_tokens": total - n_rows * row_len,
+            "documents": len(tokenized), "vocab_size": len(tokenizer),
+            "separator": separator_ids(tokenizer), "source": data_cfg.source,
+            "tokenizer": data_cfg.tokenizer, "seed": seed, "key": key, "identity": identity}
+    (work / "dataset" / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _write_stream(tokenized, path: Path) -> int:
+    """Append every document's tokens to one flat int32 file; returns the token count."""
+    total = 0
+    with open(path, "wb") as f:
+        for table in tokenized.with_format("arrow").iter(batch_size=10_000):
+            for chunk in table.column("ids").chunks:
+                values = chunk.flatten().to_numpy().astype(np.int32, copy=False)
+                values.tofile(f)
+                total += len(values)
+    return total
+
+
+def _write_rows(stream_path: Path, n_rows: int, row_len: int, permutation: np.ndarray,
+                path: Path) -> None:
+    """Write row `permutation[j]` of the stream as row j of an Arrow file, in bounded memory."""
+    import datasets
+    import pyarrow as pa
+
+    stream_NR = np.memmap(stream_path, dtype=np.int32, mode="r",
+                          shape=(n_rows * row_len,)).reshape(n_rows, row_len)
+    features = datasets.Features({COLUMN: datasets.List(datasets.Value("int32"),
+                                                        length=row_len)})
+    schema = features.arrow_schema
+    rows_per_batch = max(1, (4 << 20) // row_len)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for start in range(0, n_rows, rows_per_batch):
+            rows = np.ascontiguousarray(stream_NR[permutation[start:start + rows_per_batch]])
+            column = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), row_len)
+            writer.write_batch(pa.record_batch([column], schema=schema))
+    del stream_NR
+
+
+def describe(path) -> dict:
+    """What `prepare` recorded about a prepared folder: sizes, source, tokenizer, seed."""
+    meta_path = Path(path) / META_FILE
+    if not meta_path.is_file():
+        raise UserError(f"{str(path)!r} is not a folder written by sdcstudy's data.prepare; "
+                        f"run prepare to create it.")
+    return json.loads(meta_path.read_text())
+
+
+# --- reading batches -------------------------------------------------------------------------
+
+
+class TokenBatches:
+    """Batches of the prepared rows, read in their one fixed shuffled order.
+
+    Optimizer step `step` gets rows `(step * microsteps + m) * batch_size + i` (modulo the
+    number of rows: running past the end starts a new epoch in the same order), shaped
+    (microsteps, batch_size, seq_len + 1). A pure function of `step`: a checkpoint records the
+    data position as the step number. The rows are memory-mapped, not copied.
+    """
+
+    def __init__(self, path, batch_size: int, microsteps: int = 1):
+        import datasets
+
+        if batch_size < 1 or microsteps < 1:
+            raise ValueError(f"batch_size and microsteps must be positive, "
+                             f"not {batch_size} and {microsteps}")
+        self.path = Path(path)
+        if not _is_complete(self.path):
+            raise UserError(f"{str(path)!r} is not a folder written by sdcstudy's data.prepare; "
+                            f"run prepare to create it.")
+        self.batch_size, self.microsteps = batch_size, microsteps
+        self._dataset = datasets.load_from_disk(str(self.path)).with_format("numpy")
+        column = self._dataset.data.column(COLUMN)
+        row_len = column.type.list_size
+        self._chunks = [chunk.flatten().to_numpy().reshape(-1, row_len)
+                        for chunk in column.chunks if len(chunk)]
+        self._starts = np.cumsum([0] + [len(c) for c in self._chunks])
+        self.num_sequences = int(self._starts[-1])
+        self.seq_len = row_len - 1
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.batch_size * self.microsteps
+
+    def epoch(self, step: int) -> int:
+        """The epoch (0-based) of the first row of `step`."""
+        return step * self.rows_per_step // self.num_sequences
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        """Rows by their position in the shuffled order, as a fresh int32 array."""
+        if len(self._chunks) == 1:
+            return self._chunks[0][index]
+        which = np.searchsorted(self._starts, index, side="right") - 1
+        out = np.empty((len(index), self.seq_len + 1), np.int32)
+        for c in np.unique(which):
+            selected = which == c
+            out[selected] = self._chunks[c][index[selected] - self._starts[c]]
+        return out
+
+    def batch(self, step: int) -> np.ndarray:
+        """int32 (microsteps, batch_size, seq_len + 1) for optimizer step `step`."""
+        if step < 0:
+            raise ValueError(f"step must be non-negative, not {step}")
+        first = step * self.rows_per_step % self.num_sequences
+        index = (first + np.arange(self.rows_per_step)) % self.num_sequences
+        return self.rows(index).reshape(self.microsteps, self.batch_size, self.seq_len + 1)

@@ -1,0 +1,334 @@
+"""Each node of a pair in its own process: joining the run, global arrays, host copies.
+
+A paired run on two processes puts node i on process i (`mesh.make_node_mesh`); both run the
+same shard_map step, whose all-gathers and sums over `node` cross between the processes (gloo
+over TCP on CPU, NCCL on GPU). Nothing in the step changes: only the host side does.
+
+- `initialize` joins the run through `jax.distributed` with one timeout S for what waits on
+  a peer: start-up, shutdown and (on CPU) each collective; a peer silent for 2 S is dead. A
+  dead or stuck peer ends the run with an error instead of a hang. `meet_peers` then runs the
+  first collective while the processes are together.
+- `put` builds global arrays from host values that every process holds in full.
+- `fetch` copies arrays to host numpy on every process, gathering the pieces that live on
+  other processes' devices; every process must call it at the same point of the run.
+- `ends_together` turns any error of a multi-process run into one line and an immediate exit:
+  the shutdown handshake at interpreter exit would otherwise wait for peers that never come.
+
+Settings come from arguments, else `SDCSTUDY_COORDINATOR`, `SDCSTUDY_NUM_PROCESSES`,
+`SDCSTUDY_PROCESS_ID` and `SDCSTUDY_TIMEOUT_S`, else (inside a Slurm step of several tasks)
+from jax's own Slurm detection. None of them means one process, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import mmap
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sdcstudy.core.config import UserError
+
+ENV_COORDINATOR = "SDCSTUDY_COORDINATOR"
+ENV_NUM_PROCESSES = "SDCSTUDY_NUM_PROCESSES"
+ENV_PROCESS_ID = "SDCSTUDY_PROCESS_ID"
+ENV_TIMEOUT = "SDCSTUDY_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300
+COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+              "SLURM_LOCALID")
+EXIT_LOST_PEER = 1
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How this process joins a run; None fields are left to jax's Slurm detection."""
+
+    coordinator: str | None
+    num_processes: int | None
+    process_id: int | None
+    timeout_s: int
+    detect: bool = False
+
+
+def _int_setting(value, env_name: str, what: str, environ) -> int | None:
+    raw = value if value is not None else environ.get(env_name) or None
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise UserError(f"{what} must be an integer, not {raw!r} (from {env_name} or the "
+                        f"command line).") from None
+
+
+def in_slurm_step(environ=None) -> bool:
+    """True inside a Slurm step of several tasks, where jax can find the peers by itself."""
+    environ = os.environ if environ is None else environ
+    return all(v in environ for v in SLURM_VARS) and environ["SLURM_NTASKS"].isdigit() \
+        and int(environ["SLURM_NTASKS"]) > 1
+
+
+def launch_settings(coordinator: str | None = None, num_processes: int | None = None,
+                    process_id: int | None = None, timeout_s: int | None = None,
+                    environ=None) -> Launch | None:
+    """Arguments first, then SDCSTUDY_* variables, then Slurm; None for a one-process run."""
+    environ = os.environ if environ is None else environ
+    coordinator = coordinator or environ.get(ENV_COORDINATOR) or None
+    num_processes = _int_setting(num_processes, ENV_NUM_PROCESSES, "the number of processes",
+                                 environ)
+    process_id = _int_setting(process_id, ENV_PROCESS_ID, "the process id", environ)
+    timeout_s = _int_setting(timeout_s, ENV_TIMEOUT, "the timeout", environ)
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    if timeout_s < 1:
+        raise UserError(f"the timeout must be at least 1 second, not {timeout_s}.")
+    given = {"--coordinator": coordinator, "--num-processes": num_processes,
+             "--process-id": process_id}
+    missing = [flag for flag, value in given.items() if value is None]
+    if len(missing) == len(given):
+        return Launch(None, None, None, timeout_s, detect=True) if in_slurm_step(environ) \
+            else None
+    if missing:
+        if in_slurm_step(environ):
+            return Launch(coordinator, num_processes, process_id, timeout_s, detect=True)
+        raise UserError(f"a run on several processes needs --coordinator HOST:PORT, "
+                        f"--num-processes N and --process-id I (or {ENV_COORDINATOR}, "
+                        f"{ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}); {', '.join(missing)} "
+                        f"{'is' if len(missing) == 1 else 'are'} missing.")
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise UserError(f"--process-id must be between 0 and --num-processes - 1 "
+                        f"({num_processes - 1}), not {process_id}.")
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"--coordinator must be HOST:PORT (process 0's address), "
+                        f"not {coordinator!r}.")
+    if num_processes == 1:
+        return None
+    return Launch(coordinator, num_processes, process_id, timeout_s)
+
+
+@functools.cache
+def xla_knows_flag(flag: str) -> bool:
+    """Whether this jaxlib's XLA registers `flag`; XLA aborts the process on an unknown one."""
+    import jaxlib
+
+    name = flag.lstrip("-").split("=")[0].encode()
+    libraries = sorted(Path(jaxlib.__file__).parent.glob("*.so"),
+                       key=lambda p: p.name != "libjax_common.so")
+    for library in libraries:
+        try:
+            with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                if m.find(name) >= 0:
+                    return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def set_collective_timeout(seconds: int) -> bool:
+    """Make a CPU collective that waits longer than `seconds` an error, not a hang.
+
+    Goes into XLA_FLAGS, so it must run before JAX starts its backend; a value already there
+    wins. Returns whether the flag is set.
+    """
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if any(f.split("=")[0] == COLLECTIVE_TIMEOUT_FLAG for f in flags):
+        return True
+    if not xla_knows_flag(COLLECTIVE_TIMEOUT_FLAG):
+        return False
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"{COLLECTIVE_TIMEOUT_FLAG}={seconds}"])
+    return True
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, timeout_s: int | None = None) -> bool:
+    """Join a run of several processes before JAX starts; False (and nothing done) for one.
+
+    With explicit settings every local device stays visible (process i holds all of node i's
+    devices; `JAX_LOCAL_DEVICE_IDS` narrows them); under Slurm jax detects the rest.
+    """
+    launch = launch_settings(coordinator, num_processes, process_id, timeout_s)
+    if launch is None:
+        return False
+    set_collective_timeout(launch.timeout_s)
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    seconds = launch.timeout_s
+    who = "this process" if launch.detect else \
+        f"process {launch.process_id} of {launch.num_processes}"
+    where = launch.coordinator or "the Slurm job's first node"
+    print(f"sdcstudy: {who} waiting up to {seconds} s for its peers at {where}",
+          file=sys.stderr, flush=True)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=launch.coordinator, num_processes=launch.num_processes,
+            process_id=launch.process_id,
+            cluster_detection_method=None if launch.detect else "deactivate",
+            initialization_timeout=seconds, heartbeat_timeout_seconds=2 * seconds,
+            shutdown_timeout_seconds=seconds)
+    except Exception as e:
+        raise UserError(f"{who} could not join the run through {where} within {seconds} s "
+                        f"({_first_line(e)}); start every process with the same coordinator "
+                        f"and process count.") from e
+    meet_peers()
+    print(f"sdcstudy: process {jax.process_index()} of {jax.process_count()} joined the run "
+          f"through {launch.coordinator or 'the Slurm coordinator'}", file=sys.stderr,
+          flush=True)
+    return True
+
+
+def meet_peers() -> None:
+    """One small all-gather across the processes, right after they have all joined.
+
+    gloo gives a peer only 30 s to reach the first collective of a device group (jax offers
+    no setting for it); later ones wait for the collective timeout. Meeting here, when the
+    processes are known to be together, keeps data preparation or a slower compile from
+    ending the run. The groups are those of the node axis: the k-th device of every process.
+    """
+    import jax
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+    processes = jax.process_count()
+    local = min(sum(d.process_index == p for d in jax.devices()) for p in range(processes))
+    grid = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)[:local]
+            for p in range(processes)]
+    mesh = Mesh(np.array(grid, dtype=object), ("process", "local"),
+                axis_types=(AxisType.Auto,) * 2)
+    ids = np.arange(processes, dtype=np.int32)
+    x = jax.make_array_from_callback(ids.shape, NamedSharding(mesh, PartitionSpec("process")),
+                                     lambda index: ids[index])
+    gathered = jax.jit(lambda v: v, out_shardings=NamedSharding(mesh, PartitionSpec()))(x)
+    if not np.array_equal(np.asarray(gathered.addressable_data(0)), ids):
+        raise UserError("the processes could not exchange data; check that every process "
+                        "runs the same version of sdcstudy and jax.")
+
+
+def is_writer() -> bool:
+    """Process 0 writes the run folder; the others compute and take part in every collective."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+# --- arrays --------------------------------------------------------------------------------
+
+
+def _is_sharding(x) -> bool:
+    import jax
+
+    return isinstance(x, jax.sharding.Sharding)
+
+
+def put(tree, shardings):
+    """`tree` (host values every process holds in full, or jax arrays) placed on `shardings`
+    (a tree, or a prefix of it): each process fills only its own devices' pieces."""
+    import jax
+
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def put_leaf(sharding, x):
+        if isinstance(x, jax.Array):
+            same = x.sharding.is_equivalent_to(sharding, x.ndim)
+            return x if same else jax.device_put(x, sharding)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(lambda s, sub: jax.tree.map(functools.partial(put_leaf, s), sub),
+                        shardings, tree, is_leaf=_is_sharding)
+
+
+@functools.cache
+def _replicator(shardings):
+    import jax
+
+    return jax.jit(lambda *xs: xs, out_shardings=shardings)
+
+
+def fetch(tree):
+    """Host numpy copies of `tree`'s arrays on every process, `jax.device_get` alike.
+
+    Arrays held only in part by this process are gathered in one collective program, so every
+    process must call `fetch` on the same tree at the same point of the run.
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    spread = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)
+              and not x.is_fully_addressable and not x.is_fully_replicated]
+    named = [i for i in spread if isinstance(leaves[i].sharding, NamedSharding)]
+    if named:
+        replicated = tuple(NamedSharding(leaves[i].sharding.mesh, PartitionSpec())
+                           for i in named)
+        for i, x in zip(named, _replicator(replicated)(*(leaves[i] for i in named))):
+            leaves[i] = x
+    for i in set(spread) - set(named):
+        from jax.experimental import multihost_utils
+
+        leaves[i] = multihost_utils.process_allgather(leaves[i], tiled=True)
+
+    def host(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(x.addressable_data(0))
+        return jax.device_get(x)
+
+    return jax.tree.unflatten(treedef, [host(x) for x in leaves])
+
+
+# --- ending a run --------------------------------------------------------------------------
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def _describe(error: BaseException) -> tuple[int, str]:
+    """Exit code and one sentence, as the CLI gives them for one process."""
+    import jax
+
+    from sdcstudy.core.train import NonFiniteError
+
+    me = f"process {jax.process_index()} of {jax.process_count()}"
+    if isinstance(error, UserError):
+        return 2, f"{me}: {error}"
+    if isinstance(error, KeyboardInterrupt):
+        return 130, f"{me}: {error or 'interrupted'}"
+    if isinstance(error, NonFiniteError):
+        return 1, f"{me}: {error}"
+    if isinstance(error, jax.errors.JaxRuntimeError):
+        return EXIT_LOST_PEER, (f"{me} lost its peers ({_first_line(error)}): another process "
+                                f"died, hung past the timeout or cannot be reached; see its "
+                                f"log.")
+    traceback.print_exception(error, file=sys.stderr)
+    return 1, f"{me}: {type(error).__name__}: {_first_line(error)}"
+
+
+@contextlib.contextmanager
+def ends_together():
+    """In a multi-process run, end this process at once on any error, with one line on stderr.
+
+    Its peers then fail their next collective (or miss its heartbeat) and end the same way,
+    each within the timeout; a one-process run raises as before.
+    """
+    try:
+        yield
+    except BaseException as error:
+        import jax
+
+        if not jax.distributed.is_initialized() or jax.process_count() == 1:
+            raise
+        code, message = _describe(error)
+        print(f"sdcstudy: error: {message}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -1,0 +1,91 @@
+"""Mesh axes, defined once, and the one function that builds a mesh.
+
+`node` pairs a trusted healthy replica (index 0) with a suspect one (index 1); `dp` holds
+data-parallel workers; `tp` tensor-parallel ranks. Every axis is Auto so that `shard_map`
+accepts inputs that jit placed (see JAX-NOTES: `jax.make_mesh` now makes Explicit axes).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+NODE, DATA, TP = "node", "dp", "tp"
+AXES = (NODE, DATA, TP)
+HEALTHY, SUSPECT = 0, 1
+
+
+def make_mesh(nodes: int = 1, dp: int = 1, tp: int = 1, devices=None) -> Mesh:
+    """A (node, dp, tp) mesh over the first nodes*dp*tp devices (all processes' devices)."""
+    devices = list(jax.devices() if devices is None else devices)
+    need = nodes * dp * tp
+    if len(devices) < need:
+        from sdcstudy.core.config import UserError
+
+        raise UserError(f"the mesh needs {need} devices (node={nodes} x dp={dp} x tp={tp}) but "
+                        f"only {len(devices)} are visible; on CPU set "
+                        f"XLA_FLAGS=--xla_force_host_platform_device_count={need}.")
+    grid = np.array(devices[:need], dtype=object).reshape(nodes, dp, tp)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def make_node_mesh(nodes: int = 1, dp: int = 1, tp: int = 1) -> Mesh:
+    """`make_mesh`, but with several processes node i is process i's first dp*tp devices.
+
+    Then every collective over `node` crosses between processes and none over `dp` or `tp`
+    does: a pair of real hosts, each a whole training replica.
+    """
+    processes = jax.process_count()
+    if processes == 1:
+        return make_mesh(nodes, dp, tp)
+    from sdcstudy.core.config import UserError
+
+    if processes != nodes:
+        raise UserError(f"a run on {processes} processes needs one node per process, but the "
+                        f"mesh has {nodes} nodes; start {nodes} processes.")
+    per_node = dp * tp
+    devices = []
+    for process in range(processes):
+        local = sorted((d for d in jax.devices() if d.process_index == process),
+                       key=lambda d: d.id)
+        if len(local) < per_node:
+            raise UserError(f"process {process} has {len(local)} devices but a node needs "
+                            f"{per_node} (dp={dp} x tp={tp}); on CPU set XLA_FLAGS="
+                            f"--xla_force_host_platform_device_count={per_node} on every "
+                            f"process.")
+        devices += local[:per_node]
+    return make_mesh(nodes, dp, tp, devices)
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes a value varies over inside `shard_map` (empty outside)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax 0.10 keeps them here; earlier versions on `.vma`
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def vary(x, axes):
+    """`x` marked as varying over `axes` too: a no-op at run time that check_vma needs."""
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def broadcast_from(x, index: int, axis: str):
+    """Every device along `axis` gets the value of the device at `index`, bit for bit.
+
+    A masked integer psum: exact for every bit pattern (a float psum would turn -0.0 into
+    +0.0), and its result is invariant over `axis`, which `check_vma` needs for replicated
+    outputs (an all-gather's result still counts as varying).
+    """
+    mine = jax.lax.axis_index(axis) == index
+    if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
+        return jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis)
+    uint = _UINT[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32)
+    total = jax.lax.psum(jnp.where(mine, bits, jnp.uint32(0)), axis)
+    return jax.lax.bitcast_convert_type(total.astype(uint), x.dtype)

@@ -1,0 +1,215 @@
+"""A Llama-style decoder in Flax NNX, with named sites and optional tensor parallelism.
+
+Shapes: B batch, L sequence, D model, H query heads, K kv heads, G = H/K heads per kv head,
+E head dim, F ffn, V vocab. Under tensor parallelism (inside `shard_map`, `tp_axis` set) the
+input is sequence-sharded and the weights hold this rank's heads and FFN columns; head
+counts are read from the weights' shapes, so the same code runs sharded and unsharded.
+
+The model knows nothing about faults or comparisons: it calls `hook(site, x, layer)` at the
+named sites of `sites.py` (identity by default), and `sites.linear(hook, site, x, w, layer)`
+for the projections whose outputs are sites (a hook may own those products: ABFT's does).
+Layers count from 1; layer 0 is outside the blocks.
+
+Outside this module parameters are plain nested dicts (`init` and `apply`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from sdcstudy.core import sites as S
+from sdcstudy.core.config import ModelDims
+from sdcstudy.core.sites import Hook, identity_hook
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# Ma et al., appendix B.2: "Kaiming and Xavier uniform initialization". Projections use
+# Xavier (Glorot) uniform; the embedding uses Kaiming (He) uniform over the model dimension.
+_linear_init = nnx.initializers.xavier_uniform()
+_embed_init = nnx.initializers.he_uniform(in_axis=-1, out_axis=-2)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_frequencies(dims: ModelDims):
+    """Inverse frequencies of the rotary embedding, with Llama 3 scaling when configured."""
+    e = dims.head_dim
+    inv_freq = 1.0 / (dims.rope_theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
+    if dims.rope_scaling is None:
+        return inv_freq
+    s = dict(dims.rope_scaling)
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return jnp.where(medium, blended, scaled)
+
+
+def rotary(dims: ModelDims, length: int):
+    """cos and sin tables of shape (L, E) in the half-rotation layout of HF Llama."""
+    angles_LE2 = jnp.arange(length, dtype=jnp.float32)[:, None] * rope_frequencies(dims)[None]
+    angles_LE = jnp.concatenate([angles_LE2, angles_LE2], axis=-1)
+    return jnp.cos(angles_LE), jnp.sin(angles_LE)
+
+
+def apply_rotary(x_BLHE, cos_LE, sin_LE):
+    half = x_BLHE.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BLHE[..., half:], x_BLHE[..., :half]], axis=-1)
+    x32 = x_BLHE.astype(jnp.float32)
+    out = x32 * cos_LE[:, None] + rotated.astype(jnp.float32) * sin_LE[:, None]
+    return out.astype(x_BLHE.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, dims: ModelDims, *, rngs: nnx.Rngs):
+        d, e, pdt = dims.d_model, dims.head_dim, DTYPES[dims.param_dtype]
+        self.head_dim = e
+        self.wq = nnx.Param(_linear_init(rngs.params(), (d, dims.n_heads * e), pdt))
+        self.wk = nnx.Param(_linear_init(rngs.params(), (d, dims.n_kv_heads * e), pdt))
+        self.wv = nnx.Param(_linear_init(rngs.params(), (d, dims.n_kv_heads * e), pdt))
+        self.wo = nnx.Param(_linear_init(rngs.params(), (dims.n_heads * e, d), pdt))
+
+    def __call__(self, x_BLD, cos_LE, sin_LE, hook: Hook, layer: int):
+        dtype, e = x_BLD.dtype, self.head_dim
+        b, l, _ = x_BLD.shape
+        q = S.linear(hook, S.ATTN_Q, x_BLD, self.wq[...].astype(dtype), layer)
+        k = S.linear(hook, S.ATTN_K, x_BLD, self.wk[...].astype(dtype), layer)
+        v = S.linear(hook, S.ATTN_V, x_BLD, self.wv[...].astype(dtype), layer)
+        h, kv = q.shape[-1] // e, k.shape[-1] // e  # local head counts under tp
+        q_BLKGE = apply_rotary(q.reshape(b, l, h, e), cos_LE, sin_LE).reshape(b, l, kv, h // kv, e)
+        k_BLKE = apply_rotary(k.reshape(b, l, kv, e), cos_LE, sin_LE)
+        v_BLKE = v.reshape(b, l, kv, e)
+        scores_BKGLL = jnp.einsum("bqkge,bske->bkgqs", q_BLKGE, k_BLKE,
+                                  preferred_element_type=jnp.float32) / math.sqrt(e)
+        causal_LL = jnp.tril(jnp.ones((l, l), dtype=bool))
+        scores_BKGLL = jnp.where(causal_LL, scores_BKGLL, jnp.finfo(jnp.float32).min)
+        scores_BKGLL = hook(S.ATTN_SCORES, scores_BKGLL, layer)
+        probs_BKGLL = hook(S.ATTN_PROBS, jax.nn.softmax(scores_BKGLL, axis=-1).astype(dtype), layer)
+        context_BLKGE = jnp.einsum("bkgqs,bske->bqkge", probs_BKGLL, v_BLKE)
+        context_BLHE = hook(S.ATTN_CONTEXT, context_BLKGE.reshape(b, l, h * e), layer)
+        return S.linear(hook, S.ATTN_OUT, context_BLHE, self.wo[...].astype(dtype), layer)
+
+
+class FeedForward(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dims: ModelDims, *, rngs: nnx.Rngs):
+        d, f, pdt = dims.d_model, dims.ffn_dim, DTYPES[dims.param_dtype]
+        self.w_gate = nnx.Param(_linear_init(rngs.params(), (d, f), pdt))
+        self.w_up = nnx.Param(_linear_init(rngs.params(), (d, f), pdt))
+        self.w_down = nnx.Param(_linear_init(rngs.params(), (f, d), pdt))
+
+    def __call__(self, x_BLD, hook: Hook, layer: int):
+        dtype = x_BLD.dtype
+        gate_BLF = S.linear(hook, S.FFN_GATE, x_BLD, self.w_gate[...].astype(dtype), layer)
+        up_BLF = S.linear(hook, S.FFN_UP, x_BLD, self.w_up[...].astype(dtype), layer)
+        act_BLF = hook(S.FFN_ACT, jax.nn.silu(gate_BLF) * up_BLF, layer)
+        return S.linear(hook, S.FFN_OUT, act_BLF, self.w_down[...].astype(dtype), layer)
+
+
+class Block(nnx.Module):
+    def __init__(self, dims: ModelDims, *, rngs: nnx.Rngs):
+        pdt = DTYPES[dims.param_dtype]
+        self.attn_norm = RMSNorm(dims.d_model, dims.norm_eps, pdt)
+        self.attn = Attention(dims, rngs=rngs)
+        self.ffn_norm = RMSNorm(dims.d_model, dims.norm_eps, pdt)
+        self.ffn = FeedForward(dims, rngs=rngs)
+
+    def __call__(self, x_BLD, cos_LE, sin_LE, hook: Hook, layer: int, tp_axis: str | None):
+        # Megatron sequence parallelism: gather the sequence-sharded input before each
+        # submodule, reduce-scatter its partial output after. Sites sit inside, per rank.
+        h = hook(S.ATTN_NORM, self.attn_norm(x_BLD), layer)
+        if tp_axis is not None:
+            h = lax.all_gather(h, tp_axis, axis=1, tiled=True)
+        h = hook(S.ATTN_IN, h, layer)
+        a = self.attn(h, cos_LE, sin_LE, hook, layer)  # its output projection is `attn_out`
+        if tp_axis is not None:
+            a = lax.psum_scatter(a, tp_axis, scatter_dimension=1, tiled=True)
+        x_BLD = x_BLD + a
+
+        h = hook(S.FFN_NORM, self.ffn_norm(x_BLD), layer)
+        if tp_axis is not None:
+            h = lax.all_gather(h, tp_axis, axis=1, tiled=True)
+        h = hook(S.FFN_IN, h, layer)
+        f = self.ffn(h, hook, layer)  # its down projection is `ffn_out`
+        if tp_axis is not None:
+            f = lax.psum_scatter(f, tp_axis, scatter_dimension=1, tiled=True)
+        return x_BLD + f
+
+
+class Llama(nnx.Module):
+    def __init__(self, dims: ModelDims, *, rngs: nnx.Rngs):
+        self.dims = dims
+        pdt = DTYPES[dims.param_dtype]
+        self.embed = nnx.Param(_embed_init(rngs.params(), (dims.vocab_size, dims.d_model), pdt))
+        self.layers = nnx.List([Block(dims, rngs=rngs) for _ in range(dims.n_layers)])
+        self.final_norm = RMSNorm(dims.d_model, dims.norm_eps, pdt)
+        if not dims.tie_embeddings:
+            self.head = nnx.Param(_linear_init(rngs.params(), (dims.d_model, dims.vocab_size), pdt))
+
+    def __call__(self, tokens_BL, *, hook: Hook = identity_hook, tp_axis: str | None = None):
+        """float32 logits (B, L, V). Under tp, tokens and logits are this rank's sequence shard."""
+        dims = self.dims
+        dtype = DTYPES[dims.dtype]
+        length = tokens_BL.shape[1] * (1 if tp_axis is None else lax.axis_size(tp_axis))
+        cos_LE, sin_LE = rotary(dims, length)
+        x_BLD = hook(S.EMBED, jnp.take(self.embed[...], tokens_BL, axis=0).astype(dtype), 0)
+        for i, block in enumerate(self.layers):
+            x_BLD = block(x_BLD, cos_LE, sin_LE, hook, i + 1, tp_axis)
+        x_BLD = hook(S.FINAL_NORM, self.final_norm(x_BLD), 0)
+        head_DV = self.embed[...].T if dims.tie_embeddings else self.head[...]
+        return S.linear(hook, S.LOGITS, x_BLD, head_DV.astype(dtype), 0, out_dtype=jnp.float32)
+
+
+def init(dims: ModelDims, key: jax.Array):
+    """`(graphdef, params)`: a static description and a plain nested dict of arrays."""
+    model = Llama(dims, rngs=nnx.Rngs(params=key))
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def abstract_init(dims: ModelDims):
+    """Like `init`, with `jax.ShapeDtypeStruct` leaves and no computation."""
+    model = nnx.eval_shape(lambda: Llama(dims, rngs=nnx.Rngs(params=0)))
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def apply(graphdef, params, tokens_BL, *, hook: Hook = identity_hook, tp_axis: str | None = None):
+    return nnx.merge(graphdef, params)(tokens_BL, hook=hook, tp_axis=tp_axis)
+
+
+def token_losses(graphdef, params, tokens_BL1, mask_BL=None, *, hook: Hook = identity_hook,
+                 tp_axis: str | None = None):
+    """Sum of next-token negative log-likelihoods and the number of counted tokens."""
+    return sequence_losses(graphdef, params, tokens_BL1[:, :-1], tokens_BL1[:, 1:], mask_BL,
+                           hook=hook, tp_axis=tp_axis)
+
+
+def sequence_losses(graphdef, params, inputs_BL, targets_BL, mask_BL=None, *,
+                    hook: Hook = identity_hook, tp_axis: str | None = None):
+    """Like `token_losses` with inputs and targets given apart, as sequence parallelism needs
+    (each tp rank holds its own slice of both; the sums are then this rank's part)."""
+    logits_BLV = apply(graphdef, params, inputs_BL, hook=hook, tp_axis=tp_axis)
+    logp_BLV = jax.nn.log_softmax(logits_BLV, axis=-1)
+    nll_BL = -jnp.take_along_axis(logp_BLV, targets_BL[..., None], axis=-1)[..., 0]
+    weights_BL = jnp.ones_like(nll_BL) if mask_BL is None else mask_BL.astype(jnp.float32)
+    return jnp.sum(nll_BL * weights_BL), jnp.sum(weights_BL)

@@ -1,0 +1,137 @@
+"""Named sites of the model and the hook through which the outside world sees them.
+
+The model calls `hook(site, x, layer)` at every named point of its computation and uses what
+the hook returns. The default hook is the identity, which costs nothing after tracing.
+Lock-step taps, fault injection and ABFT are hooks composed from outside; the model knows
+nothing about them.
+
+A forward site (`attn_out`) sees the tensor itself. A site on a submodule's input (`attn_in`)
+is where a hook with a custom VJP sees the input gradient in the backward pass: the paper's
+`bwd/attn` and `bwd/ffn` sites are the cotangents at `attn_in` and `ffn_in`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from sdcstudy.core import mesh as M
+
+# Submodule boundaries (Ma et al., section 4: the four sites of Tables 1-2).
+ATTN_IN, ATTN_OUT = "attn_in", "attn_out"
+FFN_IN, FFN_OUT = "ffn_in", "ffn_out"
+
+# Inside the attention submodule.
+ATTN_NORM, ATTN_Q, ATTN_K, ATTN_V = "attn_norm", "attn_q", "attn_k", "attn_v"
+ATTN_SCORES, ATTN_PROBS, ATTN_CONTEXT = "attn_scores", "attn_probs", "attn_context"
+# Inside the FFN submodule.
+FFN_NORM, FFN_GATE, FFN_UP, FFN_ACT = "ffn_norm", "ffn_gate", "ffn_up", "ffn_act"
+# Outside the blocks (layer 0).
+EMBED, FINAL_NORM, LOGITS = "embed", "final_norm", "logits"
+
+BLOCK_SITES = (ATTN_NORM, ATTN_IN, ATTN_Q, ATTN_K, ATTN_V, ATTN_SCORES, ATTN_PROBS,
+               ATTN_CONTEXT, ATTN_OUT, FFN_NORM, FFN_IN, FFN_GATE, FFN_UP, FFN_ACT, FFN_OUT)
+MODEL_SITES = (EMBED, FINAL_NORM, LOGITS)
+ALL_SITES = BLOCK_SITES + MODEL_SITES
+
+# The paper's four comparison sites, as (contract name, model site, direction).
+PAPER_SITES = {
+    "fwd/attn": (ATTN_OUT, "fwd"),
+    "fwd/ffn": (FFN_OUT, "fwd"),
+    "bwd/attn": (ATTN_IN, "bwd"),
+    "bwd/ffn": (FFN_IN, "bwd"),
+}
+
+
+class Hook(Protocol):
+    def __call__(self, site: str, x: jax.Array, layer: int) -> jax.Array: ...
+
+
+def identity_hook(site: str, x: jax.Array, layer: int) -> jax.Array:
+    del site, layer
+    return x
+
+
+def compose(*hooks: Hook | None) -> Hook:
+    """Apply hooks left to right: `compose(inject, tap)` corrupts first, then compares."""
+    active = [h for h in hooks if h is not None and h is not identity_hook]
+    if not active:
+        return identity_hook
+    if len(active) == 1:
+        return active[0]
+
+    def composed(site: str, x: jax.Array, layer: int) -> jax.Array:
+        for h in active:
+            x = h(site, x, layer)
+        return x
+
+    return composed
+
+
+def linear(hook: Hook, site: str, x: jax.Array, w: jax.Array, layer: int,
+           out_dtype=None) -> jax.Array:
+    """`hook(site, x @ w, layer)`: a matmul whose output is the named site.
+
+    A hook with a `linear` method (ABFT's) computes the product itself; any other hook sees
+    exactly the product the model would compute without it. `out_dtype` asks for a wider
+    result (the float32 logits of a bfloat16 model).
+    """
+    own = getattr(hook, "linear", None)
+    if own is not None:
+        return own(site, x, w, layer, out_dtype)
+    if out_dtype is None:
+        # Inside `shard_map` (operands that vary over manual mesh axes) the weight gradient
+        # takes `matmul`'s form; under `jax.jit`'s partitioner autodiff's own is as fast.
+        inside = M.varying_axes(x) | M.varying_axes(w)
+        return hook(site, matmul(x, w) if inside else x @ w, layer)
+    return hook(site, jnp.einsum("bld,dv->blv", x, w, preferred_element_type=out_dtype), layer)
+
+
+@jax.custom_vjp
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x @ w` for x (..., d) and a weight w (d, v), with the weight's gradient computed as
+    (dy^T x)^T rather than x^T dy.
+
+    The products and their count are autodiff's; the weight gradient's summation order may
+    differ from autodiff's, so a step built on it is bit-reproducible but not bit-equal to one
+    built on `x @ w`. The form matters to XLA's CPU backend: for autodiff's x^T dy inside
+    `shard_map` it emits a plain dot over a transposed operand plus a copy, and the tiny
+    model's forward and backward pass takes about 15% longer than with the library matmul it
+    picks for dy^T x. `jax.jit`'s partitioner reaches that form on its own, so `linear` uses
+    this one inside `shard_map` only.
+    """
+    return x @ w
+
+
+def _matmul_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _reduce_to(cotangent, primal):
+    """The cotangent summed over the mesh axes it varies over and its primal does not: the
+    transposes that `check_vma` inserts for a broadcast operand (the data-parallel gradient
+    all-reduce of a replicated weight, the tensor-parallel one of a replicated input)."""
+    extra = tuple(sorted(M.varying_axes(cotangent) - M.varying_axes(primal)))
+    return jax.lax.psum(cotangent, extra) if extra else cotangent
+
+
+def _matmul_bwd(residuals, dy):
+    x, w = residuals
+    dx = jnp.einsum("...n,kn->...k", dy, w)
+    dw = jnp.einsum("mn,mk->nk", dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])).T
+    return _reduce_to(dx, x), _reduce_to(dw, w)
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def only(sites: tuple[str, ...], fn: Callable[[str, jax.Array, int], jax.Array]) -> Hook:
+    """A hook that applies `fn` at the named sites and is the identity elsewhere."""
+    wanted = frozenset(sites)
+
+    def hook(site: str, x: jax.Array, layer: int) -> jax.Array:
+        return fn(site, x, layer) if site in wanted else x
+
+    return hook

@@ -1,0 +1,265 @@
+"""The training step, the optimizer, and the thin host loop that writes a run folder.
+
+`train_step(state, batch)` is pure and jitted once, ahead of time, with the state donated.
+Everything random derives from `experiment.seed`; the data position, the learning rate and
+any schedule are functions of the step number, so a checkpoint needs only the state.
+Steps count from 1 in metrics and files: step k is the k-th optimizer update.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sdcstudy.core import config as C
+from sdcstudy.core import mesh as M, model, runfolder as RF
+from sdcstudy.faults import profiles
+from sdcstudy.abft import checker as A
+from sdcstudy.faults import inject as F
+from sdcstudy.core.checkpoint import Checkpointer
+from sdcstudy.core.config import Config, UserError
+from sdcstudy.core.sites import Hook, compose, identity_hook
+
+
+class NonFiniteError(RuntimeError):
+    """The loss became NaN or Inf."""
+
+
+# --- optimizer --------------------------------------------------------------------------------
+
+
+def learning_rate_schedule(o: C.OptimConfig, steps: int) -> optax.Schedule:
+    """Linear warm-up then cosine to `min_lr_ratio * lr` (Ma et al., B.3), or constant."""
+    if o.schedule == "constant":
+        return optax.constant_schedule(o.lr)
+    decay = max(o.decay_steps or steps, o.warmup_steps + 1)
+    return optax.warmup_cosine_decay_schedule(0.0, o.lr, o.warmup_steps, decay,
+                                              end_value=o.lr * o.min_lr_ratio)
+
+
+def make_optimizer(o: C.OptimConfig, steps: int, clip: bool = True
+                   ) -> optax.GradientTransformation:
+    """Clipping, then the optimizer. adam and sgd apply weight decay as L2 on the gradient;
+    adamw decouples it (Loshchilov and Hutter). Sharded steps clip themselves (`clip=False`):
+    optax's global norm would see only this device's shards."""
+    lr = learning_rate_schedule(o, steps)
+    parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm and clip else []
+    if o.name == "adamw":
+        parts.append(optax.adamw(lr, o.beta1, o.beta2, o.eps, weight_decay=o.weight_decay))
+    else:
+        if o.weight_decay:
+            parts.append(optax.add_decayed_weights(o.weight_decay))
+        if o.name == "adam":
+            parts.append(optax.adam(lr, o.beta1, o.beta2, o.eps))
+        else:
+            parts.append(optax.sgd(lr, momentum=o.momentum if o.name == "sgdm" else None))
+    return optax.chain(*parts)
+
+
+# --- the step ---------------------------------------------------------------------------------
+
+
+def accumulate_gradients(loss_fn: Callable, params, batch_M: dict, sinks=None):
+    """Mean loss and its gradient over all microsteps' tokens.
+
+    `loss_fn(params, sinks, batch, microstep)` returns (sum of losses, (token count, aux)) for
+    one microstep's slice of `batch_M` (a dict of arrays with a leading microstep axis).
+    Gradients of the sums accumulate in float32 and are divided by the total count once.
+    `sinks` are zero inputs whose gradients carry backward records out of the step (see
+    `faults.py`, `lockstep.py`); they and `aux` come back stacked per microstep.
+    """
+    sinks = {} if sinks is None else sinks
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+
+    def micro(grads_acc, xs):
+        batch, microstep = xs
+        (loss, (count, aux)), (grads, sink_grads) = grad_fn(params, sinks, batch, microstep)
+        grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+        return grads_acc, (loss, count, aux, sink_grads)
+
+    # Inside shard_map the accumulator must vary over the mesh axes each gradient varies over,
+    # which are its parameter's (gradients of replicated parameters are reduced).
+    zeros = jax.tree.map(lambda p: M.vary(jnp.zeros(p.shape, jnp.float32), M.varying_axes(p)),
+                         params)
+    microsteps = jnp.arange(jax.tree.leaves(batch_M)[0].shape[0], dtype=jnp.int32)
+    grads, (loss_M, count_M, aux_M, sinks_M) = jax.lax.scan(micro, zeros, (batch_M, microsteps))
+    count = jnp.sum(count_M)
+    return jnp.sum(loss_M) / count, jax.tree.map(lambda g: g / count, grads), (aux_M, sinks_M)
+
+
+def apply_update(tx: optax.GradientTransformation, state: dict, grads,
+                 transform_updates: Callable = lambda u: u) -> dict:
+    params = state["params"]
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    return {"params": optax.apply_updates(params, transform_updates(updates)),
+            "opt_state": opt_state, "step": state["step"] + 1}
+
+
+@dataclass
+class Trainer:
+    """Everything static about a single-replica run: model, optimizer, schedule, faults."""
+
+    cfg: Config
+    dims: C.ModelDims
+    graphdef: Any
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    injector: F.Injector | None = None
+    hook: Hook = identity_hook
+    abft: A.Checker | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config, hook: Hook = identity_hook) -> "Trainer":
+        dims = C.model_dims(cfg.model)
+        graphdef, _ = model.abstract_init(dims)
+        steps = cfg.experiment.steps
+        profile = profiles.load(cfg.suspect.profile, cfg.suspect.fault_kind)
+        injector = None if profile.healthy else F.Injector(profile, dims.n_layers,
+                                                           cfg.suspect.log_limit)
+        return cls(cfg, dims, graphdef, make_optimizer(cfg.optim, steps),
+                   learning_rate_schedule(cfg.optim, steps), injector, hook,
+                   A.Checker.from_config(cfg, dims.n_layers))
+
+    @property
+    def base_key(self):
+        return jax.random.key(self.cfg.experiment.seed)
+
+    def init_state(self) -> dict:
+        _, params = model.init(self.dims, jax.random.fold_in(self.base_key, 0))
+        return {"params": params, "opt_state": self.tx.init(params), "step": jnp.int32(0)}
+
+    def fault_context(self, step, microstep, sinks=None) -> F.FaultContext:
+        return F.FaultContext(jax.random.fold_in(self.base_key, 1), step, microstep, sinks)
+
+    def loss(self, params, sinks, batch, microstep, step=0):
+        hook = self.hook
+        records = {}
+        inject = identity_hook
+        if self.injector is not None:
+            ctx = self.fault_context(step, microstep, sinks)
+            inject = self.injector.hook(ctx)
+            hook = compose(inject, hook)
+            records = ctx.records
+        if self.abft is not None:  # faults at a matmul's output land before its check
+            hook = self.abft.hook(sinks, full=hook, fault=inject, after=self.hook)
+        loss_sum, count = model.token_losses(self.graphdef, params, batch["tokens"],
+                                             batch.get("mask"), hook=hook)
+        if self.abft is not None:
+            records = {**records, **hook.records}
+        return loss_sum, (count, records)
+
+    def init_sinks(self) -> dict:
+        sinks = {} if self.injector is None else self.injector.init_sinks()
+        return sinks if self.abft is None else {**sinks, **self.abft.init_sinks()}
+
+    def train_step(self, state: dict, batch: dict):
+        step = state["step"] + 1
+        loss, grads, (fwd_M, bwd_M) = accumulate_gradients(
+            partial(self.loss, step=step), state["params"], batch, self.init_sinks())
+        if self.abft is not None:
+            (fwd_M, abft_fwd), (bwd_M, abft_bwd) = A.split(fwd_M), A.split(bwd_M)
+        faults = {}
+        transform_updates = lambda u: u  # noqa: E731
+        if self.injector is not None:
+            ctx = self.fault_context(step, jnp.int32(-1))
+            grads = self.injector.corrupt_tree(grads, ctx, "grad")
+            transform_updates = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
+            faults = {"micro": {**fwd_M, **bwd_M}, "step": ctx.records}
+        new_state = apply_update(self.tx, state, grads, transform_updates)
+        metrics = {"loss/healthy": loss, "grad/norm": optax.tree.norm(grads),
+                   "lr": self.schedule(state["step"])}
+        if self.abft is not None:
+            return new_state, metrics, faults, {"fwd": abft_fwd, "bwd": abft_bwd}
+        return new_state, metrics, faults
+
+    # --- host-loop interface (shared with paired.PairedTrainer) ---------------------------
+
+    def shardings(self, state, batch):
+        """(state, batch) shardings: data parallelism over `dp` devices, or None for one."""
+        if self.cfg.mesh.tp > 1:
+            raise UserError("mesh.tp > 1 needs a paired mode (lockstep, paramsync, free); "
+                            "experiment.mode 'train' runs data-parallel only.")
+        if self.cfg.mesh.dp == 1:
+            return None
+        mesh = M.make_mesh(1, self.cfg.mesh.dp, 1)
+        replicated = NamedSharding(mesh, P())
+        return (jax.tree.map(lambda _: replicated, state),
+                {k: NamedSharding(mesh, P(None, M.DATA)) for k in batch})
+
+    def make_batch(self, tokens_MBL1) -> dict:
+        return {"tokens": tokens_MBL1}
+
+    @property
+    def TABLES(self):
+        return (RF.FAULTS,) if self.abft is None else (RF.FAULTS, RF.ABFT)
+
+    def host_tables(self, step: int, extras) -> tuple[dict, dict]:
+        """Host side, one step: rows for the run folder's tables, and counters."""
+        faults, *checks = extras
+        rows, overflow = self.fault_rows(faults, step)
+        tables = {RF.FAULTS: rows}
+        counters = {"faults/landed": len(rows) + overflow, "faults/unlogged": overflow}
+        if self.abft is not None:
+            (checks,) = checks
+            tables[RF.ABFT] = [r for m in range(self.cfg.experiment.microsteps)
+                               for r in self.abft.rows(
+                                   {k: v[m] for k, v in checks["fwd"].items()},
+                                   {k: v[m] for k, v in checks["bwd"].items()}, step, m)]
+            counters.update(A.counters(tables[RF.ABFT]))
+        return tables, counters
+
+    def fault_rows(self, faults: dict, step: int) -> tuple[list[dict], int]:
+        """Host side: ground-truth rows of one step's fault records (and the overflow count)."""
+        if self.injector is None:
+            return [], 0
+        rows, overflow = F.record_rows(faults["step"], step, -1, self.injector.profile)
+        micro = faults["micro"]
+        for m in range(self.cfg.experiment.microsteps):
+            r, o = F.record_rows({k: v[m] for k, v in micro.items()}, step, m,
+                                 self.injector.profile)
+            rows += r
+            overflow += o
+        return rows, overflow
+
+
+def compile_step(step_fn, state, batch, shardings=None):
+    """Lower and compile once, donating the state; returns (compiled, HLO text, seconds)."""
+    start = time.perf_counter()
+    jitted = jax.jit(step_fn, donate_argnums=0,
+                     **({} if shardings is None else dict(in_shardings=shardings)))
+    compiled = jitted.lower(state, batch).compile()
+    return compiled, compiled.as_text(), time.perf_counter() - start
+
+
+# --- the host loop ----------------------------------------------------------------------------
+
+
+def final_params(run_dir: Path, cfg: Config | None = None):
+    """The parameters of a run folder's latest checkpoint, as numpy arrays."""
+    run_dir = Path(run_dir)
+    cfg = cfg or C.load(run_dir / RF.CONFIG)
+    trainer = Trainer.from_config(cfg)
+    like = jax.eval_shape(trainer.init_state)
+    like = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), like)
+    ckpt = Checkpointer(run_dir / RF.CHECKPOINTS, asynchronous=False)
+    step = ckpt.latest_step()
+    if step is None:
+        raise UserError(f"run folder {str(run_dir)!r} has no checkpoint.")
+    state, _ = ckpt.restore(step, like)
+    ckpt.close()
+    return jax.tree.map(np.asarray, state["params"])
+
+
+__all__ = ["Trainer", "accumulate_gradients", "apply_update", "compile_step",
+           "learning_rate_schedule", "make_optimizer", "final_params", "NonFiniteError"]

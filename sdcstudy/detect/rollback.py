@@ -1,0 +1,68 @@
+"""Verified rollback: re-run a step the detectors flag, from the last state they passed.
+
+Two in-memory slots hold training states (double buffering, after the in-memory snapshots of
+Wang et al., "Fault-Tolerant Hybrid-Parallel Training at Scale with Reliable and Efficient
+In-memory Checkpointing"). A new state goes into the spare slot and is promoted to "verified"
+by flipping one index, and only after every detector has passed the step that produced it:
+a snapshot taken before the check would keep a corrupted state as faithfully as a clean one.
+On a flag the candidate is dropped and the step is recomputed from the verified slot with the
+next attempt number (transient faults then draw afresh; repeatable ones recur, and the run
+stops after `max_retries`). The host loop only ever receives verified states, so the run
+folder's orbax checkpoints, every `experiment.checkpoint_every` steps, persist verified states
+only; orbax writes into a temporary folder and renames it when complete, so a process killed
+mid-write leaves the previous checkpoint as the latest, never a mix of two steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+class VerifiedRollback:
+    """Wraps a compiled detect step `(state, batch) -> (state, metrics, faults, out)`.
+
+    The step donates its input, so each attempt gets a fresh copy of the verified state.
+    """
+
+    def __init__(self, compiled, trainer, max_retries: int = 8):
+        self.compiled, self.trainer, self.max_retries = compiled, trainer, max_retries
+        self.slots: list = [None, None]
+        self.active = 0  # the slot holding the verified state
+        self.verified_step = None
+        self.rollbacks = 0
+
+    @property
+    def verified(self):
+        return self.slots[self.active]
+
+    def promote(self, state, step: int) -> None:
+        """The spare slot takes `state`, then one index flip makes it the verified one."""
+        spare = 1 - self.active
+        self.slots[spare] = state
+        self.active = spare
+        self.slots[1 - spare] = None  # the previous verified state is no longer needed
+        self.verified_step = step
+
+    def __call__(self, state, batch):
+        if self.verified is None or self.verified is not state:
+            self.promote(state, int(jax.device_get(state["step"])))
+        for attempt in range(self.max_retries + 1):
+            work = jax.tree.map(jnp.copy, self.verified)
+            # Even attempt numbers: a re-execution detector uses attempt + 1 for its copy.
+            new_state, metrics, faults, out = self.compiled(
+                work, {**batch, "attempt": jnp.int32(2 * attempt)})
+            verdict = self.trainer.judge(out)
+            if not self.trainer.flagged(verdict):
+                self.trainer.accept(verdict)
+                self.promote(new_state, self.verified_step + 1)
+                from sdcstudy.detect.trainer import per_step
+
+                verdict["rollbacks"] = attempt
+                self.rollbacks += attempt
+                return new_state, {**metrics, **per_step(verdict)}, faults, verdict
+        from sdcstudy.detect.trainer import DetectionError
+
+        raise DetectionError(f"step {self.verified_step + 1} was still flagged after "
+                             f"{self.max_retries} rollbacks: a repeatable fault (or a transient "
+                             f"one that strikes nearly every execution) cannot be rolled back.")

@@ -1,0 +1,169 @@
+"""The detector benchmark table and figure, from `experiment.mode: detect` run folders.
+
+Per detector and fault profile:
+- events: steps whose result the fault changed (a rank's gradient differs bitwise from its
+  healthy mirror's, `detect/truth`);
+- recall: events followed by a flag of the detector within a window of steps (the same step
+  included), over events. The window is 0 when the run advanced on the clean gradient
+  (`detect.advance: reference`): a corruption then never outlives its step, so a later flag
+  is not its detection. It is `LATENCY_WINDOW` when the run trained on the corrupted
+  gradients (`primary`), where a fault can surface steps later (a loss spike);
+- latency: mean steps from an event to the detector's first flag, over detected events;
+  none with a window of 0, where every detection is at its event's step by definition;
+- precision: flags that fall in some event's window, over all flags of the run;
+- false alarms: flagged steps over steps of the healthy run(s) (profile `healthy`);
+- named (localization only): events at which the named device is the one that was wrong;
+- time and memory overhead: the detector alone against no detector (`detect_overhead.json`,
+  written by `experiments/detectors.py` beside the run).
+
+Imports no JAX.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from sdcstudy.core import runfolder as RF
+from sdcstudy.detect.plan import DETECTORS
+
+LATENCY_WINDOW = 5  # steps after an event in which a flag still counts as its detection
+OVERHEAD = "detect_overhead.json"
+COLUMNS = ("profile", "fault_kind", "detector", "steps", "events", "recall", "latency_steps",
+           "precision", "false_alarms", "named", "time_ratio", "memory_ratio")
+
+
+def _flags(metrics: pd.DataFrame, name: str) -> np.ndarray:
+    key = f"detect/{name}"
+    return metrics[key].fillna(0).to_numpy(bool) if key in metrics else None
+
+
+def detector_scores(metrics: pd.DataFrame, name: str, window: int = LATENCY_WINDOW) -> dict:
+    """Recall, latency and precision of one detector in one run's metrics.jsonl frame."""
+    flags, truth = _flags(metrics, name), _flags(metrics, "truth")
+    if flags is None or truth is None:
+        return {}
+    steps = metrics["step"].to_numpy()
+    events = np.flatnonzero(truth)
+    flagged = np.flatnonzero(flags)
+    delays = []
+    for e in events:
+        later = flagged[(flagged >= e) & (steps[flagged] - steps[e] <= window)]
+        if len(later):
+            delays.append(int(steps[later[0]] - steps[e]))
+    covered = np.zeros(len(steps), bool)
+    for e in events:
+        covered |= (steps >= steps[e]) & (steps - steps[e] <= window)
+    named = None
+    if name == "localize" and len(events) and "detect/localized" in metrics:
+        # Events where the named device is the one whose gradient differed.
+        localized = metrics["detect/localized"].to_numpy()[events]
+        named = float(np.mean(localized == metrics["detect/truth_device"].to_numpy()[events]))
+    return {"steps": len(steps), "events": len(events), "named": named,
+            "recall": len(delays) / len(events) if len(events) else None,
+            "latency_steps": float(np.mean(delays)) if delays and window else None,
+            "precision": float(covered[flagged].mean()) if len(flagged) else None,
+            "flags": len(flagged)}
+
+
+def run_label(config: dict) -> tuple[str, str]:
+    suspect = config.get("suspect") or {}
+    return str(suspect.get("profile", "healthy")), str(suspect.get("fault_kind", "profile"))
+
+
+def detect_runs(runs: dict) -> dict:
+    """The runs of `runs` ({label: report.Run}) made in detect mode."""
+    return {k: r for k, r in runs.items()
+            if (r.config.get("experiment") or {}).get("mode") == "detect"}
+
+
+def benchmark_table(runs: dict) -> pd.DataFrame:
+    """One row per (profile, fault kind, detector) over detect-mode runs."""
+    runs = detect_runs(runs)
+    healthy = [r for r in runs.values() if run_label(r.config)[0] == "healthy"]
+    alarms = {}
+    for name in DETECTORS:
+        flags = [_flags(r.metrics, name) for r in healthy]
+        flags = [f for f in flags if f is not None]
+        alarms[name] = float(np.mean(np.concatenate(flags))) if flags else None
+    rows = []
+    for run in runs.values():
+        profile, kind = run_label(run.config)
+        if profile == "healthy":
+            continue
+        overhead = _overhead(run.path)
+        advance = (run.config.get("detect") or {}).get("advance", "reference")
+        window = 0 if advance == "reference" else LATENCY_WINDOW
+        for name in DETECTORS:
+            scores = detector_scores(run.metrics, name, window)
+            if not scores:
+                continue
+            cost = overhead.get(name, {})
+            rows.append({"profile": profile, "fault_kind": kind, "detector": name,
+                         **{k: scores[k] for k in ("steps", "events", "recall",
+                                                   "latency_steps", "precision")},
+                         "false_alarms": alarms[name], "named": scores["named"],
+                         "time_ratio": cost.get("time_ratio"),
+                         "memory_ratio": cost.get("memory_ratio")})
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def _overhead(path) -> dict:
+    file = Path(path) / OVERHEAD
+    return RF.json_load(file) if file.is_file() else {}
+
+
+def recall_figure(table: pd.DataFrame, path: Path) -> Path | None:
+    """Recall per detector (bars) for each profile, with each detector's step-time overhead."""
+    if table.empty:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = table.assign(case=table["profile"] + " / " + table["fault_kind"])
+    cases = list(dict.fromkeys(table["case"]))
+    names = [n for n in DETECTORS if n in set(table["detector"])]
+    fig, (ax, cost) = plt.subplots(1, 2, figsize=(13, 4.8),
+                                   gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        part = table[table["detector"] == name].set_index("case").reindex(cases)
+        ax.bar(np.arange(len(cases)) + i * width, part["recall"].fillna(0), width, label=name)
+    ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2)
+    ax.set_xticklabels(cases, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("recall (events that changed a step)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Events that changed a step's result, caught per detector")
+    ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ratios = table.groupby("detector")["time_ratio"].median().reindex(names)
+    cost.bar(range(len(names)), ratios.fillna(0), color="gray")
+    cost.axhline(1.0, color="black", lw=0.8, ls="--")
+    cost.set_xticks(range(len(names)))
+    cost.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
+    cost.set_ylabel("step time / no detector (median)")
+    cost.set_title("Step-time overhead")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+INDEX = ["profile", "fault_kind", "detector"]
+TITLE = ("Detector benchmark: recall over events that changed a step's result, latency, "
+         "precision, false alarms on healthy runs, step-time and memory overhead against no "
+         "detector")
+
+
+def indexed(table: pd.DataFrame) -> pd.DataFrame:
+    return table.set_index(INDEX)
+
+
+def report_tables(runs: dict) -> dict:
+    """The report's entry ({csv name: (title, table, index names, fold published)}) for the
+    detect-mode runs among `runs`; empty when there are none."""
+    table = benchmark_table(runs)
+    return {"detectors.csv": (TITLE, indexed(table), INDEX, False)} if not table.empty else {}

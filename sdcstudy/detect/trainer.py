@@ -1,0 +1,385 @@
+"""SDC detectors side by side on the same faults: `experiment.mode: detect`.
+
+One jitted step runs every execution that the chosen detectors need (`detect_plan.py`): the
+data-parallel ranks' microbatches, and again on spare devices (shadow replica, lock-step
+mirror, localization replicas) or on the same device (re-execution). Executions are batched
+with `vmap`; each carries the node index of its device (1 on the faulty rank's device, 0
+elsewhere), its device number (folded into the fault key) and its attempt number (folded in
+by transient faults), so a spare device never draws a fault, a re-execution of a repeatable
+fault reproduces it, and one of a transient fault draws afresh.
+
+The comparisons are bitwise, on the accumulated weight gradients. Host side, per step, a
+`Verdict` holds each detector's flag, the localized device and the ground truth: the step's
+result changed when a rank's gradient differs from its healthy mirror's. With
+`detect.advance: reference` the state advances on the mirror's (clean) gradient, so every
+step's faults are independent events, as in lock-step; with `primary` it advances on what the
+ranks computed, and `detect.rollback` (rollback.py) re-runs flagged steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from sdcstudy.abft import checker as A
+from sdcstudy.faults import inject as F
+from sdcstudy.core import runfolder as RF
+from sdcstudy.core.config import Config
+from sdcstudy.detect.plan import DETECTORS, executions, needs_reference, parse_detectors
+from sdcstudy.core.train import Trainer, accumulate_gradients, apply_update, compile_step
+
+class DetectionError(RuntimeError):
+    """A step stayed flagged after every retry the rollback allows."""
+
+
+# --- the bitwise comparisons ------------------------------------------------------------------
+
+
+def flat_bits(grads_E) -> jax.Array:
+    """(E, N) uint32: every execution's gradient leaves as one row of bit patterns."""
+    return jnp.concatenate([lax.bitcast_convert_type(g.astype(jnp.float32), jnp.uint32)
+                            .reshape(g.shape[0], -1) for g in jax.tree.leaves(grads_E)], axis=1)
+
+
+def mismatch_matrix(bits_RN) -> jax.Array:
+    """(R, R) bool: do replicas i and j differ in any bit?"""
+    return jnp.any(bits_RN[:, None, :] != bits_RN[None, :, :], axis=-1)
+
+
+def odd_one_out(matrix: np.ndarray) -> int:
+    """The replica that differs from every other while the others all agree; -1 when all
+    agree, -2 when there is a mismatch but no single culprit (a pair, or two faulty)."""
+    matrix = np.asarray(matrix, bool)
+    if not matrix.any():
+        return -1
+    n = len(matrix)
+    if n < 3:  # two disagreeing replicas: either could be the faulty one
+        return -2
+    for i in range(n):
+        others = [j for j in range(n) if j != i]
+        if matrix[i, others].all() and not matrix[np.ix_(others, others)].any():
+            return i
+    return -2
+
+
+# --- the loss / gradient-norm monitor (host side) ---------------------------------------------
+
+
+@dataclass
+class Monitor:
+    """Flags a non-finite loss or gradient norm, a loss more than `loss_margin` nats above the
+    median of the last `window` accepted steps, or a gradient norm more than `grad_factor`
+    times theirs. Only accepted (verified) steps enter the history."""
+
+    window: int = 8
+    loss_margin: float = 0.5
+    grad_factor: float = 4.0
+    losses: deque = field(default_factory=deque)
+    norms: deque = field(default_factory=deque)
+
+    def flags(self, loss: float, grad_norm: float) -> bool:
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            return True
+        if not self.losses:
+            return False
+        return (loss > statistics.median(self.losses) + self.loss_margin
+                or grad_norm > self.grad_factor * statistics.median(self.norms))
+
+    def accept(self, loss: float, grad_norm: float) -> None:
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.losses.append(loss)
+            self.norms.append(grad_norm)
+            while len(self.losses) > self.window:
+                self.losses.popleft()
+                self.norms.popleft()
+
+
+# --- the trainer ------------------------------------------------------------------------------
+
+
+@dataclass
+class DetectTrainer(Trainer):
+    """`Trainer` whose step runs the detectors' executions and returns their comparisons."""
+
+    detectors: tuple[str, ...] = DETECTORS
+    plan: tuple = ()
+    execution: tuple | None = None  # (node, device, attempt) while one execution is traced
+    monitor: Monitor | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "DetectTrainer":
+        trainer = super().from_config(cfg)
+        d = cfg.detect
+        trainer.detectors = parse_detectors(d.detectors)
+        trainer.plan = tuple(executions(trainer.detectors, cfg.mesh.dp, d.replicas, d.advance))
+        trainer.abft = A.Checker(trainer.dims.n_layers, cfg.abft.threshold) \
+            if "abft" in trainer.detectors else None
+        trainer.monitor = Monitor(d.spike_window, d.spike_loss, d.spike_grad)
+        return trainer
+
+    def variant(self, detectors: tuple[str, ...]) -> "DetectTrainer":
+        """The same run with other detectors (for overhead measurements)."""
+        d = self.cfg.detect
+        return dataclasses.replace(
+            self, detectors=detectors,
+            plan=tuple(executions(detectors, self.cfg.mesh.dp, d.replicas, d.advance)),
+            abft=A.Checker(self.dims.n_layers, self.cfg.abft.threshold)
+            if "abft" in detectors else None,
+            monitor=Monitor(d.spike_window, d.spike_loss, d.spike_grad))
+
+    def fault_context(self, step, microstep, sinks=None) -> F.FaultContext:
+        ctx = super().fault_context(step, microstep, sinks)
+        if self.execution is not None:
+            node, device, attempt = self.execution
+            ctx.key = jax.random.fold_in(ctx.key, device)
+            ctx.node, ctx.attempt = node, attempt
+        return ctx
+
+    @property
+    def dp(self) -> int:
+        return self.cfg.mesh.dp
+
+    def roles(self, role: str, replica: int = 0) -> list[int]:
+        """Indices of the plan's executions of one role (by rank for replicas)."""
+        return [i for i, e in enumerate(self.plan) if e.role == role and e.replica == replica]
+
+    def _execute(self, params, step, tokens_M, node, device, attempt, sinks):
+        """One execution: mean loss, gradient, fault records, ABFT flag."""
+        ex = dataclasses.replace(self, execution=(node, device, attempt))
+        loss, grads, (fwd_M, bwd_M) = accumulate_gradients(
+            partial(ex.loss, step=step), params, {"tokens": tokens_M}, sinks)
+        abft_flag = jnp.bool_(False)
+        if self.abft is not None:
+            (fwd_M, checks_fwd), (bwd_M, checks_bwd) = A.split(fwd_M), A.split(bwd_M)
+            for record in jax.tree.leaves((checks_fwd, checks_bwd)):
+                abft_flag |= jnp.any(record[..., A.FLAGGED] > 0)
+        records = {}
+        if self.injector is not None:
+            ctx = ex.fault_context(step, jnp.int32(-1))
+            grads = self.injector.corrupt_tree(grads, ctx, "grad")
+            records = {"micro": {**fwd_M, **bwd_M}, "step": ctx.records}
+        return loss, grads, records, abft_flag
+
+    def train_step(self, state: dict, batch: dict):
+        step = state["step"] + 1
+        tokens = batch["tokens"]  # (M, B, L + 1)
+        n_micro, batch_size, length = tokens.shape
+        shards_D = jnp.moveaxis(tokens.reshape(n_micro, self.dp, batch_size // self.dp, length),
+                                1, 0)
+        shadow = self.cfg.detect.shadow_rank
+        shadow_rank = jnp.int32(shadow) if shadow >= 0 else (step - 1) % self.dp
+        rank_E = jnp.asarray([e.rank for e in self.plan], jnp.int32)
+        rank_E = jnp.where(rank_E < 0, shadow_rank, rank_E)
+        device_E = jnp.asarray([e.device for e in self.plan], jnp.int32)
+        node_E = (device_E == batch["suspect"]).astype(jnp.int32)
+        attempt_E = batch["attempt"] + jnp.asarray([e.attempt for e in self.plan], jnp.int32)
+        n = len(self.plan)
+        sinks_E = jax.tree.map(lambda z: jnp.zeros((n, *z.shape), z.dtype), self.init_sinks())
+        loss_E, grads_E, records_E, abft_E = jax.vmap(
+            partial(self._execute, state["params"], step))(
+            shards_D[rank_E], node_E, device_E, attempt_E, sinks_E)
+
+        bits_E = flat_bits(grads_E)
+        primary = self.roles("primary")
+        differ = lambda i, j: jnp.any(bits_E[i] != bits_E[j])  # noqa: E731
+        out = {"loss": jnp.mean(loss_E[jnp.asarray(primary)])}
+        mean_of = lambda idx: jax.tree.map(  # noqa: E731
+            lambda g: jnp.mean(g[jnp.asarray(idx)], axis=0), grads_E)
+        grads = mean_of(primary)
+        out["grad_norm"] = optax.tree.norm(grads)
+        if "reexec" in self.detectors:
+            out["reexec"] = jnp.stack([differ(i, j) for i, j in
+                                       zip(primary, self.roles("reexec"))]).any()
+        if "shadow" in self.detectors:
+            (s,) = self.roles("shadow")
+            out["shadow"] = jnp.any(bits_E[jnp.asarray(primary)][shadow_rank] != bits_E[s])
+            out["shadow_rank"] = shadow_rank
+        if "abft" in self.detectors:
+            out["abft"] = jnp.any(abft_E[jnp.asarray(primary)])
+        metrics = {"loss/suspect": out["loss"], "grad/norm_suspect": out["grad_norm"]}
+        if needs_reference(self.detectors, self.cfg.detect.advance):
+            mirror = self.roles("replica", 1)
+            truth_D = jnp.stack([differ(i, j) for i, j in zip(primary, mirror)])
+            out["truth_rank"] = truth_D
+            if "lockstep" in self.detectors:
+                out["lockstep"] = truth_D.any()
+            reference = mean_of(mirror)
+            ref_norm = optax.tree.norm(reference)
+            diff = optax.tree.norm(jax.tree.map(lambda a, b: a - b, grads, reference))
+            metrics.update({"loss/healthy": jnp.mean(loss_E[jnp.asarray(mirror)]),
+                            "grad/norm": ref_norm, "grad/diff_l2": diff,
+                            "grad/nts": diff / ref_norm})
+            if self.cfg.detect.advance == "reference":
+                grads = reference
+        else:
+            metrics.update({"loss/healthy": out["loss"], "grad/norm": out["grad_norm"]})
+        if "localize" in self.detectors:
+            copies = [primary] + [self.roles("replica", j)
+                                  for j in range(1, self.cfg.detect.replicas)]
+            out["localize"] = jnp.stack([mismatch_matrix(bits_E[jnp.asarray(
+                [c[d] for c in copies])]) for d in range(self.dp)])
+        new_state = apply_update(self.tx, state, grads)
+        metrics["lr"] = self.schedule(state["step"])
+        faults = jax.tree.map(lambda r: r[jnp.asarray(primary)], records_E)
+        return new_state, metrics, faults, out
+
+    def make_batch(self, tokens_MBL1) -> dict:
+        # The faulty device is data, so one compiled step serves any choice of it (a device
+        # number no execution has, e.g. -1, makes a healthy run).
+        return {"tokens": tokens_MBL1, "attempt": jnp.int32(0),
+                "suspect": jnp.int32(self.cfg.detect.suspect_rank)}
+
+    def shardings(self, state, batch):
+        return None
+
+    # --- host side -----------------------------------------------------------------------
+
+    def replica_device(self, rank: int, replica: int) -> int:
+        for e in self.plan:
+            if e.role == ("primary" if replica == 0 else "replica") and e.rank == rank \
+                    and e.replica == replica:
+                return e.device
+        raise ValueError(f"no replica {replica} of rank {rank} in the plan.")
+
+    def judge(self, out: dict) -> dict:
+        """Host side: each detector's flag for one step (0/1), from the step's comparisons."""
+        out = jax.device_get(out)
+        loss, norm = float(out["loss"]), float(out["grad_norm"])
+        verdict = {"loss": loss, "grad_norm": norm}
+        for name in self.detectors:
+            if name == "monitor":
+                verdict[name] = int(self.monitor.flags(loss, norm))
+            elif name == "localize":
+                named = [odd_one_out(m) for m in out["localize"]]
+                verdict[name] = int(any(k != -1 for k in named))
+                located = [self.replica_device(d, k) for d, k in enumerate(named) if k >= 0]
+                verdict["localized"] = located[0] if len(located) == 1 else \
+                    (-2 if verdict[name] else -1)
+            else:
+                verdict[name] = int(bool(out[name]))
+        if "truth_rank" in out:
+            ranks = np.flatnonzero(out["truth_rank"])
+            verdict["truth"] = int(len(ranks) > 0)
+            verdict["truth_device"] = int(ranks[0]) if len(ranks) == 1 else \
+                (-2 if len(ranks) else -1)
+        if "shadow_rank" in out:
+            verdict["shadow_rank"] = int(out["shadow_rank"])
+        return verdict
+
+    def flagged(self, verdict: dict) -> bool:
+        return any(verdict.get(name) for name in self.detectors)
+
+    def accept(self, verdict: dict) -> None:
+        self.monitor.accept(verdict["loss"], verdict["grad_norm"])
+
+    def wrap_step(self, compiled):
+        """The host loop's step: judge each step on the host; with `detect.rollback`, re-run
+        flagged steps from the last verified state (rollback.py)."""
+        if self.cfg.detect.rollback:
+            from sdcstudy.detect.rollback import VerifiedRollback
+
+            return VerifiedRollback(compiled, self, self.cfg.detect.max_retries)
+
+        def step(state, batch):
+            new_state, metrics, faults, out = compiled(state, batch)
+            verdict = self.judge(out)
+            self.accept(verdict)
+            return new_state, {**metrics, **per_step(verdict)}, faults, verdict
+
+        return step
+
+    @property
+    def TABLES(self):
+        return (RF.FAULTS,)
+
+    def host_tables(self, step: int, extras) -> tuple[dict, dict]:
+        faults, verdict = extras
+        rows, overflow = [], 0
+        if self.injector is not None:
+            for index in range(len(self.roles("primary"))):  # only the faulty device's land
+                r, o = self.fault_rows(jax.tree.map(lambda a: a[index], faults), step)
+                rows += r
+                overflow += o
+        counters = {"faults/landed": len(rows) + overflow, "faults/unlogged": overflow}
+        for key, value in verdict.items():
+            if key not in ("loss", "grad_norm") and key not in PER_STEP:
+                counters[f"detect/{key}"] = value
+        return {RF.FAULTS: rows}, counters
+
+
+# Verdict entries that are per-step values, not counts: metrics.jsonl only, not summed.
+PER_STEP = ("localized", "truth_device", "shadow_rank")
+
+
+def per_step(verdict: dict) -> dict:
+    return {f"detect/{k}": verdict[k] for k in PER_STEP if k in verdict}
+
+
+# --- overhead ---------------------------------------------------------------------------------
+
+
+def measure_overhead(cfg: Config, reps: int = 5, echo=print) -> dict:
+    """Step time and compiled memory of each detector alone against no detector at all.
+
+    Each variant is compiled once, warmed up, and trains its own state on; the repetitions
+    are interleaved (variant order rotates every round) and the median is taken. Memory is
+    XLA's planned temporary plus output size of the compiled step. The monitor adds host work
+    only (fetching the loss and gradient norm every step).
+    """
+    import time
+
+    from sdcstudy.core import data as D
+
+    base = DetectTrainer.from_config(dataclasses.replace(
+        cfg, detect=dataclasses.replace(cfg.detect, advance="primary", rollback=False)))
+    batches = D.TokenBatches(D.prepare(cfg.data, cfg.experiment.seed), cfg.experiment.batch_size,
+                             cfg.experiment.microsteps)
+    batch = base.make_batch(batches.batch(0))
+    variants = {"none": ()} | {name: (name,) for name in DETECTORS}
+    compiled, memory = {}, {}
+    for name, detectors in variants.items():
+        trainer = base.variant(detectors)
+        if name == "monitor":  # the same device program as no detector; the host judges it
+            compiled[name], memory[name] = (trainer, compiled["none"][1]), memory["none"]
+            continue
+        echo(f"overhead: compiling the step with {name}")
+        step, _, _ = compile_step(trainer.train_step, trainer.init_state(), batch)
+        stats = step.memory_analysis()
+        memory[name] = (stats.temp_size_in_bytes + stats.output_size_in_bytes) if stats else None
+        compiled[name] = (trainer, step)
+    times = {name: [] for name in variants}
+    states = {name: jax.block_until_ready(trainer.init_state())
+              for name, (trainer, _) in compiled.items()}
+    names = list(variants)
+    for rep in range(reps + 1):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            trainer, step = compiled[name]
+            start = time.perf_counter()
+            states[name], _, _, out = step(states[name], batch)
+            if name == "monitor":
+                trainer.judge(out)
+            jax.block_until_ready((states[name], out))
+            if rep:  # the first round warms up
+                times[name].append(time.perf_counter() - start)
+    base_time = float(np.median(times["none"]))
+    return {name: {"step_s": float(np.median(times[name])),
+                   "time_ratio": float(np.median(times[name])) / base_time,
+                   "memory_bytes": memory[name],
+                   "memory_ratio": memory[name] / memory["none"]
+                   if memory[name] and memory["none"] else None}
+            for name in DETECTORS}
+
+
+__all__ = ["DetectTrainer", "DetectionError", "Monitor", "measure_overhead", "mismatch_matrix",
+           "odd_one_out"]

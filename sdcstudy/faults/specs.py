@@ -1,0 +1,232 @@
+"""What a fault is: a `FaultSpec`, its `TimePattern`, a `Profile`, and their YAML form.
+
+Faults are data. A `FaultSpec` names a site, a corruption kind, a per-element rate, the bits or
+value model, the layers, tp ranks and node it strikes, and a time pattern; a profile is a named
+list of specs (`profiles.py` holds the node zoo). `faults.py` injects them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sdcstudy.core import sites as S
+
+KINDS = ("bitflip", "scale", "random", "zero", "nan", "inf")
+PATTERNS = ("constant", "burst", "onset", "steps", "decay", "periodic")
+BIT_CLASSES = ("any", "sign", "exponent", "mantissa")
+
+# Contract site names -> (direction, model site). Any model site can also be named directly as
+# "fwd/<site>" (its value) or "bwd/<site>" (the gradient arriving at it).
+SITE_ALIASES = {"fwd/attn": ("fwd", S.ATTN_OUT), "fwd/ffn": ("fwd", S.FFN_OUT),
+                "bwd/attn": ("bwd", S.ATTN_IN), "bwd/ffn": ("bwd", S.FFN_IN)}
+# Sites outside the model, applied by the trainer to whole pytrees.
+TREE_SITES = ("grad", "update")
+# Collective payloads, applied where the payload is formed (PAFT and the tp harness).
+COLLECTIVE_SITES = ("collective/all_gather", "collective/reduce_scatter",
+                    "collective/grad_allreduce")
+
+
+class FaultSpecError(ValueError):
+    pass
+
+
+# --- specs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimePattern:
+    """How a spec's rate varies with the optimizer step (counted from 1).
+
+    constant: always `rate`. steps: only at the listed steps. burst: each step is active with
+    probability `p_active` (then the spec's rate applies; otherwise nothing). onset: nothing
+    before `onset_step`. decay: rate times (1 + `amplitude` * exp(-(step - 1) / `decay_steps`)),
+    a spike at the start of the run.
+    periodic: every `period`-th step the rate is multiplied by `amplitude`.
+    """
+
+    kind: str = "constant"
+    p_active: float = 1.0
+    onset_step: int = 0
+    amplitude: float = 0.0
+    decay_steps: float = 1.0
+    period: int = 0
+    steps: tuple[int, ...] = ()
+
+    def mean_multiplier(self, steps: int) -> float:
+        """Average rate multiplier over steps 1..steps (for calibration and descriptions)."""
+        s = np.arange(1, steps + 1, dtype=np.float64)
+        return float(np.mean(self._multiplier_np(s)))
+
+    def _multiplier_np(self, step):
+        if self.kind == "constant":
+            return np.ones_like(step)
+        if self.kind == "burst":
+            return np.full_like(step, self.p_active)
+        if self.kind == "onset":
+            return (step >= self.onset_step).astype(np.float64)
+        if self.kind == "steps":
+            return np.isin(step, self.steps).astype(np.float64)
+        if self.kind == "decay":
+            return 1 + self.amplitude * np.exp(-(step - 1) / self.decay_steps)
+        return np.where(step % self.period == 0, self.amplitude, 1.0)
+
+    def multiplier(self, step, key):
+        """Rate multiplier at a traced step; `key` drives the burst draw."""
+        step_f = jnp.asarray(step, jnp.float32)
+        if self.kind == "constant":
+            return jnp.float32(1)
+        if self.kind == "burst":
+            return jax.random.bernoulli(key, self.p_active).astype(jnp.float32)
+        if self.kind == "onset":
+            return (step >= self.onset_step).astype(jnp.float32)
+        if self.kind == "steps":
+            return jnp.isin(step, jnp.asarray(self.steps or (-1,))).astype(jnp.float32)
+        if self.kind == "decay":
+            return 1 + self.amplitude * jnp.exp(-(step_f - 1) / self.decay_steps)
+        return jnp.where(step % self.period == 0, jnp.float32(self.amplitude), jnp.float32(1))
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One kind of corruption at one site. Rates are per element of the tensor at the site."""
+
+    site: str
+    kind: str = "bitflip"
+    rate: float = 0.0
+    bits: tuple[int, ...] | None = None  # bitflip: the bits to choose from; None -> bit_class
+    bit_class: str = "any"
+    scale: tuple[float, float] = (1.0, 1.0)  # scale: relative error log-uniform in [lo, hi]
+    value_std: float = 1.0  # random: replacement values ~ N(0, value_std^2)
+    count: int | None = None  # hit exactly this many elements (when active) instead of a rate
+    lanes: tuple[int, ...] | None = None  # only these indices of the last axis (a stuck lane)
+    layers: tuple[int, ...] | None = None  # None: every layer
+    tp_ranks: tuple[int, ...] | None = None  # None: every rank
+    node: int = 1  # which node of a pair is faulty (1 = the suspect)
+    pattern: TimePattern = field(default_factory=TimePattern)
+    repeatable: bool = False  # the same input gives the same corruption, in any step
+    transient: bool = False  # a re-execution of the same step draws afresh (keyed by attempt)
+    note: str = ""
+
+    @property
+    def base_rate(self) -> float:
+        """The rate before the time pattern: a `count` spec is simply on (1) or off."""
+        return 1.0 if self.count is not None else self.rate
+
+    @property
+    def direction(self) -> str:
+        return self.resolve()[0]
+
+    def resolve(self) -> tuple[str, str]:
+        """(direction, site): "fwd"/"bwd" and a model site, or ("tree", name)."""
+        if self.site in SITE_ALIASES:
+            return SITE_ALIASES[self.site]
+        if self.site in TREE_SITES or self.site in COLLECTIVE_SITES:
+            return "tree", self.site
+        direction, _, name = self.site.partition("/")
+        return direction, name
+
+    def validate(self, where: str = "fault spec") -> "FaultSpec":
+        direction, name = self.resolve()
+        ok = (direction == "tree") or (direction in ("fwd", "bwd") and name in S.ALL_SITES)
+        if not ok:
+            known = list(SITE_ALIASES) + [f"fwd/{s}" for s in S.ALL_SITES] + list(TREE_SITES)
+            raise FaultSpecError(f"{where}: unknown site {self.site!r}; use one of "
+                                 f"{', '.join(known[:8])}, ... or fwd/<site>, bwd/<site> with a "
+                                 f"model site ({', '.join(S.ALL_SITES)}).")
+        if self.kind not in KINDS:
+            raise FaultSpecError(f"{where}: kind must be one of {', '.join(KINDS)}, "
+                                 f"not {self.kind!r}.")
+        if self.count is not None and self.count < 1:
+            raise FaultSpecError(f"{where}: count must be at least 1 (or null to use rate).")
+        if not 0.0 <= self.rate <= 1.0:
+            raise FaultSpecError(f"{where}: rate must be a probability in [0, 1], "
+                                 f"not {self.rate}.")
+        if self.bit_class not in BIT_CLASSES:
+            raise FaultSpecError(f"{where}: bit_class must be one of {', '.join(BIT_CLASSES)}.")
+        if self.bits is not None and (not self.bits or any(not 0 <= b < 32 for b in self.bits)):
+            raise FaultSpecError(f"{where}: bits must be a non-empty list of positions 0-31.")
+        lo, hi = self.scale
+        if self.kind == "scale" and not 0 < lo <= hi:
+            raise FaultSpecError(f"{where}: scale must be [lo, hi] with 0 < lo <= hi.")
+        if self.repeatable and self.transient:
+            raise FaultSpecError(f"{where}: a fault is either repeatable or transient, not both.")
+        if self.node not in (0, 1):
+            raise FaultSpecError(f"{where}: node must be 0 or 1.")
+        p = self.pattern
+        if p.kind not in PATTERNS:
+            raise FaultSpecError(f"{where}: pattern.kind must be one of {', '.join(PATTERNS)}.")
+        if p.kind == "periodic" and p.period < 1:
+            raise FaultSpecError(f"{where}: a periodic pattern needs pattern.period >= 1.")
+        if not 0.0 <= p.p_active <= 1.0:
+            raise FaultSpecError(f"{where}: pattern.p_active must be in [0, 1].")
+        return self
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    specs: tuple[FaultSpec, ...] = ()
+    description: str = ""
+
+    @property
+    def healthy(self) -> bool:
+        return all(s.base_rate == 0 for s in self.specs)
+
+
+# --- loading profiles from YAML -------------------------------------------------------------
+
+
+def spec_from_dict(data: dict, where: str) -> FaultSpec:
+    if not isinstance(data, dict):
+        raise FaultSpecError(f"{where} must be a mapping of fault-spec fields.")
+    fields = {f.name: f for f in dataclasses.fields(FaultSpec)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            import difflib
+
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise FaultSpecError(f"{where}: unknown field {key!r}{hint}.")
+        if key == "pattern":
+            pfields = {f.name for f in dataclasses.fields(TimePattern)}
+            if not isinstance(value, dict) or set(value) - pfields:
+                bad = sorted(set(value) - pfields) if isinstance(value, dict) else value
+                raise FaultSpecError(f"{where}: pattern has unknown fields {bad}; it takes "
+                                     f"{', '.join(sorted(pfields))}.")
+            if "steps" in value:
+                value = {**value, "steps": tuple(value["steps"])}
+            value = TimePattern(**value)
+        elif key in ("bits", "layers", "tp_ranks", "scale", "lanes") and value is not None:
+            value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+        kwargs[key] = value
+    if "site" not in kwargs:
+        raise FaultSpecError(f"{where}: the field 'site' is required.")
+    try:
+        spec = FaultSpec(**kwargs)
+        spec.validate(where)
+    except TypeError as e:
+        raise FaultSpecError(f"{where}: {e}.") from None
+    for key in ("rate",):
+        if not isinstance(getattr(spec, key), (int, float)):
+            raise FaultSpecError(f"{where}: {key} must be a number.")
+    return spec
+
+
+def profile_from_dict(data: dict, source: str) -> Profile:
+    if not isinstance(data, dict) or "specs" not in data:
+        raise FaultSpecError(f"{source}: a profile needs 'name' and a list 'specs'.")
+    unknown = set(data) - {"name", "description", "specs"}
+    if unknown:
+        raise FaultSpecError(f"{source}: unknown profile field {sorted(unknown)[0]!r}.")
+    specs = data["specs"] or []
+    if not isinstance(specs, list):
+        raise FaultSpecError(f"{source}: 'specs' must be a list.")
+    return Profile(str(data.get("name", source)),
+                   tuple(spec_from_dict(s, f"{source}: specs[{i}]") for i, s in enumerate(specs)),
+                   str(data.get("description", "")))

@@ -1,0 +1,222 @@
+"""Table 3 and Figure 7 of Ma et al. from fine-tuning run folders (`experiment.mode: finetune`).
+
+- Table 3: test accuracy (TA) and disagreement percentage (DP) per node and task: the model
+  before fine-tuning, the healthy node, the healthy node with another shuffle seed, and each
+  suspect node. DP is the per cent of test questions whose answer differs from the healthy
+  node's: a suspect's against the healthy node of its own run (profiles with `grad` or
+  `update` sites compile another step, whose healthy node may differ in rounding from the
+  other runs'); the healthy node of a run with another shuffle seed against the reference
+  run's, through both runs' `predictions.parquet`.
+- The loss-spike table: steps where a suspect's training loss exceeded the healthy node's by
+  more than the spike threshold (`summary.json` `loss_spikes`), the largest gap, and the TA
+  they left; a Table 3 cell whose run had a spike is marked with *.
+- Figure 7: training loss of the healthy and suspect nodes during fine-tuning, spikes marked.
+
+Imports no JAX.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from sdcstudy.faults import published as PB
+from sdcstudy.report import tables as T
+
+PREDICTIONS = "predictions.parquet"
+TABLE3_CSV = "table3_finetune.csv"
+SPIKES_CSV = "finetune_loss_spikes.csv"
+FIGURE7 = "fig7_finetune_loss.png"
+CSV_FILES = (TABLE3_CSV, SPIKES_CSV)
+INITIAL, HEALTHY = "without fine-tuning", "Healthy Node"
+
+
+def finetune_runs(runs: dict) -> dict:
+    return {label: run for label, run in runs.items()
+            if T.run_mode(run) == "finetune" and "qa/ta/healthy" in run.summary}
+
+
+def _task(run) -> str:
+    return str(run.summary.get("qa/task", "?"))
+
+
+def _seed(run) -> int:
+    return int(run.summary.get("qa/shuffle_seed", 0))
+
+
+def _suspect_label(run) -> str:
+    profile = T.run_profile(run)
+    node = PB.paper_node_number(profile)
+    if node is not None:
+        return f"Unhealthy Node {node}"
+    return Path(profile).stem if profile.endswith((".yaml", ".yml")) else profile
+
+
+def _final_healthy(run) -> np.ndarray | None:
+    path = Path(run.path) / PREDICTIONS
+    if not path.is_file():
+        return None
+    frame = pd.read_parquet(path)
+    rows = frame[(frame["stage"] == "final") & (frame["node"] == 0)].sort_values("question")
+    return rows["prediction"].to_numpy()
+
+
+def reference_seed(runs: list) -> int:
+    """The shuffle seed most runs of a task share (the smallest on a tie): its healthy node is
+    the reference of DP."""
+    counts = collections.Counter(_seed(r) for r in runs)
+    return min(counts, key=lambda s: (-counts[s], s))
+
+
+def _spiked(run) -> bool:
+    return bool(run.summary.get("loss_spikes"))
+
+
+def table3(runs: dict) -> pd.DataFrame:
+    """Rows: configurations; columns `TASK TA`, `TASK DP` per task (NaN DP for the reference)."""
+    runs = finetune_runs(runs)
+    by_task = collections.defaultdict(list)
+    for run in runs.values():
+        by_task[_task(run)].append(run)
+    cells: dict = collections.defaultdict(dict)
+    for task, group in by_task.items():
+        seed = reference_seed(group)
+        ref = next(r for r in group if _seed(r) == seed)
+        s = ref.summary
+        cells[INITIAL][task] = (s["qa/ta/initial"], s["qa/dp/initial"], False)
+        cells[HEALTHY][task] = (s["qa/ta/healthy"], float("nan"), False)
+        reference = _final_healthy(ref)
+        for run in group:
+            s = run.summary
+            tag = "" if _seed(run) == seed else f" (seed={_seed(run)})"
+            if tag:
+                mine = _final_healthy(run)
+                dp = (float(100.0 * np.mean(mine != reference))
+                      if mine is not None and reference is not None
+                      and len(mine) == len(reference) else float("nan"))
+                cells[HEALTHY + tag][task] = (s["qa/ta/healthy"], dp, False)
+            if T.run_profile(run) != "healthy":
+                cells[_suspect_label(run) + tag][task] = (s["qa/ta/suspect"],
+                                                          s["qa/dp/suspect"], _spiked(run))
+    tasks = list(by_task)
+    order = [INITIAL, HEALTHY] + sorted(
+        (k for k in cells if k.startswith(HEALTHY + " ")), key=str) + sorted(
+        (k for k in cells if not k.startswith((INITIAL, HEALTHY))),
+        key=lambda k: (PB.paper_node_number(k.replace("Unhealthy Node ", "paper-node-")) or 10**6,
+                       k))
+    records = []
+    for label in order:
+        record = {"configuration": label}
+        for task in tasks:
+            ta, dp, spike = cells[label].get(task, (float("nan"), float("nan"), False))
+            record[f"{task} TA"], record[f"{task} DP"] = ta, dp
+            record[f"{task} spike"] = spike
+        records.append(record)
+    return pd.DataFrame(records).set_index("configuration") if records else pd.DataFrame()
+
+
+def table3_markdown(table: pd.DataFrame) -> str:
+    """`TA (DP)` per task as in Table 3; `*` marks a run with a loss spike."""
+    tasks = [c[:-3] for c in table.columns if c.endswith(" TA")]
+    lines = ["| configuration | " + " | ".join(f"{t} TA (DP)" for t in tasks) + " |",
+             "|---|" + "---:|" * len(tasks)]
+    for label, row in table.iterrows():
+        cells = []
+        for t in tasks:
+            ta, dp, spike = row[f"{t} TA"], row[f"{t} DP"], row[f"{t} spike"]
+            text = "-" if pd.isna(ta) else f"{ta:.2f} ({'-' if pd.isna(dp) else f'{dp:.2f}'})"
+            cells.append(text + (" *" if spike else ""))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def spike_table(runs: dict, threshold: float | None = None) -> pd.DataFrame:
+    """One row per fine-tuning run with a suspect: spike steps, the largest loss gap, TA."""
+    records = []
+    for label, run in finetune_runs(runs).items():
+        if T.run_profile(run) == "healthy":
+            continue
+        m = run.metrics
+        gap = (pd.to_numeric(m["loss/suspect"], errors="coerce")
+               - pd.to_numeric(m["loss/healthy"], errors="coerce")) \
+            if {"loss/suspect", "loss/healthy"} <= set(m.columns) else pd.Series(dtype=float)
+        spikes = list(run.summary.get("loss_spikes") or [])
+        records.append({"run": label, "task": _task(run), "profile": T.run_profile(run),
+                        "spike steps": len(spikes),
+                        "first spike": spikes[0] if spikes else None,
+                        "last spike": spikes[-1] if spikes else None,
+                        "max loss gap (nats)": float(np.nanmax(gap)) if len(gap) else None,
+                        "TA suspect": run.summary.get("qa/ta/suspect"),
+                        "TA healthy": run.summary.get("qa/ta/healthy"),
+                        "DP": run.summary.get("qa/dp/suspect")})
+    return pd.DataFrame(records).set_index("run") if records else pd.DataFrame()
+
+
+def sections(runs: dict) -> tuple[list[str], dict]:
+    """(Markdown sections, {csv name: csv text}) for `sdcstudy report`; empty without
+    fine-tuning runs."""
+    table = table3(runs)
+    if table.empty:
+        return [], {}
+    spikes = spike_table(runs)
+    text = [f"## Table 3: test accuracy (TA) and disagreement percentage (DP) after "
+            f"fine-tuning\n\n{table3_markdown(table)}\n\n[{TABLE3_CSV}]({TABLE3_CSV}) DP: per "
+            f"cent of test questions answered differently from the healthy node. * marks a run "
+            f"whose suspect had a loss spike.\n"]
+    files = {TABLE3_CSV: T.csv(table, ["configuration"])}
+    if not spikes.empty:
+        flagged = spikes[spikes["spike steps"] > 0]
+        note = ("No suspect had a loss spike." if flagged.empty else
+                "LOSS SPIKE: " + "; ".join(
+                    f"{run} at steps {int(r['first spike'])}-{int(r['last spike'])} "
+                    f"({int(r['spike steps'])} steps, up to {r['max loss gap (nats)']:.3g} nats "
+                    f"above the healthy loss), TA {r['TA suspect']:.2f} against "
+                    f"{r['TA healthy']:.2f}" for run, r in flagged.iterrows()) + ".")
+        text.append(f"## Loss spikes during fine-tuning\n\n"
+                    f"{T.markdown(spikes, ['run'])}\n\n{note}\n\n[{SPIKES_CSV}]({SPIKES_CSV})\n")
+        files[SPIKES_CSV] = T.csv(spikes, ["run"])
+    return text, files
+
+
+def loss_figure(runs: dict, path: Path) -> Path | None:
+    """Figure 7: training loss during fine-tuning, one panel per task; the healthy node in
+    black, each suspect in colour, spike steps marked with x. Log y: a spike spans decades."""
+    from sdcstudy.report import plots
+
+    runs = finetune_runs(runs)
+    if not runs:
+        return None
+    tasks = list(dict.fromkeys(_task(r) for r in runs.values()))
+    plt = plots._pyplot()
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks) + 2.5, 4.2), squeeze=False)
+    styles = plots.styles(list(runs))
+    for ax, task in zip(axes[0], tasks):
+        group = {k: r for k, r in runs.items() if _task(r) == task}
+        seed = reference_seed(list(group.values()))
+        drawn = set()
+        for label, run in group.items():
+            if _seed(run) not in drawn:
+                drawn.add(_seed(run))
+                name = HEALTHY + ("" if _seed(run) == seed else f" (seed={_seed(run)})")
+                ax.plot(*plots._xy(plots._series(run, "loss/healthy")), lw=1.3,
+                        color="black", ls="-" if _seed(run) == seed else "--", label=name)
+            if T.run_profile(run) == "healthy":
+                continue
+            loss = plots._series(run, "loss/suspect")
+            ax.plot(loss.index, loss.values, lw=1.0, label=_suspect_label(run),
+                    **styles[label])
+            spikes = [s for s in run.summary.get("loss_spikes") or [] if s in loss.index]
+            if spikes:
+                ax.plot(spikes, loss.loc[spikes].clip(upper=1e6).values, "x", ms=6,
+                        color=styles[label]["color"])
+        ax.set_yscale("log")
+        ax.set_title(f"{task}: training loss", fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("training loss (nats per counted token)")
+        ax.grid(alpha=0.3)
+    axes[0, -1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.tight_layout()
+    return plots._save(fig, path)

@@ -1,0 +1,229 @@
+"""A golden record: what `golden record` keeps, written atomically, verified and loaded.
+
+`golden record` runs a deterministic single-device training (`experiment.mode: train`, the
+tiny model by default) and keeps, for every optimizer step k (counted from 1):
+- the bit patterns of the loss and of the gradient norm (before clipping);
+- a digest of every parameter tensor after the update of step k (step 0: initialisation);
+- a digest of every named site's value (`fwd/<site>`) and of the gradient arriving at it
+  (`bwd/<site>`), per microstep and layer (`sites.py` names them);
+plus the input tokens (so a check needs no dataset), the full parameter values of every step
+when they fit in `FULL_PARAMS_BUDGET` bytes (otherwise of the last step only), SHA-256 of
+every final parameter tensor, the config, the environment fingerprint and a manifest.
+The final parameters also get SHA-256 on the host (the `param_digest` of run folders).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import yaml
+
+from sdcstudy.core import config as C
+from sdcstudy.core import data as D
+from sdcstudy.core import determinism
+from sdcstudy.core import runfolder as RF
+from sdcstudy.core.config import Config, UserError
+from sdcstudy.core.digest import tensor_digests, tree_digest
+from sdcstudy.golden.digest import BLOCKS
+from sdcstudy.golden.workload import (
+    _bits, _param_leaves, check_config, device_info, pick_device, workload)
+
+FORMAT = "sdcstudy-golden/1"
+FULL_PARAMS_BUDGET = 3 * 2**20  # bytes of full parameter values kept for all steps
+MANIFEST, META, ARRAYS, CONFIG, ENV = ("MANIFEST.json", "golden.json", "golden.npz",
+                                       "config.yaml", "env.json")
+FILES = (CONFIG, ENV, META, ARRAYS)
+
+
+class GoldenError(Exception):
+    """The check cannot be completed (INCONCLUSIVE): damaged golden, other environment, ..."""
+
+
+# --- record -------------------------------------------------------------------------------------
+
+
+def load_tokens(cfg: Config) -> np.ndarray:
+    """int32 (steps, microsteps, batch, seq_len + 1): the inputs of every step."""
+    e = cfg.experiment
+    batches = D.TokenBatches(D.prepare(cfg.data, e.seed), e.batch_size, e.microsteps)
+    return np.stack([batches.batch(step) for step in range(e.steps)]).astype(np.int32)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def write_manifest(folder: Path) -> dict:
+    body = {"format": FORMAT,
+            "files": {name: {"sha256": _sha256(folder / name),
+                             "bytes": (folder / name).stat().st_size} for name in FILES}}
+    manifest = {"body": body, "sha256": hashlib.sha256(_canonical(body)).hexdigest()}
+    RF.atomic_write_json(folder / MANIFEST, manifest)
+    return manifest
+
+
+def record(cfg: Config, out_dir: Path, *, device_index: int = 0, progress: bool = True) -> dict:
+    """Run the golden workload and write GOLDEN_DIR atomically; returns its metadata."""
+    out_dir = Path(out_dir)
+    check_config(cfg)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise UserError(f"golden folder {str(out_dir)!r} already exists; a golden record is "
+                        f"never overwritten: choose another --out.")
+    started = time.perf_counter()
+    tokens = load_tokens(cfg)
+    device = pick_device(device_index)
+    work, _ = workload(cfg, tokens, device)
+    steps, micro = work.steps, work.microsteps
+    arrays = {"tokens": tokens, "loss": np.zeros(steps, np.uint32),
+              "grad_norm": np.zeros(steps, np.uint32)}
+    param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(work.initial["params"]))
+    full_steps = (list(range(1, steps + 1)) if param_bytes * steps <= FULL_PARAMS_BUDGET
+                  else [steps])
+    losses, final = [], None
+    bar = _bar(progress, steps, "golden record")
+    for step, out, state in work.run():
+        for path, digest in out["params"].items():
+            arrays.setdefault(f"params/{path}", np.zeros((steps + 1,) + digest.shape, np.uint32))
+            arrays[f"params/{path}"][step] = digest
+        if step == 0:
+            continue
+        for direction in ("fwd", "bwd"):
+            for key, digest in out[direction].items():
+                name = f"{direction}/{key}"
+                arrays.setdefault(name, np.zeros((steps,) + digest.shape, np.uint32))
+                arrays[name][step - 1] = digest
+        arrays["loss"][step - 1] = out["loss"]
+        arrays["grad_norm"][step - 1] = out["grad_norm"]
+        loss = float(np.uint32(out["loss"]).view(np.float32))
+        if not np.isfinite(loss):
+            raise UserError(f"the golden run's loss became {loss} at step {step}; a golden "
+                            f"record needs a finite run (lower optim.lr).")
+        losses.append(loss)
+        if step in full_steps or step == steps:
+            params = jax.device_get(state["params"])
+            for path, leaf in _param_leaves(params).items():
+                if step in full_steps:
+                    arrays[f"full/{step}/{path}"] = _bits(leaf)
+            if step == steps:
+                final = params
+        bar.update(1)
+    bar.close()
+    leaves = _param_leaves(work.initial["params"])
+    meta = {
+        "format": FORMAT,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": socket.gethostname(),
+        "device": device_info(device, device_index),
+        "steps": steps, "microsteps": micro,
+        "blocks": BLOCKS,
+        "site_order": work.site_order,
+        "sites": work.sites,
+        "params": {p: {"shape": list(v.shape), "dtype": str(v.dtype)} for p, v in leaves.items()},
+        "full_param_steps": full_steps,
+        "final_param_sha256": tensor_digests(final),
+        "param_digest": tree_digest(final),
+        "loss": losses,
+        "compile_s": work.compile_s,
+        "record_s": time.perf_counter() - started,
+    }
+    env = determinism.fingerprint(determinism.program_text(work.hlo))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        RF.atomic_write_text(tmp / CONFIG, C.dump(cfg))
+        RF.atomic_write_json(tmp / ENV, env)
+        RF.atomic_write_json(tmp / META, meta)
+        with open(tmp / ARRAYS, "wb") as f:
+            np.savez_compressed(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        manifest = write_manifest(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in tmp.iterdir():  # mkstemp and mkdtemp make private files; a golden is shared
+            path.chmod(0o666 & ~umask)
+        tmp.chmod(0o777 & ~umask)
+        try:
+            os.rename(tmp, out_dir)  # atomic; refuses a folder that filled in the meantime
+        except OSError as e:
+            raise UserError(f"could not move the golden record into {str(out_dir)!r} "
+                            f"({e.strerror}); nothing there was changed.") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    meta["manifest_sha256"] = manifest["sha256"]
+    meta["bytes"] = sum(f["bytes"] for f in manifest["body"]["files"].values())
+    meta["golden_dir"] = str(out_dir)
+    return meta
+
+
+def _bar(progress: bool, total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", disable=not progress, dynamic_ncols=True)
+
+
+# --- loading and verifying a golden record -------------------------------------------------------
+
+
+def verify(golden_dir: Path) -> dict:
+    """The manifest, after checking its own checksum and every file's; GoldenError otherwise."""
+    golden_dir = Path(golden_dir)
+    if not golden_dir.is_dir():
+        raise GoldenError(f"golden folder {str(golden_dir)!r} does not exist.")
+    try:
+        manifest = json.loads((golden_dir / MANIFEST).read_text())
+        body, claimed = manifest["body"], manifest["sha256"]
+        files = body["files"]
+    except FileNotFoundError:
+        raise GoldenError(f"{MANIFEST} is missing from {str(golden_dir)!r}.") from None
+    except (ValueError, KeyError, TypeError):
+        raise GoldenError(f"{MANIFEST} in {str(golden_dir)!r} is damaged (not a golden "
+                          f"manifest).") from None
+    if hashlib.sha256(_canonical(body)).hexdigest() != claimed:
+        raise GoldenError(f"{MANIFEST} in {str(golden_dir)!r} is damaged (its checksum does "
+                          f"not match its contents).")
+    if body.get("format") != FORMAT:
+        raise GoldenError(f"golden record format {body.get('format')!r} is not {FORMAT!r}; "
+                          f"record it again with this version.")
+    for name in FILES:
+        path = golden_dir / name
+        if name not in files:
+            raise GoldenError(f"{MANIFEST} does not list {name}.")
+        if not path.is_file():
+            raise GoldenError(f"golden file {name} is missing from {str(golden_dir)!r}.")
+        if _sha256(path) != files[name]["sha256"]:
+            raise GoldenError(f"golden file {name} in {str(golden_dir)!r} is damaged (SHA-256 "
+                              f"differs from the manifest).")
+    return manifest
+
+
+def load(golden_dir: Path) -> tuple[Config, dict, dict, dict]:
+    """(config, env, meta, arrays) of a verified golden folder."""
+    golden_dir = Path(golden_dir)
+    try:
+        cfg = C.from_dict(yaml.safe_load((golden_dir / CONFIG).read_text()))
+    except UserError as e:
+        raise GoldenError(f"the golden config is not valid here: {e}") from None
+    env = RF.json_load(golden_dir / ENV)
+    meta = RF.json_load(golden_dir / META)
+    with np.load(golden_dir / ARRAYS, allow_pickle=False) as npz:
+        arrays = {name: npz[name] for name in npz.files}
+    return cfg, env, meta, arrays

@@ -1,0 +1,284 @@
+"""The golden workload: a deterministic training on one device, compiled once, whose step
+returns the digests (`golden_digest`) of every site value, every gradient arriving at a site and
+every parameter, with the faults of `golden check --inject` composed into its hooks.
+
+Each step's digests are fetched before the next step is dispatched, so that on a difference
+the candidate's parameters of that step are still on the device to be compared in full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from sdcstudy.core import config as C
+from sdcstudy.faults import specs as FS
+from sdcstudy.faults import inject as F
+from sdcstudy.core import model
+from sdcstudy.faults import profiles
+from sdcstudy.core import sites as S
+from sdcstudy.core import train as T
+from sdcstudy.core.config import Config, UserError
+from sdcstudy.core.digest import path_name
+from sdcstudy.golden.digest import DigestHook, _to_uint, block_digest, site_key, sink_shape
+
+
+# --- injection ----------------------------------------------------------------------------------
+
+FLIP_FIELDS = ("step", "site", "layer", "bit", "microstep", "seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Injection:
+    """Faults for `golden check --inject`: a profile, or one flip (`flip:...`)."""
+
+    label: str
+    profile: FS.Profile
+    microstep: int | None = None  # a flip strikes only this microstep
+    seed: int = 0
+    flip: dict | None = None
+
+
+def parse_injection(text: str) -> Injection:
+    """A zoo profile name, a YAML profile path, or `flip:step=K,site=S,layer=L,bit=B[,...]`."""
+    if not text.startswith("flip:"):
+        return Injection(text, profiles.load(text))
+    fields = {}
+    for part in filter(None, text[len("flip:"):].split(",")):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in FLIP_FIELDS:
+            raise UserError(f"--inject {text!r}: {part!r} is not one of "
+                            f"{', '.join(f + '=' for f in FLIP_FIELDS)}.")
+        fields[key.strip()] = value.strip()
+    missing = [k for k in ("step", "site", "bit") if k not in fields]
+    if missing:
+        raise UserError(f"--inject {text!r} needs {', '.join(missing)} "
+                        f"(e.g. flip:step=3,site=fwd/attn,layer=2,bit=30).")
+    try:
+        flip = {k: (v if k == "site" else int(v)) for k, v in fields.items()}
+    except ValueError:
+        raise UserError(f"--inject {text!r}: step, layer, bit, microstep and seed are "
+                        f"integers.") from None
+    flip.setdefault("microstep", 0)
+    flip.setdefault("seed", 0)
+    spec = FS.FaultSpec(flip["site"], "bitflip", count=1, bits=(flip["bit"],),
+                        layers=(flip["layer"],) if "layer" in flip else None,
+                        pattern=FS.TimePattern("steps", steps=(flip["step"],)))
+    try:
+        spec.validate(f"--inject {text!r}")
+    except FS.FaultSpecError as e:
+        raise UserError(str(e)) from None
+    if spec.direction not in ("fwd", "bwd"):
+        raise UserError(f"--inject {text!r}: a flip strikes a model site (fwd/... or bwd/...); "
+                        f"use a YAML profile for {spec.site!r}.")
+    if spec.resolve()[1] not in S.MODEL_SITES and "layer" not in flip:
+        raise UserError(f"--inject {text!r} needs layer= (1 to the number of layers).")
+    return Injection(text, FS.Profile("flip", (spec,), text), flip["microstep"], flip["seed"],
+                     flip)
+
+
+def _split(injector: F.Injector, direction: str) -> F.Injector:
+    """The same injector (same spec indices, so the same draws) restricted to one direction."""
+    part = F.Injector(injector.profile, injector.n_layers, injector.limit)
+    part.model_specs = [(i, s) for i, s in injector.model_specs if s.direction == direction]
+    part.tree_specs = []
+    return part
+
+
+# --- the workload -------------------------------------------------------------------------------
+
+
+def check_config(cfg: Config) -> None:
+    e = cfg.experiment
+    if e.mode != "train":
+        raise UserError(f"a golden run trains one node: experiment.mode must be 'train', "
+                        f"not {e.mode!r}.")
+    if cfg.mesh.tp != 1 or cfg.mesh.dp != 1:
+        raise UserError("a golden run uses one device: mesh.tp and mesh.dp must be 1 (check "
+                        "each device with --device I).")
+    if cfg.suspect.profile != "healthy":
+        raise UserError("a golden record is a clean run: suspect.profile must be 'healthy' "
+                        "(inject faults at check time with --inject).")
+
+
+def pick_device(index: int):
+    devices = jax.local_devices()
+    if not 0 <= index < len(devices):
+        raise UserError(f"--device {index}: this node has {len(devices)} local devices "
+                        f"(0 to {len(devices) - 1}).")
+    return devices[index]
+
+
+def device_info(device, index: int) -> dict:
+    return {"index": index, "id": device.id, "platform": device.platform,
+            "kind": device.device_kind}
+
+
+class Workload:
+    """The golden training on one device, compiled once and run as often as needed."""
+
+    def __init__(self, cfg: Config, tokens: np.ndarray, device, injection: Injection | None = None):
+        check_config(cfg)
+        self.cfg, self.tokens, self.device, self.injection = cfg, tokens, device, injection
+        self.steps, self.microsteps = tokens.shape[0], tokens.shape[1]
+        self.trainer = T.Trainer.from_config(cfg)
+        self.initial = _initial_state(self.trainer, device)
+        self.site_order, self.sites = self._layout()
+        self.injector = None
+        if injection is not None and not injection.profile.healthy:
+            self.injector = F.Injector(injection.profile, self.trainer.dims.n_layers,
+                                       cfg.suspect.log_limit)
+            self.inject_fwd, self.inject_bwd = (_split(self.injector, d) for d in ("fwd", "bwd"))
+        state = self.initial_state()
+        self.compiled, self.hlo, self.compile_s = T.compile_step(self._step, state,
+                                                                 self._batch(1))
+        self._param_digests = jax.jit(lambda p: _digest_tree(p)).lower(state["params"]).compile()
+
+    def _layout(self):
+        """Forward order of the sites and their shapes, traced abstractly."""
+        order, shapes = [], {}
+
+        def hook(site, x, layer):
+            key = site_key(site, layer)
+            order.append(key)
+            shapes[key] = {"shape": list(x.shape), "dtype": str(x.dtype)}
+            return x
+
+        params = jax.eval_shape(lambda: self.trainer.init_state()["params"])
+        tokens = jax.ShapeDtypeStruct(self.tokens.shape[2:], jnp.int32)
+        jax.eval_shape(lambda p, t: model.token_losses(self.trainer.graphdef, p, t, hook=hook),
+                       params, tokens)
+        if len(set(order)) != len(order):
+            raise ValueError("the model calls the hook twice at one (site, layer).")
+        return order, shapes
+
+    def initial_state(self):
+        return jax.device_put(self.initial, self.device)
+
+    def _batch(self, step: int) -> dict:
+        return {"tokens": jax.device_put(self.tokens[step - 1], self.device)}
+
+    def _sinks(self) -> dict:
+        sinks = {"sites": {k: jnp.zeros(sink_shape(int(np.prod(v["shape"]))), jnp.float32)
+                           for k, v in self.sites.items()}}
+        if self.injector is not None:
+            sinks["faults"] = self.injector.init_sinks()
+        return sinks
+
+    def _fault_context(self, step, microstep, sinks) -> F.FaultContext:
+        key = jax.random.fold_in(self.trainer.base_key, 1)
+        if self.injection.seed:
+            key = jax.random.fold_in(key, self.injection.seed)
+        if self.injection.microstep is not None and microstep is not None:
+            # A flip's `steps` pattern names step >= 1; step 0 in the other microsteps turns it off.
+            step = jnp.where(microstep == self.injection.microstep, step, 0)
+        return F.FaultContext(key, step, jnp.int32(-1) if microstep is None else microstep, sinks)
+
+    def _loss(self, params, sinks, batch, microstep, step):
+        records = {}
+        if self.injector is None:
+            hook = DigestHook(sinks["sites"])
+        else:
+            ctx = self._fault_context(step, microstep, sinks["faults"])
+            hook = DigestHook(sinks["sites"], self.inject_fwd.hook(ctx),
+                              self.inject_bwd.hook(ctx))
+            records = ctx.records
+        loss_sum, count = model.token_losses(self.trainer.graphdef, params, batch["tokens"],
+                                             batch.get("mask"), hook=hook)
+        return loss_sum, (count, {"fwd": hook.values, "faults": records})
+
+    def _step(self, state: dict, batch: dict):
+        """One optimizer step; returns the new state and its digests (all uint32)."""
+        step = state["step"] + 1
+        loss, grads, (aux_M, sinks_M) = T.accumulate_gradients(
+            partial(self._loss, step=step), state["params"], batch, self._sinks())
+        transform = lambda u: u  # noqa: E731
+        faults = {}
+        if self.injector is not None:
+            ctx = self._fault_context(step, None, None)
+            grads = self.injector.corrupt_tree(grads, ctx, "grad")
+            transform = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
+            faults = {"micro": {**aux_M["faults"], **sinks_M["faults"]}, "step": ctx.records}
+        new_state = T.apply_update(self.trainer.tx, state, grads, transform)
+        out = {"loss": lax.bitcast_convert_type(loss.astype(jnp.float32), jnp.uint32),
+               "grad_norm": lax.bitcast_convert_type(
+                   optax.tree.norm(grads).astype(jnp.float32), jnp.uint32),
+               "fwd": aux_M["fwd"],
+               "bwd": {k: _to_uint(v) for k, v in sinks_M["sites"].items()},
+               "params": _digest_tree(new_state["params"]),
+               "faults": faults}
+        return new_state, out
+
+    def run(self):
+        """Yields (step, digests as numpy, state), step 0 being the initial parameters.
+
+        Each step's digests are fetched before the next step is dispatched (see the module
+        docstring); the state yielded is valid until the generator is resumed."""
+        state = self.initial_state()
+        yield 0, {"params": jax.device_get(self._param_digests(state["params"]))}, state
+        for step in range(1, self.steps + 1):
+            state, out = self.compiled(state, self._batch(step))
+            yield step, jax.device_get(out), state
+
+    def fault_rows(self, faults: dict, step: int) -> list[dict]:
+        """Ground truth of what the injection changed at one step."""
+        if self.injector is None or not faults:
+            return []
+        profile = self.injector.profile
+        rows, _ = F.record_rows(faults["step"], step, -1, profile)
+        for m in range(self.microsteps):
+            rows += F.record_rows({k: v[m] for k, v in faults["micro"].items()}, step, m,
+                                  profile)[0]
+        return rows
+
+
+# In-process reuse, for callers that check many times in one process (tests, studies): the
+# initial state per (config, device) and the last two compiled workloads. A command-line check
+# is one process and always starts from nothing.
+_INITIAL: dict = {}
+_WORKLOADS: dict = {}
+
+
+def _initial_state(trainer: T.Trainer, device):
+    """The initial state, computed on `device` and kept on the host."""
+    key = (C.dump(trainer.cfg), device.id)
+    if key not in _INITIAL:
+        with jax.default_device(device):
+            _INITIAL[key] = jax.device_get(trainer.init_state())
+    return _INITIAL[key]
+
+
+def workload(cfg: Config, tokens: np.ndarray, device, injection: Injection | None = None
+             ) -> tuple[Workload, bool]:
+    """(a Workload for these arguments, whether it was already compiled in this process)."""
+    faults = None if injection is None else (injection.profile, injection.microstep,
+                                             injection.seed)
+    key = (C.dump(cfg), hashlib.sha256(tokens.tobytes()).hexdigest(), tokens.shape, device.id,
+           faults)
+    cached = key in _WORKLOADS
+    if not cached:
+        _WORKLOADS[key] = Workload(cfg, tokens, device, injection)
+        while len(_WORKLOADS) > 2:
+            _WORKLOADS.pop(next(iter(_WORKLOADS)))
+    return _WORKLOADS[key], cached
+
+
+def _digest_tree(tree) -> dict:
+    return {path_name(path): block_digest(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _param_leaves(tree) -> dict:
+    return {path_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _bits(array: np.ndarray) -> np.ndarray:
+    array = np.asarray(array)
+    return array.view(f"u{array.dtype.itemsize}")

@@ -1,0 +1,153 @@
+"""PAFT run folders as tables and figures (no JAX): final losses, loss and divergence curves.
+
+Used by the `experiments/paft_*.py` studies, by `sdcstudy report` for runs of mode `paft`, and
+by notebooks/paft.ipynb. Runs come as an ordered {label: report.Run}.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from sdcstudy.report import plots as PL
+
+LOSS, DIV = "loss/mean", "div/mean_sq"
+TAIL = 10  # final numbers average the last TAIL steps (one step's batch is noisy)
+
+
+def paft_runs(runs: dict) -> dict:
+    return {label: r for label, r in runs.items()
+            if (r.config.get("experiment") or {}).get("mode") == "paft"}
+
+
+def method(config: dict) -> str:
+    """Oracle, Noised, PAFT-Sync(H=..) or PAFT-Dyn, from a run's config."""
+    p = config.get("paft") or {}
+    noise = p.get("noise") or {}
+    lossy = (p.get("loss") or {}).get("p") or (p.get("loss") or {}).get("param_p")
+    if not noise.get("sigma2") and not noise.get("large_sigma2") and not lossy:
+        return "Oracle"
+    name = "Noised"
+    if p.get("dynamic"):
+        name = "PAFT-Dyn"
+    elif p.get("sync_every"):
+        name = f"PAFT-Sync(H={p['sync_every']})"
+    if name != "Noised" and p.get("overlap"):
+        name += "+overlap"
+    if name != "Noised" and p.get("sync_opt_state"):
+        name += "+opt"
+    return name
+
+
+def final_table(runs: dict, tail: int = TAIL) -> pd.DataFrame:
+    """One row per run: its setting, the mean of `loss/mean` and `div/mean_sq` over its last
+    `tail` steps, the largest divergence, syncs and bytes sent for syncs."""
+    rows = []
+    for label, run in paft_runs(runs).items():
+        m, c = run.metrics, run.config.get("paft") or {}
+        if m is None or len(m) == 0 or LOSS not in m:
+            continue
+        loss = c.get("loss") or {}
+        rows.append({
+            "run": label, "method": method(run.config),
+            "sigma2": (c.get("noise") or {}).get("sigma2"),
+            "large_sigma2": (c.get("noise") or {}).get("large_sigma2"),
+            "packet_loss": loss.get("p"),
+            "aggregate": loss.get("aggregate") if loss.get("p") else "",
+            "steps": int(m["step"].max()),
+            "final_loss": float(m[LOSS].tail(tail).mean()),
+            "final_div": float(m[DIV].tail(tail).mean()) if DIV in m else math.nan,
+            "max_div": float(m[DIV].max()) if DIV in m else math.nan,
+            "syncs": int(m["paft/sync"].sum()) if "paft/sync" in m else 0,
+            "sync_MB": float(m["bytes/sync"].sum() / 2**20) if "bytes/sync" in m else 0.0,
+            "mean_H": float(m["paft/H"].mean()) if "paft/H" in m else math.nan,
+        })
+    return pd.DataFrame(rows)
+
+
+def _smooth(values: pd.Series, window: int) -> pd.Series:
+    return values.rolling(window, min_periods=1).mean() if window > 1 else values
+
+
+def curves(runs: dict, path: Path, key: str = LOSS, title: str = "", log: bool | None = None,
+           smooth: int = 1, ylabel: str | None = None) -> Path | None:
+    """One line per run of `key` over steps (log y for the divergence unless told)."""
+    runs = {k: r for k, r in paft_runs(runs).items() if r.metrics is not None and key in r.metrics}
+    if not runs:
+        return None
+    plt = PL._pyplot()
+    log = (key == DIV) if log is None else log
+    style = PL.styles(list(runs))
+    fig, ax = PL._with_legend_room(plt, 1, len(runs), 6.0, 4.0)
+    for label, run in runs.items():
+        m = run.metrics
+        y = _smooth(m[key].astype(float), smooth)
+        if log:
+            y = PL._positive(y)
+        ax.plot(m["step"], y, label=label, linewidth=1.2, **style[label])
+    if log:
+        PL._log_y(ax)
+        low, high = ax.get_ylim()
+        if high / low < 100:  # under two decades: label 1-2-5 steps, not only decades
+            from matplotlib.ticker import LogLocator, ScalarFormatter
+
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel or {LOSS: "training loss (mean over workers, nats)",
+                             DIV: "divergence  mean_m ||θ̄ − θ_m||²"}.get(key, key))
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    PL._legend_outside(fig, ax, len(runs))
+    return PL._save(fig, Path(path))
+
+
+def bar_final(table: pd.DataFrame, path: Path, x: str, group: str, title: str = "",
+              ylabel: str = "final training loss (nats)") -> Path | None:
+    """Final loss per `x` (e.g. packet-loss rate), one bar group per value of `group`."""
+    if table.empty:
+        return None
+    plt = PL._pyplot()
+    pivot = table.pivot_table(index=x, columns=group, values="final_loss")
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    width = 0.8 / max(len(pivot.columns), 1)
+    for i, col in enumerate(pivot.columns):
+        ax.bar(np.arange(len(pivot)) + i * width, pivot[col], width, label=str(col))
+    ax.set_xticks(np.arange(len(pivot)) + 0.4 - width / 2, [f"{v:g}" for v in pivot.index])
+    ax.set_xlabel(x)
+    ax.set_ylabel(ylabel)
+    low, high = np.nanmin(pivot.values), np.nanmax(pivot.values)
+    ax.set_ylim(low - 0.1 * (high - low + 1e-3), high + 0.1 * (high - low + 1e-3))
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return PL._save(fig, Path(path))
+
+
+def markdown(table: pd.DataFrame) -> str:
+    from sdcstudy.report import tables as T
+
+    return T.markdown(table.set_index(table.columns[0]), [table.columns[0]]) + "\n"
+
+
+def report_tables(runs: dict) -> dict:
+    """For `sdcstudy report`: {csv name: (title, table, index names, fold)} like
+    `report.report_tables`, empty when no run is of mode paft."""
+    table = final_table(runs)
+    if table.empty:
+        return {}
+    return {"paft_final.csv": (f"PAFT: final loss and divergence (means of the last {TAIL} "
+                               f"steps)", table.set_index("run"), ["run"], False)}
+
+
+def draw_figures(runs: dict, out: Path) -> list[str]:
+    """For `sdcstudy report`: loss and divergence curves of the paft runs (file names)."""
+    made = [curves(runs, Path(out) / "paft_loss.png", LOSS, "PAFT: training loss", smooth=5),
+            curves(runs, Path(out) / "paft_divergence.png", DIV, "PAFT: divergence of the copies")]
+    return [p.name for p in made if p is not None]
+
+
+FILES = ("paft_final.csv", "paft_loss.png", "paft_divergence.png")  # what the report writes

@@ -1,0 +1,348 @@
+"""The paired-node step: a healthy and a suspect replica trained side by side in `shard_map`.
+
+Ma et al., "Understanding Silent Data Corruption in LLM Training", section 3.2. The mesh is
+(node, dp, tp): node 0 is the trusted healthy replica, node 1 the suspect, each a complete
+training replica with Megatron tensor and sequence parallelism over `tp` and data parallelism
+over `dp`; both run the same sharded program. Modes:
+
+- `lockstep` (RQ1): taps at the four sites compare the suspect's tensors with the healthy ones
+  bit for bit and overwrite them (`lockstep.py`); parameters and optimizer state are also
+  synchronized after every step, so each comparison isolates one submodule computation.
+- `paramsync` (RQ2): after each optimizer step the healthy state overwrites the suspect's.
+- `free` (RQ3): no synchronization.
+
+Every state leaf carries a leading node axis of size 2. Gradient all-reduces over dp and tp are
+the transposes that `check_vma` inserts for parameters that are invariant over those axes.
+Metrics leave the step as replicated scalars; mismatch statistics and fault records as
+(node, dp, tp, ...) blocks; nothing syncs with the host inside the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sdcstudy.abft import checker as A
+from sdcstudy.core import config as C
+from sdcstudy.faults import inject as F
+from sdcstudy.paired import lockstep as LS
+from sdcstudy.core import mesh as M
+from sdcstudy.core import model
+from sdcstudy.faults import profiles
+from sdcstudy.core import runfolder as RF
+from sdcstudy.core import sites as S
+from sdcstudy.core.config import Config, UserError
+from sdcstudy.core.train import (
+    accumulate_gradients, apply_update, learning_rate_schedule, make_optimizer)
+
+PAIRED_MODES = ("lockstep", "paramsync", "free")
+SYNCED_MODES = ("lockstep", "paramsync")
+
+# Megatron layout: Q, K, V, gate and up split by columns (heads, FFN units); O and down by rows.
+COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")
+ROW_PARALLEL = ("wo", "w_down")
+
+
+def leaf_spec(path, leaf, node: bool = True) -> P:
+    """PartitionSpec of a parameter (or optimizer-state) leaf: node first, then tp layout."""
+    name = getattr(path[-1], "key", None) if path else None
+    lead = (M.NODE,) if node else ()
+    ndim = leaf.ndim - (1 if node else 0)
+    if name in COLUMN_PARALLEL and ndim == 2:
+        return P(*lead, None, M.TP)
+    if name in ROW_PARALLEL and ndim == 2:
+        return P(*lead, M.TP, None)
+    return P(*lead)
+
+
+def tree_specs(tree, node: bool = True):
+    return jax.tree_util.tree_map_with_path(lambda p, x: leaf_spec(p, x, node), tree)
+
+
+def _squeeze(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def _unsqueeze(tree):
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def _block(tree):
+    """Per-device values as (1, 1, 1, ...) blocks that leave shard_map by P(node, dp, tp)."""
+    return jax.tree.map(lambda x: M.vary(x, M.AXES)[None, None, None], tree)
+
+
+def _healthy_copy(tree):
+    """Every node gets node 0's values (the healthy state overwrites the suspect's).
+
+    Leaves that vary over the same mesh axes travel together, as the 32-bit patterns of one
+    flat vector: one exchange per group instead of one per leaf."""
+    leaves, treedef = jax.tree.flatten(tree)
+    groups: dict = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault((M.varying_axes(x), x.dtype.itemsize == 4), []).append(i)
+    out = list(leaves)
+    for (axes, word), members in groups.items():
+        if not word or len(members) == 1:
+            for i in members:
+                out[i] = M.vary(M.broadcast_from(leaves[i], M.HEALTHY, M.NODE), axes)
+            continue
+        flat = jnp.concatenate([lax.bitcast_convert_type(leaves[i], jnp.uint32).reshape(-1)
+                                for i in members])
+        flat = M.vary(M.broadcast_from(flat, M.HEALTHY, M.NODE), axes)
+        offset = 0
+        for i in members:
+            x = leaves[i]
+            out[i] = lax.bitcast_convert_type(flat[offset:offset + x.size].reshape(x.shape),
+                                              x.dtype)
+            offset += x.size
+    return jax.tree.unflatten(treedef, out)
+
+
+def _sum_squares(tree):
+    """Sum of squares over a whole sharded tree: tp-sharded leaves are summed over tp."""
+    total = jnp.float32(0)
+    for x in jax.tree.leaves(tree):
+        sq = jnp.sum(jnp.square(x.astype(jnp.float32)))
+        total += lax.psum(sq, M.TP) if M.TP in M.varying_axes(x) else M.vary(sq, ())
+    return total
+
+
+def _node_pair(x):
+    """(healthy, suspect) values of a per-node scalar, the same on every device."""
+    return M.broadcast_from(x, M.HEALTHY, M.NODE), M.broadcast_from(x, 1 - M.HEALTHY, M.NODE)
+
+
+def _clip(grads, norm, max_norm):
+    """Global-norm clipping with the norm of the whole sharded gradient (optax's formula)."""
+    return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, (g / norm) * max_norm), grads)
+
+
+@dataclass
+class PairedTrainer:
+    cfg: Config
+    dims: C.ModelDims
+    graphdef: Any
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    mesh: jax.sharding.Mesh
+    injector: F.Injector | None = None
+    taps: LS.LockstepTaps | None = None
+    mode: str = "lockstep"
+    specs: dict = field(default_factory=dict)
+    abft: A.Checker | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config, mesh=None, dims: C.ModelDims | None = None
+                    ) -> "PairedTrainer":
+        mode = cfg.experiment.mode
+        if mode not in PAIRED_MODES:
+            raise UserError(f"experiment.mode {mode!r} is not a paired mode "
+                            f"({', '.join(PAIRED_MODES)}).")
+        dims = dims or C.model_dims(cfg.model)
+        tp, dp = cfg.mesh.tp, cfg.mesh.dp
+        for what, n in (("model.n_heads", dims.n_heads), ("model.n_kv_heads", dims.n_kv_heads),
+                        ("model.ffn_dim", dims.ffn_dim), ("data.seq_len", cfg.data.seq_len)):
+            if n % tp:
+                raise UserError(f"{what} ({n}) must be a multiple of mesh.tp ({tp}).")
+        graphdef, _ = model.abstract_init(dims)
+        steps = cfg.experiment.steps
+        profile = profiles.load(cfg.suspect.profile, cfg.suspect.fault_kind)
+        injector = None if profile.healthy else F.Injector(profile, dims.n_layers,
+                                                           cfg.suspect.log_limit)
+        taps = LS.LockstepTaps(dims.n_layers, tp_axis=M.TP, dp_axis=M.DATA) \
+            if mode == "lockstep" else None
+        mesh = mesh or M.make_node_mesh(2, dp, tp)
+        return cls(cfg, dims, graphdef, make_optimizer(cfg.optim, steps, clip=False),
+                   learning_rate_schedule(cfg.optim, steps), mesh, injector, taps, mode,
+                   abft=A.Checker.from_config(cfg, dims.n_layers))
+
+    # --- state ---------------------------------------------------------------------------
+
+    @property
+    def base_key(self):
+        return jax.random.key(self.cfg.experiment.seed)
+
+    def state_shardings(self, state):
+        specs = {"params": tree_specs(state["params"]), "opt_state": tree_specs(state["opt_state"]),
+                 "step": P()}
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                            is_leaf=lambda x: isinstance(x, P))
+
+    def init_state(self) -> dict:
+        """Both nodes start from the same parameters (the seed's), stacked on the node axis."""
+        def init():
+            _, params = model.init(self.dims, jax.random.fold_in(self.base_key, 0))
+            pair = lambda t: jax.tree.map(lambda x: jnp.stack([x, x]), t)  # noqa: E731
+            return {"params": pair(params), "opt_state": pair(self.tx.init(params)),
+                    "step": jnp.int32(0)}
+        shapes = jax.eval_shape(init)
+        return jax.jit(init, out_shardings=self.state_shardings(shapes))()
+
+    def batch_shardings(self):
+        spec = NamedSharding(self.mesh, P(None, M.DATA, M.TP))
+        return {"inputs": spec, "targets": spec}
+
+    @staticmethod
+    def split_batch(tokens_MBL1):
+        return {"inputs": tokens_MBL1[:, :, :-1], "targets": tokens_MBL1[:, :, 1:]}
+
+    # --- the step ------------------------------------------------------------------------
+
+    def _loss(self, params, sinks, batch, microstep, step):
+        ctx = F.FaultContext(jax.random.fold_in(self.base_key, 1), step, microstep,
+                             sinks.get("faults"), node_axis=M.NODE, tp_axis=M.TP,
+                             dp_axis=M.DATA)
+        inject = self.injector.hook(ctx) if self.injector is not None else S.identity_hook
+        aux = {"faults": ctx.records}
+        if self.taps is not None:
+            tap_hook = self.taps.hook(sinks["taps"])
+            hook = LS.compose_with_injector(tap_hook, inject)
+        else:
+            tap_hook, hook = None, inject
+        if self.abft is not None:  # at a matmul's output: fault, check, then the tap
+            hook = self.abft.hook(sinks["abft"], full=hook, fault=inject,
+                                  after=tap_hook or S.identity_hook)
+            aux["abft"] = hook.records
+        total, count = model.sequence_losses(self.graphdef, params, batch["inputs"],
+                                             batch["targets"], batch.get("mask"), hook=hook,
+                                             tp_axis=M.TP)
+        if tap_hook is not None:
+            aux["taps"] = tap_hook.fwd_stats
+        axes = (M.DATA, M.TP)
+        return lax.psum(total, axes), (lax.psum(count, axes), aux)
+
+    def _sinks(self):
+        sinks = {}
+        if self.injector is not None:
+            sinks["faults"] = {k: M.vary(v, M.AXES) for k, v in self.injector.init_sinks().items()}
+        if self.taps is not None:
+            sinks["taps"] = self.taps.init_sinks()
+        if self.abft is not None:
+            sinks["abft"] = self.abft.init_sinks(M.AXES)
+        return sinks
+
+    def _local_step(self, state, batch):
+        params, opt_state = _squeeze(state["params"]), _squeeze(state["opt_state"])
+        step = state["step"] + 1
+        loss, grads, (aux_M, sinks_M) = accumulate_gradients(
+            partial(self._loss, step=step), params, batch, self._sinks())
+        records = {}
+        transform_updates = lambda u: u  # noqa: E731
+        if self.injector is not None:
+            ctx = F.FaultContext(jax.random.fold_in(self.base_key, 1), step, jnp.int32(-1),
+                                 node_axis=M.NODE, tp_axis=M.TP, dp_axis=M.DATA)
+            grads = self.injector.corrupt_tree(grads, ctx, "grad")
+            transform_updates = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
+            records = {"micro": {**aux_M["faults"], **sinks_M.get("faults", {})},
+                       "step": ctx.records}
+
+        grad_sq = _sum_squares(grads)
+        diff_sq = _sum_squares(jax.tree.map(lambda g, h: g - h, grads, _healthy_copy(grads)))
+        if self.cfg.optim.clip_norm:
+            grads = _clip(grads, jnp.sqrt(grad_sq), self.cfg.optim.clip_norm)
+        new = apply_update(self.tx, {"params": params, "opt_state": opt_state,
+                                     "step": state["step"]}, grads, transform_updates)
+        param_diff_sq = _sum_squares(jax.tree.map(lambda p, h: p - h, new["params"],
+                                                  _healthy_copy(new["params"])))
+        if self.mode in SYNCED_MODES:
+            new["params"] = _healthy_copy(new["params"])
+            new["opt_state"] = _healthy_copy(new["opt_state"])
+
+        loss_h, loss_s = _node_pair(loss)
+        norm_h, norm_s = (jnp.sqrt(v) for v in _node_pair(grad_sq))
+        diff = jnp.sqrt(_node_pair(diff_sq)[1])
+        metrics = {"loss/healthy": loss_h, "loss/suspect": loss_s, "grad/norm": norm_h,
+                   "grad/norm_suspect": norm_s, "grad/diff_l2": diff, "grad/nts": diff / norm_h,
+                   "param/diff_l2": jnp.sqrt(_node_pair(param_diff_sq)[1]),
+                   "lr": self.schedule(state["step"])}
+        out_state = {"params": _unsqueeze(new["params"]), "opt_state": _unsqueeze(new["opt_state"]),
+                     "step": new["step"]}
+        taps = {}
+        if self.taps is not None:
+            taps = {"fwd": _block(aux_M["taps"]), "bwd": _block(sinks_M["taps"])}
+        if self.abft is not None:
+            checks = _block({"fwd": aux_M["abft"], "bwd": sinks_M["abft"]})
+            return out_state, metrics, taps, _block(records), checks
+        return out_state, metrics, taps, _block(records)
+
+    def train_step(self, state, batch):
+        state_specs = {"params": tree_specs(state["params"]),
+                       "opt_state": tree_specs(state["opt_state"]), "step": P()}
+        blocks = P(M.NODE, M.DATA, M.TP)
+        step = jax.shard_map(
+            self._local_step, mesh=self.mesh,
+            in_specs=(state_specs, {k: P(None, M.DATA, M.TP) for k in batch}),
+            out_specs=(state_specs, P(), blocks, blocks) + ((blocks,) if self.abft else ()),
+            check_vma=True)
+        return step(state, batch)
+
+    # --- host-loop interface (shared with train.Trainer) ---------------------------------
+
+    @property
+    def TABLES(self):
+        tables = (RF.FAULTS, RF.MISMATCH) if self.taps is not None else (RF.FAULTS,)
+        return tables + ((RF.ABFT,) if self.abft is not None else ())
+
+    def shardings(self, state, batch):
+        del batch
+        return self.state_shardings(state), self.batch_shardings()
+
+    def make_batch(self, tokens_MBL1) -> dict:
+        return self.split_batch(tokens_MBL1)
+
+    def host_tables(self, step: int, extras) -> tuple[dict, dict]:
+        """Host side, one step: mismatch and fault rows, counters and bit histograms."""
+        taps, records, *checks = extras
+        tables, counters = {RF.FAULTS: []}, {}
+        if self.taps is not None:
+            rows, hist = [], {}
+            for m in range(self.cfg.experiment.microsteps):
+                fwd = {k: v[:, :, :, m] for k, v in taps["fwd"].items()}
+                bwd = {k: v[:, :, :, m] for k, v in taps["bwd"].items()}
+                rows += self.taps.rows(fwd, bwd, step, m)
+                for (_, site, _), counts in self.taps.bit_histograms(fwd, bwd).items():
+                    hist[site] = hist.get(site, 0) + np.asarray(counts, np.int64)
+            tables[RF.MISMATCH] = rows
+            counters["mismatches"] = int(sum(r["mismatches"] for r in rows))
+            counters["bit_histograms"] = hist
+        if self.injector is not None:
+            landed, overflow = [], 0
+            nodes, dps, tps = self.mesh.devices.shape
+            for n in range(nodes):
+                for d in range(dps):
+                    for t in range(tps):
+                        at = lambda tree: jax.tree.map(lambda a: a[n, d, t], tree)  # noqa: E731
+                        rows, o = F.record_rows(at(records["step"]), step, -1,
+                                                self.injector.profile, tp_rank=t, node=n)
+                        landed += rows
+                        overflow += o
+                        micro = at(records["micro"])
+                        for m in range(self.cfg.experiment.microsteps):
+                            rows, o = F.record_rows({k: v[m] for k, v in micro.items()}, step, m,
+                                                    self.injector.profile, tp_rank=t, node=n)
+                            landed += rows
+                            overflow += o
+            tables[RF.FAULTS] = landed
+            counters["faults/landed"] = len(landed) + overflow
+            counters["faults/unlogged"] = overflow
+        if self.abft is not None:
+            (checks,) = checks
+            rows = []
+            nodes, dps, tps = self.mesh.devices.shape
+            for n, d, t, m in np.ndindex(nodes, dps, tps, self.cfg.experiment.microsteps):
+                rows += self.abft.rows({k: v[n, d, t, m] for k, v in checks["fwd"].items()},
+                                       {k: v[n, d, t, m] for k, v in checks["bwd"].items()},
+                                       step, m, tp_rank=t, node=n, dp_rank=d)
+            tables[RF.ABFT] = rows
+            counters.update(A.counters(rows))
+        return tables, counters

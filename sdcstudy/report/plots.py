@@ -1,0 +1,346 @@
+"""Paper-style figures from run folders, as PNG files. Imports no JAX.
+
+Ma et al., "Understanding Silent Data Corruption in LLM Training":
+- Figure 3: mismatch frequency over optimizer steps, one panel per lock-step run;
+- Figure 4: the same, smoothed, one line per run on one axis;
+- Figure 5: L2 norm of the gradient difference beside the ground-truth gradient norm, one
+  panel per run, titled with its WCNTS (eq. 5);
+- Figure 6: parameter difference, gradient norms and training loss of free-running pairs;
+- bit positions: differing-bit counts per bit position and site, one panel per lock-step run;
+- Figure 10: ABFT flag frequency over steps, attention output projection (forward) and all
+  checked matmuls.
+Each function takes an ordered {label: Run}, writes one PNG atomically and returns its path,
+or None when no run has the data it plots. Figures 3 and 5 give each run a panel (three per
+row), so 15 nodes stay readable. Quantities that span decades are on log axes; a zero (a step
+without mismatches) is left out of a log axis, so lines break there.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from sdcstudy.report import tables as T
+
+DPI = 100
+LEGEND_WIDTH = 1.6  # inches per column of a legend beside the axes
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def styles(labels) -> dict:
+    """{label: dict(color, linestyle)}: 20 distinct colours (the dark half of tab20 first),
+    then the same colours dashed, so 15 paper nodes stay apart."""
+    plt = _pyplot()
+    palette = plt.get_cmap("tab20").colors
+    order = [*palette[0::2], *palette[1::2]]
+    return {label: {"color": order[i % len(order)],
+                    "linestyle": ("-", "--", ":")[(i // len(order)) % 3]}
+            for i, label in enumerate(labels)}
+
+
+def _positive(series: pd.Series) -> pd.Series:
+    """Values for a log axis: zeros and non-finite values become gaps."""
+    values = pd.to_numeric(series, errors="coerce").astype(float)
+    return values.where(np.isfinite(values) & (values > 0))
+
+
+def _log_y(ax) -> None:
+    """A log y axis with at most ~5 labelled decades and no minor ticks: matplotlib makes
+    every tick an object, and on 15-20 shared panels spanning many decades that takes
+    seconds per figure."""
+    from matplotlib.ticker import LogLocator, NullLocator
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(numticks=5))
+    ax.yaxis.set_minor_locator(NullLocator())
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=DPI, pil_kwargs={"compress_level": 1})  # zlib 6: 0.3 s more a figure
+    _pyplot().close(fig)
+    tmp.replace(path)
+    return path
+
+
+def _legend_columns(n: int) -> int:
+    return 1 if n <= 18 else 2
+
+
+def _legend_outside(fig, ax, n: int) -> None:
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False,
+              ncol=_legend_columns(n))
+
+
+def _with_legend_room(plt, ncols: int, n: int, plot_width: float, height: float, **kw):
+    """`plt.subplots(1, ncols)` with fixed margins in inches and `LEGEND_WIDTH` inches per
+    legend column on the right, for a legend of `n` entries (tight_layout would cost a
+    second drawing of the figure)."""
+    width = plot_width + LEGEND_WIDTH * _legend_columns(n)
+    fig, axes = plt.subplots(1, ncols, figsize=(width, height), **kw)
+    fig.subplots_adjust(left=0.95 / width, right=1 - (0.15 + LEGEND_WIDTH *
+                                                      _legend_columns(n)) / width,
+                        bottom=0.6 / height, top=1 - 0.4 / height, wspace=0.08)
+    return fig, axes
+
+
+def _series(run, key: str) -> pd.Series:
+    m = run.metrics
+    if key not in m or not len(m):
+        return pd.Series(dtype=float)
+    return pd.Series(pd.to_numeric(m[key], errors="coerce").to_numpy(float),
+                     index=m["step"].to_numpy())
+
+
+def _panel_grid(n: int, title: str):
+    """A figure of `n` panels, three per row, with shared axes, room for `title` above and a
+    legend below. Margins are fixed in inches (a layout engine costs seconds per figure), and
+    panel titles are given a fixed height (`y=1.0`: placing them by the tick labels costs
+    about as much)."""
+    plt = _pyplot()
+    ncols = min(3, n)
+    nrows = math.ceil(n / ncols)
+    width, height = max(7.0, 4.2 * ncols), 2.3 * nrows + 1.3
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), sharex=True, sharey=True,
+                             squeeze=False)
+    fig.subplots_adjust(left=0.8 / width, right=1 - 0.15 / width, top=1 - 0.6 / height,
+                        bottom=0.95 / height, wspace=0.08 * 3 / ncols, hspace=0.3)
+    fig.suptitle(title, fontsize=10, y=1 - 0.12 / height)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    from matplotlib.ticker import MaxNLocator
+
+    axes.flat[0].xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))  # shared
+    return fig, axes
+
+
+def _label_grid(axes, n: int, ylabel: str) -> None:
+    """x labels under the lowest visible panel of each column, y labels on the left column."""
+    nrows, ncols = axes.shape
+    for col in range(ncols):
+        lowest = max(row for row in range(nrows) if row * ncols + col < n)
+        axes[lowest, col].set_xlabel("optimizer step")
+        axes[lowest, col].xaxis.set_tick_params(labelbottom=True)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel)
+
+
+def frequency_panels(runs: dict, path: Path) -> Path | None:
+    """Figure 3: mismatch frequency per step and site, one panel per lock-step run."""
+    runs = T.lockstep_runs(runs)
+    if not runs:
+        return None
+    plt = _pyplot()
+    fig, axes = _panel_grid(len(runs), "Mismatch frequency per step "
+                                       "(steps without mismatches left out)")
+    site_style = styles(T.SITES)
+    for ax, (label, run) in zip(axes.flat, runs.items()):
+        for site in T.SITES:
+            freq = _positive(T.frequency_by_step(run.mismatch, site))
+            ax.plot(freq.index, freq.values, marker=".", markersize=3, lw=0.8, label=site,
+                    **site_style[site])
+        _log_y(ax)
+        ax.set_title(label, fontsize=9, y=1.0, pad=3)
+        ax.grid(alpha=0.3, which="major")
+    _label_grid(axes, len(runs), "mismatch frequency")
+    handles = [plt.Line2D([], [], marker=".", **site_style[s]) for s in T.SITES]
+    fig.legend(handles, T.SITES, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    return _save(fig, path)
+
+
+def frequency_smoothed(runs: dict, path: Path, site: str = "fwd/attn",
+                       window: int | None = None) -> Path | None:
+    """Figure 4: the mismatch frequency of one site, a moving mean over `window` steps (a
+    twentieth of the longest run by default), one line per lock-step run."""
+    runs = {label: run for label, run in T.lockstep_runs(runs).items()
+            if (run.mismatch["site"] == site).any()}
+    if not runs:
+        return None
+    plt = _pyplot()
+    longest = max(int(run.mismatch["step"].max()) for run in runs.values())
+    window = window or max(1, round(longest / 20))
+    fig, ax = _with_legend_room(plt, 1, len(runs), 7.5, 4.2)
+    for (label, run), style in zip(runs.items(), styles(runs).values()):
+        freq = T.frequency_by_step(run.mismatch, site)
+        smooth = _positive(freq.rolling(window, min_periods=1).mean())
+        ax.plot(smooth.index, smooth.values, lw=1.2, label=label, **style)
+    _log_y(ax)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(f"{site} mismatch frequency\n(moving mean over {window} steps)")
+    ax.set_title(f"Smoothed mismatch frequency of {site}")
+    ax.grid(alpha=0.3, which="major")
+    _legend_outside(fig, ax, len(runs))
+    return _save(fig, path)
+
+
+def gradients(runs: dict, path: Path) -> Path | None:
+    """Figure 5: ||g' - g||_2 per step beside the healthy ||g||_2, one panel per run, titled
+    with its WCNTS (eq. 5). Parameter-sync runs (the paper's setting) when there are any, else
+    the other synchronized runs (lock-step)."""
+    synced = T.synchronized_runs(runs)
+    runs = {label: run for label, run in synced.items() if T.run_mode(run) == "paramsync"} \
+        or synced
+    if not runs:
+        return None
+    plt = _pyplot()
+    wcnts = T.wcnts_table(runs)
+    fig, axes = _panel_grid(len(runs), "Gradient difference and ground-truth gradient norm "
+                                       "per step (zero differences left out)")
+    for ax, (label, run) in zip(axes.flat, runs.items()):
+        diff = _positive(_series(run, "grad/diff_l2"))
+        norm = _positive(_series(run, "grad/norm"))
+        ax.plot(diff.index, diff.values, lw=0.9, color="tab:red", marker=".", markersize=2)
+        ax.plot(norm.index, norm.values, lw=1.2, color="black", ls="--")
+        _log_y(ax)
+        row = wcnts.loc[label]
+        paper = row["wcnts" + T.PUBLISHED_SUFFIX]
+        ax.set_title(f"{label}: WCNTS {T.fmt(row['wcnts'])}"
+                     + ("" if math.isnan(paper) else f" (Ma et al. {T.fmt(paper)})"), fontsize=9,
+                     y=1.0, pad=3)
+        ax.grid(alpha=0.3, which="major")
+    _label_grid(axes, len(runs), "L2 norm")
+    handles = [plt.Line2D([], [], color="tab:red", marker=".", lw=0.9),
+               plt.Line2D([], [], color="black", ls="--", lw=1.2)]
+    fig.legend(handles, ["||g' - g||, suspect minus healthy weight gradients",
+                         "||g||, healthy weight gradients"],
+               loc="lower center", ncol=2, fontsize=8, frameon=False)
+    return _save(fig, path)
+
+
+def training(runs: dict, path: Path) -> Path | None:
+    """Figure 6: parameter difference, gradient norms and training losses of free-running
+    pairs (the healthy node's curves in black)."""
+    runs = {label: run for label, run in runs.items()
+            if T.run_mode(run) in T.FREE_MODES and "param/diff_l2" in run.metrics}
+    if not runs:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    drawn_healthy = []
+    for (label, run), style in zip(runs.items(), styles(runs).values()):
+        diff = _positive(_series(run, "param/diff_l2"))
+        axes[0].plot(diff.index, diff.values, lw=1.0, label=label, **style)
+        axes[1].plot(*_xy(_series(run, "grad/norm_suspect")), lw=0.9, **style)
+        axes[2].plot(*_xy(_series(run, "loss/suspect")), lw=0.9, **style)
+        loss = _series(run, "loss/healthy")
+        if not any(loss.equals(seen) for seen in drawn_healthy):
+            drawn_healthy.append(loss)
+            axes[1].plot(*_xy(_series(run, "grad/norm")), color="black", lw=1.2, ls="--",
+                         label="healthy" if len(drawn_healthy) == 1 else None)
+            axes[2].plot(*_xy(loss), color="black", lw=1.2, ls="--")
+    _log_y(axes[0])
+    _log_y(axes[1])
+    for ax, ylabel, title in (
+            (axes[0], "||theta' - theta||_2", "Parameter difference (suspect - healthy)"),
+            (axes[1], "gradient L2 norm (before clipping)", "Gradient norm"),
+            (axes[2], "training loss (nats)", "Training loss")):
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3, which="major")
+    handles, labels = axes[0].get_legend_handles_labels()
+    h2, l2 = axes[1].get_legend_handles_labels()
+    axes[2].legend(handles + h2, labels + l2, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                   fontsize=8, frameon=False)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def bit_positions(runs: dict, path: Path) -> Path | None:
+    """Differing-bit counts per bit position (sign left, lowest mantissa bit right), one bar
+    per site, one panel per run with bit histograms in its summary.json."""
+    histograms = {}
+    for label, run in runs.items():
+        sites = {site: np.asarray(h["bits"], float)
+                 for site, h in T.bit_histograms(run).items() if h.get("bits")}
+        if sites:
+            histograms[label] = sites
+    if not histograms:
+        return None
+    plt = _pyplot()
+    fig, axes = _panel_grid(len(histograms), "Mismatching elements that differ in each bit "
+                                             "position (log scale; zero counts left out)")
+    site_style = styles(T.SITES)
+    bar = 0.8 / len(T.SITES)
+    widest = max(len(bits) for sites in histograms.values() for bits in sites.values())
+    for ax, (label, sites) in zip(axes.flat, histograms.items()):
+        width = max(len(bits) for bits in sites.values())
+        mantissa = T.MANTISSA_BITS.get(width)
+        if mantissa is not None:  # shade the exponent field; the sign bit is the leftmost
+            ax.axvspan(mantissa - 0.5, width - 1.5, color="0.92", zorder=0)
+        for i, site in enumerate(T.SITES):
+            if site in sites:
+                bits = sites[site]  # one vertical line per bar: patches are slow to draw
+                shown = bits > 0
+                ax.vlines(np.arange(len(bits))[shown] + (i - 1.5) * bar, 0.7, bits[shown],
+                          lw=2.0, color=site_style[site]["color"], label=site)
+        _log_y(ax)
+        ax.set_title(f"{label} ({width}-bit)", fontsize=9, y=1.0, pad=3)
+        ax.grid(alpha=0.3, which="major", axis="y")
+    axes.flat[0].set_xlim(widest - 0.5, -0.5)  # shared: the sign bit on the left
+    mantissa = T.MANTISSA_BITS.get(widest, widest // 2)  # sign, lowest exponent bit, ...
+    axes.flat[0].set_xticks(sorted({widest - 1, mantissa, mantissa // 2, 0}, reverse=True))
+    _label_grid(axes, len(histograms), "elements")
+    for ax in axes.flat:
+        if ax.get_xlabel():
+            ax.set_xlabel("bit position (sign | exponent, shaded | mantissa)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=site_style[s]["color"]) for s in T.SITES]
+    fig.legend(handles, T.SITES, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    return _save(fig, path)
+
+
+def abft_flags(runs: dict, path: Path, matmul: str = "o", direction: str = "fwd",
+               window: int | None = None) -> Path | None:
+    """Figure 10: per step, the fraction of ABFT checks flagged (over microsteps, layers and tp
+    ranks) for the attention output projection's forward product (left, as Ma et al.'s Figure
+    10) and for every checked product (right), one line per run with ABFT checks; a moving
+    mean over `window` steps (a twentieth of the longest run by default) keeps 15-20 runs
+    apart. The flag rate table has the unsmoothed rates."""
+    runs = T.abft_runs(runs)
+    if not runs:
+        return None
+    plt = _pyplot()
+    longest = max(int(run.abft["step"].max()) for run in runs.values())
+    window = window or max(1, round(longest / 20))
+    fig, axes = _with_legend_room(plt, 2, len(runs), 11.5, 4.4, sharey=True)
+    for (label, run), style in zip(runs.items(), styles(runs).values()):
+        for ax, (mm, dr) in zip(axes, ((matmul, direction), (None, None))):
+            freq = T.abft_frequency_by_step(run.abft, mm, dr)
+            shown = _positive(freq.rolling(window, min_periods=1).mean())
+            ax.plot(shown.index, shown.values, lw=1.1, label=label, **style)
+    for ax, title in ((axes[0], f"{matmul} ({direction}), as Figure 10 of Ma et al."),
+                      (axes[1], "all checked matmuls and directions")):
+        _log_y(ax)
+        ax.set_xlabel("optimizer step")
+        ax.set_title(f"ABFT flag frequency: {title}", fontsize=10)
+        ax.grid(alpha=0.3, which="major")
+    _legend_outside(fig, axes[1], len(runs))
+    axes[0].set_ylabel(f"fraction of checks flagged\n(moving mean over {window} steps)")
+    return _save(fig, path)
+
+
+def _xy(series: pd.Series):
+    return series.index, series.values
+
+
+FIGURES = {
+    "fig3_mismatch_frequency.png": frequency_panels,
+    "fig4_mismatch_frequency_smoothed.png": frequency_smoothed,
+    "fig5_gradient_difference.png": gradients,
+    "fig6_training_dynamics.png": training,
+    "bit_positions.png": bit_positions,
+    "fig10_abft_flag_frequency.png": abft_flags,
+}
