@@ -17,43 +17,18 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from sdcstudy.abft import checker as A
+from sdcstudy import modes
+from sdcstudy.abft import tables as A
 from sdcstudy.core import config as C
-from sdcstudy.core import data as D
 from sdcstudy.core import determinism, digest, distributed
 from sdcstudy.core import metrics as MX
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.checkpoint import Checkpointer
 from sdcstudy.core.config import Config, UserError
-from sdcstudy.core.train import NonFiniteError, Trainer, compile_step
+from sdcstudy.core.train import NonFiniteError, compile_step
 
 TABLE_COLUMNS = {RF.FAULTS: RF.FAULT_COLUMNS, RF.MISMATCH: RF.MISMATCH_COLUMNS,
                  RF.ABFT: A.COLUMNS}
-SPIKE_THRESHOLD = 0.5  # nats: a suspect loss this far above the healthy one is a spike
-
-
-def make_trainer(cfg: Config):
-    if cfg.experiment.mode in ("train", "abft"):  # abft: the single-node trainer, ABFT on
-        return Trainer.from_config(cfg)
-    if cfg.experiment.mode == "finetune":
-        from sdcstudy.finetune.trainer import FinetuneTrainer
-
-        return FinetuneTrainer.from_config(cfg)
-    from sdcstudy.paired.trainer import PAIRED_MODES, PairedTrainer
-
-    if cfg.experiment.mode in PAIRED_MODES:
-        return PairedTrainer.from_config(cfg)
-    if cfg.experiment.mode == "detect":
-        from sdcstudy.detect.trainer import DetectTrainer
-
-        return DetectTrainer.from_config(cfg)
-    if cfg.experiment.mode == "paft":
-        from sdcstudy.paft.trainer import PaftTrainer
-
-        return PaftTrainer.from_config(cfg)
-    raise UserError(f"experiment.mode {cfg.experiment.mode!r} is not available in this "
-                    f"version; use train, abft, finetune, detect, paft, "
-                    f"{', '.join(PAIRED_MODES)}.")
 
 
 def config_hash(cfg: Config) -> str:
@@ -87,8 +62,8 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         stop_after: int | None = None, progress: bool = True, echo=print) -> dict:
     """Run `cfg` into a run folder; returns the summary written to `summary.json`."""
     e = cfg.experiment
-    trainer = make_trainer(cfg)
-    loss_key = getattr(trainer, "loss_key", "loss/healthy")  # the loss that must stay finite
+    mode = modes.build(cfg)
+    trainer, loss_key = mode.trainer, mode.loss_key  # the loss that must stay finite
     # With several processes only process 0 writes the run folder (orbax has each process
     # write its own checkpoint shards); the others keep their logs in a scratch folder.
     writes = distributed.is_writer()
@@ -103,10 +78,7 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
     if writes:
         RF.atomic_write_text(run_dir / RF.CONFIG, C.dump(cfg))
 
-    if hasattr(trainer, "data_batches"):  # finetune: padded, masked question rows
-        batches = trainer.data_batches()
-    else:
-        batches = D.TokenBatches(D.prepare(cfg.data, e.seed), e.batch_size, e.microsteps)
+    batches = mode.batches()
     if batches.seq_len != cfg.data.seq_len:
         raise UserError(f"prepared data has sequence length {batches.seq_len}, "
                         f"not data.seq_len={cfg.data.seq_len}.")
@@ -116,7 +88,7 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
     shardings = trainer.shardings(state, example)
     state = _put(state, None if shardings is None else shardings[0])
     step_fn, hlo, compile_s = compile_step(trainer.train_step, state, example, shardings)
-    step_fn = trainer.wrap_step(step_fn) if hasattr(trainer, "wrap_step") else step_fn
+    step_fn = mode.step(step_fn)
 
     ckpt = Checkpointer(run_dir / RF.CHECKPOINTS, keep=e.checkpoint_keep)
     start, carried = 0, {}
@@ -132,7 +104,7 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         RF.atomic_write_json(run_dir / RF.ENV, determinism.fingerprint(hlo))
     writer = RF.MetricsWriter(files / RF.METRICS, keep_below_step=start + 1)
     tables = {name: RF.TableLog(files / name, cols, keep_below_step=start + 1)
-              for name, cols in TABLE_COLUMNS.items() if name in trainer_tables(trainer)}
+              for name, cols in TABLE_COLUMNS.items() if name in mode.tables}
     counters = dict(carried.get("counters", {}))
     histograms = {k: np.asarray(v, np.int64) for k, v in carried.get("bit_histograms", {}).items()}
     end = e.steps if stop_after is None else min(e.steps, stop_after)
@@ -223,48 +195,11 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         "tokens_per_s": tokens_per_step * done_steps / wall if done_steps else None,
         **counters,
     }
-    if hasattr(trainer, "summarize"):
-        summary.update(trainer.summarize(rows))
-    elif e.mode not in ("train", "abft"):
-        summary.update(paired_summary(rows, tables, histograms, cfg.model.dtype))
-    if hasattr(trainer, "evaluate"):  # finetune: test accuracy and disagreement
-        summary.update(trainer.evaluate(state, run_dir if writes else None))
-    if e.mode == "abft":
-        summary["abft/detection"] = A.detection_summary(tables[RF.ABFT].rows,
-                                                        tables[RF.FAULTS].rows)
+    summary.update(mode.summarize(rows, tables, histograms))
+    summary.update(mode.evaluate(state, run_dir if writes else None))
     if writes:
         RF.atomic_write_json(run_dir / RF.SUMMARY, summary)
     else:
         scratch.cleanup()
     summary["run_dir"] = str(run_dir)
     return summary
-
-
-def trainer_tables(trainer) -> tuple[str, ...]:
-    return getattr(trainer, "TABLES", (RF.FAULTS,))
-
-
-def paired_summary(rows: list[dict], tables: dict, histograms: dict, dtype: str) -> dict:
-    out = {"wcnts": MX.wcnts(rows),
-           "param/diff_l2": rows[-1].get("param/diff_l2") if rows else None,
-           "loss_spikes": MX.loss_spikes(rows, SPIKE_THRESHOLD)}
-    if RF.MISMATCH in tables:
-        import pandas as pd
-
-        frame = pd.DataFrame(tables[RF.MISMATCH].rows, columns=list(RF.MISMATCH_COLUMNS))
-        out.update(MX.site_aggregates(frame))
-        out["bit_histogram"] = bit_histogram_summary(histograms, dtype)
-    return out
-
-
-def bit_histogram_summary(histograms: dict, dtype: str) -> dict:
-    """Per site: mismatching elements per bit position (index 0 = the lowest mantissa bit) and
-    per field, to tell single bit flips (one position) from arithmetic faults (many low bits)."""
-    from sdcstudy.core.stats import bit_width, class_counts
-
-    width = bit_width(dtype)
-    out = {}
-    for site in sorted(histograms, key=lambda s: MX.SITES.index(s) if s in MX.SITES else 99):
-        counts = np.asarray(histograms[site], np.int64)[:width]
-        out[site] = {"bits": counts.tolist(), **class_counts(counts, dtype)}
-    return out

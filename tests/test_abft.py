@@ -24,6 +24,7 @@ from sdcstudy.faults import inject as F
 from sdcstudy.report import runs as report
 from sdcstudy import runner
 from sdcstudy.core import train
+from sdcstudy.faults.trainer import NodeTrainer
 
 BASE = {"experiment": {"batch_size": 2, "steps": 2, "checkpoint_every": 0},
         "model": {"n_layers": 1}, "data": {"seq_len": 16}, "optim": {"warmup_steps": 1}}
@@ -76,14 +77,14 @@ def _assert_bitwise_equal(a, b):
 @pytest.fixture(scope="module")
 def plain_step():
     """The step without ABFT: the reference every recomputed step must equal bit for bit."""
-    return _one_step(train.Trainer.from_config(_cfg()))
+    return _one_step(NodeTrainer.from_config(_cfg()))
 
 
 @pytest.fixture(scope="module")
 def faulty_step():
     """ABFT with recomputation and a top-exponent flip in three backward products. (Forward
     faults are injected through the runner below, under tensor parallelism.)"""
-    trainer = train.Trainer.from_config(_cfg("float32", "abft.enabled=true",
+    trainer = NodeTrainer.from_config(_cfg("float32", "abft.enabled=true",
                                              "abft.recompute=true"))
     trainer.abft = A.Checker(1, "paper", recompute=True, corrupt_backward=_corrupt_backward)
     state, metrics, extras = _one_step(trainer)
@@ -145,7 +146,7 @@ def bfloat16_steps(tmp_path_factory):
     evaluated on the same checks from the recorded residuals): step 1 healthy, step 2 with a
     top-exponent flip in every matmul's output. (abft.parquet rows, faults.parquet rows)."""
     profile = _profile_file(tmp_path_factory.mktemp("bf16"), "bfloat16", fault_step=2)
-    trainer = train.Trainer.from_config(_cfg("bfloat16", "abft.enabled=true",
+    trainer = NodeTrainer.from_config(_cfg("bfloat16", "abft.enabled=true",
                                              "abft.recompute=true", "abft.threshold=rounding",
                                              f"suspect.profile={profile}"))
     step_fn, state = jax.jit(trainer.train_step), trainer.init_state()

@@ -19,10 +19,12 @@ import numpy as np
 import pytest
 import yaml
 
+from sdcstudy import modes
 from sdcstudy.core import config as C
 from sdcstudy.core import data as D
 from sdcstudy.core import digest
-from sdcstudy.detect.trainer import DetectTrainer, DetectionError, odd_one_out
+from sdcstudy.detect.rollback import DetectionError
+from sdcstudy.detect.trainer import DetectTrainer, odd_one_out
 from sdcstudy.core.train import compile_step
 
 SMALL = {"model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 64},
@@ -291,10 +293,10 @@ def test_report_has_the_detector_table(tmp_path):
 
 def test_bad_detect_settings_end_in_one_sentence():
     with pytest.raises(C.ConfigError, match="not one of monitor"):
-        make_config("healthy", "transient", detectors="shadow,lockstpe")
+        modes.check(make_config("healthy", "transient", detectors="shadow,lockstpe"))
     with pytest.raises(C.ConfigError, match="at least 3"):
-        make_config("healthy", "transient", replicas=2)
+        modes.check(make_config("healthy", "transient", replicas=2))
     with pytest.raises(C.ConfigError, match="detect.advance=primary"):
-        make_config("healthy", "transient", rollback=True)
+        modes.check(make_config("healthy", "transient", rollback=True))
     with pytest.raises(C.ConfigError, match="suspect.fault_kind"):
         make_config("healthy", "sometimes")

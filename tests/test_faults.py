@@ -16,6 +16,7 @@ from sdcstudy.core import mesh as M
 from sdcstudy.core import model
 from sdcstudy.faults import profiles
 from sdcstudy.core import sites as S
+from sdcstudy.faults.trainer import NodeTrainer
 from sdcstudy.core.config import UserError
 
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -330,17 +331,15 @@ def test_healthy_profile_compiles_to_the_plain_step():
     from sdcstudy.core import train
 
     cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16}})
-    healthy = train.Trainer.from_config(cfg)
+    healthy = NodeTrainer.from_config(cfg)
     assert healthy.injector is None
-    plain = train.Trainer.from_config(cfg)
-    plain.injector = F.Injector(profiles.load("healthy"), DIMS.n_layers)
-    assert not plain.injector.active
-    plain.injector = None
+    assert not F.Injector(profiles.load("healthy"), DIMS.n_layers).active
+    plain = train.Trainer.from_config(cfg)  # the core step, which has no fault code at all
     state = healthy.init_state()
     batch = {"tokens": np.zeros((1, 2, 17), np.int32)}
     text = lambda t: jax.jit(t.train_step).lower(state, batch).as_text()  # noqa: E731
     assert text(healthy) == text(plain)
-    noisy = train.Trainer.from_config(C.from_dict(
+    noisy = NodeTrainer.from_config(C.from_dict(
         {"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
          "suspect": {"profile": "mantissa-noise"}}))
     assert text(noisy) != text(healthy)
@@ -352,7 +351,7 @@ def test_step_level_sites_run_in_the_single_node_trainer():
 
     cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
                        "suspect": {"profile": "paper-node-2"}})
-    trainer = train.Trainer.from_config(cfg)
+    trainer = NodeTrainer.from_config(cfg)
     assert {s.site for _, s in trainer.injector.tree_specs} == {"grad"}
     state = trainer.init_state()
     batch = {"tokens": np.zeros((1, 2, 17), np.int32)}

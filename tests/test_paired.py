@@ -12,7 +12,7 @@ import sdcstudy
 from sdcstudy.core import config as C
 from sdcstudy.core import data as D
 from sdcstudy.core import runfolder as RF
-from sdcstudy import runner
+from sdcstudy import modes, runner
 from sdcstudy.core import stats, train
 from sdcstudy.paired.lockstep import SITE_NAMES
 
@@ -165,7 +165,7 @@ def test_summary_aggregates_follow_the_contract(faulty_lockstep):
 
 def _drive(cfg, steps):
     """The compiled paired step, step by step, without the host loop."""
-    trainer = runner.make_trainer(cfg)
+    trainer = modes.build(cfg).trainer
     e = cfg.experiment
     batches = D.TokenBatches(D.prepare(cfg.data, e.seed), e.batch_size, e.microsteps)
     state = trainer.init_state()

@@ -23,12 +23,12 @@ def add_parser(sub) -> None:
 def measure_abft(preset: str, args, echo=B.echo_stderr, which=ABFT_VARIANTS) -> dict:
     """The single-node step without ABFT, with it, and with recomputation (or the variants
     `which` names, "off" among them), timed in rotation."""
-    from sdcstudy.core.train import Trainer
+    from sdcstudy.faults.trainer import NodeTrainer
 
     trainers, cfg, steps = {}, None, 0
     for variant, overrides in which.items():
         cfg, steps = B.preset_config("abft", preset, args, ["experiment.mode=train", *overrides])
-        trainers[variant] = Trainer.from_config(cfg)
+        trainers[variant] = NodeTrainer.from_config(cfg)
     _, warmup, variants, result = BT.time_variants(preset, args, cfg, steps, trainers, "off",
                                                    "ABFT-{}", echo)
     for variant in variants:

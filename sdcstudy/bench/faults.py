@@ -50,14 +50,14 @@ def fault_profiles(folder: Path) -> dict[str, str]:
 
 def measure_faults(preset: str, args, echo=B.echo_stderr) -> dict:
     """The four variants of one preset's single-node step, warmed up, then timed in rotation."""
-    from sdcstudy.core.train import Trainer
+    from sdcstudy.faults.trainer import NodeTrainer
 
     trainers, cfg, steps = {}, None, 0
     with tempfile.TemporaryDirectory(prefix="sdcstudy-bench-") as folder:
         for variant, profile in fault_profiles(Path(folder)).items():
             cfg, steps = B.preset_config("faults", preset, args, [
                 "experiment.mode=train", f"suspect.profile={profile}"])
-            trainer = Trainer.from_config(cfg)
+            trainer = NodeTrainer.from_config(cfg)
             # plain: no fault engine at all, whatever the profile would build.
             trainers[variant] = (dataclasses.replace(trainer, injector=None)
                                  if variant == "plain" else trainer)

@@ -110,13 +110,13 @@ def _configs(preset: str, args, workers: int) -> tuple[dict, int, int]:
 
 def measure_paft(preset: str, args, echo=B.echo_stderr) -> dict:
     from sdcstudy.paft.trainer import PaftTrainer
-    from sdcstudy.core.train import Trainer
+    from sdcstudy.faults.trainer import NodeTrainer
 
     results = []
     for workers in _workers(args):
         hostmem.release()  # the previous worker count's buffers are free by now
         configs, steps, asked = _configs(preset, args, workers)
-        trainers = {variant: (Trainer if variant == "dp" else PaftTrainer).from_config(cfg)
+        trainers = {variant: (NodeTrainer if variant == "dp" else PaftTrainer).from_config(cfg)
                     for variant, cfg in configs.items()}
         # The runners (and their buffers) are not kept: the next worker count releases them.
         warmup, variants, result = BT.time_variants(preset, args, configs["dp"], steps, trainers,

@@ -8,7 +8,6 @@ closest valid one. This module imports no JAX.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,16 +16,12 @@ from typing import Any
 
 import yaml
 
+from sdcstudy.core.errors import ConfigError, UserError, did_you_mean
+from sdcstudy.core.presets import PRESETS, ModelConfig, ModelDims, model_dims
 
-class UserError(Exception):
-    """A problem the user can fix (bad input); the CLI prints it as one sentence, exit 2."""
-
-
-class ConfigError(UserError):
-    pass
-
-
-MODES = ("train", "lockstep", "paramsync", "free", "finetune", "abft", "paft", "detect")
+__all__ = ["Config", "ConfigError", "UserError", "ModelConfig", "ModelDims", "PRESETS",
+           "model_dims", "load", "from_dict", "dump", "to_dict", "all_keys", "parse_override",
+           "validate"]
 
 
 @dataclass
@@ -39,25 +34,6 @@ class ExperimentConfig:
     checkpoint_every: int = 100  # 0 saves only at the end
     checkpoint_keep: int = 2
     name: str = ""
-
-
-@dataclass
-class ModelConfig:
-    """Llama-style decoder. Sizes set to null take the preset's value."""
-
-    preset: str = "tiny"
-    dtype: str = "float32"  # compute dtype
-    param_dtype: str = "float32"  # storage dtype of parameters and optimizer state
-    vocab_size: int | None = None
-    d_model: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    head_dim: int | None = None
-    ffn_dim: int | None = None
-    rope_theta: float | None = None
-    norm_eps: float | None = None
-    tie_embeddings: bool | None = None
 
 
 @dataclass
@@ -188,97 +164,7 @@ class Config:
     detect: DetectConfig = field(default_factory=DetectConfig)
 
 
-# --- model presets ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """Resolved model sizes: what the model code reads."""
-
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
-    rope_theta: float = 10_000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    rope_scaling: tuple | None = None  # llama3 scaling as a sorted tuple of (key, value)
-
-    @property
-    def n_params(self) -> int:
-        d, f, v = self.d_model, self.ffn_dim, self.vocab_size
-        attn = d * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        per_layer = attn + 3 * d * f + 2 * d
-        head = 0 if self.tie_embeddings else v * d
-        return v * d + self.n_layers * per_layer + d + head
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # Tests and CPU demos: D=64, 2 layers, byte vocabulary.
-    "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
-    # About 25M parameters: the largest that trains comfortably on a 2-core CPU.
-    "small": dict(vocab_size=256, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536),
-    # About 104M parameters: the scaling benchmarks' third size, between small and the 8B
-    # blocks; 12 heads and 4 KV heads (head dim 64) and FFN 4x split over tp = 1, 2 or 4.
-    "medium": dict(vocab_size=256, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4,
-                   ffn_dim=3072),
-    # Ma et al., appendix B.2: Llama3-8B blocks (d=4096, 32 heads, 8 KV heads, head dim 128,
-    # FFN 4x = 16384), 16 layers for section 4 and appendix D, 32 for sections 5-6.
-    "llama3-8b-16l": dict(vocab_size=128256, d_model=4096, n_layers=16, n_heads=32, n_kv_heads=8,
-                          ffn_dim=16384, rope_theta=500_000.0),
-    "llama3-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                      ffn_dim=16384, rope_theta=500_000.0),
-}
-
-DTYPES = ("float32", "bfloat16")
-
-
-def model_dims(model: ModelConfig, presets_dir: Path | None = None) -> ModelDims:
-    """Resolve `model.preset` plus any explicit sizes into `ModelDims`."""
-    base = dict(PRESETS.get(model.preset) or _preset_from_file(model.preset, presets_dir))
-    for f in dataclasses.fields(ModelConfig):
-        value = getattr(model, f.name)
-        if f.name not in ("preset", "dtype", "param_dtype") and value is not None:
-            base[f.name] = value
-    base.setdefault("head_dim", base["d_model"] // base["n_heads"])
-    for key in ("dtype", "param_dtype"):
-        if getattr(model, key) not in DTYPES:
-            raise ConfigError(f"model.{key} must be one of {', '.join(DTYPES)}, "
-                              f"not {getattr(model, key)!r}.")
-    if base["n_heads"] % base["n_kv_heads"]:
-        raise ConfigError(f"model.n_heads ({base['n_heads']}) must be a multiple of "
-                          f"model.n_kv_heads ({base['n_kv_heads']}).")
-    return ModelDims(**base, dtype=model.dtype, param_dtype=model.param_dtype)
-
-
-def _preset_from_file(name: str, presets_dir: Path | None) -> dict:
-    """A preset that is not built in may be a YAML file `configs/models/NAME.yaml`."""
-    folder = presets_dir or Path(__file__).resolve().parent.parent / "configs" / "models"
-    path = folder / f"{name}.yaml"
-    if not path.is_file():
-        known = sorted(PRESETS) + sorted(p.stem for p in folder.glob("*.yaml"))
-        raise ConfigError(f"unknown model.preset {name!r}{_did_you_mean(name, known)}; "
-                          f"choose one of {', '.join(known)}.")
-    data = yaml.safe_load(path.read_text()) or {}
-    allowed = {f.name for f in dataclasses.fields(ModelDims)}
-    for key in data:
-        if key not in allowed:
-            raise ConfigError(f"unknown key {key!r} in model preset file {path}"
-                              f"{_did_you_mean(key, allowed)}.")
-    return data
-
-
 # --- loading, overriding, validating ---------------------------------------------------------
-
-
-def _did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -336,7 +222,7 @@ def _build(cls, data: dict, prefix: str = ""):
         full = f"{prefix}{key}"
         if key not in types_:
             valid = [f"{prefix}{k}" for k in types_]
-            raise ConfigError(f"unknown config key {full!r}{_did_you_mean(full, valid)}.")
+            raise ConfigError(f"unknown config key {full!r}{did_you_mean(full, valid)}.")
         annotation = types_[key]
         if dataclasses.is_dataclass(annotation):
             kwargs[key] = _build(annotation, value if value is not None else {}, full + ".")
@@ -372,7 +258,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, raw = text.split("=", 1)
     key = key.strip()
     if key not in all_keys():
-        raise ConfigError(f"unknown config key {key!r}{_did_you_mean(key, all_keys())}.")
+        raise ConfigError(f"unknown config key {key!r}{did_you_mean(key, all_keys())}.")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -422,10 +308,8 @@ def dump(cfg: Config) -> str:
 
 
 def validate(cfg: Config) -> None:
+    """The checks every mode shares; a mode checks its own sections (`modes.Mode.check`)."""
     e, o, d = cfg.experiment, cfg.optim, cfg.data
-    if e.mode not in MODES:
-        raise ConfigError(f"experiment.mode {e.mode!r} is not one of {', '.join(MODES)}"
-                          f"{_did_you_mean(e.mode, MODES)}.")
     for key, value in (("experiment.steps", e.steps), ("experiment.microsteps", e.microsteps),
                        ("experiment.batch_size", e.batch_size), ("data.seq_len", d.seq_len),
                        ("mesh.tp", cfg.mesh.tp), ("mesh.dp", cfg.mesh.dp)):
@@ -433,7 +317,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be at least 1, not {value}.")
     if o.name not in ("adamw", "adam", "sgd", "sgdm"):
         raise ConfigError(f"optim.name {o.name!r} is not one of adamw, adam, sgd, sgdm"
-                          f"{_did_you_mean(o.name, ('adamw', 'adam', 'sgd', 'sgdm'))}.")
+                          f"{did_you_mean(o.name, ('adamw', 'adam', 'sgd', 'sgdm'))}.")
     if o.schedule not in ("constant", "warmup_cosine"):
         raise ConfigError(f"optim.schedule {o.schedule!r} is not one of constant, warmup_cosine.")
     if o.clip_norm is not None and o.clip_norm <= 0:
@@ -443,15 +327,11 @@ def validate(cfg: Config) -> None:
                           f"mesh.dp ({cfg.mesh.dp}).")
     if cfg.abft.threshold not in ("paper", "rounding"):
         raise ConfigError(f"abft.threshold {cfg.abft.threshold!r} is not one of paper, rounding"
-                          f"{_did_you_mean(cfg.abft.threshold, ('paper', 'rounding'))}.")
-    if e.mode == "detect":
-        from sdcstudy.detect.plan import validate as validate_detect
-
-        validate_detect(cfg)
+                          f"{did_you_mean(cfg.abft.threshold, ('paper', 'rounding'))}.")
     kinds = ("profile", "transient", "repeatable")
     if cfg.suspect.fault_kind not in kinds:
         raise ConfigError(f"suspect.fault_kind {cfg.suspect.fault_kind!r} is not one of "
-                          f"{', '.join(kinds)}{_did_you_mean(cfg.suspect.fault_kind, kinds)}.")
+                          f"{', '.join(kinds)}{did_you_mean(cfg.suspect.fault_kind, kinds)}.")
     dims = model_dims(cfg.model)
     if d.tokenizer == "byte" and dims.vocab_size < 256:
         raise ConfigError(f"the byte tokenizer needs model.vocab_size >= 256, "

@@ -20,7 +20,8 @@ import numpy as np
 from safetensors import safe_open
 
 from sdcstudy.core import model
-from sdcstudy.core.config import DTYPES, ModelDims, UserError
+from sdcstudy.core.errors import UserError
+from sdcstudy.core.presets import DTYPES, ModelDims
 
 MODEL_TYPES = ("llama", "mistral")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",

@@ -12,7 +12,7 @@ import time
 from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 from sdcstudy.core import config as C
 from sdcstudy.core import mesh as M, model, runfolder as RF
-from sdcstudy.faults import profiles
-from sdcstudy.abft import checker as A
-from sdcstudy.faults import inject as F
 from sdcstudy.core.checkpoint import Checkpointer
 from sdcstudy.core.config import Config, UserError
-from sdcstudy.core.sites import Hook, compose, identity_hook
+from sdcstudy.core.sites import Hook, identity_hook
 
 
 class NonFiniteError(RuntimeError):
@@ -108,28 +105,28 @@ def apply_update(tx: optax.GradientTransformation, state: dict, grads,
 
 @dataclass
 class Trainer:
-    """Everything static about a single-replica run: model, optimizer, schedule, faults."""
+    """Everything static about a single-replica run: model, optimizer, schedule, and the hook
+    through which a feature sees the model's sites (the identity by default).
+
+    Features extend it from outside: `faults.trainer.NodeTrainer` composes a node's fault
+    injection and ABFT checks into `loss` and `train_step`; the host loop reads the tables and
+    counters a step adds through `TABLES` and `host_tables`.
+    """
 
     cfg: Config
     dims: C.ModelDims
     graphdef: Any
     tx: optax.GradientTransformation
     schedule: optax.Schedule
-    injector: F.Injector | None = None
     hook: Hook = identity_hook
-    abft: A.Checker | None = None
 
     @classmethod
-    def from_config(cls, cfg: Config, hook: Hook = identity_hook) -> "Trainer":
+    def from_config(cls, cfg: Config, hook: Hook = identity_hook, **features) -> "Trainer":
         dims = C.model_dims(cfg.model)
         graphdef, _ = model.abstract_init(dims)
         steps = cfg.experiment.steps
-        profile = profiles.load(cfg.suspect.profile, cfg.suspect.fault_kind)
-        injector = None if profile.healthy else F.Injector(profile, dims.n_layers,
-                                                           cfg.suspect.log_limit)
         return cls(cfg, dims, graphdef, make_optimizer(cfg.optim, steps),
-                   learning_rate_schedule(cfg.optim, steps), injector, hook,
-                   A.Checker.from_config(cfg, dims.n_layers))
+                   learning_rate_schedule(cfg.optim, steps), hook, **features)
 
     @property
     def base_key(self):
@@ -139,49 +136,24 @@ class Trainer:
         _, params = model.init(self.dims, jax.random.fold_in(self.base_key, 0))
         return {"params": params, "opt_state": self.tx.init(params), "step": jnp.int32(0)}
 
-    def fault_context(self, step, microstep, sinks=None) -> F.FaultContext:
-        return F.FaultContext(jax.random.fold_in(self.base_key, 1), step, microstep, sinks)
-
     def loss(self, params, sinks, batch, microstep, step=0):
-        hook = self.hook
-        records = {}
-        inject = identity_hook
-        if self.injector is not None:
-            ctx = self.fault_context(step, microstep, sinks)
-            inject = self.injector.hook(ctx)
-            hook = compose(inject, hook)
-            records = ctx.records
-        if self.abft is not None:  # faults at a matmul's output land before its check
-            hook = self.abft.hook(sinks, full=hook, fault=inject, after=self.hook)
+        del sinks, microstep, step
         loss_sum, count = model.token_losses(self.graphdef, params, batch["tokens"],
-                                             batch.get("mask"), hook=hook)
-        if self.abft is not None:
-            records = {**records, **hook.records}
-        return loss_sum, (count, records)
+                                             batch.get("mask"), hook=self.hook)
+        return loss_sum, (count, {})
 
     def init_sinks(self) -> dict:
-        sinks = {} if self.injector is None else self.injector.init_sinks()
-        return sinks if self.abft is None else {**sinks, **self.abft.init_sinks()}
+        return {}
 
     def train_step(self, state: dict, batch: dict):
         step = state["step"] + 1
-        loss, grads, (fwd_M, bwd_M) = accumulate_gradients(
-            partial(self.loss, step=step), state["params"], batch, self.init_sinks())
-        if self.abft is not None:
-            (fwd_M, abft_fwd), (bwd_M, abft_bwd) = A.split(fwd_M), A.split(bwd_M)
-        faults = {}
-        transform_updates = lambda u: u  # noqa: E731
-        if self.injector is not None:
-            ctx = self.fault_context(step, jnp.int32(-1))
-            grads = self.injector.corrupt_tree(grads, ctx, "grad")
-            transform_updates = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
-            faults = {"micro": {**fwd_M, **bwd_M}, "step": ctx.records}
-        new_state = apply_update(self.tx, state, grads, transform_updates)
-        metrics = {"loss/healthy": loss, "grad/norm": optax.tree.norm(grads),
-                   "lr": self.schedule(state["step"])}
-        if self.abft is not None:
-            return new_state, metrics, faults, {"fwd": abft_fwd, "bwd": abft_bwd}
-        return new_state, metrics, faults
+        loss, grads, _ = accumulate_gradients(partial(self.loss, step=step), state["params"],
+                                              batch, self.init_sinks())
+        return apply_update(self.tx, state, grads), self.step_metrics(state, loss, grads)
+
+    def step_metrics(self, state: dict, loss, grads) -> dict:
+        return {"loss/healthy": loss, "grad/norm": optax.tree.norm(grads),
+                "lr": self.schedule(state["step"])}
 
     # --- host-loop interface (shared with paired.PairedTrainer) ---------------------------
 
@@ -200,37 +172,12 @@ class Trainer:
     def make_batch(self, tokens_MBL1) -> dict:
         return {"tokens": tokens_MBL1}
 
-    @property
-    def TABLES(self):
-        return (RF.FAULTS,) if self.abft is None else (RF.FAULTS, RF.ABFT)
+    TABLES: ClassVar[tuple[str, ...]] = ()
 
     def host_tables(self, step: int, extras) -> tuple[dict, dict]:
-        """Host side, one step: rows for the run folder's tables, and counters."""
-        faults, *checks = extras
-        rows, overflow = self.fault_rows(faults, step)
-        tables = {RF.FAULTS: rows}
-        counters = {"faults/landed": len(rows) + overflow, "faults/unlogged": overflow}
-        if self.abft is not None:
-            (checks,) = checks
-            tables[RF.ABFT] = [r for m in range(self.cfg.experiment.microsteps)
-                               for r in self.abft.rows(
-                                   {k: v[m] for k, v in checks["fwd"].items()},
-                                   {k: v[m] for k, v in checks["bwd"].items()}, step, m)]
-            counters.update(A.counters(tables[RF.ABFT]))
-        return tables, counters
-
-    def fault_rows(self, faults: dict, step: int) -> tuple[list[dict], int]:
-        """Host side: ground-truth rows of one step's fault records (and the overflow count)."""
-        if self.injector is None:
-            return [], 0
-        rows, overflow = F.record_rows(faults["step"], step, -1, self.injector.profile)
-        micro = faults["micro"]
-        for m in range(self.cfg.experiment.microsteps):
-            r, o = F.record_rows({k: v[m] for k, v in micro.items()}, step, m,
-                                 self.injector.profile)
-            rows += r
-            overflow += o
-        return rows, overflow
+        """Host side, one step: rows for the run folder's tables, and counters (none here)."""
+        del step, extras
+        return {}, {}
 
 
 def compile_step(step_fn, state, batch, shardings=None):

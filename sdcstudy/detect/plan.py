@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sdcstudy.core.errors import ConfigError, did_you_mean
+
 DETECTORS = ("monitor", "abft", "shadow", "reexec", "lockstep", "localize")
 ADVANCE = ("reference", "primary")
 
@@ -37,15 +39,13 @@ class Execution:
 
 
 def parse_detectors(text: str) -> tuple[str, ...]:
-    from sdcstudy.core.config import ConfigError, _did_you_mean
-
     if text.strip() == "all":
         return DETECTORS
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     for name in names:
         if name not in DETECTORS:
             raise ConfigError(f"detect.detectors names {name!r}, which is not one of "
-                              f"{', '.join(DETECTORS)}{_did_you_mean(name, DETECTORS)}.")
+                              f"{', '.join(DETECTORS)}{did_you_mean(name, DETECTORS)}.")
     if not names:
         raise ConfigError("detect.detectors is empty; name at least one of "
                           f"{', '.join(DETECTORS)}, or all.")
@@ -72,8 +72,6 @@ def executions(detectors: tuple[str, ...], dp: int, replicas: int = 3,
 
 
 def validate(cfg) -> None:
-    from sdcstudy.core.config import ConfigError
-
     d, dp = cfg.detect, cfg.mesh.dp
     parse_detectors(d.detectors)
     if cfg.mesh.tp != 1:

@@ -19,6 +19,10 @@ import jax
 import jax.numpy as jnp
 
 
+class DetectionError(RuntimeError):
+    """A step stayed flagged after every retry the rollback allows."""
+
+
 class VerifiedRollback:
     """Wraps a compiled detect step `(state, batch) -> (state, metrics, faults, out)`.
 
@@ -56,13 +60,9 @@ class VerifiedRollback:
             if not self.trainer.flagged(verdict):
                 self.trainer.accept(verdict)
                 self.promote(new_state, self.verified_step + 1)
-                from sdcstudy.detect.trainer import per_step
-
                 verdict["rollbacks"] = attempt
                 self.rollbacks += attempt
-                return new_state, {**metrics, **per_step(verdict)}, faults, verdict
-        from sdcstudy.detect.trainer import DetectionError
-
+                return new_state, metrics, faults, verdict
         raise DetectionError(f"step {self.verified_step + 1} was still flagged after "
                              f"{self.max_retries} rollbacks: a repeatable fault (or a transient "
                              f"one that strikes nearly every execution) cannot be rolled back.")

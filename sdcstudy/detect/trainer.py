@@ -35,12 +35,11 @@ from sdcstudy.abft import checker as A
 from sdcstudy.faults import inject as F
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import Config
-from sdcstudy.detect.plan import DETECTORS, executions, needs_reference, parse_detectors
-from sdcstudy.core.train import Trainer, accumulate_gradients, apply_update, compile_step
-
-class DetectionError(RuntimeError):
-    """A step stayed flagged after every retry the rollback allows."""
-
+from sdcstudy.detect.plan import (DETECTORS, executions, needs_reference, parse_detectors,
+                                  validate)
+from sdcstudy.core.train import accumulate_gradients, apply_update, compile_step
+from sdcstudy.faults.trainer import NodeTrainer
+from sdcstudy.detect.rollback import DetectionError, VerifiedRollback
 
 # --- the bitwise comparisons ------------------------------------------------------------------
 
@@ -108,8 +107,8 @@ class Monitor:
 
 
 @dataclass
-class DetectTrainer(Trainer):
-    """`Trainer` whose step runs the detectors' executions and returns their comparisons."""
+class DetectTrainer(NodeTrainer):
+    """`NodeTrainer` whose step runs the detectors' executions and returns their comparisons."""
 
     detectors: tuple[str, ...] = DETECTORS
     plan: tuple = ()
@@ -118,6 +117,7 @@ class DetectTrainer(Trainer):
 
     @classmethod
     def from_config(cls, cfg: Config) -> "DetectTrainer":
+        validate(cfg)
         trainer = super().from_config(cfg)
         d = cfg.detect
         trainer.detectors = parse_detectors(d.detectors)
@@ -286,9 +286,13 @@ class DetectTrainer(Trainer):
         """The host loop's step: judge each step on the host; with `detect.rollback`, re-run
         flagged steps from the last verified state (rollback.py)."""
         if self.cfg.detect.rollback:
-            from sdcstudy.detect.rollback import VerifiedRollback
+            rollback = VerifiedRollback(compiled, self, self.cfg.detect.max_retries)
 
-            return VerifiedRollback(compiled, self, self.cfg.detect.max_retries)
+            def step(state, batch):
+                new_state, metrics, faults, verdict = rollback(state, batch)
+                return new_state, {**metrics, **per_step(verdict)}, faults, verdict
+
+            return step
 
         def step(state, batch):
             new_state, metrics, faults, out = compiled(state, batch)

@@ -1,0 +1,116 @@
+"""The `model` section of a config and the sizes it resolves to: built-in presets, preset files
+in `configs/models/`, and `ModelDims`, what the model code reads. Imports no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sdcstudy.core.errors import ConfigError, did_you_mean
+
+
+@dataclass
+class ModelConfig:
+    """Llama-style decoder. Sizes set to null take the preset's value."""
+
+    preset: str = "tiny"
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"  # storage dtype of parameters and optimizer state
+    vocab_size: int | None = None
+    d_model: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn_dim: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    tie_embeddings: bool | None = None
+
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Resolved model sizes: what the model code reads."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    rope_scaling: tuple | None = None  # llama3 scaling as a sorted tuple of (key, value)
+
+    @property
+    def n_params(self) -> int:
+        d, f, v = self.d_model, self.ffn_dim, self.vocab_size
+        attn = d * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_embeddings else v * d
+        return v * d + self.n_layers * per_layer + d + head
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Tests and CPU demos: D=64, 2 layers, byte vocabulary.
+    "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
+    # About 25M parameters: the largest that trains comfortably on a 2-core CPU.
+    "small": dict(vocab_size=256, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536),
+    # About 104M parameters: the scaling benchmarks' third size, between small and the 8B
+    # blocks; 12 heads and 4 KV heads (head dim 64) and FFN 4x split over tp = 1, 2 or 4.
+    "medium": dict(vocab_size=256, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4,
+                   ffn_dim=3072),
+    # Ma et al., appendix B.2: Llama3-8B blocks (d=4096, 32 heads, 8 KV heads, head dim 128,
+    # FFN 4x = 16384), 16 layers for section 4 and appendix D, 32 for sections 5-6.
+    "llama3-8b-16l": dict(vocab_size=128256, d_model=4096, n_layers=16, n_heads=32, n_kv_heads=8,
+                          ffn_dim=16384, rope_theta=500_000.0),
+    "llama3-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      ffn_dim=16384, rope_theta=500_000.0),
+}
+
+DTYPES = ("float32", "bfloat16")
+
+
+def model_dims(model: ModelConfig, presets_dir: Path | None = None) -> ModelDims:
+    """Resolve `model.preset` plus any explicit sizes into `ModelDims`."""
+    base = dict(PRESETS.get(model.preset) or _preset_from_file(model.preset, presets_dir))
+    for f in dataclasses.fields(ModelConfig):
+        value = getattr(model, f.name)
+        if f.name not in ("preset", "dtype", "param_dtype") and value is not None:
+            base[f.name] = value
+    base.setdefault("head_dim", base["d_model"] // base["n_heads"])
+    for key in ("dtype", "param_dtype"):
+        if getattr(model, key) not in DTYPES:
+            raise ConfigError(f"model.{key} must be one of {', '.join(DTYPES)}, "
+                              f"not {getattr(model, key)!r}.")
+    if base["n_heads"] % base["n_kv_heads"]:
+        raise ConfigError(f"model.n_heads ({base['n_heads']}) must be a multiple of "
+                          f"model.n_kv_heads ({base['n_kv_heads']}).")
+    return ModelDims(**base, dtype=model.dtype, param_dtype=model.param_dtype)
+
+
+def _preset_from_file(name: str, presets_dir: Path | None) -> dict:
+    """A preset that is not built in may be a YAML file `configs/models/NAME.yaml`."""
+    folder = presets_dir or Path(__file__).resolve().parents[2] / "configs" / "models"
+    path = folder / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(PRESETS) + sorted(p.stem for p in folder.glob("*.yaml"))
+        raise ConfigError(f"unknown model.preset {name!r}{did_you_mean(name, known)}; "
+                          f"choose one of {', '.join(known)}.")
+    data = yaml.safe_load(path.read_text()) or {}
+    allowed = {f.name for f in dataclasses.fields(ModelDims)}
+    for key in data:
+        if key not in allowed:
+            raise ConfigError(f"unknown key {key!r} in model preset file {path}"
+                              f"{did_you_mean(key, allowed)}.")
+    return data

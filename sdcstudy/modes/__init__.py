@@ -1,0 +1,44 @@
+"""Experiment modes as plug-ins: `experiment.mode` -> the class that runs it.
+
+Adding a mode is one new file in this folder, holding a `modes.base.Mode` subclass, and one
+line in `REGISTRY` below (docs/architecture.md, "Adding a mode"). Modules load on first use,
+so `sdcstudy run` imports only the mode it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from sdcstudy.core.config import Config
+from sdcstudy.core.errors import ConfigError, did_you_mean
+
+# experiment.mode -> "module:Class" under sdcstudy.modes.
+REGISTRY = {
+    "train": "train:TrainMode",
+    "lockstep": "paired:LockstepMode",
+    "paramsync": "paired:ParamsyncMode",
+    "free": "paired:FreeMode",
+    "finetune": "finetune:FinetuneMode",
+    "abft": "abft:AbftMode",
+    "paft": "paft:PaftMode",
+    "detect": "detect:DetectMode",
+}
+
+
+def get(name: str):
+    """The `Mode` class registered as `name`, or a `ConfigError` naming the closest one."""
+    if name not in REGISTRY:
+        raise ConfigError(f"experiment.mode {name!r} is not one of {', '.join(REGISTRY)}"
+                          f"{did_you_mean(name, REGISTRY)}.")
+    module, cls = REGISTRY[name].split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+
+
+def check(cfg: Config) -> None:
+    """Every check of `cfg`: its mode exists and accepts the mode's own sections."""
+    get(cfg.experiment.mode).check(cfg)
+
+
+def build(cfg: Config):
+    """The mode of `cfg`, checked and with its trainer built."""
+    return get(cfg.experiment.mode)(cfg)

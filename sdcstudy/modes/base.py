@@ -1,0 +1,93 @@
+"""The protocol every experiment mode follows, with the defaults most modes keep.
+
+The runner (`sdcstudy.runner`) knows nothing of any mode: it asks the registered class for
+`experiment.mode` (`modes.REGISTRY`) to check the config, build the trainer, give the batches,
+wrap the compiled step, and add to `summary.json`. A mode overrides only what differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from sdcstudy.core import data as D
+from sdcstudy.core.config import Config
+
+# summary.json fields every run writes, whatever its mode (runner.run).
+COMMON_SUMMARY = {
+    "mode": "experiment.mode",
+    "steps_done": "optimizer steps completed",
+    "steps": "experiment.steps",
+    "n_params": "parameters of the model",
+    "suspect_profile": "suspect.profile",
+    "loss/first": "the run's first logged loss (the mode's loss key)",
+    "loss/last": "the run's last logged loss",
+    "loss/uniform": "ln(vocab size): the loss of a uniform guess",
+    "param_digest": "SHA-256 over the bits of every final parameter",
+    "compile_s": "seconds to compile the step",
+    "wall_time_s": "seconds of the training loop",
+    "tokens_per_s": "training tokens per second of the loop",
+}
+
+# metrics.jsonl fields every run writes, one line per optimizer step.
+COMMON_METRICS = {
+    "step": "optimizer step, counted from 1",
+    "time/step_s": "host seconds between two logged steps",
+}
+
+
+class Mode:
+    """One experiment mode. Subclasses set `name` and `build`; the rest has defaults.
+
+    - `check(cfg)`: reject settings of this mode's sections (a `ConfigError`, one sentence);
+    - `build()`: the trainer, with `init_state`, `make_batch`, `shardings`, `train_step`,
+      `TABLES` and `host_tables` (see `core.train.Trainer`);
+    - `batches()`: the data, with `batch(i)` and `seq_len`;
+    - `step(compiled)`: the host loop's step around the compiled one;
+    - `summarize(rows, tables, histograms)`: summary.json fields from the metrics rows and the
+      run's tables;
+    - `evaluate(state, run_dir)`: summary.json fields from the final state.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    # Config sections the mode reads beyond the ones every mode reads (docs/config.md).
+    reads: ClassVar[tuple[str, ...]] = ()
+    # What the mode adds to metrics.jsonl and summary.json: field -> one-line meaning.
+    metrics: ClassVar[dict[str, str]] = {}
+    summary: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, cfg: Config):
+        self.check(cfg)
+        self.cfg = cfg
+        self.trainer = self.build()
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        del cfg
+
+    def build(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def loss_key(self) -> str:
+        """The metric that must stay finite and that `loss/first` and `loss/last` report."""
+        return getattr(self.trainer, "loss_key", "loss/healthy")
+
+    @property
+    def tables(self) -> tuple[str, ...]:
+        return tuple(self.trainer.TABLES)
+
+    def batches(self):
+        e = self.cfg.experiment
+        return D.TokenBatches(D.prepare(self.cfg.data, e.seed), e.batch_size, e.microsteps)
+
+    def step(self, compiled):
+        return compiled
+
+    def summarize(self, rows: list[dict], tables: dict, histograms: dict) -> dict:
+        del rows, tables, histograms
+        return {}
+
+    def evaluate(self, state, run_dir) -> dict:
+        del state, run_dir
+        return {}

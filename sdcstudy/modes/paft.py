@@ -1,0 +1,29 @@
+"""`experiment.mode: paft`: `mesh.dp` data-parallel workers whose gradient aggregation goes
+wrong (noise, packet loss), with PAFT's periodic parameter averaging against it."""
+
+from __future__ import annotations
+
+from sdcstudy.modes.base import Mode
+from sdcstudy.paft.trainer import PaftTrainer, check_config
+
+
+class PaftMode(Mode):
+    name = "paft"
+    description = "data-parallel workers under aggregation errors, with PAFT averaging"
+    reads = ("suspect", "paft")
+    metrics = {
+        "loss/mean": "mean loss over the workers",
+        "div/mean_sq": "mean squared distance of the workers' parameters to their mean",
+        "div/max": "largest such distance",
+    }
+    summary = {}
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        check_config(cfg)
+
+    def build(self):
+        return PaftTrainer.from_config(self.cfg)
+
+    def summarize(self, rows, tables, histograms) -> dict:
+        return self.trainer.summarize(rows)

@@ -1,0 +1,66 @@
+"""The paired modes (Ma et al., section 3.2): a healthy and a suspect node side by side.
+
+- `lockstep` (RQ1): compare and correct the suspect at every site; parameters also synced;
+- `paramsync` (RQ2): copy the healthy parameters over after every step;
+- `free` (RQ3): no synchronization.
+"""
+
+from __future__ import annotations
+
+from sdcstudy.modes.base import Mode
+from sdcstudy.paired.summary import paired_summary
+from sdcstudy.paired.trainer import PairedTrainer
+
+METRICS = {
+    "loss/healthy": "mean next-token loss of the healthy node",
+    "loss/suspect": "mean next-token loss of the suspect node",
+    "grad/norm": "||g||2 of the healthy gradient, after accumulation, before clipping",
+    "grad/diff_l2": "||g' - g||2 between the nodes' gradients",
+    "grad/nts": "grad/diff_l2 / grad/norm (eq. 5 before its max over steps)",
+    "param/diff_l2": "||theta' - theta||2 after the update (before any synchronization)",
+    "lr": "learning rate of the step",
+    "faults/landed": "corruptions the injector made this step",
+    "faults/unlogged": "corruptions beyond suspect.log_limit, counted but not logged",
+}
+SUMMARY = {
+    "wcnts": "eq. (5): max over steps of grad/nts",
+    "param/diff_l2": "the last step's parameter difference",
+    "loss_spikes": "steps whose suspect loss exceeds the healthy one by 0.5 nats",
+    "faults/landed": "corruptions made over the run",
+    "faults/unlogged": "corruptions made but not logged",
+}
+LOCKSTEP_SUMMARY = {
+    "freq": "per site: mismatch frequency, eqs. (1)-(2), mean over microsteps",
+    "max_severity": "per site: mismatch severity, eqs. (3)-(4), max over microsteps",
+    "bit_histogram": "per site: mismatching elements per bit position and per field",
+    "mismatch/<site>": "mismatching elements per site over the run",
+}
+
+
+class PairedMode(Mode):
+    reads = ("suspect", "abft")
+    metrics = METRICS
+    summary = SUMMARY
+
+    def build(self):
+        return PairedTrainer.from_config(self.cfg)
+
+    def summarize(self, rows, tables, histograms) -> dict:
+        return paired_summary(rows, tables, histograms, self.cfg.model.dtype)
+
+
+class LockstepMode(PairedMode):
+    name = "lockstep"
+    description = "RQ1: compare the suspect with the healthy node at every site, then correct it"
+    metrics = {**METRICS, "mismatch/<site>": "mismatching elements at a site this step"}
+    summary = {**SUMMARY, **LOCKSTEP_SUMMARY}
+
+
+class ParamsyncMode(PairedMode):
+    name = "paramsync"
+    description = "RQ2: copy the healthy parameters over after every step"
+
+
+class FreeMode(PairedMode):
+    name = "free"
+    description = "RQ3: no synchronization; the nodes drift apart"

@@ -1,0 +1,38 @@
+"""summary.json fields of a paired run, from its metrics rows and mismatch table (no JAX):
+WCNTS (eq. 5), the final parameter difference, loss spikes, the per-site frequency and severity
+aggregates (eqs. 1-4) and the per-site histograms of mismatching bit positions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sdcstudy.core import metrics as MX
+from sdcstudy.core import runfolder as RF
+from sdcstudy.core.stats import bit_width, class_counts
+
+SPIKE_THRESHOLD = 0.5  # nats: a suspect loss this far above the healthy one is a spike
+
+
+def paired_summary(rows: list[dict], tables: dict, histograms: dict, dtype: str) -> dict:
+    out = {"wcnts": MX.wcnts(rows),
+           "param/diff_l2": rows[-1].get("param/diff_l2") if rows else None,
+           "loss_spikes": MX.loss_spikes(rows, SPIKE_THRESHOLD)}
+    if RF.MISMATCH in tables:
+        import pandas as pd
+
+        frame = pd.DataFrame(tables[RF.MISMATCH].rows, columns=list(RF.MISMATCH_COLUMNS))
+        out.update(MX.site_aggregates(frame))
+        out["bit_histogram"] = bit_histogram_summary(histograms, dtype)
+    return out
+
+
+def bit_histogram_summary(histograms: dict, dtype: str) -> dict:
+    """Per site: mismatching elements per bit position (index 0 = the lowest mantissa bit) and
+    per field, to tell single bit flips (one position) from arithmetic faults (many low bits)."""
+    width = bit_width(dtype)
+    out = {}
+    for site in sorted(histograms, key=lambda s: MX.SITES.index(s) if s in MX.SITES else 99):
+        counts = np.asarray(histograms[site], np.int64)[:width]
+        out[site] = {"bits": counts.tolist(), **class_counts(counts, dtype)}
+    return out

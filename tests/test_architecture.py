@@ -1,0 +1,163 @@
+"""The package's layers, read from the source: `sdcstudy.core` imports no feature subpackage,
+no two modules import each other (directly or through others, imports inside functions
+included), no module is over 400 lines and at most 10 modules sit directly in `sdcstudy/`.
+
+Each check is a function of a source tree, so the tests below also plant a cycle and a
+core-to-feature import in a copy and show that the checks catch them (a check that cannot fail
+is no check). docs/architecture.md explains the layers these checks keep.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "sdcstudy"
+MAX_LINES = 400
+MAX_TOP_LEVEL = 10
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(root: Path) -> dict[str, Path]:
+    return {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+
+
+def _resolve(node: ast.ImportFrom, name: str, is_package: bool) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = name.split(".") if is_package else name.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, anywhere in its source (functions too).
+
+    `from pkg import name` counts as importing `pkg.name` when that is a module, else `pkg`.
+    A package's `__init__` that an import passes through is not counted: it only names its
+    layer (the root's lazy exports aside, which import nothing at import time).
+    """
+    known = modules(root)
+    top = root.name
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(node, name, path.name == "__init__.py")
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                           for a in node.names]
+            else:
+                continue
+            deps.update(t for t in targets if t in known and (t == top or t.startswith(top + ".")))
+        deps.discard(name)
+        graph[name] = deps
+    return graph
+
+
+def core_violations(graph: dict[str, set[str]], top: str = "sdcstudy") -> list[str]:
+    """`core` module -> the feature (or top-level) module it imports."""
+    core = f"{top}.core"
+    return sorted(f"{m} imports {d}" for m, deps in graph.items()
+                  if m == core or m.startswith(core + ".")
+                  for d in deps if not (d == core or d.startswith(core + ".")))
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path `a -> b -> ... -> a`, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def long_modules(root: Path = PACKAGE) -> list[str]:
+    return [f"{p.relative_to(root.parent)} ({n} lines)" for p in sorted(root.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+
+
+# --- the package as it is ----------------------------------------------------------------------
+
+
+def test_core_imports_no_feature():
+    assert core_violations(import_graph()) == [], \
+        "sdcstudy.core must not import a feature subpackage; move the shared piece into core"
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_no_module_over_400_lines():
+    assert long_modules() == [], "split these modules by idea"
+
+
+def test_at_most_ten_modules_directly_in_the_package():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} modules directly in sdcstudy/: {top}"
+
+
+def test_the_graph_sees_the_package():
+    # Guards the checks above against passing on an empty or misread graph.
+    graph = import_graph()
+    assert "sdcstudy.core.train" in graph["sdcstudy.runner"]
+    assert "sdcstudy.core.config" in graph["sdcstudy.core.train"]
+    assert len(graph) > 50
+
+
+# --- the checks catch what they are for ---------------------------------------------------------
+
+
+@pytest.fixture
+def copy(tmp_path):
+    shutil.copytree(PACKAGE, tmp_path / "sdcstudy",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path / "sdcstudy"
+
+
+def _append(path: Path, line: str) -> None:
+    path.write_text(path.read_text() + "\n\ndef _planted():\n    " + line + "\n")
+
+
+def test_a_planted_cycle_is_found_with_its_path(copy):
+    # core.config is imported by core.mesh; an import back inside a function closes a circle.
+    _append(copy / "core" / "config.py", "from . import mesh")
+    cycle = find_cycle(import_graph(copy))
+    assert cycle is not None and cycle[0] == cycle[-1]
+    assert {"sdcstudy.core.config", "sdcstudy.core.mesh"} <= set(cycle)
+
+
+def test_a_planted_core_to_feature_import_is_named(copy):
+    _append(copy / "core" / "model.py", "from sdcstudy.faults import inject")
+    assert core_violations(import_graph(copy)) == \
+        ["sdcstudy.core.model imports sdcstudy.faults.inject"]
+
+
+def test_a_planted_long_module_is_named(copy):
+    (copy / "core" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert long_modules(copy) == [f"sdcstudy/core/long.py ({MAX_LINES + 1} lines)"]
