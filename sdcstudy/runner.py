@@ -18,7 +18,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from sdcstudy import modes
-from sdcstudy.abft import tables as A
 from sdcstudy.core import config as C
 from sdcstudy.core import determinism, digest, distributed
 from sdcstudy.core import metrics as MX
@@ -26,10 +25,6 @@ from sdcstudy.core import runfolder as RF
 from sdcstudy.core.checkpoint import Checkpointer
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.train import NonFiniteError, compile_step
-
-TABLE_COLUMNS = {RF.FAULTS: RF.FAULT_COLUMNS, RF.MISMATCH: RF.MISMATCH_COLUMNS,
-                 RF.ABFT: A.COLUMNS}
-
 
 def config_hash(cfg: Config) -> str:
     d = C.to_dict(cfg)
@@ -99,12 +94,13 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
             raise UserError(f"checkpoint {start} in {str(run_dir)!r} was written by another "
                             f"configuration; it was left as it is.")
         carried = record.get("carried", {})
+        mode.resume(carried.get("mode", {}))
         echo(f"resuming {run_dir} from step {start}")
     if writes:
         RF.atomic_write_json(run_dir / RF.ENV, determinism.fingerprint(hlo))
     writer = RF.MetricsWriter(files / RF.METRICS, keep_below_step=start + 1)
     tables = {name: RF.TableLog(files / name, cols, keep_below_step=start + 1)
-              for name, cols in TABLE_COLUMNS.items() if name in mode.tables}
+              for name, cols in mode.tables.items()}
     counters = dict(carried.get("counters", {}))
     histograms = {k: np.asarray(v, np.int64) for k, v in carried.get("bit_histograms", {}).items()}
     end = e.steps if stop_after is None else min(e.steps, stop_after)
@@ -112,6 +108,8 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
     def save(step):
         extra = {"counters": counters,
                  "bit_histograms": {k: v.tolist() for k, v in histograms.items()}}
+        if carry := mode.carry():
+            extra["mode"] = carry
         ckpt.save(step, state, {"config_hash": config_hash(cfg), "step": step, "carried": extra})
 
     def flush():

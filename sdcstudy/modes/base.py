@@ -9,8 +9,14 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from sdcstudy.abft import tables as abft_tables
 from sdcstudy.core import data as D
+from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import Config
+
+# Run-folder tables a trainer may name in `TABLES`, with their columns.
+TABLE_COLUMNS = {RF.FAULTS: RF.FAULT_COLUMNS, RF.MISMATCH: RF.MISMATCH_COLUMNS,
+                 RF.ABFT: abft_tables.COLUMNS}
 
 # summary.json fields every run writes, whatever its mode (runner.run).
 COMMON_SUMMARY = {
@@ -45,7 +51,9 @@ class Mode:
     - `step(compiled)`: the host loop's step around the compiled one;
     - `summarize(rows, tables, histograms)`: summary.json fields from the metrics rows and the
       run's tables;
-    - `evaluate(state, run_dir)`: summary.json fields from the final state.
+    - `evaluate(state, run_dir)`: summary.json fields from the final state;
+    - `carry()` / `resume(carried)`: host-side state the mode keeps between steps, saved with
+      every checkpoint and given back on `--resume`, so a resumed run equals an unbroken one.
     """
 
     name: ClassVar[str]
@@ -74,8 +82,9 @@ class Mode:
         return getattr(self.trainer, "loss_key", "loss/healthy")
 
     @property
-    def tables(self) -> tuple[str, ...]:
-        return tuple(self.trainer.TABLES)
+    def tables(self) -> dict[str, tuple[str, ...]]:
+        """The run folder's Parquet tables this mode writes: file name -> columns."""
+        return {name: TABLE_COLUMNS[name] for name in self.trainer.TABLES}
 
     def batches(self):
         e = self.cfg.experiment
@@ -91,3 +100,9 @@ class Mode:
     def evaluate(self, state, run_dir) -> dict:
         del state, run_dir
         return {}
+
+    def carry(self) -> dict:
+        return {}
+
+    def resume(self, carried: dict) -> None:
+        del carried
