@@ -8,7 +8,7 @@ give three explanations for ABFT's misses; this experiment turns each into numbe
 2. faults outside the matmuls (softmax, SwiGLU activation, attention context, RMS norms):
    the rate at which any ABFT check of the step flags at all;
 3. dtype: the same for float32 and bfloat16, with the paper's threshold (tau = k u, float32 u),
-   the paper's formula with the bfloat16 epsilon, and our rounding bound (abft.py), including
+   the paper's formula with the bfloat16 epsilon, and our rounding bound (abft/checker.py), including
    the false-alarm rate on healthy steps.
 
 Each trial is one forward and backward pass of the model (random tokens, the seed's initial

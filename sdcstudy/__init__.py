@@ -9,7 +9,7 @@ import importlib
 
 from sdcstudy.core import hostmem
 
-# Freed host memory stays in the process (see hostmem.py): each step's buffers are reused
+# Freed host memory stays in the process (see core/hostmem.py): each step's buffers are reused
 # instead of being faulted in again. SDCSTUDY_MALLOC=system keeps the C library's defaults.
 hostmem.tune()
 

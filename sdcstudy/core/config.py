@@ -69,7 +69,7 @@ class OptimConfig:
 
 @dataclass
 class AbftConfig:
-    enabled: bool = False  # checksummed matmuls on every linear layer (abft.py)
+    enabled: bool = False  # checksummed matmuls on every linear layer (abft/checker.py)
     recompute: bool = False  # recompute a flagged product, so training goes on correct values
     threshold: str = "paper"  # "paper" (tau = k u, float32 u) or "rounding" (safe for bfloat16)
 
@@ -83,7 +83,7 @@ class PaftNoiseConfig:
 
 @dataclass
 class PaftLossConfig:
-    """Packet loss in gradient aggregation and parameter broadcasts (paft.py)."""
+    """Packet loss in gradient aggregation and parameter broadcasts (paft/packets.py)."""
 
     p: float = 0.0  # drop probability of each gradient packet on each link
     burst: float = 0.0  # mean length of a run of dropped packets; 0: independent drops
@@ -107,7 +107,7 @@ class PaftConfig:
 
 @dataclass
 class DetectConfig:
-    """Detector benchmark and verified rollback (`experiment.mode: detect`, detect.py)."""
+    """Detector benchmark and verified rollback (`experiment.mode: detect`, detect/trainer.py)."""
 
     detectors: str = "all"  # comma-separated: monitor, abft, shadow, reexec, lockstep, localize
     suspect_rank: int = 1  # the data-parallel rank whose device is faulty

@@ -6,7 +6,7 @@ input is sequence-sharded and the weights hold this rank's heads and FFN columns
 counts are read from the weights' shapes, so the same code runs sharded and unsharded.
 
 The model knows nothing about faults or comparisons: it calls `hook(site, x, layer)` at the
-named sites of `sites.py` (identity by default), and `sites.linear(hook, site, x, w, layer)`
+named sites of `core/sites.py` (identity by default), and `sites.linear(hook, site, x, w, layer)`
 for the projections whose outputs are sites (a hook may own those products: ABFT's does).
 Layers count from 1; layer 0 is outside the blocks.
 

@@ -73,7 +73,7 @@ def accumulate_gradients(loss_fn: Callable, params, batch_M: dict, sinks=None):
     one microstep's slice of `batch_M` (a dict of arrays with a leading microstep axis).
     Gradients of the sums accumulate in float32 and are divided by the total count once.
     `sinks` are zero inputs whose gradients carry backward records out of the step (see
-    `faults.py`, `lockstep.py`); they and `aux` come back stacked per microstep.
+    `faults/inject.py`, `paired/lockstep.py`); they and `aux` come back stacked per microstep.
     """
     sinks = {} if sinks is None else sinks
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)

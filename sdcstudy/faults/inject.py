@@ -1,6 +1,6 @@
 """Fault injection: seeded, replayable corruptions inside the jitted step, logged as ground truth.
 
-What a fault is (`FaultSpec`, `TimePattern`, `Profile`, their YAML form): `fault_specs.py`.
+What a fault is (`FaultSpec`, `TimePattern`, `Profile`, their YAML form): `faults/specs.py`.
 The `Injector` turns a profile into a `sites.Hook`: forward sites are corrupted where they are
 computed, backward sites (`bwd/...`) through a custom VJP that corrupts the cotangent.
 

@@ -2,7 +2,7 @@
 
 Faults are data. A `FaultSpec` names a site, a corruption kind, a per-element rate, the bits or
 value model, the layers, tp ranks and node it strikes, and a time pattern; a profile is a named
-list of specs (`profiles.py` holds the node zoo). `faults.py` injects them.
+list of specs (`faults/profiles.py` holds the node zoo). `faults/inject.py` injects them.
 """
 
 from __future__ import annotations

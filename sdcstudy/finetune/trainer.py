@@ -2,7 +2,7 @@
 finetune`.
 
 A pretrained model (a Hugging Face Llama/Mistral folder, or an sdcstudy run folder's latest
-checkpoint) is fine-tuned on a multiple-choice QA task (`qa.py`) on a healthy node and a
+checkpoint) is fine-tuned on a multiple-choice QA task (`finetune/qa.py`) on a healthy node and a
 suspect node side by side, free-running (no synchronization, as in `free` mode), with any
 fault profile on the suspect. Both nodes see the same batches, in the order set by the shuffle
 seed. After the last step both nodes answer the test questions, and so does the model before

@@ -6,7 +6,7 @@ training replica with Megatron tensor and sequence parallelism over `tp` and dat
 over `dp`; both run the same sharded program. Modes:
 
 - `lockstep` (RQ1): taps at the four sites compare the suspect's tensors with the healthy ones
-  bit for bit and overwrite them (`lockstep.py`); parameters and optimizer state are also
+  bit for bit and overwrite them (`paired/lockstep.py`); parameters and optimizer state are also
   synchronized after every step, so each comparison isolates one submodule computation.
 - `paramsync` (RQ2): after each optimizer step the healthy state overwrites the suspect's.
 - `free` (RQ3): no synchronization.
