@@ -179,7 +179,8 @@ KILLED_CHILD = textwrap.dedent("""
     import asyncio, os, sys, yaml
     from pathlib import Path
     from orbax.checkpoint._src.path import atomicity
-    from sdcstudy import config as C, runner
+    from sdcstudy import runner
+    from sdcstudy.core import config as C
 
     out, pause_step = Path(sys.argv[1]), sys.argv[2]
     original = atomicity.AtomicRenameTemporaryPath.finalize

@@ -1,4 +1,4 @@
-"""The host allocator's thresholds (sdcstudy/hostmem.py), checked in fresh processes: the
+"""The host allocator's thresholds (sdcstudy/core/hostmem.py), checked in fresh processes: the
 setting happens once, when `sdcstudy` is imported."""
 
 import os
@@ -10,7 +10,7 @@ import pytest
 
 from sdcstudy.core import hostmem
 
-SNIPPET = "import sdcstudy; from sdcstudy import hostmem; print(hostmem.describe())"
+SNIPPET = "import sdcstudy; from sdcstudy.core import hostmem; print(hostmem.describe())"
 
 
 def _run(snippet: str = SNIPPET, **env) -> subprocess.CompletedProcess:
