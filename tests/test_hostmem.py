@@ -63,7 +63,7 @@ def test_a_misspelt_opt_out_is_named_in_one_warning():
 RELEASE_SNIPPET = """
 import numpy as np
 import sdcstudy
-from sdcstudy import hostmem
+from sdcstudy.core import hostmem
 
 def rss():
     with open("/proc/self/statm") as f:
