@@ -47,6 +47,7 @@ import pandas as pd  # noqa: E402
 from sdcstudy.abft import checker as A  # noqa: E402
 from sdcstudy.core import config as C  # noqa: E402
 from sdcstudy.faults import inject as F  # noqa: E402
+from sdcstudy.faults import corrupt as FC  # noqa: E402
 from sdcstudy.core import model  # noqa: E402
 from sdcstudy.core import sites as S  # noqa: E402
 
@@ -58,7 +59,7 @@ RULES = A.HOST_THRESHOLDS
 
 @jax.custom_vjp
 def _flip(x, hit, bit):
-    return jnp.where(hit, F.flip_bits(x, bit), x)
+    return jnp.where(hit, FC.flip_bits(x, bit), x)
 
 
 def _flip_fwd(x, hit, bit):
@@ -123,7 +124,7 @@ def plan(dims, width: int, repeats: int, healthy: int, seed: int) -> list[dict]:
 
 
 def bit_class(bit: int, width: int) -> str:
-    sign, exponent, _ = F._LAYOUT[width]
+    sign, exponent, _ = FC._LAYOUT[width]
     return "sign" if bit == sign else "exponent" if bit in exponent else "mantissa"
 
 

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from sdcstudy.core import config as C
 from sdcstudy.faults import specs as FS
 from sdcstudy.faults import inject as F
+from sdcstudy.faults import corrupt as FC
 from sdcstudy.core import mesh as M
 from sdcstudy.core import model
 from sdcstudy.faults import profiles
@@ -28,7 +29,7 @@ def _x(dtype, shape=(200, 500), seed=0):
 
 
 def _bits(a, dtype):
-    return np.asarray(jax.device_get(F.to_bits(a))).astype(np.uint64)
+    return np.asarray(jax.device_get(FC.to_bits(a))).astype(np.uint64)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -38,7 +39,7 @@ def test_counts_follow_the_rate_within_binomial_bounds(dtype):
     x, rate = _x(dtype), 1e-3
     spec = FS.FaultSpec("fwd/attn", "bitflip", rate=rate, bit_class="mantissa")
     n = x.size
-    counts = [int(F.corrupt(x, jax.random.key(s), spec, rate)[1].sum()) for s in range(10)]
+    counts = [int(FC.corrupt(x, jax.random.key(s), spec, rate)[1].sum()) for s in range(10)]
     sd = math.sqrt(n * rate * (1 - rate))
     assert all(abs(c - n * rate) < 5 * sd for c in counts), counts
     assert abs(sum(counts) - 10 * n * rate) < 4 * math.sqrt(10) * sd
@@ -47,12 +48,12 @@ def test_counts_follow_the_rate_within_binomial_bounds(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bit", [0, 6, 7, 14, 15, 22, 30, 31])
 def test_the_flipped_bit_is_exactly_the_configured_one(dtype, bit):
-    width = F.bit_width(dtype)
+    width = FC.bit_width(dtype)
     if bit >= width:
         pytest.skip("no such bit in this dtype")
     x = _x(dtype)
     spec = FS.FaultSpec("fwd/attn", "bitflip", rate=0.01, bits=(bit,))
-    y, landed, got_bit = F.corrupt(x, jax.random.key(1), spec, 0.01)
+    y, landed, got_bit = FC.corrupt(x, jax.random.key(1), spec, 0.01)
     diff = _bits(x, dtype) ^ _bits(y, dtype)
     landed = np.asarray(landed)
     assert landed.sum() > 0
@@ -63,14 +64,14 @@ def test_the_flipped_bit_is_exactly_the_configured_one(dtype, bit):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bit_class", ["sign", "exponent", "mantissa"])
 def test_bit_classes_stay_in_their_field(dtype, bit_class):
-    width = F.bit_width(dtype)
-    allowed = set(F.bits_of_class(bit_class, width))
+    width = FC.bit_width(dtype)
+    allowed = set(FC.bits_of_class(bit_class, width))
     expected = {32: {"sign": {31}, "exponent": set(range(23, 31)), "mantissa": set(range(23))},
                 16: {"sign": {15}, "exponent": set(range(7, 15)), "mantissa": set(range(7))}}
     assert allowed == expected[width][bit_class]
     x = _x(dtype)
     spec = FS.FaultSpec("fwd/attn", "bitflip", rate=0.05, bit_class=bit_class)
-    y, landed, _ = F.corrupt(x, jax.random.key(2), spec, 0.05)
+    y, landed, _ = FC.corrupt(x, jax.random.key(2), spec, 0.05)
     diff = (_bits(x, dtype) ^ _bits(y, dtype))[np.asarray(landed)]
     positions = {int(math.log2(int(d))) for d in diff}
     assert positions <= allowed and len(positions) == len(allowed)  # every allowed bit is used
@@ -81,7 +82,7 @@ def test_value_kinds(dtype):
     x = _x(dtype)
     key = jax.random.key(3)
     lo, hi = 0.5, 8.0
-    y, landed, _ = F.corrupt(x, key,
+    y, landed, _ = FC.corrupt(x, key,
                              FS.FaultSpec("fwd/ffn", "scale", rate=0.02, scale=(lo, hi)), 0.02)
     landed = np.asarray(landed)
     xf, yf = np.asarray(x, np.float64)[landed], np.asarray(y, np.float64)[landed]
@@ -89,18 +90,18 @@ def test_value_kinds(dtype):
     ulp = 2.0 ** (-8 if dtype == jnp.bfloat16 else -24)  # rounding of the scaled value
     assert np.all(rel >= lo * (1 - 4 * ulp) - 2 * ulp) and np.all(rel <= hi * (1 + 4 * ulp))
     for kind, check in (("zero", lambda v: v == 0), ("nan", np.isnan), ("inf", np.isinf)):
-        y, landed, _ = F.corrupt(x, key, FS.FaultSpec("fwd/ffn", kind, rate=0.02), 0.02)
+        y, landed, _ = FC.corrupt(x, key, FS.FaultSpec("fwd/ffn", kind, rate=0.02), 0.02)
         assert np.asarray(landed).sum() > 0
         assert np.all(check(np.asarray(y, np.float32)[np.asarray(landed)]))
 
 
 def test_count_and_lanes():
     x = _x(jnp.float32, (4, 8, 16))
-    y, landed, _ = F.corrupt(x, jax.random.key(4), FS.FaultSpec("fwd/ffn", count=3), 1.0)
+    y, landed, _ = FC.corrupt(x, jax.random.key(4), FS.FaultSpec("fwd/ffn", count=3), 1.0)
     assert int(landed.sum()) == 3
-    y, landed, _ = F.corrupt(x, jax.random.key(4), FS.FaultSpec("fwd/ffn", count=3), 0.0)
+    y, landed, _ = FC.corrupt(x, jax.random.key(4), FS.FaultSpec("fwd/ffn", count=3), 0.0)
     assert int(landed.sum()) == 0  # a count spec is off when its pattern is off
-    y, landed, _ = F.corrupt(x, jax.random.key(5),
+    y, landed, _ = FC.corrupt(x, jax.random.key(5),
                              FS.FaultSpec("fwd/ffn", "zero", rate=1.0, lanes=(3,)), 1.0)
     lanes = np.nonzero(np.asarray(landed))[-1]
     assert set(lanes.tolist()) == {3} and landed.sum() == 4 * 8
@@ -111,8 +112,8 @@ def test_count_and_lanes():
 def test_records_match_the_corruption_exactly(dtype):
     x = _x(dtype)
     spec = FS.FaultSpec("fwd/attn", "bitflip", rate=2e-4, bit_class="any")
-    y, landed, bit = F.corrupt(x, jax.random.key(6), spec, 2e-4)
-    count, rows = F.decode_record(np.asarray(F.make_record(x, y, landed, bit, 100)))
+    y, landed, bit = FC.corrupt(x, jax.random.key(6), spec, 2e-4)
+    count, rows = FC.decode_record(np.asarray(FC.make_record(x, y, landed, bit, 100)))
     flat_x, flat_y = np.asarray(x, np.float32).ravel(), np.asarray(y, np.float32).ravel()
     changed = np.nonzero(_bits(x, dtype).ravel() != _bits(y, dtype).ravel())[0]
     assert count == len(changed) == len(rows) > 0
@@ -122,8 +123,33 @@ def test_records_match_the_corruption_exactly(dtype):
         same = r["corrupted"] == flat_y[r["flat_index"]]
         assert same or (np.isnan(r["corrupted"]) and np.isnan(flat_y[r["flat_index"]]))
     # More corruptions than the record holds: all counted, the first `limit` logged.
-    count, rows = F.decode_record(np.asarray(F.make_record(x, y, landed, bit, 5)))
+    count, rows = FC.decode_record(np.asarray(FC.make_record(x, y, landed, bit, 5)))
     assert count == len(changed) and len(rows) == 5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["bitflip", "scale", "nan"])
+def test_skipping_the_draws_at_rate_zero_changes_no_bit(dtype, kind):
+    # corrupt_and_record skips the random draws when the rate is 0 (lax.cond). Both of its
+    # branches must give what corrupt + make_record give, bit for bit: the drawn result at a
+    # positive rate, and x itself with the empty record at rate 0 (also what vmap's select of
+    # both branches returns).
+    x = _x(dtype, (64, 96))
+    spec = FS.FaultSpec("fwd/attn", kind, rate=0.01, bit_class="any", scale=(2.0, 8.0))
+    key = jax.random.key(9)
+    step = jax.jit(lambda x, k, r: FC.corrupt_and_record(x, k, r, spec, 16))
+    for rate in (0.01, 0.0):
+        y, landed, bit = FC.corrupt(x, key, spec, jnp.float32(rate))
+        assert bool(np.any(landed)) == (rate > 0)  # a positive rate must land something
+        expected = FC.make_record(x, y, landed, bit, 16)
+        got_y, got_record = step(x, jax.random.key_data(key), jnp.float32(rate))
+        assert np.array_equal(_bits(got_y, dtype), _bits(y, dtype))
+        assert np.array_equal(np.asarray(got_record).view(np.uint32),
+                              np.asarray(expected).view(np.uint32)), rate
+        batched = jax.vmap(step, in_axes=(None, None, 0))(
+            x, jax.random.key_data(key), jnp.float32([rate, rate]))
+        assert np.array_equal(np.asarray(batched[1][0]).view(np.uint32),
+                              np.asarray(expected).view(np.uint32))
 
 
 def _inject(profile, seed, step=1, microstep=0, x=None):
@@ -303,7 +329,7 @@ def test_forward_faults_land_only_on_the_chosen_node_and_rank(mesh_run):
     (key,) = [k for k in records if F.parse_record_key(k)[1] == S.ATTN_OUT]
     for node in range(2):
         for rank in range(2):
-            count, rows = F.decode_record(records[key][node, rank])
+            count, rows = FC.decode_record(records[key][node, rank])
             assert count == per_device[node, rank]
             flat = np.nonzero(changed[node, rank].ravel())[0]
             assert [r["flat_index"] for r in rows] == flat[:LIMIT].tolist()
@@ -314,7 +340,7 @@ def test_backward_faults_reach_only_the_suspects_gradients(mesh_run, clean_mesh_
     _, _, sink_grads, grads = mesh_run
     clean = clean_mesh_run[3]
     (key,) = list(sink_grads)
-    counts = [[F.decode_record(sink_grads[key][n, r])[0] for r in range(2)] for n in range(2)]
+    counts = [[FC.decode_record(sink_grads[key][n, r])[0] for r in range(2)] for n in range(2)]
     assert counts[0] == [0, 0] and min(counts[1]) > 0
     # The forward fault of node 1 (layer 1) and the backward one (layer 2) both change node 1's
     # weight gradients; node 0's must be exactly those of a clean run of the same program.
