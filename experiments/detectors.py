@@ -60,7 +60,7 @@ def main(argv=None) -> int:
                    help="only redo the table and figure from the run folders already in --out")
     args = p.parse_args(argv)
     from sdcstudy.detect import tables as DT
-    from sdcstudy.report import runs as report, tables
+    from sdcstudy.report import tables, writer as report
 
     names = [f"{profile}-{kind}" for profile, kind in (("healthy", "profile"), *PROFILES)]
     if not args.tables_only:

@@ -40,7 +40,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from sdcstudy.core import config as C  # noqa: E402
 from sdcstudy.finetune import report as FR  # noqa: E402
-from sdcstudy.report import runs as R  # noqa: E402
+from sdcstudy.report import writer as R  # noqa: E402
 from sdcstudy import runner  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

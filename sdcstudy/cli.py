@@ -81,7 +81,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from sdcstudy.report import runs as report
+    from sdcstudy.report import writer as report
 
     return report.main(args.run_dirs, args.out)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sdcstudy.core import config as C
-from sdcstudy.report import runs as R
+from sdcstudy.report import writer as R
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import UserError
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from sdcstudy.core import data
+from sdcstudy.core import tokenizer as TK
 from sdcstudy.core.config import DataConfig, UserError
 from sdcstudy.core.corpus import SYNTHETIC_SEED, synthetic_corpus, synthetic_entropy
 
@@ -60,14 +61,14 @@ def test_synthetic_corpus_is_learnable():
 
 
 def test_byte_tokenizer_round_trips_utf8():
-    tokenizer = data.load_tokenizer("byte")
-    assert isinstance(tokenizer, data.ByteTokenizer) and tokenizer.vocab_size == 256
+    tokenizer = TK.load_tokenizer("byte")
+    assert isinstance(tokenizer, TK.ByteTokenizer) and tokenizer.vocab_size == 256
     text = "Grüße, 日本語 and 🙂\ttabs"
     ids = tokenizer.encode(text)
     assert ids == list(text.encode("utf-8")) and max(ids) > 127
     assert tokenizer.decode(ids) == text
     assert tokenizer.decode(list("é".encode())[:1]) == "\ufffd"  # half a character: replaced
-    assert data.separator_ids(tokenizer) == [10]
+    assert TK.separator_ids(tokenizer) == [10]
 
 
 # --- prepare ---------------------------------------------------------------------------------
@@ -130,9 +131,9 @@ def test_prepare_with_a_local_hugging_face_tokenizer(tmp_path):
     transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]",
                                          eos_token="</s>").save_pretrained(str(folder))
 
-    loaded = data.load_tokenizer(str(folder))
+    loaded = TK.load_tokenizer(str(folder))
     assert loaded(["the cat zebra"], add_special_tokens=False)["input_ids"] == [[2, 3, 0]]
-    assert data.separator_ids(loaded) == [1]
+    assert TK.separator_ids(loaded) == [1]
 
     rng = np.random.default_rng(0)
     lines = [" ".join(rng.choice(words + ["zebra"], size=rng.integers(1, 9))) for _ in range(80)]
@@ -256,7 +257,7 @@ def test_empty_and_too_small_corpora_are_user_errors(tmp_path):
 
 def test_missing_tokenizer_folder_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="tokenizer folder .*nope"):
-        data.load_tokenizer(str(tmp_path / "nope"))
+        TK.load_tokenizer(str(tmp_path / "nope"))
     with pytest.raises(UserError, match="tokenizer folder"):
         _prepare(tmp_path, tokenizer=str(tmp_path / "nope"), synthetic_tokens=1000)
 

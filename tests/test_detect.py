@@ -264,7 +264,7 @@ def test_scores_count_recall_latency_and_precision_by_hand():
 
 def test_report_has_the_detector_table(tmp_path):
     """`sdcstudy report` on detect-mode run folders (written here by hand) shows the table."""
-    from sdcstudy.report import runs as report
+    from sdcstudy.report import writer as report
 
     def fake_run(name: str, profile: str, truth: list[int], flags: list[int]):
         cfg = make_config("healthy", "transient")

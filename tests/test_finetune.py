@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from sdcstudy.core import config as C
-from sdcstudy.core import data as D
+from sdcstudy.core import tokenizer as TK
 from sdcstudy.finetune import qa
 from sdcstudy.core.config import UserError
 
@@ -137,7 +137,7 @@ def test_unlabelled_rows_are_refused(tmp_path):
 
 
 def test_padding_is_masked_out_and_answer_mask_covers_the_answer():
-    tokenizer = D.ByteTokenizer()
+    tokenizer = TK.ByteTokenizer()
     records = qa.synthetic_records(6)
     seq_len = 176
     full = qa.encode_training(records, tokenizer, seq_len, "all")
@@ -157,16 +157,16 @@ def test_padding_is_masked_out_and_answer_mask_covers_the_answer():
 
 def test_rows_longer_than_seq_len_are_cut_and_counted():
     records = qa.synthetic_records(4)
-    rows = qa.encode_training(records, D.ByteTokenizer(), 32)
+    rows = qa.encode_training(records, TK.ByteTokenizer(), 32)
     assert rows.truncated == 4 and rows.mask.all()
-    evals = qa.encode_eval(records, D.ByteTokenizer(), 32)
+    evals = qa.encode_eval(records, TK.ByteTokenizer(), 32)
     assert evals.truncated == 4 and (evals.position == 31).all()
     # The prefix keeps its end: the answer position still follows "### CORRECT ANSWER\n".
     assert bytes(evals.inputs[0].tolist()).decode().endswith(qa.ANSWER_HEADER)
 
 
 def test_batches_are_a_function_of_step_and_seed():
-    rows = qa.encode_training(qa.synthetic_records(20), D.ByteTokenizer(), 176)
+    rows = qa.encode_training(qa.synthetic_records(20), TK.ByteTokenizer(), 176)
     a, b = qa.QABatches(rows, 4, 2, seed=0), qa.QABatches(rows, 4, 2, seed=0)
     other = qa.QABatches(rows, 4, 2, seed=1)
     assert a.batch(3)["tokens"].shape == (2, 4, 177) and a.batch(3)["mask"].shape == (2, 4, 176)
@@ -366,7 +366,7 @@ def _fake_finetune_run(folder, profile, seed, healthy, suspect, spikes=()):
 def test_report_table3_rows_dp_of_the_other_seed_and_spike_flags(tmp_path):
     """DP of the other-seed baseline comes from both runs' healthy predictions; a run with a
     loss spike is starred and named; the reference seed is the one most runs share."""
-    from sdcstudy.report import runs as report
+    from sdcstudy.report import writer as report
 
     ref = np.array([0, 0, 1, 2, 0, 1, 1, 0])
     other = np.array([0, 1, 1, 2, 0, 2, 1, 0])  # differs on 2 of 8 questions

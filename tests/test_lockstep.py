@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from sdcstudy.core import config as C
 from sdcstudy.paired import lockstep as L
+from sdcstudy.paired import mismatch as MS
 from sdcstudy.core import mesh as M
 from sdcstudy.core import model
 from sdcstudy.core import sites as S
@@ -107,7 +108,7 @@ def test_device_compare_matches_numpy(dtype):
     bits[hit] ^= uint(1) << rng.integers(0, width, n).astype(uint)[hit]
     suspect = bits.view(dtype)
     want = stats.mismatch_stats(healthy, suspect)
-    got = L.decode(jax.jit(L.compare)(jnp.asarray(healthy), jnp.asarray(suspect)))
+    got = MS.decode(jax.jit(MS.compare)(jnp.asarray(healthy), jnp.asarray(suspect)))
     for key in ("mismatches", "elements", "nonfinite"):
         assert got[key] == want[key], key
     # Exponent flips give relative errors far beyond float32's range (2^128); they must
@@ -121,12 +122,12 @@ def test_device_compare_matches_numpy(dtype):
 
 def test_counts_beyond_float32_integers_stay_exact():
     for n in (2 ** 24 + 1, 2 ** 31 + 3, 2 ** 32 - 1):
-        hi, lo = np.asarray(L.encode_count(jnp.uint32(n)))
-        assert L.decode_count(hi, lo) == n
+        hi, lo = np.asarray(MS.encode_count(jnp.uint32(n)))
+        assert MS.decode_count(hi, lo) == n
     assert float(np.float32(2 ** 24 + 1)) != 2 ** 24 + 1  # why the split is needed
     # A whole tensor of 2^24 + 3 mismatching elements, through the real comparison.
     n = 2 ** 24 + 3
-    got = L.decode(jax.jit(L.compare)(jnp.zeros(n, jnp.float32), jnp.ones(n, jnp.float32)))
+    got = MS.decode(jax.jit(MS.compare)(jnp.zeros(n, jnp.float32), jnp.ones(n, jnp.float32)))
     assert got["mismatches"] == got["elements"] == got["finite"] == n
     ones = np.flatnonzero(np.array([1], np.float32).view(np.uint32)[0] >> np.arange(32) & 1)
     np.testing.assert_array_equal(np.flatnonzero(got["bits"]), ones)
@@ -337,7 +338,7 @@ def test_clean_pair_has_no_mismatch_and_taps_change_nothing(pair):
     for r in rows:
         assert (r["mismatches"], r["severity"], r["max_rel_err"], r["nonfinite"]) == (0, 0, 0, 0)
         assert r["elements"] == B * LENGTH * dims.d_model
-    assert set(L.ROW_STATS) | {"step", "microstep", "layer", "site", "tp_rank"} == set(rows[0])
+    assert set(MS.ROW_STATS) | {"step", "microstep", "layer", "site", "tp_rank"} == set(rows[0])
     # Both nodes agree bitwise, with taps and without.
     for run in (out, pair["clean"]) if pair["clean"] else (out,):
         _assert_bitwise(run[0][1], run[0][0], "loss node 1")

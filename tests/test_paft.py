@@ -1,4 +1,4 @@
-"""PAFT mode against the closed forms of docs/paft.md (sdcstudy/paft_theory.py).
+"""PAFT mode against the closed forms of docs/paft.md (sdcstudy/paft/theory.py).
 
 Plain SGD (constant learning rate, no momentum, weight decay or clipping) on a one-layer tiny
 Llama with M = 4 workers. If a test here fails, either the step no longer implements
@@ -137,7 +137,7 @@ def test_overlap_dynamic_run_folder(tmp_path):
 def test_flattened_floats_rebuild_the_tree_exactly():
     """An average works on one vector per float dtype: if this fails, it would mix up, cast or
     drop a leaf (an optimizer's integer step count must come back untouched)."""
-    from sdcstudy.paft.trainer import _flatten_floats
+    from sdcstudy.paft.divergence import _flatten_floats
 
     tree = {"a": jnp.arange(6, dtype=jnp.float32).reshape(2, 3),
             "b": (jnp.array([1.5, -2.0], jnp.bfloat16), jnp.int32(7)),

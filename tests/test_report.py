@@ -60,7 +60,7 @@ from report_runs import bit_histogram, grid_rows, paft_runs, random_node, write_
 
 from sdcstudy import cli  # noqa: E402
 from sdcstudy.paft import report as paft_report  # noqa: E402
-from sdcstudy.report import plots, runs as report  # noqa: E402
+from sdcstudy.report import plots, runs as report, writer  # noqa: E402
 from sdcstudy.faults import published  # noqa: E402
 from sdcstudy.report import tables as T  # noqa: E402
 
@@ -174,8 +174,8 @@ def zoo_dirs(tmp_path_factory):
 
 def test_report_of_three_nodes_writes_every_table_and_figure(zoo_dirs, tmp_path):
     three = [d for d in zoo_dirs if d.name.startswith(("node1-", "node7-", "node13-"))]
-    result = report.write_report(three, tmp_path / "report")
-    assert set(result["files"]) == {report.REPORT, *report.CSV_FILES, *plots.FIGURES}
+    result = writer.write_report(three, tmp_path / "report")
+    assert set(result["files"]) == {writer.REPORT, *writer.CSV_FILES, *plots.FIGURES}
     for name in plots.FIGURES:
         assert (result["out"] / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"![{name}]({name})" in result["markdown"]
@@ -184,9 +184,9 @@ def test_report_of_three_nodes_writes_every_table_and_figure(zoo_dirs, tmp_path)
 def test_report_of_15_nodes_tables(zoo_dirs, tmp_path, monkeypatch):
     # Figures of 15 panels take seconds each; three nodes above draw every figure.
     monkeypatch.setattr(plots, "FIGURES", {})
-    result = report.write_report(zoo_dirs, tmp_path / "report")
+    result = writer.write_report(zoo_dirs, tmp_path / "report")
     out = result["out"]
-    assert set(result["files"]) == {report.REPORT, *report.CSV_FILES}
+    assert set(result["files"]) == {writer.REPORT, *writer.CSV_FILES}
     runs = report.label_runs([report.load_run(d) for d in zoo_dirs])
     # The CSV holds the table's numbers for all 15 lock-step runs, in node order.
     table1 = pd.read_csv(out / "table1_frequency.csv")
@@ -201,7 +201,7 @@ def test_report_of_15_nodes_tables(zoo_dirs, tmp_path, monkeypatch):
     assert len(pd.read_csv(out / "wcnts.csv")) == 30  # lock-step and parameter-sync runs
     bits = pd.read_csv(out / "bit_fields.csv").set_index("node")
     assert bits.loc["Node 7 (lockstep)", "bwd/ffn"] == "7 / 14 / 21"  # from summary.json
-    markdown = (out / report.REPORT).read_text()
+    markdown = (out / writer.REPORT).read_text()
     for heading in ("Table 1", "Table 2", "Table 6", "Table 7", "Table 8", "Table 9", "WCNTS"):
         assert f"## {heading}" in markdown
     assert "| Node 11 (lockstep) |" in markdown and "(0.0289)" in markdown  # Table 1, node 11
@@ -213,14 +213,14 @@ def test_report_without_lockstep_runs_says_what_is_missing(tmp_path):
                                             "loss/suspect": [3.0, 3.0, 3.1],
                                             "grad/norm": [1.0, 0.9, 0.8],
                                             "grad/norm_suspect": [1.0, 0.95, 0.8]}))
-    result = report.write_report([free], tmp_path / "out")
-    assert set(result["files"]) == {report.REPORT, "runs.csv", "fig6_training_dynamics.png"}
+    result = writer.write_report([free], tmp_path / "out")
+    assert set(result["files"]) == {writer.REPORT, "runs.csv", "fig6_training_dynamics.png"}
     assert "need lock-step runs" in result["markdown"]
 
 
 def test_paft_table_and_curves_follow_the_metrics(tmp_path):
     dirs = paft_runs(tmp_path / "runs", steps=40, workers=4)
-    result = report.write_report(dirs, tmp_path / "out")
+    result = writer.write_report(dirs, tmp_path / "out")
     assert set(paft_report.FILES) <= set(result["files"])
     csv = pd.read_csv(result["out"] / "paft_final.csv").set_index("run")
     table = paft_report.final_table(report.label_runs([report.load_run(d) for d in dirs]))
@@ -246,26 +246,26 @@ def test_report_folder_is_new_or_an_earlier_report(hand_run, tmp_path, monkeypat
     # An earlier report into the same folder is replaced, and its files that the new report
     # does not make (here the lock-step tables and figures) are removed with it.
     out = tmp_path / "out"
-    first = report.write_report([hand_run], out)
+    first = writer.write_report([hand_run], out)
     assert (out / "fig3_mismatch_frequency.png").exists()
     free = write_run(tmp_path / "free", mode="free", profile="healthy",
                      metrics=_metrics(2, **{"param/diff_l2": [0.0, 0.0]}))
-    second = report.write_report([free], out)
+    second = writer.write_report([free], out)
     assert not (out / "fig3_mismatch_frequency.png").exists()
     assert not (out / "table1_frequency.csv").exists()
-    assert first["markdown"] != second["markdown"] == (out / report.REPORT).read_text()
+    assert first["markdown"] != second["markdown"] == (out / writer.REPORT).read_text()
     # A folder with other content is never written into.
     other = tmp_path / "mine"
     other.mkdir()
     (other / "notes.txt").write_text("keep")
     with pytest.raises(UserError, match="holds no report.md"):
-        report.write_report([hand_run], other)
+        writer.write_report([hand_run], other)
     assert [p.name for p in other.iterdir()] == ["notes.txt"]
     with pytest.raises(UserError, match="given twice"):
-        report.write_report([hand_run, hand_run], tmp_path / "twice")
+        writer.write_report([hand_run, hand_run], tmp_path / "twice")
     # Without --out: a new timestamped folder under runs/.
     monkeypatch.chdir(tmp_path)
-    default = report.write_report([hand_run])["out"]
+    default = writer.write_report([hand_run])["out"]
     assert default.parent == RF.default_run_dir("x").parent and default.name.startswith(
         "report-")
 
@@ -278,7 +278,7 @@ def test_cli_report_imports_no_jax_and_prints_the_tables(hand_run, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "jax imported: False" in done.stdout
     assert "## Table 1" in done.stdout and "| Node 1 | 0.00375 (1.55e-05) |" in done.stdout
-    assert (tmp_path / "r" / report.REPORT).is_file()
+    assert (tmp_path / "r" / writer.REPORT).is_file()
 
 
 def _second_lockstep_run(tmp_path):
@@ -310,9 +310,9 @@ def test_cli_report_leaves_out_only_what_needs_an_unreadable_file(hand_run, tmp_
     state = "is missing" if damage == "metrics" else "is damaged and can not be read"
     [line] = captured.err.strip().splitlines()
     assert line.startswith(f"sdcstudy: {str(hand_run / file)!r} {state}")
-    assert line.endswith(f"the report leaves Node 1 out of {report.NEEDED_BY[file]}.")
+    assert line.endswith(f"the report leaves Node 1 out of {writer.NEEDED_BY[file]}.")
     assert line.count(str(hand_run)) == 1  # pyarrow's repetition of the path is cut
-    markdown = (out / report.REPORT).read_text()
+    markdown = (out / writer.REPORT).read_text()
     assert "## Files that could not be read" in markdown and line[len("sdcstudy: "):] in markdown
     # Left out exactly where the file is needed; the whole node 7 and everything else stay.
     assert list(pd.read_csv(out / "runs.csv")["node"]) == ["Node 1", "Node 7"]
@@ -361,7 +361,7 @@ def test_a_folder_of_run_folders_stands_for_its_runs(tmp_path):
     (sweep / "report" / "report.md").write_text("# an earlier report\n")
     assert report.expand_run_dirs(sweep) == [sweep / "a", sweep / "b"]
     assert report.expand_run_dirs(sweep / "a") == [sweep / "a"]
-    result = report.write_report([sweep], tmp_path / "out")
+    result = writer.write_report([sweep], tmp_path / "out")
     assert list(pd.read_csv(result["out"] / "runs.csv")["run"]) == ["a", "b"]
     with pytest.raises(UserError, match="is not a run folder"):
-        report.write_report([sweep / "report"], tmp_path / "out2")
+        writer.write_report([sweep / "report"], tmp_path / "out2")

@@ -8,6 +8,7 @@ import yaml
 from report_runs import abft_rows, grid_rows, write_run
 
 from sdcstudy.report import runs as report
+from sdcstudy.report import writer
 from sdcstudy.core import runfolder as RF
 from sdcstudy.report import tables as T
 
@@ -48,7 +49,7 @@ def test_bit_position_table_and_figure(tmp_path):
     half_row = table.loc[("Node 7", "bwd/ffn")]
     assert (half_row["sign"], half_row["exp 0"], half_row["man 6"]) == (9, 8, 7)
     assert math.isnan(half_row["man 7"]) and half_row.sum() == 24
-    result = report.write_report([hand_run, half], tmp_path / "out")
+    result = writer.write_report([hand_run, half], tmp_path / "out")
     assert "bit_positions.png" in result["files"]
     # Markdown shows the bit positions that differ anywhere; the CSV all 32.
     section = result["markdown"].split("## Differing bits per bit position")[1].split("##")[0]
@@ -84,7 +85,7 @@ def test_abft_flag_rate_table_and_figure_10(tmp_path):
     assert list(per_step) == pytest.approx([0, 1, 0.25], rel=1e-12)
     everything = T.abft_frequency_by_step(runs["Node 14"].abft)
     assert list(everything) == pytest.approx([0, 4 / 84, 1 / 84], rel=1e-12)
-    result = report.write_report([noisy, quiet], tmp_path / "out")
+    result = writer.write_report([noisy, quiet], tmp_path / "out")
     assert {"abft_flag_rate.csv", "fig10_abft_flag_frequency.png"} <= set(result["files"])
     csv = pd.read_csv(result["out"] / "abft_flag_rate.csv").set_index(["matmul", "direction"])
     assert csv.loc[("o", "fwd"), "Node 14"] == pytest.approx(5 / 12, rel=1e-5)

@@ -230,7 +230,7 @@ def train_table(results: list[dict]) -> str:
 
 def roofline_table(results: list[dict]) -> str:
     """Model FLOP/s of each contender against the matmul peak measured in the same run, and
-    the ceiling that peak puts on ours / torch (sdcstudy/roofline.py)."""
+    the ceiling that peak puts on ours / torch (sdcstudy/bench/roofline.py)."""
     rows = [r for r in results if r.get("roofline")]
     if not rows:
         return ""

@@ -16,12 +16,14 @@ training then reads batches in order.
 - `TokenBatches.batch(step)` is a pure function of the step number, so the data position a
   checkpoint needs is the step number and nothing else.
 
+Where the documents come from is `core/sources.py`; the tokenizers are `core/tokenizer.py`.
+This module turns the documents into the prepared rows and reads them back by step.
+
 This module imports no JAX.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -32,69 +34,14 @@ from pathlib import Path
 import numpy as np
 
 from sdcstudy.core.config import DataConfig, UserError
-from sdcstudy.core.corpus import SYNTHETIC_SEED, SYNTHETIC_VERSION, synthetic_corpus
+from sdcstudy.core.corpus import SYNTHETIC_SEED, SYNTHETIC_VERSION
+from sdcstudy.core.sources import load_documents, resolve_source
+from sdcstudy.core.tokenizer import encode_batch, load_tokenizer, separator_ids
 
 PIPELINE_VERSION = 1  # bump when a change alters what prepare() writes for the same inputs
-NEWLINE = 10  # the byte tokenizer's document separator
 COLUMN = "input_ids"
 META_FILE = "sdcstudy.json"  # written last, before the atomic rename: its presence = complete
-_LOCAL_KINDS = {".txt": "text", ".jsonl": "json", ".json": "json"}
 _HASHED_FILE_BYTES = 64 << 20  # tokenizer files larger than this are identified by size/mtime
-
-
-# --- tokenizers ------------------------------------------------------------------------------
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, no special tokens; documents end with b"\\n"."""
-
-    vocab_size = 256
-    eos_id = None
-    separator_ids = (NEWLINE,)
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32) for t in texts]
-
-
-def load_tokenizer(name: str):
-    """"byte", or a local folder holding a Hugging Face tokenizer (from `save_pretrained`)."""
-    if name == "byte":
-        return ByteTokenizer()
-    folder = Path(name).expanduser()
-    if not folder.is_dir():
-        raise UserError(f"tokenizer folder {name!r} does not exist; set data.tokenizer to "
-                        f"\"byte\" or to a folder written by a tokenizer's save_pretrained.")
-    import transformers
-
-    try:
-        return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as e:  # any failure here means the folder is not a usable tokenizer
-        raise UserError(f"could not load a Hugging Face tokenizer from {name!r} "
-                        f"({_first_line(e)}); point data.tokenizer at a folder written by "
-                        f"save_pretrained.") from None
-
-
-def separator_ids(tokenizer) -> list[int]:
-    """The tokens that end every document: b"\\n" for bytes, EOS for a Hugging Face tokenizer."""
-    if isinstance(tokenizer, ByteTokenizer):
-        return list(tokenizer.separator_ids)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return [] if eos is None else [int(eos)]
-
-
-def _encode_batch(tokenizer, texts: list[str]) -> list:
-    if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.encode_batch(texts)
-    return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
 
 class _Tokenize:
@@ -106,7 +53,7 @@ class _Tokenize:
 
     def __call__(self, batch: dict) -> dict:
         texts = [t for t in batch[self.text_field] if t]
-        encoded = _encode_batch(self.tokenizer, texts)
+        encoded = encode_batch(self.tokenizer, texts)
         return {"ids": [np.concatenate([np.asarray(ids, dtype=np.int32), self.separator])
                         for ids in encoded]}
 
@@ -117,39 +64,6 @@ class _Tokenize:
 def default_cache_dir(data_cfg: DataConfig) -> Path:
     root = data_cfg.cache_dir or os.environ.get("SDCSTUDY_CACHE") or "~/.cache/sdcstudy/data"
     return Path(root).expanduser()
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _resolve_source(source: str) -> tuple[str, list[Path]]:
-    """("synthetic" | "text" | "json" | "hub", local files in the order they are read)."""
-    if source == "synthetic":
-        return "synthetic", []
-    path = Path(source).expanduser()
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file()
-                       and p.suffix.lower() in _LOCAL_KINDS
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
-        kinds = {_LOCAL_KINDS[p.suffix.lower()] for p in files}
-        if not files:
-            raise UserError(f"folder {source!r} holds no .txt, .jsonl or .json files; put the "
-                            f"corpus there or point data.source at a file.")
-        if len(kinds) > 1:
-            raise UserError(f"folder {source!r} mixes .txt and .jsonl/.json files; keep one kind "
-                            f"per folder.")
-        return kinds.pop(), files
-    if path.is_file():
-        if path.suffix.lower() not in _LOCAL_KINDS:
-            raise UserError(f"data.source {source!r} is not a .txt, .jsonl or .json file; convert "
-                            f"it to one of those.")
-        return _LOCAL_KINDS[path.suffix.lower()], [path]
-    if source.startswith(("/", ".", "~")) or path.suffix.lower() in _LOCAL_KINDS:
-        raise UserError(f"data.source {source!r} does not exist; give an existing .txt/.jsonl "
-                        f"file or folder, \"synthetic\", or a Hugging Face Hub dataset name.")
-    return "hub", []
 
 
 def _file_identity(path: Path) -> list:
@@ -200,7 +114,7 @@ def prepare(data_cfg: DataConfig, seed: int, cache_dir: Path | None = None) -> P
     if data_cfg.seq_len < 1:
         raise UserError(f"data.seq_len must be at least 1, not {data_cfg.seq_len}.")
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir(data_cfg)
-    kind, files = _resolve_source(data_cfg.source)
+    kind, files = resolve_source(data_cfg.source)
     identity = _identity(data_cfg, kind, files, seed)
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
     final = root / f"{kind}-L{data_cfg.seq_len}-s{seed}-{key}"
@@ -222,72 +136,12 @@ def prepare(data_cfg: DataConfig, seed: int, cache_dir: Path | None = None) -> P
     return final
 
 
-@contextlib.contextmanager
-def _hub_cache_inside(folder: Path):
-    """Send hub downloads to `folder` (not ~/.cache/huggingface) while a hub dataset loads:
-    `load_dataset(cache_dir=...)` places the built Arrow files, but the raw files come through
-    `hf_hub_download`, which reads these two settings."""
-    from huggingface_hub import constants
-
-    saved_hub, saved_xet = constants.HF_HUB_CACHE, os.environ.get("HF_XET_CACHE")
-    constants.HF_HUB_CACHE = str(folder / "hub")
-    os.environ["HF_XET_CACHE"] = str(folder / "xet")
-    try:
-        yield
-    finally:
-        constants.HF_HUB_CACHE = saved_hub
-        if saved_xet is None:
-            os.environ.pop("HF_XET_CACHE", None)
-        else:
-            os.environ["HF_XET_CACHE"] = saved_xet
-
-
-def _load_documents(data_cfg: DataConfig, kind: str, files: list[Path], root: Path, work: Path):
-    """A `datasets.Dataset` with one document per row; returns it and its text column."""
-    import datasets
-
-    if kind == "synthetic":
-        corpus = synthetic_corpus(data_cfg.synthetic_tokens, SYNTHETIC_SEED)
-        return datasets.Dataset.from_dict({"text": corpus}), "text"
-    if kind == "hub":
-        what = f"dataset {data_cfg.source!r}"
-        try:
-            with _hub_cache_inside(root / "hf"):
-                docs = datasets.load_dataset(data_cfg.source, data_cfg.hub_config,
-                                             split=data_cfg.split, cache_dir=str(root / "hf"))
-        except Exception as e:  # offline, unknown name, bad config or split: all the user's fix
-            raise UserError(
-                f"could not load data.source {data_cfg.source!r} (config {data_cfg.hub_config!r}, "
-                f"split {data_cfg.split!r}) from the Hugging Face Hub ({_first_line(e)}); check "
-                f"the name and the network, or give a local .txt/.jsonl file or folder.") from None
-    else:
-        what = f"{data_cfg.source!r}"
-        try:
-            docs = datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train",
-                                         cache_dir=str(work / "hf"))
-        except Exception as e:  # undecodable text, malformed JSON
-            raise UserError(f"could not read {what} as {'UTF-8 text' if kind == 'text' else 'JSON'}"
-                            f" ({_first_line(e)}); fix or remove the offending file.") from None
-        if kind == "text":
-            return docs, "text"
-    field = data_cfg.text_field
-    if field not in docs.column_names:
-        raise UserError(f"{what} has no field {field!r} (its fields: "
-                        f"{', '.join(docs.column_names)}); set data.text_field to the one that "
-                        f"holds the text.")
-    feature = docs.features[field]
-    if getattr(feature, "dtype", None) not in ("string", "large_string"):
-        raise UserError(f"field {field!r} of {what} holds {feature}, not text; set "
-                        f"data.text_field to the field that holds the text.")
-    return docs, field
-
-
 def _build(data_cfg, kind, files, seed, identity, key, root: Path, work: Path) -> None:
     """Run the pipeline inside `work`, leaving the finished dataset in `work / "dataset"`."""
     import datasets
 
     tokenizer = load_tokenizer(data_cfg.tokenizer)
-    docs, field = _load_documents(data_cfg, kind, files, root, work)
+    docs, field = load_documents(data_cfg, kind, files, root, work)
     tokenized = docs.map(
         _Tokenize(tokenizer, field), batched=True, batch_size=1000,
         remove_columns=docs.column_names,

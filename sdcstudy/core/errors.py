@@ -22,3 +22,10 @@ def did_you_mean(word: str, choices) -> str:
     """` (did you mean 'x'?)` for the closest of `choices`, or nothing when none is close."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none), to quote
+    inside a one-sentence error."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,6 +1,6 @@
 """Mismatch statistics between a healthy and a suspect tensor, in numpy (no JAX).
 
-The reference for what `paired/lockstep.py` computes on device, and the contract's
+The reference for what `paired/mismatch.py` computes on device, and the contract's
 `sdcstudy.mismatch_stats` (CONTRACT.md, "Metric definitions"; Ma et al., "Understanding Silent
 Data Corruption in LLM Training", section 3, eqs. (1)-(4)):
 

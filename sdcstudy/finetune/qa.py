@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from sdcstudy.core import corpus
-from sdcstudy.core import data as D
+from sdcstudy.core import tokenizer as TK
 from sdcstudy.core.config import UserError
 
 LETTERS = "ABCDEFGH"
@@ -243,7 +243,7 @@ def synthetic_records(n: int, split: str = "train") -> list[Record]:
 
 def letter_token_ids(tokenizer, n: int = len(LETTERS)) -> np.ndarray:
     """The token each answer letter starts with when it follows "### CORRECT ANSWER\\n"."""
-    if isinstance(tokenizer, D.ByteTokenizer):
+    if isinstance(tokenizer, TK.ByteTokenizer):
         return np.asarray([ord(c) for c in LETTERS[:n]], np.int32)
     base = _encode(tokenizer, ANSWER_HEADER)
     ids = []
@@ -259,7 +259,7 @@ def letter_token_ids(tokenizer, n: int = len(LETTERS)) -> np.ndarray:
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    if isinstance(tokenizer, D.ByteTokenizer):
+    if isinstance(tokenizer, TK.ByteTokenizer):
         return tokenizer.encode(text)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -271,7 +271,7 @@ def _bos(tokenizer) -> list[int]:
 
 def pad_id(tokenizer) -> int:
     """E.3 pads with the tokenizer's EOS; the byte tokenizer's document separator stands in."""
-    return int(D.separator_ids(tokenizer)[0]) if D.separator_ids(tokenizer) else 0
+    return int(TK.separator_ids(tokenizer)[0]) if TK.separator_ids(tokenizer) else 0
 
 
 @dataclass

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdcstudy.core import config as C
-from sdcstudy.core import data as D
+from sdcstudy.core import tokenizer as TK
 from sdcstudy.core import distributed
 from sdcstudy.core import mesh as M
 from sdcstudy.core import model
@@ -119,7 +119,7 @@ class FinetuneTrainer(PairedTrainer):
     def from_config(cls, cfg: Config, mesh=None) -> "FinetuneTrainer":
         validate(cfg)
         dims, params = initial_model(cfg)
-        tokenizer = D.load_tokenizer(cfg.data.tokenizer)
+        tokenizer = TK.load_tokenizer(cfg.data.tokenizer)
         if len(tokenizer) > dims.vocab_size:
             raise UserError(f"data.tokenizer has {len(tokenizer)} tokens but the model's "
                             f"vocabulary holds {dims.vocab_size}; use the model's tokenizer.")

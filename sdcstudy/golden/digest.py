@@ -15,7 +15,7 @@ a single element always changes both lanes, and a change to several elements goe
 probability about 2**-64. It is not a cryptographic hash: a hardware fault is not an adversary.
 Gradients arriving at a site leave the step through a custom-VJP identity whose backward
 digests the cotangent and returns the digest as the cotangent of a zero "sink" input (as
-`lockstep.py` does), split into 16-bit halves so that float32 carries them exactly.
+`paired/lockstep.py` does), split into 16-bit halves so that float32 carries them exactly.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ tiny model by default) and keeps, for every optimizer step k (counted from 1):
 - the bit patterns of the loss and of the gradient norm (before clipping);
 - a digest of every parameter tensor after the update of step k (step 0: initialisation);
 - a digest of every named site's value (`fwd/<site>`) and of the gradient arriving at it
-  (`bwd/<site>`), per microstep and layer (`sites.py` names them);
+  (`bwd/<site>`), per microstep and layer (`core/sites.py` names them);
 plus the input tokens (so a check needs no dataset), the full parameter values of every step
 when they fit in `FULL_PARAMS_BUDGET` bytes (otherwise of the last step only), SHA-256 of
 every final parameter tensor, the config, the environment fingerprint and a manifest.

@@ -4,7 +4,8 @@ wrong (noise, packet loss), with PAFT's periodic parameter averaging against it.
 from __future__ import annotations
 
 from sdcstudy.modes.base import Mode
-from sdcstudy.paft.trainer import PaftTrainer, check_config
+from sdcstudy.paft.checks import check_config
+from sdcstudy.paft.trainer import PaftTrainer
 
 
 class PaftMode(Mode):

@@ -135,7 +135,7 @@ def markdown(table: pd.DataFrame) -> str:
 
 def report_tables(runs: dict) -> dict:
     """For `sdcstudy report`: {csv name: (title, table, index names, fold)} like
-    `report.report_tables`, empty when no run is of mode paft."""
+    `writer.report_tables`, empty when no run is of mode paft."""
     table = final_table(runs)
     if table.empty:
         return {}

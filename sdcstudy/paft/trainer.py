@@ -23,6 +23,9 @@ One step, on every worker m:
 
 H, the next sync step and the estimates live in the state and decide through `lax.cond`: the
 step compiles once and never waits for the host. Metrics leave as replicated scalars.
+Definition 2.1's error, the average, the divergence and the schedule of averages are in
+`paft/divergence.py`, packet loss in `paft/packets.py`; `paft/checks.py` refuses settings
+that cannot work.
 
 Collectives per step: the exact mean is one all-reduce that also carries the per-worker losses
 and gradient norms (the metrics) and, with overlap, the divergence an applied average removed
@@ -54,7 +57,9 @@ from sdcstudy.core import config as C
 from sdcstudy.faults import inject as F
 from sdcstudy.core import mesh as M
 from sdcstudy.core import model
+from sdcstudy.paft import divergence as DV
 from sdcstudy.paft import packets
+from sdcstudy.paft.checks import check_config
 from sdcstudy.faults import profiles
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.train import (
@@ -73,38 +78,6 @@ def _squeeze(tree):
 
 def _unsqueeze(tree):
     return jax.tree.map(lambda x: x[None], tree)
-
-
-def _is_float(x) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def _flatten_floats(tree):
-    """(vectors, rebuild): the float leaves of `tree` raveled into one vector per dtype, and
-    the function that gives the tree back from such vectors (other leaves as they were).
-
-    One vector per dtype makes an average a handful of kernels instead of a few per tensor:
-    on the simulated devices each kernel is paid per worker, one after the other. The
-    slices that `rebuild` takes fuse into the consumers of the leaves."""
-    leaves, treedef = jax.tree.flatten(tree)
-    order: dict[str, list[int]] = {}
-    for i, x in enumerate(leaves):
-        if _is_float(x):
-            order.setdefault(jnp.dtype(x.dtype).name, []).append(i)
-    vectors = {dtype: jnp.concatenate([leaves[i].reshape(-1) for i in idx])
-               for dtype, idx in order.items()}
-
-    def rebuild(vectors):
-        out = list(leaves)
-        for dtype, idx in order.items():
-            offset = 0
-            for i in idx:
-                out[i] = lax.slice_in_dim(vectors[dtype], offset, offset + leaves[i].size
-                                          ).reshape(leaves[i].shape)
-                offset += leaves[i].size
-        return jax.tree.unflatten(treedef, out)
-
-    return vectors, rebuild
 
 
 # --- the trainer ------------------------------------------------------------------------------
@@ -211,56 +184,6 @@ class PaftTrainer:
         total, count = model.token_losses(self.graphdef, params, batch["tokens"])
         return total, (count, {})
 
-    def _average(self, applied, params, opt, gather: bool = True):
-        """Where `applied`, one all-reduce gives every worker the workers' mean of `params`
-        and `opt` (the optimizer state with `sync_opt_state`, else `()`; non-float leaves such
-        as step counts are kept). Returns (params, opt, divergence): the divergence the
-        average removed, ||theta_bar - theta_m||^2 before it, 0 without one. With `gather`
-        it is (mean over workers, max over workers), from a second all-reduce; without, this
-        worker's value in its slot of an M-vector (`_in_slot`), for the caller to sum over
-        the workers in an all-reduce it makes anyway."""
-        p_vecs, p_tree = _flatten_floats(params)
-        o_vecs, o_tree = _flatten_floats(opt)
-
-        def average(p_vecs, o_vecs):
-            p_sums, o_sums = lax.psum((p_vecs, o_vecs), M.DATA)
-            mean = lambda x: M.vary(x / self.workers, (M.DATA,))  # noqa: E731
-            p_means = jax.tree.map(mean, p_sums)
-            sq = sum(jnp.sum(jnp.square((p_means[k] - p_vecs[k]).astype(jnp.float32)))
-                     for k in p_vecs)
-            sq_M = self._in_slot(sq)
-            div = self._divergence_stats(lax.psum(sq_M, M.DATA)) if gather else sq_M
-            return p_means, jax.tree.map(mean, o_sums), div
-
-        def keep(p_vecs, o_vecs):
-            zero = jnp.float32(0)
-            return p_vecs, o_vecs, ((zero, zero) if gather
-                                    else M.vary(jnp.zeros(self.workers), (M.DATA,)))
-
-        p_vecs, o_vecs, div = lax.cond(applied, average, keep, p_vecs, o_vecs)
-        return p_tree(p_vecs), o_tree(o_vecs), div
-
-    def _in_slot(self, x):
-        """This worker's scalar `x` in its own slot of an M-vector: summed over the workers,
-        the vector holds every worker's value."""
-        return jnp.where(jnp.arange(self.workers) == lax.axis_index(M.DATA), x, 0.0)
-
-    def _divergence_stats(self, sq_M):
-        """(mean over workers, max over workers) of the workers' `sq`, from `_in_slot`
-        vectors summed over the workers."""
-        return jnp.sum(sq_M) / self.workers, jnp.max(sq_M)
-
-    def _divergence(self, params):
-        """(mean over workers, max over workers) of ||theta_bar - theta_m||^2, computed from
-        the deviations from worker 0's copy, ||(x - ref) - mean(x - ref)||^2: copies that agree
-        bit for bit give exactly 0, for any M, and small divergences do not cancel against
-        the parameters' size."""
-        sq = jnp.float32(0)
-        for x in jax.tree.leaves(params):
-            dev = x - M.broadcast_from(x, 0, M.DATA)
-            sq = sq + jnp.sum(jnp.square((dev - lax.pmean(dev, M.DATA)).astype(jnp.float32)))
-        return lax.pmean(sq, M.DATA), lax.pmax(sq, M.DATA)
-
     def _noise_state(self) -> dict:
         """The error levels as state, not constants: runs that differ only in them share one
         compiled step (and XLA's persistent compilation cache)."""
@@ -270,30 +193,12 @@ class PaftTrainer:
                 "loss_p": jnp.float32(self.cfg.paft.loss.p)}
 
     def _noise(self, tree, ctl, key, step, me):
-        """Definition 2.1: this worker's error, N(0, sigma2) per coordinate (the large variance
-        on every `large_every`-th step)."""
-        n = self.cfg.paft.noise
-        if n.sigma2 == 0 and not (n.large_every and n.large_sigma2):
+        """Definition 2.1's error on this worker's aggregate (`divergence.add_noise`)."""
+        if not DV.adds_noise(self.cfg.paft.noise):
             return tree
-        every = ctl["large_every"]
-        large = (every > 0) & (step % jnp.maximum(every, 1) == 0)
-        std = jnp.sqrt(jnp.where(large, ctl["large_sigma2"], ctl["sigma2"]))
         key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, NOISE_STREAM),
                                                     step), me)
-        # One draw for the whole tree, cut into the leaves: a single generator kernel instead
-        # of one per leaf (the draws are independent across coordinates either way). Threefry
-        # with its sequential counter layout (`threefry_partitionable` off): the draw is local
-        # to one worker and never sharded, and on CPU this layout makes the bits about twice
-        # as fast as the partitionable one, which hashes two words per output.
-        leaves, treedef = jax.tree.flatten(tree)
-        with jax.threefry_partitionable(False):
-            eps = std * jax.random.normal(key, (sum(x.size for x in leaves),))
-        out, offset = [], 0
-        for x in leaves:
-            out.append(x + lax.slice_in_dim(eps, offset, offset + x.size).reshape(x.shape)
-                       .astype(x.dtype))
-            offset += x.size
-        return jax.tree.unflatten(treedef, out)
+        return DV.add_noise(tree, ctl, step, key)
 
     def _lossy_mean(self, grads, prev, loss_p, key, step, me):
         """Each worker's aggregate of the packets that reached it (and the new stale memory)."""
@@ -306,21 +211,6 @@ class PaftTrainer:
         key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, BROADCAST_STREAM),
                                                     step), me)
         return packets.lossy_broadcast(new, old, self.cfg.paft.loss, key, me)
-
-    def _next_h(self, pre_div, lr2, grad_norm):
-        """PAFT-Dyn (Algorithm 2, lines 10-12): the error estimated from the divergence, then
-        H = ||g|| / ||eps||, the gradient's norm over the estimated error's, within bounds.
-
-        For plain SGD, E[div] = sum_s lr_s^2 d sigma2 (M-1)/M over the noisy steps since the
-        copies agreed (docs/paft.md), so sigma2 = div M / (sum lr^2 d (M-1));
-        ||eps|| = sqrt(d sigma2)."""
-        c, m, d = self.cfg.paft, self.workers, self.dims.n_params
-        denom = lr2 * d * (m - 1)
-        sigma2 = jnp.where(denom > 0, pre_div * m / jnp.maximum(denom, 1e-30), 0.0)
-        noise_norm = jnp.sqrt(d * sigma2)
-        h = jnp.where(noise_norm > 0, jnp.ceil(grad_norm / jnp.maximum(noise_norm, 1e-30)),
-                      c.h_max)
-        return jnp.clip(h, c.h_min, c.h_max).astype(jnp.int32), sigma2.astype(jnp.float32)
 
     # --- the step ------------------------------------------------------------------------
 
@@ -347,7 +237,7 @@ class PaftTrainer:
         loss, grads, _ = accumulate_gradients(self._loss, params, batch)
         # Summed over the workers together with the gradients: each worker's loss in its own
         # slot, and the norm of its own gradient.
-        stats = {"loss_M": self._in_slot(loss), "norm": optax.tree.norm(grads)}
+        stats = {"loss_M": DV.in_slot(loss, m), "norm": optax.tree.norm(grads)}
         records = {}
         transform_updates = lambda u: u  # noqa: E731
         ctx = None
@@ -360,8 +250,8 @@ class PaftTrainer:
             # The average's all-reduce comes first, so the divergence it removed rides in the
             # gradients' all-reduce below (as Algorithm 2's all-reduce for H would): one
             # all-reduce more than data-parallel training, not two.
-            params_in, opt_in, stats["sq_M"] = self._average(applied, params, opt_in,
-                                                             gather=False)
+            params_in, opt_in, stats["sq_M"] = DV.average(applied, params, opt_in, m,
+                                                          gather=False)
         new_prev = None
         if c.loss.p > 0:  # each worker aggregates the packets that reached it
             prev = _squeeze(state["prev_grad"]) if "prev_grad" in state else None
@@ -371,7 +261,7 @@ class PaftTrainer:
             grads, stats = lax.psum((grads, stats), M.DATA)
             grads = jax.tree.map(lambda g: M.vary(g / m, (M.DATA,)), grads)
         if average_before_update:
-            pre_div, pre_max = self._divergence_stats(stats["sq_M"])
+            pre_div, pre_max = DV.divergence_stats(stats["sq_M"], m)
         grad_norm = stats["norm"] / m  # the mean over workers of ||g_m||
         grads = self._noise(grads, ctl, key, step, me)
         if ctx is not None:
@@ -379,9 +269,6 @@ class PaftTrainer:
             transform_updates = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
             records = ctx.records
 
-        next_sync, h, sigma2_est = ctl["next_sync"], ctl["H"], ctl["sigma2_est"]
-        if c.overlap:
-            lr2_pre = ctl["lr2"]
         opt_in = opt_in if sync_opt else opt
         new = apply_update(self.tx, {"params": params_in, "opt_state": opt_in,
                                      "step": state["step"]}, grads, transform_updates)
@@ -392,38 +279,22 @@ class PaftTrainer:
         if c.overlap:
             if not average_before_update:  # never averages: pending stays 0
                 applied, pre_div, pre_max = jnp.bool_(False), zero, zero
-            pending = jnp.int32(0)
-            since = jnp.where(applied, 1, ctl["since"] + 1)
-            lr2 = jnp.where(applied, lr ** 2, ctl["lr2"] + lr ** 2)
         else:
-            applied = next_sync == step
+            applied = ctl["next_sync"] == step
             if self.averages:
-                new_params, opt_avg, (pre_div, pre_max) = self._average(
-                    applied, new_params, new_opt if sync_opt else ())
+                new_params, opt_avg, (pre_div, pre_max) = DV.average(
+                    applied, new_params, new_opt if sync_opt else (), m)
                 new_opt = opt_avg if sync_opt else new_opt
             else:  # next_sync stays 0: never applied
                 pre_div, pre_max = zero, zero
-            since_pre, lr2_pre = ctl["since"] + 1, ctl["lr2"] + lr ** 2
-            since = jnp.where(applied, 0, since_pre)
-            lr2 = jnp.where(applied, 0.0, lr2_pre)
-        if c.dynamic:
-            h_new, s2 = self._next_h(pre_div, lr2_pre, grad_norm)
-            h = jnp.where(applied, h_new, h)
-            sigma2_est = jnp.where(applied, s2, sigma2_est)
-            if c.overlap:  # launched at step - 1, so the next launch is H after that
-                next_sync = jnp.where(applied, step - 1 + h, next_sync)
-        launch = next_sync == step
-        if c.overlap:
-            pending = launch.astype(jnp.int32)
-            if not c.dynamic:
-                next_sync = jnp.where(launch, step + h, next_sync)
-        else:
-            next_sync = jnp.where(applied, step + h, next_sync)
+        sched = DV.next_schedule(c, ctl, step, lr, applied, pre_div, grad_norm, m,
+                                 self.dims.n_params)
+        h, sigma2_est = sched["H"], sched["sigma2_est"]
 
         measure = applied
         if c.div_every:
             measure = measure | (step % c.div_every == 0)
-            div, div_max = lax.cond(measure, self._divergence,
+            div, div_max = lax.cond(measure, DV.divergence,
                                     lambda _: (ctl["div"], ctl["div_max"]), new_params)
         else:  # only what the averages measure anyway: the divergence they removed
             div = jnp.where(applied, pre_div, ctl["div"])
@@ -431,10 +302,10 @@ class PaftTrainer:
 
         out_state = {"params": _unsqueeze(new_params), "opt_state": _unsqueeze(new_opt),
                      "step": new["step"], "key": state["key"],
-                     "paft": {"next_sync": next_sync.astype(jnp.int32), "H": h.astype(jnp.int32),
-                              "since": since.astype(jnp.int32),
-                              "lr2": lr2.astype(jnp.float32), "pending": pending if c.overlap
-                              else ctl["pending"], "div": div, "div_max": div_max,
+                     "paft": {"next_sync": sched["next_sync"].astype(jnp.int32),
+                              "H": h.astype(jnp.int32), "since": sched["since"].astype(jnp.int32),
+                              "lr2": sched["lr2"].astype(jnp.float32),
+                              "pending": sched["pending"], "div": div, "div_max": div_max,
                               "sigma2_est": sigma2_est,
                               **{k: ctl[k] for k in ("sigma2", "large_sigma2", "large_every",
                                                      "loss_p")}}}
@@ -505,34 +376,4 @@ class PaftTrainer:
                 "loss/per_worker_last": [last[f"loss/w{m}"] for m in range(self.workers)]}
 
 
-def check_config(cfg: Config) -> None:
-    """One-sentence errors for PAFT settings that cannot work."""
-    c, loss = cfg.paft, cfg.paft.loss
-    if cfg.mesh.dp < 2:
-        raise UserError(f"paft mode needs at least 2 workers (mesh.dp), not {cfg.mesh.dp}.")
-    if cfg.mesh.tp != 1:
-        raise UserError("paft mode runs data-parallel workers only; set mesh.tp=1.")
-    checks = [("paft.noise.sigma2", c.noise.sigma2 >= 0, "non-negative"),
-              ("paft.noise.large_sigma2", c.noise.large_sigma2 >= 0, "non-negative"),
-              ("paft.noise.large_every", c.noise.large_every >= 0, "non-negative"),
-              ("paft.sync_every", c.sync_every >= 0, "non-negative"),
-              ("paft.div_every", c.div_every >= 0, "non-negative"),
-              ("paft.h_min", c.h_min >= 1, "at least 1"),
-              ("paft.h_max", c.h_max >= c.h_min, "at least paft.h_min"),
-              ("paft.loss.p", 0 <= loss.p < 1, "in [0, 1)"),
-              ("paft.loss.param_p", loss.param_p is None or 0 <= loss.param_p < 1,
-               "in [0, 1) or null"),
-              ("paft.loss.packet_size", loss.packet_size >= 1, "at least 1"),
-              ("paft.loss.burst", loss.burst == 0 or loss.burst >= max(1.0, loss.p / (1 - loss.p)),
-               "0 (independent drops) or a mean run length of at least 1 packet")]
-    for key, ok, what in checks:
-        if not ok:
-            raise UserError(f"{key} must be {what}.")
-    if loss.aggregate not in packets.AGGREGATES:
-        raise UserError(f"paft.loss.aggregate {loss.aggregate!r} is not one of "
-                        f"{', '.join(packets.AGGREGATES)}.")
-    if c.dynamic and c.sync_every == 0 and c.h_min < 1:
-        raise UserError("paft.dynamic needs paft.h_min >= 1.")
-
-
-__all__ = ["PaftTrainer", "check_config", "LOSS_KEY"]
+__all__ = ["PaftTrainer", "LOSS_KEY"]

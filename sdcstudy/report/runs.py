@@ -1,12 +1,14 @@
-"""Run folders as pandas objects, and `sdcstudy report`: paper-style tables and figures.
+"""Run folders as pandas objects: what `sdcstudy report`, the notebooks and the experiments read.
 
     run = sdcstudy.load_run("runs/demo-20261122-210000/lockstep")
     run.mismatch.groupby("site")["mismatches"].sum()
-    sdcstudy.write_report(["runs/a", "runs/b"], "reports/ab")   # report.md, CSV, PNG
+    runs = label_runs([load_run(p) for p in expand_run_dirs("runs/sweep")])  # {label: Run}
 
-Imports no JAX: the tables live in `tables.py`, the figures in `plots.py`. A run folder with
-a missing or damaged file still reports what the other files allow; `sdcstudy report` then
-names each such file on stderr and exits 1.
+`load_run` reads one folder (CONTRACT.md) into a `Run`: config and summary as dicts, metrics and
+the Parquet tables as DataFrames. A missing or damaged file is a one-sentence UserError, or,
+with `strict=False`, an empty table and a sentence in `run.problems`, so that a report can
+still show what the other files allow. `label_runs` names runs as the tables and figures show
+them. Writing the report is `report/writer.py`. Imports no JAX.
 """
 
 from __future__ import annotations
@@ -128,37 +130,14 @@ def load_run(run_dir, strict: bool = True) -> Run:
                env=read(RF.ENV, RF.json_load, {}), problems=problems, **tables)
 
 
-# --- sdcstudy report --------------------------------------------------------------------------
-
-REPORT = "report.md"
-CSV_FILES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv",
-             "table6_layer_frequency_fwd.csv", "table7_layer_frequency_bwd.csv",
-             "table8_layer_severity_fwd.csv", "table9_layer_severity_bwd.csv", "bit_fields.csv",
-             "bit_positions.csv", "wcnts.csv", "abft_flag_rate.csv")
-# Wide tables whose Markdown shows only the columns with a non-zero value (the CSV has all).
-SPARSE_TABLES = ("bit_positions.csv",)
-FIGURE_TITLES = {
-    "fig3_mismatch_frequency.png": "Figure 3: mismatch frequency per step, per lock-step run",
-    "fig4_mismatch_frequency_smoothed.png": "Figure 4: smoothed mismatch frequency of fwd/attn",
-    "fig5_gradient_difference.png": "Figure 5: gradient difference and ground-truth gradient "
-                                    "norm",
-    "fig6_training_dynamics.png": "Figure 6: parameter difference, gradient norms and losses "
-                                  "of free-running pairs",
-    "bit_positions.png": "Differing bits per bit position of the mismatching elements",
-    "fig10_abft_flag_frequency.png": "Figure 10: ABFT flag frequency over steps",
-    "paft_loss.png": "PAFT: training loss (mean over workers)",
-    "paft_divergence.png": "PAFT: divergence of the workers' parameters",
-    "fig7_finetune_loss.png": "Figure 7: training loss during fine-tuning, loss spikes marked",
-}
-# What the report leaves out of a run whose file of this name can not be read.
-NEEDED_BY = {RF.MISMATCH: "Tables 1-2 and 6-9 and Figures 3-4",
-             RF.METRICS: "the runs table's step values, WCNTS, Figures 5-6 and the PAFT "
-                         "table and figure",
-             RF.SUMMARY: "the bit-field and bit-position tables and figure",
-             RF.ABFT: "the ABFT table and Figure 10",
-             RF.FAULTS: "the runs table's fault count",
-             RF.ENV: "nothing (the report does not use it)"}
-SUMMARY_TABLES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv", "wcnts.csv")
+def expand_run_dirs(path) -> list[Path]:
+    """[path] for a run folder; for a folder of run folders (a sweep, a demo) the run folders
+    in it, by name; a folder that is neither stays as given, for load_run to refuse."""
+    path = Path(path)
+    if (path / RF.CONFIG).is_file() or not path.is_dir():
+        return [path]
+    children = sorted(p for p in path.iterdir() if (p / RF.CONFIG).is_file())
+    return children or [path]
 
 
 def label_runs(runs: list[Run]) -> dict[str, Run]:
@@ -190,228 +169,3 @@ def label_runs(runs: list[Run]) -> dict[str, Run]:
     order = sorted(range(len(runs)), key=lambda i: (
         PB.paper_node_number(T.run_profile(runs[i])) or 10**6, i))
     return {labels[i]: runs[i] for i in order}
-
-
-def expand_run_dirs(path) -> list[Path]:
-    """[path] for a run folder; for a folder of run folders (a sweep, a demo) the run folders
-    in it, by name; a folder that is neither stays as given, for load_run to refuse."""
-    path = Path(path)
-    if (path / RF.CONFIG).is_file() or not path.is_dir():
-        return [path]
-    children = sorted(p for p in path.iterdir() if (p / RF.CONFIG).is_file())
-    return children or [path]
-
-
-def _out_dir(out) -> Path:
-    """The report folder: new, empty, or an earlier report (whose files are replaced)."""
-    if out is None:
-        out = RF.default_run_dir("report")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {str(out)!r} is a file, not a folder.")
-    if out.exists() and any(out.iterdir()) and not (out / REPORT).is_file():
-        raise UserError(f"--out {str(out)!r} already exists and holds no {REPORT}; choose a new "
-                        f"folder (an earlier report folder is replaced).")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def report_tables(runs: dict) -> dict:
-    """{csv file name: (title, DataFrame, index names, fold published)} for the runs."""
-    from sdcstudy.detect import tables as detect_tables
-    from sdcstudy.paft import report as paft_report
-    from sdcstudy.report import tables as T
-
-    layer = lambda d, s: T.layer_table(runs, d, s)  # noqa: E731
-    return {
-        "runs.csv": ("Runs", T.runs_table(runs), ["node"], False),
-        "table1_frequency.csv": (
-            "Table 1: average mismatch frequency over microsteps, eqs. (1)-(2)",
-            T.frequency_table(runs), ["node"], True),
-        "table2_max_severity.csv": (
-            "Table 2: maximum mismatch severity over microsteps, eqs. (3)-(4)",
-            T.severity_table(runs), ["node"], True),
-        "table6_layer_frequency_fwd.csv": (
-            "Table 6: forward mismatch frequency per decoder layer, averaged over microsteps",
-            layer("fwd", "freq"), ["layer", "site"], False),
-        "table7_layer_frequency_bwd.csv": (
-            "Table 7: backward mismatch frequency per decoder layer, averaged over microsteps",
-            layer("bwd", "freq"), ["layer", "site"], False),
-        "table8_layer_severity_fwd.csv": (
-            "Table 8: forward mismatch severity per decoder layer, maximised over microsteps",
-            layer("fwd", "severity"), ["layer", "site"], False),
-        "table9_layer_severity_bwd.csv": (
-            "Table 9: backward mismatch severity per decoder layer, maximised over microsteps",
-            layer("bwd", "severity"), ["layer", "site"], False),
-        "bit_fields.csv": ("Differing bit fields of the mismatches: sign / exponent / "
-                           "mantissa", T.bit_field_table(runs), ["node"], False),
-        "bit_positions.csv": ("Differing bits per bit position (highest first) of the "
-                              "mismatching elements", T.bit_position_table(runs),
-                              ["node", "site"], False),
-        "wcnts.csv": ("WCNTS (Figure 5): worst-case noise-to-signal ratio of the weight "
-                      "gradients, eq. (5)", T.wcnts_table(runs), ["node"], True),
-        "abft_flag_rate.csv": ("ABFT flag rate: the fraction of checksum tests, eq. (6), that "
-                               "flagged, per matmul and direction", T.abft_rate_table(runs),
-                               ["matmul", "direction"], False),
-        **paft_report.report_tables(runs),
-        **detect_tables.report_tables(runs),
-    }
-
-
-def write_report(run_dirs, out=None) -> dict:
-    """Tables (Markdown in report.md, and CSV) and PNG figures for the run folders `run_dirs`
-    (a folder of run folders, as a sweep or the demo leaves, counts as its run folders),
-    written into `out` (default runs/report-TIME). A file that is missing or damaged leaves
-    out what needs it (`NEEDED_BY`) and is named in "problems" and in report.md. Returns
-    {"out", "files", "markdown", "summary", "problems"} where "summary" is the Markdown of the
-    runs, Table 1, Table 2 and WCNTS, and "problems" one sentence per unreadable file."""
-    from sdcstudy.paft import report as paft_report
-    from sdcstudy.report import plots
-    from sdcstudy.report import tables as T
-
-    paths = [run for p in run_dirs for run in expand_run_dirs(p)]
-    if not paths:
-        raise UserError("sdcstudy report needs at least one run folder.")
-    seen = set()
-    for p in paths:
-        if p.resolve() in seen:
-            raise UserError(f"run folder {str(p)!r} is given twice.")
-        seen.add(p.resolve())
-    runs, problems = load_runs(paths)
-    out = _out_dir(out)
-    drawing = draw_figures(runs, out)  # in worker processes while the tables are written
-
-    produced, sections, summary = [], [], []
-    for name, (title, table, index, fold) in report_tables(runs).items():
-        if table.empty:
-            continue
-        shown = table.loc[:, (table.fillna(0) != 0).any()] if name in SPARSE_TABLES else table
-        text = T.markdown(shown, index, with_published=fold)
-        note = " Ma et al.'s published value in parentheses." if fold else ""
-        if shown.shape[1] < table.shape[1]:
-            note += " Bit positions without a differing bit are left out here; the CSV has all."
-        section = f"## {title}\n\n{text}\n\n[{name}]({name}){note}\n"
-        sections.append(section)
-        if name in SUMMARY_TABLES:
-            summary.append(section)
-        RF.atomic_write_text(out / name, T.csv(table, index))
-        produced.append(name)
-    from sdcstudy.finetune import report as FR  # Table 3 and the loss-spike table of fine-tuning
-
-    finetune_sections, finetune_files = FR.sections(runs)
-    for name, text in finetune_files.items():
-        RF.atomic_write_text(out / name, text)
-        produced.append(name)
-    sections += finetune_sections
-    if not T.lockstep_runs(runs):
-        sections.append("Tables 1, 2 and 6-9 and Figures 3-4 need lock-step runs "
-                        "(mismatch.parquet); none was given or readable.\n")
-    figures = []
-    drawn = drawing() + paft_report.draw_figures(runs, out)
-    if FR.loss_figure(runs, out / FR.FIGURE7):
-        drawn.append(FR.FIGURE7)
-    for name in drawn:
-        figures.append(f"## {FIGURE_TITLES.get(name, name)}\n\n![{name}]({name})\n")
-        produced.append(name)
-    left_out = ["## Files that could not be read\n\n" + "".join(f"- {p}\n" for p in problems)
-                ] if problems else []
-    markdown = "\n".join(["# sdcstudy report\n\nRun folders: " + ", ".join(
-        f"`{r.path}`" for r in runs.values()) + "\n", *left_out, *sections, *figures]) + "\n"
-    RF.atomic_write_text(out / REPORT, markdown)
-    # From an earlier report into the same folder:
-    for stale in [*CSV_FILES, *FR.CSV_FILES, *paft_report.FILES, "detectors.csv",
-                  *plots.FIGURES, FR.FIGURE7]:
-        if stale not in produced:
-            (out / stale).unlink(missing_ok=True)
-    return {"out": out, "files": [REPORT, *produced], "markdown": markdown,
-            "summary": "\n".join(summary), "problems": problems}
-
-
-_DRAWING: dict = {}  # what forked figure workers draw from: {"runs": ..., "out": ...}
-
-
-def _draw(name: str) -> bool:
-    from sdcstudy.report import plots
-
-    return plots.FIGURES[name](_DRAWING["runs"], _DRAWING["out"] / name) is not None
-
-
-def draw_figures(runs: dict, out: Path):
-    """Starts drawing every figure of `plots.FIGURES` that the runs have data for into `out`;
-    returns a function that waits for them and returns their names. Each figure is seconds of
-    single-threaded matplotlib, so with more than one CPU they are drawn in forked worker
-    processes (which inherit `runs` without a copy) while the caller writes the tables -
-    unless JAX is loaded (a sweep's own report): forking XLA's threads is not safe."""
-    import multiprocessing
-    import os
-    import sys
-
-    from sdcstudy.report import plots
-
-    names = list(plots.FIGURES)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    fork = "fork" in multiprocessing.get_all_start_methods() and "jax" not in sys.modules
-    _DRAWING.update(runs=runs, out=out)
-    if not (cpus > 1 and len(names) > 1 and fork):
-        def draw_here() -> list[str]:
-            try:
-                return [name for name in names if _draw(name)]
-            finally:
-                _DRAWING.clear()
-        return draw_here
-
-    plots._pyplot()  # imported once, before the fork
-    pool = multiprocessing.get_context("fork").Pool(min(cpus, len(names)))
-    pending = pool.map_async(_draw, names, chunksize=1)
-    _DRAWING.clear()  # the workers have their copies
-
-    def wait() -> list[str]:
-        try:
-            drawn = pending.get()
-        finally:
-            pool.terminate()
-            pool.join()
-        return [name for name, made in zip(names, drawn) if made]
-    return wait
-
-
-def load_runs(paths) -> tuple[dict, list[str]]:
-    """({label: Run}, problems) for the run folders `paths`: a run whose config.yaml is damaged
-    or which has nothing readable beyond it is left out; each unreadable file is named in one
-    sentence that says what the report leaves out. Nothing readable at all is a UserError."""
-    loaded, problems = [], []
-    for path in paths:
-        try:
-            loaded.append(load_run(path, strict=False))
-        except DamagedFile as e:
-            problems.append(f"{str(e)[:-1]}; the report leaves run {str(path)!r} out.")
-    usable = [run for run in loaded if run.usable]
-    if not usable:
-        named = problems or [p for run in loaded for p in run.problems.values()]
-        raise UserError("nothing to report: no run folder has a readable metrics.jsonl, "
-                        "summary.json or table" + (f" ({named[0][:-1]})." if named else "."))
-    for run in loaded:
-        if not run.usable:
-            problems += run.problems.values()
-            problems.append(f"{str(run.path)!r} has no readable metrics.jsonl, summary.json "
-                            f"or table; the report leaves that run out.")
-    runs = label_runs(usable)
-    for label, run in runs.items():
-        for name, sentence in run.problems.items():
-            problems.append(f"{sentence[:-1]}; the report leaves {label} out of "
-                            f"{NEEDED_BY.get(name, 'what needs it')}.")
-    return runs, problems
-
-
-def main(run_dirs, out=None, echo=print, warn=None) -> int:
-    """`sdcstudy report RUN_DIR [RUN_DIR ...] [--out DIR]`: exit 0, or 1 when a file could not
-    be read and the report left out what needs it (each named on stderr)."""
-    import sys
-
-    warn = warn or (lambda line: print(line, file=sys.stderr))
-    result = write_report(run_dirs, out)
-    echo(result["summary"])
-    echo(f"report: {result['out'] / REPORT} ({len(result['files'])} files)")
-    for problem in result["problems"]:
-        warn(f"sdcstudy: {problem}")
-    return 1 if result["problems"] else 0
