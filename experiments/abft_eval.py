@@ -46,7 +46,6 @@ import pandas as pd  # noqa: E402
 
 from sdcstudy.abft import checker as A  # noqa: E402
 from sdcstudy.core import config as C  # noqa: E402
-from sdcstudy.faults import inject as F  # noqa: E402
 from sdcstudy.faults import corrupt as FC  # noqa: E402
 from sdcstudy.core import model  # noqa: E402
 from sdcstudy.core import sites as S  # noqa: E402

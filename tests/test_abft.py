@@ -20,11 +20,9 @@ import pytest
 from sdcstudy.abft import checker as A
 from sdcstudy import cli
 from sdcstudy.core import config as C
-from sdcstudy.faults import inject as F
 from sdcstudy.faults import corrupt as FC
 from sdcstudy.report import runs as report
 from sdcstudy import runner
-from sdcstudy.core import train
 from sdcstudy.faults.trainer import NodeTrainer
 
 BASE = {"experiment": {"batch_size": 2, "steps": 2, "checkpoint_every": 0},

@@ -373,8 +373,6 @@ def test_healthy_profile_compiles_to_the_plain_step():
 
 def test_step_level_sites_run_in_the_single_node_trainer():
     # Gradient and update specs carry no microstep; the trainer must still trace them.
-    from sdcstudy.core import train
-
     cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
                        "suspect": {"profile": "paper-node-2"}})
     trainer = NodeTrainer.from_config(cfg)

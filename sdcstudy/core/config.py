@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from sdcstudy.core.errors import ConfigError, UserError, did_you_mean
+from sdcstudy.core.errors import ConfigError, UserError, did_you_mean, first_line
 from sdcstudy.core.presets import PRESETS, ModelConfig, ModelDims, model_dims
 
 __all__ = ["Config", "ConfigError", "UserError", "ModelConfig", "ModelDims", "PRESETS",
@@ -283,12 +283,8 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML ({_first_line(e)}).")
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML ({first_line(e)}).")
     return from_dict(data, overrides)
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _deepcopy(data):

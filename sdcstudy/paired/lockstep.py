@@ -46,6 +46,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from sdcstudy.core import mesh as M
 from sdcstudy.core import sites as S
 from sdcstudy.core.mesh import HEALTHY, NODE
 from sdcstudy.paired.mismatch import ROW_STATS, STATS_LEN, compare, decode, merge
@@ -68,19 +69,10 @@ def parse_stat_key(key: str) -> tuple[str, int]:
 # --- varying-manual-axes bookkeeping (check_vma=True) -----------------------------------------
 
 
-def _vma(x) -> frozenset:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # jax 0.10 keeps it here; earlier versions on `.vma`
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
 def vary(tree, axes):
     """`tree`'s arrays marked as varying over `axes` inside shard_map (a no-op at run time; with
     check_vma=True it decides what out_specs may name and what autodiff sums)."""
-    def one(x):
-        missing = tuple(a for a in axes if a not in _vma(x))
-        return lax.pcast(x, missing, to="varying") if missing else x
-    return jax.tree.map(one, tree)
+    return jax.tree.map(lambda x: M.vary(x, axes), tree)
 
 
 # --- forward tap: compare the value, return the healthy one -----------------------------------
@@ -89,7 +81,7 @@ def vary(tree, axes):
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _fwd_tap(x, node_axis, stats_axes):
     gathered = lax.all_gather(x, node_axis)
-    healthy = vary(gathered[HEALTHY], tuple(_vma(x)))
+    healthy = vary(gathered[HEALTHY], tuple(M.varying_axes(x)))
     return healthy, vary(compare(gathered[HEALTHY], gathered[1 - HEALTHY]), stats_axes)
 
 
@@ -139,7 +131,7 @@ _bwd_tap.defvjp(_bwd_tap_fwd, _bwd_tap_bwd)
 def backward_tap(x, sink, *, node_axis: str = NODE):
     """Identity; in the backward, the healthy cotangent to both nodes, the stats to `sink`."""
     with jax.named_scope("lockstep_bwd"):
-        return _bwd_tap(x, sink, node_axis, tuple(sorted(_vma(x))), tuple(sorted(_vma(sink))))
+        return _bwd_tap(x, sink, node_axis, tuple(sorted(M.varying_axes(x))), tuple(sorted(M.varying_axes(sink))))
 
 
 # --- the hook ---------------------------------------------------------------------------------
