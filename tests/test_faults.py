@@ -127,31 +127,6 @@ def test_records_match_the_corruption_exactly(dtype):
     assert count == len(changed) and len(rows) == 5
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["bitflip", "scale", "nan"])
-def test_skipping_the_draws_at_rate_zero_changes_no_bit(dtype, kind):
-    # corrupt_and_record skips the random draws when the rate is 0 (lax.cond). Both of its
-    # branches must give what corrupt + make_record give, bit for bit: the drawn result at a
-    # positive rate, and x itself with the empty record at rate 0 (also what vmap's select of
-    # both branches returns).
-    x = _x(dtype, (64, 96))
-    spec = FS.FaultSpec("fwd/attn", kind, rate=0.01, bit_class="any", scale=(2.0, 8.0))
-    key = jax.random.key(9)
-    step = jax.jit(lambda x, k, r: FC.corrupt_and_record(x, k, r, spec, 16))
-    for rate in (0.01, 0.0):
-        y, landed, bit = FC.corrupt(x, key, spec, jnp.float32(rate))
-        assert bool(np.any(landed)) == (rate > 0)  # a positive rate must land something
-        expected = FC.make_record(x, y, landed, bit, 16)
-        got_y, got_record = step(x, jax.random.key_data(key), jnp.float32(rate))
-        assert np.array_equal(_bits(got_y, dtype), _bits(y, dtype))
-        assert np.array_equal(np.asarray(got_record).view(np.uint32),
-                              np.asarray(expected).view(np.uint32)), rate
-        batched = jax.vmap(step, in_axes=(None, None, 0))(
-            x, jax.random.key_data(key), jnp.float32([rate, rate]))
-        assert np.array_equal(np.asarray(batched[1][0]).view(np.uint32),
-                              np.asarray(expected).view(np.uint32))
-
-
 def _inject(profile, seed, step=1, microstep=0, x=None):
     injector = F.Injector(profile, n_layers=2)
     ctx = F.FaultContext(jax.random.key(seed), jnp.int32(step), jnp.int32(microstep))

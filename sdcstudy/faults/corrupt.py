@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from sdcstudy.core import mesh as M
 from sdcstudy.faults.specs import FaultSpec, FaultSpecError
 
 _UINT = {jnp.dtype(jnp.float32): jnp.uint32, jnp.dtype(jnp.bfloat16): jnp.uint16}
@@ -140,34 +139,16 @@ def make_record(x, y, landed, bit, limit: int):
     return jnp.concatenate([head, rows], axis=0)
 
 
-def empty_record(dtype, limit: int):
-    """The record `make_record` gives when nothing landed, bit for bit (its rows are zeros but
-    the bit column, -1 * 0 = -0.0)."""
-    head = jnp.zeros((1, RECORD_WIDTH), jnp.float32).at[0, 2].set(float(bit_width(dtype)))
-    rows = jnp.zeros((limit, RECORD_WIDTH), jnp.float32).at[:, -1].set(-0.0)
-    return jnp.concatenate([head, rows], axis=0)
-
-
 def corrupt_and_record(x, key_data, rate, spec: FaultSpec, limit: int):
-    """(y, record) of `corrupt` and `make_record`, computed only when `rate` > 0.
+    """(y, record): `corrupt` with the key's raw data, and the record of what landed.
 
-    A spec whose time pattern or node makes the rate 0 at this step costs one predicate
-    instead of a random draw per element: `lax.cond` skips the draws, and the other branch
-    returns `x` itself and the empty record, which is what the draws give at rate 0. Under
-    `vmap` (the detect trainer's executions) the cond becomes a select of both branches, which
-    agree bit for bit wherever the rate is 0.
+    The draws happen even when `rate` is 0 at a step. Skipping them with `lax.cond` removes
+    their cost but moves bits of the computation around the site (XLA compiles the surrounding
+    fusions and products differently), so a run with an idle spec would no longer match one
+    without it bit for bit (RESULTS.md, "faults").
     """
-    axes = M.varying_axes(x) | M.varying_axes(key_data) | M.varying_axes(rate)
-
-    def hit(x, key_data, rate):
-        y, landed, bit = corrupt(x, jax.random.wrap_key_data(key_data), spec, rate)
-        return M.vary(y, axes), M.vary(make_record(x, y, landed, bit, limit), axes)
-
-    def miss(x, key_data, rate):
-        del key_data, rate
-        return M.vary(x, axes), M.vary(empty_record(x.dtype, limit), axes)
-
-    return lax.cond(rate > 0, hit, miss, x, key_data, rate)
+    y, landed, bit = corrupt(x, jax.random.wrap_key_data(key_data), spec, rate)
+    return y, make_record(x, y, landed, bit, limit)
 
 
 def decode_record(record: np.ndarray) -> tuple[int, list[dict]]:

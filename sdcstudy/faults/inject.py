@@ -9,8 +9,7 @@ Every random draw derives from the run seed folded with (step, microstep, layer,
 tp rank), so a run replays the same faults. Every corruption that changes a bit is logged in
 a fixed-size record per (site, layer, spec, microstep) that leaves the step without a host
 sync: forward records through the loss function's aux output, backward records as the
-cotangent of a zero "sink" input. A spec whose rate is 0 at a step draws nothing
-(`corrupt.corrupt_and_record`).
+cotangent of a zero "sink" input.
 """
 
 from __future__ import annotations
