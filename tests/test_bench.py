@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from sdcstudy.bench import (
-    cli as bench, abft as bench_abft, faults as bench_faults, paft as bench_paft, paired as bench_paired, plot as bench_plot, timing as bench_timing, train as bench_train)
+    common as bench, abft as bench_abft, faults as bench_faults, paft as bench_paft, paired as bench_paired, plot as bench_plot, timing as bench_timing, train as bench_train)
 from sdcstudy import cli
 from sdcstudy.core import determinism
 from sdcstudy.detect.plan import DETECTORS

@@ -263,13 +263,13 @@ def test_lossy_broadcast_drift_is_bounded_as_derived():
 
 
 def test_bench_suite_goal_is_against_noised_and_batch_splits(tmp_path, capsys, monkeypatch):
-    """`sdcstudy bench paft` with made-up step times (the timing machinery is bench_timing.py's
+    """`sdcstudy bench paft` with made-up step times (the timing machinery is bench/timing.py's
     and tested there): the goal ratio is dyn-overlap / noised (PAFT's cost over data parallel
     under the same simulated error), dyn-overlap / dp and noised / dp are reported beside it, and
     a batch that does not split over the workers is rounded up for every contender. If this
     fails, the headline compares against the wrong baseline or M workers cannot split the
     batch."""
-    from sdcstudy.bench import cli as bench, paft as bench_paft, timing as bench_timing
+    from sdcstudy.bench import common as bench, paft as bench_paft, timing as bench_timing
     from sdcstudy import cli
 
     times = {"dp": [1.0, 2.0], "noised": [1.5, 2.5], "dyn-overlap": [1.6, 2.5]}

@@ -5,7 +5,7 @@ run (bench_timing.py's rotation).
 
 from __future__ import annotations
 
-from sdcstudy.bench import cli as B
+from sdcstudy.bench import common as B
 from sdcstudy.bench import timing as BT
 
 # ABFT contenders: the plain step, checks on every matmul, checks with recomputation on a flag.
@@ -16,7 +16,7 @@ ABFT_GOAL = 1.10  # the project's goal: checked step time at most 1.10x the plai
 
 def add_parser(sub) -> None:
     b = sub.add_parser("abft", help="step time with checksummed matmuls (ABFT) on and off")
-    B._add_common_args(b, "abft")
+    B.add_common_args(b, "abft")
     b.set_defaults(bench=run_abft_suite)
 
 

@@ -19,7 +19,7 @@ running in parallel would add to the wall time.
 
 from __future__ import annotations
 
-from sdcstudy.bench import cli as B
+from sdcstudy.bench import common as B
 from sdcstudy.bench import timing as BT
 
 RANKS = 2
@@ -29,7 +29,7 @@ BASE = "none"
 def add_parser(sub) -> None:
     p = sub.add_parser("detect", help="step time of each SDC detector (monitor, abft, shadow, "
                                       "reexec, lockstep, localize) against no detector")
-    B._add_common_args(p, "detect")
+    B.add_common_args(p, "detect")
     p.set_defaults(bench=run_detect_suite)
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from sdcstudy.bench import cli as B
+from sdcstudy.bench import common as B
 from sdcstudy.bench import timing as BT
 from sdcstudy.core import determinism as D
 
@@ -22,7 +22,7 @@ IDLE_RATE = 1e-3  # any rate above 0 compiles a spec in; the pattern keeps it fr
 def add_parser(sub) -> None:
     f = sub.add_parser("faults", help="step time with the fault engine compiled in but idle, "
                                       "against the plain step")
-    B._add_common_args(f, "faults")
+    B.add_common_args(f, "faults")
     f.set_defaults(bench=run_faults_suite)
 
 

@@ -29,7 +29,7 @@ contender of that M), and the table says so.
 
 from __future__ import annotations
 
-from sdcstudy.bench import cli as B
+from sdcstudy.bench import common as B
 from sdcstudy.bench import timing as BT
 from sdcstudy.core import hostmem
 from sdcstudy.core.config import UserError
@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("paft", help="step time of PAFT-Dyn with overlap against data-parallel "
                                     "training under the same simulated error (and without it)")
     per_worker = ", ".join(f"{k} {v[0]}" for k, v in B.SHAPES["paft"].items())
-    B._add_common_args(p, "paft", repeats=REPEATS, presets="tiny",
+    B.add_common_args(p, "paft", repeats=REPEATS, presets="tiny",
                        batch_help="sequences per step, split over the workers (default: "
                        "--worker-batch sequences per worker)")
     p.add_argument("--worker-batch", type=int, default=None, metavar="N",

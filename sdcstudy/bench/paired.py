@@ -6,7 +6,7 @@ rotation.
 
 from __future__ import annotations
 
-from sdcstudy.bench import cli as B
+from sdcstudy.bench import common as B
 from sdcstudy.bench import timing as BT
 from sdcstudy.core.config import UserError
 
@@ -18,7 +18,7 @@ PAIRED_GOALS = {"lockstep": {"time": 1.3, "memory": 1.25}, "paramsync": {"time":
 def add_parser(sub) -> None:
     d = sub.add_parser("paired", help="step time and memory of lockstep and paramsync against "
                                       "free-running pairs")
-    B._add_common_args(d, "paired")
+    B.add_common_args(d, "paired")
     d.add_argument("--tp", default="1", metavar="LIST",
                    help="tensor-parallel ranks per node, or several degrees timed in one run "
                         "(e.g. 1,2,4; ratios to free running at the same degree; default 1)")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 
-from sdcstudy.bench import cli as B
+from sdcstudy.bench import common as B
 
 
 def random_tokens(cfg):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from sdcstudy.bench import cli as B
+from sdcstudy.bench import common as B
 from sdcstudy.bench import timing as BT
 from sdcstudy.bench import roofline
 from sdcstudy.core.config import UserError
@@ -22,7 +22,7 @@ TARGET_RATIO = 2.0  # the project's goal: ours at least twice torch's tokens/s
 
 def add_parser(sub) -> None:
     t = sub.add_parser("train", help="tokens/s of our training step against transformers+torch")
-    B._add_common_args(t, "train")
+    B.add_common_args(t, "train")
     t.add_argument("--torch-attention", default=",".join(TORCH_ATTENTION), metavar="LIST",
                    help="transformers attention implementations to time (default eager,sdpa); "
                         "the faster one is the baseline")

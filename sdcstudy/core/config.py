@@ -26,20 +26,20 @@ __all__ = ["Config", "ConfigError", "UserError", "ModelConfig", "ModelDims", "PR
 
 @dataclass
 class ExperimentConfig:
-    mode: str = "train"
-    steps: int = 200
-    microsteps: int = 1
-    seed: int = 0
+    mode: str = "train"  # train, lockstep, paramsync, free, finetune, abft, paft or detect
+    steps: int = 200  # optimizer steps of the run
+    microsteps: int = 1  # gradient-accumulation microsteps per optimizer step
+    seed: int = 0  # seeds parameters, data order and fault draws
     batch_size: int = 8  # sequences per microstep, summed over data-parallel workers
     checkpoint_every: int = 100  # 0 saves only at the end
-    checkpoint_keep: int = 2
-    name: str = ""
+    checkpoint_keep: int = 2  # checkpoints kept; older ones are deleted
+    name: str = ""  # the run folder's name; empty: from mode and profile
 
 
 @dataclass
 class MeshConfig:
-    tp: int = 1
-    dp: int = 1
+    tp: int = 1  # tensor-parallel degree (devices per model copy)
+    dp: int = 1  # data-parallel degree
 
 
 @dataclass
@@ -53,18 +53,18 @@ class SuspectConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
-    lr: float = 3e-3
+    name: str = "adamw"  # adamw, adam, sgd or sgdm
+    lr: float = 3e-3  # peak learning rate
     schedule: str = "warmup_cosine"  # or "constant"
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # linear warm-up from 0 to lr
     decay_steps: int | None = None  # length of the cosine; null means experiment.steps
     min_lr_ratio: float = 0.1  # cosine floor as a fraction of the peak
     beta1: float = 0.9  # Ma et al., appendix B.3: Adam beta1 0.9, beta2 0.99, weight decay 0.01
-    beta2: float = 0.99
-    eps: float = 1e-8
+    beta2: float = 0.99  # Adam's second-moment decay
+    eps: float = 1e-8  # Adam's denominator floor
     momentum: float = 0.9  # for sgdm
-    weight_decay: float = 0.01
-    clip_norm: float | None = 1.0
+    weight_decay: float = 0.01  # decoupled, for adamw
+    clip_norm: float | None = 1.0  # global gradient-norm clip; null: none
 
 
 @dataclass
@@ -99,8 +99,8 @@ class PaftConfig:
     dynamic: bool = False  # PAFT-Dyn: the next H from the error estimated at each sync
     overlap: bool = False  # the average launched at step t is applied at step t+1
     sync_opt_state: bool = False  # average optimizer state with the parameters
-    h_min: int = 1  # PAFT-Dyn's bounds on H
-    h_max: int = 64
+    h_min: int = 1  # PAFT-Dyn's lower bound on H
+    h_max: int = 64  # PAFT-Dyn's upper bound on H
     div_every: int = 1  # measure the divergence every k steps (0: only when synchronizing)
     loss: PaftLossConfig = field(default_factory=PaftLossConfig)
 
@@ -125,10 +125,10 @@ class DetectConfig:
 class DataConfig:
     source: str = "synthetic"  # "synthetic", a local .txt/.jsonl file or folder, or a hub name
     hub_config: str | None = None  # e.g. "20220301.en" for wikipedia
-    split: str = "train"
-    text_field: str = "text"
+    split: str = "train"  # dataset split to read
+    text_field: str = "text"  # the column holding the text
     tokenizer: str = "byte"  # "byte" or a local Hugging Face tokenizer folder
-    seq_len: int = 64
+    seq_len: int = 64  # predicted tokens per sequence
     synthetic_tokens: int = 400_000  # size of the built-in corpus, in bytes
     cache_dir: str | None = None  # where prepared datasets are kept; default ~/.cache/sdcstudy
 
@@ -143,11 +143,11 @@ class FinetuneConfig:
     shuffle_seed: int | None = None  # order of the training questions; null = experiment.seed
     loss_on: str = "all"  # "all" tokens but the padding (appendix E.3) or only the "answer"
     predict: str = "generate"  # TA/DP from the greedy next token (E.2) or the best "score"
-    eval_batch_size: int = 16
+    eval_batch_size: int = 16  # test questions scored per batch
     max_train: int | None = None  # use at most this many training questions (null: all)
-    max_test: int | None = None
+    max_test: int | None = None  # test questions used; null: all
     synthetic_train: int = 4000  # questions of the synthetic task
-    synthetic_test: int = 500
+    synthetic_test: int = 500  # questions of the synthetic task's test split
 
 
 @dataclass

@@ -18,19 +18,19 @@ from sdcstudy.core.errors import ConfigError, did_you_mean
 class ModelConfig:
     """Llama-style decoder. Sizes set to null take the preset's value."""
 
-    preset: str = "tiny"
+    preset: str = "tiny"  # tiny, small, medium, ... (configs/models/)
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # storage dtype of parameters and optimizer state
-    vocab_size: int | None = None
-    d_model: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    head_dim: int | None = None
-    ffn_dim: int | None = None
-    rope_theta: float | None = None
-    norm_eps: float | None = None
-    tie_embeddings: bool | None = None
+    vocab_size: int | None = None  # tokens in the vocabulary
+    d_model: int | None = None  # hidden size
+    n_layers: int | None = None  # decoder blocks
+    n_heads: int | None = None  # query heads
+    n_kv_heads: int | None = None  # key/value heads (grouped-query attention)
+    head_dim: int | None = None  # size of one head
+    ffn_dim: int | None = None  # SwiGLU hidden size
+    rope_theta: float | None = None  # RoPE base frequency
+    norm_eps: float | None = None  # RMSNorm epsilon
+    tie_embeddings: bool | None = None  # output projection shares the embedding
 
 
 

@@ -15,6 +15,7 @@ METRICS = {
     "loss/healthy": "mean next-token loss of the healthy node",
     "loss/suspect": "mean next-token loss of the suspect node",
     "grad/norm": "||g||2 of the healthy gradient, after accumulation, before clipping",
+    "grad/norm_suspect": "||g'||2 of the suspect gradient, likewise",
     "grad/diff_l2": "||g' - g||2 between the nodes' gradients",
     "grad/nts": "grad/diff_l2 / grad/norm (eq. 5 before its max over steps)",
     "param/diff_l2": "||theta' - theta||2 after the update (before any synchronization)",
@@ -33,7 +34,8 @@ LOCKSTEP_SUMMARY = {
     "freq": "per site: mismatch frequency, eqs. (1)-(2), mean over microsteps",
     "max_severity": "per site: mismatch severity, eqs. (3)-(4), max over microsteps",
     "bit_histogram": "per site: mismatching elements per bit position and per field",
-    "mismatch/<site>": "mismatching elements per site over the run",
+    "mismatches": "per site: mismatching elements over the run",
+    "nonfinite": "per site: elements that are NaN or infinite on the suspect over the run",
 }
 
 
@@ -52,7 +54,7 @@ class PairedMode(Mode):
 class LockstepMode(PairedMode):
     name = "lockstep"
     description = "RQ1: compare the suspect with the healthy node at every site, then correct it"
-    metrics = {**METRICS, "mismatch/<site>": "mismatching elements at a site this step"}
+    metrics = {**METRICS, "mismatches": "mismatching elements over every site this step"}
     summary = {**SUMMARY, **LOCKSTEP_SUMMARY}
 
 

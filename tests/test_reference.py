@@ -1,0 +1,62 @@
+"""docs/config.md is what `sdcstudy.reference` writes, and what it documents is what runs
+write: every config key has a meaning, and every metrics.jsonl and summary.json field of a
+real tiny run is in its mode's tables."""
+
+import json
+import re
+
+import pytest
+
+from sdcstudy import modes, reference, runner
+from sdcstudy.core import config as C
+from sdcstudy.modes.base import COMMON_METRICS, COMMON_SUMMARY
+
+
+def test_page_is_up_to_date():
+    assert reference.PAGE.read_text() == reference.render(), \
+        f"docs/config.md is out of date; run `{reference.REGENERATE}`"
+
+
+def test_check_fails_on_a_stale_page(tmp_path, monkeypatch, capsys):
+    stale = tmp_path / "config.md"
+    stale.write_text(reference.render().replace("| `experiment.steps`", "| `experiment.stepz`"))
+    monkeypatch.setattr(reference, "PAGE", stale)
+    assert reference.main(["--check"]) == 1
+    assert reference.REGENERATE in capsys.readouterr().err
+    assert reference.main(["--write"]) == 0 and reference.main(["--check"]) == 0
+
+
+def test_every_key_has_a_meaning_and_every_mode_is_listed():
+    keys = reference.config_keys()
+    assert {k for k, _, _ in keys} >= {"experiment.mode", "paft.loss.p", "model.d_model"}
+    assert [k for k, _, meaning in keys if not meaning] == []
+    page = reference.render()
+    for name in modes.REGISTRY:
+        assert f"### `{name}`" in page
+
+
+def _documented(field: str, tables: list[dict]) -> bool:
+    for table in tables:
+        for key in table:
+            pattern = "^" + re.sub(r"<[^>]+>", ".+", re.escape(key).replace(r"\<", "<")
+                                   .replace(r"\>", ">")) + "$"
+            if re.match(pattern, field):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("mode", ["train", "lockstep", "abft"])
+def test_real_run_writes_only_documented_fields(tmp_path, mode):
+    cfg = C.from_dict({"experiment": {"mode": mode, "steps": 2, "batch_size": 2,
+                                      "checkpoint_every": 0},
+                       "data": {"seq_len": 16}, "optim": {"warmup_steps": 0}})
+    out = tmp_path / mode
+    runner.run(cfg, out, progress=False)
+    cls = modes.get(mode)
+    summary = json.loads((out / "summary.json").read_text())
+    undocumented = [f for f in summary if not _documented(f, [COMMON_SUMMARY, cls.summary])]
+    assert undocumented == [], f"{mode}: summary.json fields missing from docs/config.md"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    fields = sorted({f for row in rows for f in row})
+    undocumented = [f for f in fields if not _documented(f, [COMMON_METRICS, cls.metrics])]
+    assert undocumented == [], f"{mode}: metrics.jsonl fields missing from docs/config.md"
