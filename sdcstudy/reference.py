@@ -18,6 +18,7 @@ import inspect
 import io
 import sys
 import tokenize
+import typing
 from pathlib import Path
 
 from sdcstudy import modes
@@ -49,18 +50,30 @@ def field_comments(cls) -> dict[str, str]:
     return found
 
 
-def config_keys(cls=Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, meaning) of every leaf field, in declaration order."""
+def config_keys(cls=Config, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, meaning) of every leaf field, in declaration order."""
     rows = []
     comments = field_comments(cls)
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
             else f.default
         if dataclasses.is_dataclass(default):
             rows += config_keys(type(default), f"{prefix}{f.name}.")
         else:
-            rows.append((f"{prefix}{f.name}", _yaml(default), comments.get(f.name, "")))
+            kind = " | ".join("null" if a is type(None) else a.__name__
+                                 for a in typing.get_args(hints[f.name]) or [hints[f.name]])
+            rows.append((f"{prefix}{f.name}", kind, _yaml(default), comments.get(f.name, "")))
     return rows
+
+
+COMMON_SECTIONS = ("experiment", "model", "mesh", "optim", "data")
+
+
+def _readers(section: str, classes: dict) -> str:
+    if section in COMMON_SECTIONS:
+        return "every mode"
+    return ", ".join(f"`{n}`" for n, c in classes.items() if section in c.reads) or "-"
 
 
 def _yaml(value) -> str:
@@ -103,11 +116,15 @@ def render() -> str:
            "A run's config is YAML (`configs/`); `--set KEY=VALUE` overrides one key. "
            "Every mode reads `experiment`, `model`, `mesh`, `optim` and `data`; the table of "
            "modes names the sections each reads beyond those.", "",
+           "Contents: [Keys](#keys) · [Modes](#modes) · "
+           "[What every run writes](#what-every-run-writes) · "
+           "[`sdcstudy bench` options](#sdcstudy-bench-options)", "",
            "## Keys", ""]
-    out += _table(("key", "default", "meaning"),
-                  [(f"`{k}`", f"`{d}`", m) for k, d, m in config_keys()])
-    out += ["## Modes", ""]
     classes = {name: modes.get(name) for name in modes.REGISTRY}
+    out += _table(("key", "type", "default", "meaning", "read by"),
+                  [(f"`{k}`", t, f"`{d}`", m, _readers(k.split(".")[0], classes))
+                   for k, t, d, m in config_keys()])
+    out += ["## Modes", ""]
     out += _table(("mode", "reads", "what it runs"),
                   [(f"`{n}`", ", ".join(f"`{s}`" for s in c.reads) or "-",
                    " ".join(c.description.split()))

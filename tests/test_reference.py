@@ -28,11 +28,14 @@ def test_check_fails_on_a_stale_page(tmp_path, monkeypatch, capsys):
 
 def test_every_key_has_a_meaning_and_every_mode_is_listed():
     keys = reference.config_keys()
-    assert {k for k, _, _ in keys} >= {"experiment.mode", "paft.loss.p", "model.d_model"}
-    assert [k for k, _, meaning in keys if not meaning] == []
+    assert {k for k, *_ in keys} >= {"experiment.mode", "paft.loss.p", "model.d_model"}
+    assert [k for k, _, _, meaning in keys if not meaning] == []
+    kinds = {k: kind for k, kind, _, _ in keys}
+    assert kinds["optim.clip_norm"] == "float | null" and kinds["abft.enabled"] == "bool"
     page = reference.render()
     for name in modes.REGISTRY:
         assert f"### `{name}`" in page
+    assert "| `paft.sync_every` | int | `0` |" in page and "| `paft` |" in page
 
 
 def _documented(field: str, tables: list[dict]) -> bool:

@@ -33,7 +33,7 @@ class ExperimentConfig:
     batch_size: int = 8  # sequences per microstep, summed over data-parallel workers
     checkpoint_every: int = 100  # 0 saves only at the end
     checkpoint_keep: int = 2  # checkpoints kept; older ones are deleted
-    name: str = ""  # the run folder's name; empty: from mode and profile
+    name: str = ""  # run folders are runs/NAME-TIMESTAMP; empty: the mode
 
 
 @dataclass

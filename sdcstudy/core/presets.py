@@ -18,7 +18,7 @@ from sdcstudy.core.errors import ConfigError, did_you_mean
 class ModelConfig:
     """Llama-style decoder. Sizes set to null take the preset's value."""
 
-    preset: str = "tiny"  # tiny, small, medium, ... (configs/models/)
+    preset: str = "tiny"  # tiny, small, medium, llama3-8b, ...; or configs/models/NAME.yaml
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # storage dtype of parameters and optimizer state
     vocab_size: int | None = None  # tokens in the vocabulary
