@@ -62,7 +62,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_golden(args) -> int:
-    from sdcstudy.golden import check as golden
+    from sdcstudy.golden import cli as golden
 
     return golden.main(args)
 
@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("golden", help="pre-admission golden-run test: record on a trusted "
                                        "node, check a candidate bit for bit (docs/golden.md)")
-    gsub = p.add_subparsers(dest="golden_command", metavar="record|check")
+    gsub = p.add_subparsers(dest="golden_command", metavar="record|check|quorum")
     gsub.required = True
     g = gsub.add_parser("record", help="record a golden run (exit 0, or 2 on bad input)")
     g.add_argument("config", type=Path, nargs="?", default=None,
@@ -180,9 +180,31 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run the workload N times, comparing each (default 1)")
     once.add_argument("--duration", type=float, default=None, metavar="MINUTES",
                       help="repeat the workload for this long (whole repetitions)")
-    g.add_argument("--device", type=int, default=0, metavar="I",
-                   help="local device to check (default 0; on CPU a simulated device)")
+    g.add_argument("--device", default="0", metavar="I|all",
+                   help="local device to check, or all of them, one table row each "
+                        "(default 0; on CPU a simulated device)")
+    g.add_argument("--inject-device", type=int, default=None, metavar="I",
+                   help="with --device all: inject --inject on this device only")
+    g.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="with --device all: devices checked at once (default: the CPU cores)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = gsub.add_parser("quorum", help="no trusted node: run on every local device (3 or "
+                                       "more), the majority is the reference; exit 0 all "
+                                       "agree, 1 a device differs, 2 no majority")
+    g.add_argument("config", type=Path, nargs="?", default=None,
+                   help="YAML config, experiment.mode train (default: as golden record)")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable)")
+    g.add_argument("--device", default="all", metavar="all",
+                   help="the devices that vote: all (the only choice; default)")
+    g.add_argument("--json", type=Path, default=None, metavar="FILE", help="JSON report here")
+    g.add_argument("--junit", type=Path, default=None, metavar="FILE", help="JUnit XML here")
+    g.add_argument("--inject", default=None, metavar="PROFILE",
+                   help="inject faults (as golden check --inject), on --inject-device only")
+    g.add_argument("--inject-device", type=int, default=None, metavar="I",
+                   help="the device --inject corrupts (default: every device)")
+    g.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="devices run at once (default: the CPU cores)")
     p.set_defaults(func=cmd_golden)
 
     p = sub.add_parser("profiles", help="list the fault profiles (node zoo)")

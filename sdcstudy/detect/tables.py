@@ -64,8 +64,39 @@ def detector_scores(metrics: pd.DataFrame, name: str, window: int = LATENCY_WIND
     return {"steps": len(steps), "events": len(events), "named": named,
             "recall": len(delays) / len(events) if len(events) else None,
             "latency_steps": float(np.mean(delays)) if delays and window else None,
+            "latency_steps_max": int(max(delays)) if delays and window else None,
             "precision": float(covered[flagged].mean()) if len(flagged) else None,
+            "false_alarms": int(np.sum(~covered[flagged])),
             "flags": len(flagged)}
+
+
+SCORES = ("recall", "precision", "false_alarms", "latency_steps", "latency_steps_max")
+
+
+def window_of(advance: str) -> int:
+    """Steps after an event in which a flag counts as its detection: 0 when the run trains on
+    the clean gradient (the corruption dies with its step), LATENCY_WINDOW otherwise."""
+    return 0 if advance == "reference" else LATENCY_WINDOW
+
+
+def run_scores(rows: list[dict], detectors, advance: str) -> dict:
+    """summary.json's `detect/<name>/<score>` of one run, from its metrics.jsonl rows.
+
+    With `advance: reference` a detection can only be at its event's step, so a detected
+    event's latency is 0 (reported as 0.0); a detector that saw no event has recall null."""
+    frame = pd.DataFrame(rows)
+    if "detect/truth" not in frame:
+        return {}
+    window = window_of(advance)
+    out = {}
+    for name in detectors:
+        scores = detector_scores(frame, name, window)
+        if not scores:
+            continue
+        if window == 0 and scores["recall"]:
+            scores.update(latency_steps=0.0, latency_steps_max=0)
+        out.update({f"detect/{name}/{k}": scores[k] for k in SCORES})
+    return out
 
 
 def run_label(config: dict) -> tuple[str, str]:
@@ -95,7 +126,7 @@ def benchmark_table(runs: dict) -> pd.DataFrame:
             continue
         overhead = _overhead(run.path)
         advance = (run.config.get("detect") or {}).get("advance", "reference")
-        window = 0 if advance == "reference" else LATENCY_WINDOW
+        window = window_of(advance)
         for name in DETECTORS:
             scores = detector_scores(run.metrics, name, window)
             if not scores:

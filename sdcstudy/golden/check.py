@@ -1,7 +1,7 @@
 """Golden-run pre-admission tests: record a short training on a trusted node, re-run it on a
 candidate node, compare every bit, and say where the candidate first went wrong.
 
-This module holds the check and the command line; the parts, each in its own module:
+This module holds the check (cli.py its command line); the parts, each in its own module:
 - `golden_digest`: the on-device digest of a tensor and of the gradient arriving at a site;
 - `golden_workload`: the training that is recorded and re-run, and the faults of `--inject`;
 - `golden_record`: what `golden record` keeps, writing, verifying and loading it;
@@ -25,10 +25,8 @@ import socket
 import time
 from pathlib import Path
 
-from sdcstudy.core import config as C
 from sdcstudy.core import determinism
 from sdcstudy.faults import specs as FS
-from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import UserError
 from sdcstudy.golden.compare import (
     EXIT_CODES, FAIL, INCONCLUSIVE, PASS, _check_layout, env_differences, run_once)
@@ -175,41 +173,6 @@ def _check_flip(flip: dict, meta: dict) -> None:
     width = 16 if dtype == "bfloat16" else 32
     if not 0 <= flip["bit"] < width:
         raise UserError(f"--inject flip: bit must be 0 to {width - 1} for {dtype}.")
-
-
-# --- command line -------------------------------------------------------------------------------
-
-
-def main(args) -> int:
-    if args.golden_command == "record":
-        cfg = (C.load(args.config, args.overrides) if args.config is not None
-               else C.from_dict(DEFAULT, args.overrides))
-        meta = record(cfg, args.out, device_index=args.device, progress=not args.no_progress)
-        print(f"golden record: {meta['golden_dir']} ({meta['steps']} steps x "
-              f"{meta['microsteps']} microsteps, {len(meta['site_order'])} sites, "
-              f"{meta['bytes'] / 1e6:.2f} MB, manifest sha256 {meta['manifest_sha256'][:16]}...)")
-        return 0
-    if args.repeat is not None and args.repeat < 1:
-        raise UserError("--repeat must be at least 1.")
-    if args.duration is not None and args.duration <= 0:
-        raise UserError("--duration must be a positive number of minutes.")
-    report = check(args.golden_dir, inject=args.inject, allow_env_drift=args.allow_env_drift,
-                   repeat=args.repeat or 1, duration_min=args.duration, device_index=args.device,
-                   progress=not args.no_progress)
-    for path, text in ((args.json, report_json), (args.junit, junit_xml)):
-        if path is not None:
-            RF.atomic_write_text(Path(path), text(report))
-    reps = len(report["repetitions"])
-    t = report["timing"]
-    print(f"golden check {report['verdict']}: {report['reason']}")
-    if reps:
-        print(f"  device {report['device'].get('index')} ({report['device'].get('kind')}), "
-              f"{reps} repetition(s), compile {t.get('compile_s', 0):.1f} s, run "
-              f"{t.get('run_s', 0):.1f} s, total {t.get('total_s', 0):.1f} s")
-    if report["injected"] is not None:
-        print(f"  injected {report['injected']['label']}: {report['injected']['landed']} "
-              f"corruption(s) landed")
-    return report["exit_code"]
 
 
 # The public calls of the golden checks, importable from here whichever module holds them.

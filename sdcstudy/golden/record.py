@@ -99,18 +99,9 @@ def record(cfg: Config, out_dir: Path, *, device_index: int = 0, progress: bool 
     losses, final = [], None
     bar = _bar(progress, steps, "golden record")
     for step, out, state in work.run():
-        for path, digest in out["params"].items():
-            arrays.setdefault(f"params/{path}", np.zeros((steps + 1,) + digest.shape, np.uint32))
-            arrays[f"params/{path}"][step] = digest
+        store_digests(arrays, step, out, steps)
         if step == 0:
             continue
-        for direction in ("fwd", "bwd"):
-            for key, digest in out[direction].items():
-                name = f"{direction}/{key}"
-                arrays.setdefault(name, np.zeros((steps,) + digest.shape, np.uint32))
-                arrays[name][step - 1] = digest
-        arrays["loss"][step - 1] = out["loss"]
-        arrays["grad_norm"][step - 1] = out["grad_norm"]
         loss = float(np.uint32(out["loss"]).view(np.float32))
         if not np.isfinite(loss):
             raise UserError(f"the golden run's loss became {loss} at step {step}; a golden "
@@ -172,6 +163,22 @@ def record(cfg: Config, out_dir: Path, *, device_index: int = 0, progress: bool 
     meta["bytes"] = sum(f["bytes"] for f in manifest["body"]["files"].values())
     meta["golden_dir"] = str(out_dir)
     return meta
+
+
+def store_digests(arrays: dict, step: int, out: dict, steps: int) -> None:
+    """Put one step's digests (what `Workload.run` yields) into a record's arrays."""
+    for path, digest in out["params"].items():
+        arrays.setdefault(f"params/{path}", np.zeros((steps + 1,) + digest.shape, np.uint32))
+        arrays[f"params/{path}"][step] = digest
+    if step == 0:
+        return
+    for direction in ("fwd", "bwd"):
+        for key, digest in out[direction].items():
+            name = f"{direction}/{key}"
+            arrays.setdefault(name, np.zeros((steps,) + digest.shape, np.uint32))
+            arrays[name][step - 1] = digest
+    for name in ("loss", "grad_norm"):
+        arrays.setdefault(name, np.zeros(steps, np.uint32))[step - 1] = out[name]
 
 
 def _bar(progress: bool, total: int, desc: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 from functools import partial
 
 import jax
@@ -241,18 +242,24 @@ class Workload:
 
 # In-process reuse, for callers that check many times in one process (tests, studies): the
 # initial state per (config, device) and the last two compiled workloads. A command-line check
-# is one process and always starts from nothing.
+# is one process and always starts from nothing. The lock guards the dictionaries only (checks
+# of several devices compile concurrently, in threads).
 _INITIAL: dict = {}
 _WORKLOADS: dict = {}
+_LOCK = threading.Lock()
 
 
 def _initial_state(trainer: T.Trainer, device):
     """The initial state, computed on `device` and kept on the host."""
     key = (C.dump(trainer.cfg), device.id)
-    if key not in _INITIAL:
+    with _LOCK:
+        initial = _INITIAL.get(key)
+    if initial is None:
         with jax.default_device(device):
-            _INITIAL[key] = jax.device_get(trainer.init_state())
-    return _INITIAL[key]
+            initial = jax.device_get(trainer.init_state())
+        with _LOCK:
+            _INITIAL[key] = initial
+    return initial
 
 
 def workload(cfg: Config, tokens: np.ndarray, device, injection: Injection | None = None
@@ -262,12 +269,16 @@ def workload(cfg: Config, tokens: np.ndarray, device, injection: Injection | Non
                                              injection.seed)
     key = (C.dump(cfg), hashlib.sha256(tokens.tobytes()).hexdigest(), tokens.shape, device.id,
            faults)
-    cached = key in _WORKLOADS
-    if not cached:
-        _WORKLOADS[key] = Workload(cfg, tokens, device, injection)
+    with _LOCK:
+        work = _WORKLOADS.get(key)
+    if work is not None:
+        return work, True
+    work = Workload(cfg, tokens, device, injection)
+    with _LOCK:
+        _WORKLOADS[key] = work
         while len(_WORKLOADS) > 2:
             _WORKLOADS.pop(next(iter(_WORKLOADS)))
-    return _WORKLOADS[key], cached
+    return work, False
 
 
 def _digest_tree(tree) -> dict:

@@ -4,6 +4,7 @@ data-parallel ranks, judged on the host every step (and rolled back with `detect
 from __future__ import annotations
 
 from sdcstudy.detect.plan import validate
+from sdcstudy.detect.tables import run_scores
 from sdcstudy.detect.trainer import DetectTrainer
 from sdcstudy.modes.base import Mode
 from sdcstudy.paired.summary import paired_summary
@@ -19,8 +20,21 @@ class DetectMode(Mode):
         "detect/<detector>": "1 when the detector flagged the step",
         "detect/truth": "1 when the fault changed a rank's gradient (the lock-step mirror)",
     }
-    summary = {"detect/<detector>": "steps the detector flagged",
-               "detect/truth": "steps whose result a fault changed"}
+    summary = {
+        "detect/<detector>": "steps the detector flagged",
+        "detect/truth": "steps whose result a fault changed (events)",
+        "detect/<detector>/recall": "events flagged within the latency window, over events "
+                                    "(null: no event)",
+        "detect/<detector>/precision": "flags within some event's window, over flags "
+                                       "(null: no flag)",
+        "detect/<detector>/false_alarms": "flags within no event's window",
+        "detect/<detector>/latency_steps": "mean steps from an event to its first flag; 0 "
+                                           "with detect.advance reference (module doc)",
+        "detect/<detector>/latency_steps_max": "most steps from an event to its first flag",
+        "wcnts": "eq. (5) over the primary executions' gradients",
+        "param/diff_l2": "null: a detect run has no second node",
+        "loss_spikes": "steps whose loss exceeds the healthy one by 0.5 nats",
+    }
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -33,4 +47,16 @@ class DetectMode(Mode):
         return self.trainer.wrap_step(compiled)
 
     def summarize(self, rows, tables, histograms) -> dict:
-        return paired_summary(rows, tables, histograms, self.cfg.model.dtype)
+        return {**paired_summary(rows, tables, histograms, self.cfg.model.dtype),
+                **run_scores(rows, self.trainer.detectors, self.cfg.detect.advance)}
+
+    def carry(self) -> dict:
+        """The loss monitor's history: a resumed run flags exactly as an unbroken one."""
+        m = self.trainer.monitor
+        return {"monitor": {"losses": list(m.losses), "norms": list(m.norms)}}
+
+    def resume(self, carried: dict) -> None:
+        m = self.trainer.monitor
+        saved = carried.get("monitor", {})
+        m.losses.extend(saved.get("losses", []))
+        m.norms.extend(saved.get("norms", []))

@@ -1,0 +1,260 @@
+"""Every local device in one command: `golden check --device all` and `golden quorum`.
+
+`check_all` runs the golden check (`golden.check.check`) on every local device, `workers`
+devices at a time in threads (XLA compiles and runs without holding the GIL); each device
+compiles its own program, since XLA binds an executable to its device. A device's result does
+not depend on what runs beside it: every device runs the same deterministic program.
+
+`quorum` is for new hardware with no trusted node: the same workload runs on every local
+device (at least 3) and the devices vote. Devices whose digests agree in every step form a
+group; a group holding a strict majority is the reference, and each device outside it FAILs
+with its first differing step, microstep, layer and site, found in program order exactly as
+`golden check` finds it against a record. Without a strict majority no device can be trusted:
+every device is INCONCLUSIVE.
+
+Both give one report per node: `{"verdict", "devices": [{"device", "verdict", ...}]}`. The
+node's verdict is FAIL if any device FAILs, PASS if every device PASSes, else INCONCLUSIVE
+(exit 1, 0, 2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from sdcstudy.core.config import Config, UserError
+from sdcstudy.core.digest import tensor_digests
+from sdcstudy.golden.check import check
+from sdcstudy.golden.compare import EXIT_CODES, FAIL, INCONCLUSIVE, PASS, describe, step_differences
+from sdcstudy.golden.record import load_tokens, store_digests
+from sdcstudy.golden.report import _sentence
+from sdcstudy.golden.workload import (
+    _param_leaves, check_config, device_info, parse_injection, workload)
+
+SCHEMA = "sdcstudy-golden-devices/1"
+
+
+def node_verdict(verdicts: list[str]) -> str:
+    if FAIL in verdicts:
+        return FAIL
+    return PASS if verdicts and all(v == PASS for v in verdicts) else INCONCLUSIVE
+
+
+def _where(first: dict | None) -> dict | None:
+    """The step/microstep/layer/site of a first difference (the table's column)."""
+    if first is None:
+        return None
+    keep = ("step", "microstep", "layer", "site", "kind", "tensor")
+    return {k: first[k] for k in keep if k in first}
+
+
+def _report(command: str, rows: list[dict], started: float, **extra) -> dict:
+    verdict = node_verdict([r["verdict"] for r in rows])
+    return {"schema": SCHEMA, "command": command, "verdict": verdict,
+            "exit_code": EXIT_CODES[verdict], "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "seconds": time.perf_counter() - started, **extra, "devices": rows}
+
+
+def local_devices(inject: str | None, inject_device: int | None, least: int = 1) -> list:
+    devices = jax.local_devices()
+    if len(devices) < least:
+        raise UserError(f"golden quorum needs at least {least} local devices to vote and this "
+                        f"node has {len(devices)}; record a golden run on a trusted node and "
+                        f"use golden check instead.")
+    if inject_device is not None:
+        if inject is None:
+            raise UserError("--inject-device needs --inject PROFILE (what to inject there).")
+        if not 0 <= inject_device < len(devices):
+            raise UserError(f"--inject-device {inject_device}: this node has {len(devices)} "
+                            f"local devices (0 to {len(devices) - 1}).")
+    return devices
+
+
+def _injected(index: int, inject: str | None, inject_device: int | None) -> str | None:
+    return inject if inject_device is None or index == inject_device else None
+
+
+# --- golden check --device all ----------------------------------------------------------------
+
+
+def check_all(golden_dir: Path, *, inject: str | None = None, inject_device: int | None = None,
+              workers: int | None = None, echo=print, **options) -> dict:
+    """`check` on every local device; `options` as `check` takes them (repeat, ...)."""
+    started = time.perf_counter()
+    devices = local_devices(inject, inject_device)
+
+    def one(index: int) -> dict:
+        report = check(golden_dir, inject=_injected(index, inject, inject_device),
+                       device_index=index, **options)
+        echo(f"  device {index}: {report['verdict']} "
+             f"({report['timing'].get('total_s', 0.0):.1f} s)")
+        return {"device": index, "kind": report["device"].get("kind"),
+                "verdict": report["verdict"], "reason": report["reason"],
+                "first_difference": _where(report["first_difference"]),
+                "injected": report["inject"],
+                "seconds": report["timing"].get("total_s", 0.0), "report": report}
+
+    rows = in_threads(one, len(devices), workers)
+    return _report("check", rows, started, workers=_workers(workers, len(devices)),
+                   golden={"dir": str(golden_dir)})
+
+
+def _workers(workers: int | None, n: int) -> int:
+    return max(1, min(n, workers or os.cpu_count() or 1))
+
+
+def in_threads(fn, n: int, workers: int | None) -> list:
+    """[fn(0), ..., fn(n - 1)], `workers` at a time (default: the CPU cores)."""
+    with ThreadPoolExecutor(max_workers=_workers(workers, n)) as pool:
+        return list(pool.map(fn, range(n)))
+
+
+# --- golden quorum ----------------------------------------------------------------------------
+
+
+def _run(work) -> tuple[list[dict], dict]:
+    """Every step's digests (step 0: the initial parameters) and the final parameters' SHA-256."""
+    outs, final = [], None
+    for step, out, state in work.run():
+        outs.append({k: v for k, v in out.items() if k != "faults"})
+        if step == work.steps:
+            final = tensor_digests(jax.device_get(state["params"]))
+    return outs, final
+
+
+def _fingerprint(outs: list[dict], final: dict) -> str:
+    h = hashlib.sha256()
+
+    def feed(tree, prefix=""):
+        for key in sorted(tree):
+            value = tree[key]
+            if isinstance(value, dict):
+                feed(value, f"{prefix}{key}/")
+            else:
+                h.update(f"{prefix}{key}".encode())
+                h.update(np.ascontiguousarray(value).tobytes())
+    for out in outs:
+        feed(out)
+    feed({k: np.frombuffer(bytes.fromhex(v), np.uint8) for k, v in final.items()})
+    return h.hexdigest()
+
+
+def first_difference(outs: list[dict], reference: dict, meta: dict) -> dict | None:
+    """The first step (in program order within it) where `outs` leave the reference."""
+    for step, out in enumerate(outs):
+        found = step_differences(step, out, reference, meta)
+        if found:
+            return describe(found[0], step, meta, reference, None)
+    return None
+
+
+def vote(digests: list[str]) -> tuple[list[int] | None, list[list[int]]]:
+    """(the devices of the strict majority or None, every group of agreeing devices)."""
+    by_digest: dict[str, list[int]] = {}
+    for device, digest in enumerate(digests):
+        by_digest.setdefault(digest, []).append(device)
+    groups = sorted(by_digest.values())
+    largest = max(groups, key=len)
+    return (largest if 2 * len(largest) > len(digests) else None), groups
+
+
+def quorum(cfg: Config, *, inject: str | None = None, inject_device: int | None = None,
+           workers: int | None = None, echo=print) -> dict:
+    """Run `cfg`'s workload on every local device and let the devices vote (module doc)."""
+    started = time.perf_counter()
+    check_config(cfg)
+    devices = local_devices(inject, inject_device, least=3)
+    tokens = load_tokens(cfg)
+
+    def one(index: int) -> dict:
+        t0 = time.perf_counter()
+        text = _injected(index, inject, inject_device)
+        work, _ = workload(cfg, tokens, devices[index], parse_injection(text) if text else None)
+        outs, final = _run(work)
+        seconds = time.perf_counter() - t0
+        echo(f"  device {index}: ran {work.steps} steps ({seconds:.1f} s)")
+        return {"device": index, "kind": device_info(devices[index], index)["kind"],
+                "injected": text, "outs": outs, "digest": _fingerprint(outs, final),
+                "seconds": seconds, "work": work}
+
+    runs = in_threads(one, len(devices), workers)
+    majority, groups = vote([run["digest"] for run in runs])
+    rows = []
+    if majority is None:
+        sizes = sorted((len(g) for g in groups), reverse=True)
+        for run in runs:
+            rows.append(_row(run, INCONCLUSIVE, f"no strict majority: the {len(runs)} devices "
+                                                f"split into groups of {sizes}"))
+        return _report("quorum", rows, started, groups=groups, reference=None,
+                       workers=_workers(workers, len(runs)))
+    reference = runs[majority[0]]
+    work = reference["work"]
+    arrays: dict = {}
+    for step, out in enumerate(reference["outs"]):
+        store_digests(arrays, step, out, work.steps)
+    meta = {"site_order": work.site_order, "sites": work.sites, "microsteps": work.microsteps,
+            "params": {p: {"shape": list(np.shape(v)), "dtype": str(v.dtype)}
+                       for p, v in _param_leaves(work.initial["params"]).items()}}
+    for run in runs:
+        if run["device"] in majority:
+            rows.append(_row(run, PASS, f"agrees with {len(majority)} of {len(runs)} devices "
+                                        f"in every digest of {work.steps} steps."))
+            continue
+        first = first_difference(run["outs"], arrays, meta)
+        reason = (_sentence(first) if first is not None else
+                  "the final parameters' SHA-256 differs from the majority's")
+        rows.append(_row(run, FAIL, reason, first))
+    return _report("quorum", rows, started, groups=groups,
+                   reference=majority[0], workers=_workers(workers, len(runs)))
+
+
+def _row(run: dict, verdict: str, reason: str, first: dict | None = None) -> dict:
+    return {"device": run["device"], "kind": run["kind"], "verdict": verdict, "reason": reason,
+            "first_difference": _where(first), "injected": run["injected"],
+            "seconds": run["seconds"]}
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def table(report: dict) -> str:
+    """One line per device: verdict, where it first differed, seconds."""
+    lines = [f"{'device':<8}{'kind':<10}{'verdict':<14}{'first difference':<52}seconds"]
+    for row in report["devices"]:
+        first = row["first_difference"]
+        where = "-" if first is None else ", ".join(
+            f"{k} {first[k]}" for k in ("step", "microstep", "layer", "site", "tensor")
+            if k in first)
+        lines.append(f"{row['device']:<8}{str(row['kind'])[:9]:<10}{row['verdict']:<14}"
+                     f"{where[:51]:<52}{row['seconds']:.1f}")
+    return "\n".join(lines) + "\n"
+
+
+def junit_xml(report: dict) -> str:
+    """JUnit XML with one test case per device: FAIL a <failure>, INCONCLUSIVE an <error>."""
+    name = f"sdcstudy.golden.{report['command']}"
+    rows = report["devices"]
+    suite = ET.Element("testsuite", name=name, hostname=report["host"],
+                       timestamp=report["started"], tests=str(len(rows)),
+                       failures=str(sum(r["verdict"] == FAIL for r in rows)),
+                       errors=str(sum(r["verdict"] == INCONCLUSIVE for r in rows)),
+                       time=f"{report['seconds']:.3f}")
+    for row in rows:
+        case = ET.SubElement(suite, "testcase", classname=name, name=f"device {row['device']}",
+                             time=f"{row['seconds']:.3f}")
+        tag = {FAIL: "failure", INCONCLUSIVE: "error"}.get(row["verdict"])
+        if tag:
+            node = ET.SubElement(case, tag, message=row["reason"] or "", type=row["verdict"])
+            node.text = row["reason"]
+    root = ET.Element("testsuites", name=f"sdcstudy golden {report['command']}")
+    root.append(suite)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

@@ -1,0 +1,106 @@
+"""A detect run scores its detectors in summary.json: recall, precision, false alarms and
+latency against the injector's ground truth. Latency is measured (a loss monitor that fires
+only once the loss has grown has latency > 0), and a resumed run scores as an unbroken one."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from sdcstudy import runner
+from sdcstudy.core import config as C
+from sdcstudy.detect import tables as DT
+
+ONSET = 6
+STEPS = 14
+
+
+def _cfg(tmp_path, **experiment):
+    # From ONSET on, the only rank's gradient has every sign flipped: the run climbs the loss
+    # while the gradient norm stays as it was, so only the loss can give it away, steps later.
+    profile = tmp_path / "ascent.yaml"
+    profile.write_text(yaml.safe_dump({"name": "ascent", "specs": [
+        {"site": "grad", "kind": "bitflip", "bits": [31], "rate": 1.0,
+         "pattern": {"kind": "onset", "onset_step": ONSET}}]}))
+    return C.from_dict({
+        "experiment": {"mode": "detect", "steps": STEPS, "batch_size": 4,
+                       "checkpoint_every": 0, **experiment},
+        "mesh": {"dp": 1}, "suspect": {"profile": str(profile)},
+        "detect": {"detectors": "monitor,lockstep", "advance": "primary", "suspect_rank": 0,
+                   "spike_window": 4},
+        "optim": {"schedule": "constant", "lr": 3e-3, "warmup_steps": 0},
+        "data": {"seq_len": 32}})
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("scores")
+    summary = runner.run(_cfg(tmp), tmp / "run", progress=False)
+    rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows
+
+
+def test_every_detector_has_the_five_scores(unbroken):
+    summary, _ = unbroken
+    for name in ("monitor", "lockstep"):
+        assert {f"detect/{name}/{k}" for k in DT.SCORES} <= set(summary), name
+
+
+def test_scores_match_the_ground_truth(unbroken):
+    summary, rows = unbroken
+    truth = [r["detect/truth"] for r in rows]
+    assert truth == [int(step >= ONSET) for step in range(1, STEPS + 1)]
+    # The lock-step mirror sees every changed gradient at its own step.
+    assert summary["detect/lockstep/recall"] == 1.0
+    assert summary["detect/lockstep/latency_steps"] == 0.0
+    assert summary["detect/lockstep/false_alarms"] == 0
+    # The monitor fires only once the loss has climbed: later than the first event.
+    flags = [r["detect/monitor"] for r in rows]
+    first_flag = flags.index(1) + 1
+    assert first_flag > ONSET
+    assert summary["detect/monitor/latency_steps"] > 0
+    assert summary["detect/monitor/latency_steps_max"] >= summary["detect/monitor/latency_steps"]
+    # Recomputed by hand: an event is caught by the first flag within LATENCY_WINDOW steps.
+    delays = []
+    for event in range(ONSET, STEPS + 1):
+        later = [s for s in range(event, min(event + DT.LATENCY_WINDOW, STEPS) + 1)
+                 if flags[s - 1]]
+        if later:
+            delays.append(later[0] - event)
+    assert summary["detect/monitor/recall"] == pytest.approx(len(delays) / (STEPS - ONSET + 1))
+    assert summary["detect/monitor/latency_steps"] == pytest.approx(np.mean(delays))
+    assert summary["detect/monitor/latency_steps_max"] == max(delays)
+
+
+def test_no_event_means_recall_null_not_zero():
+    frame = pd.DataFrame({"step": [1, 2, 3], "detect/truth": [0, 0, 0],
+                          "detect/monitor": [0, 1, 0]})
+    scores = DT.detector_scores(frame, "monitor")
+    assert scores["recall"] is None and scores["false_alarms"] == 1
+    assert scores["precision"] == 0.0
+
+
+def test_with_the_reference_advancing_a_detection_is_at_its_step():
+    rows = [{"step": s, "detect/truth": int(s in (2, 5)), "detect/abft": int(s in (2, 3))}
+            for s in range(1, 7)]
+    scores = DT.run_scores(rows, ("abft",), "reference")
+    assert scores["detect/abft/recall"] == 0.5  # step 5 missed; step 3's flag is no detection
+    assert scores["detect/abft/false_alarms"] == 1
+    assert scores["detect/abft/latency_steps"] == 0.0
+
+
+def test_a_resumed_run_scores_like_an_unbroken_one(unbroken, tmp_path):
+    # The monitor's history is saved with each checkpoint; without it the resumed monitor
+    # would start empty and flag later.
+    summary, rows = unbroken
+    cfg = _cfg(tmp_path, checkpoint_every=4)
+    runner.run(cfg, tmp_path / "run", stop_after=9, progress=False)
+    resumed = runner.run(cfg, tmp_path / "run", resume=True, progress=False)
+    again = [json.loads(line)
+             for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["detect/monitor"] for r in again] == [r["detect/monitor"] for r in rows]
+    for key in summary:
+        if key.startswith("detect/"):
+            assert resumed[key] == summary[key], key

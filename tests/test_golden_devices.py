@@ -1,0 +1,118 @@
+"""Every local device in one command: `golden check --device all` names the one corrupted
+device and passes the rest, `golden quorum` finds the same device with no golden record, and
+bad input is one sentence and exit 2."""
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from sdcstudy import cli
+from sdcstudy.golden import devices as GV
+
+# A short golden workload (the default's model and microsteps, fewer steps and tokens).
+SHORT = ["--set", "experiment.steps=3", "--set", "data.seq_len=32"]
+FLIP = "flip:step=2,site=fwd/attn,layer=1,bit=30"
+BAD_DEVICE = 2
+N_DEVICES = 4
+
+
+def _sdcstudy(*argv, timeout=600):
+    """The command line in a fresh process with 4 simulated devices."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={N_DEVICES}")
+    return subprocess.run([sys.executable, "-m", "sdcstudy", *argv], env=env, timeout=timeout,
+                          capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def golden_dir(tmp_path_factory):
+    # Recorded with the devices the checks see: the device count is part of the stack.
+    out = tmp_path_factory.mktemp("golden") / "short"
+    proc = _sdcstudy("golden", "record", *SHORT, "--out", str(out), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def check_all(golden_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("check")
+    proc = _sdcstudy("golden", "check", str(golden_dir), "--device", "all", "--inject", FLIP,
+                     "--inject-device", str(BAD_DEVICE), "--json", str(folder / "r.json"),
+                     "--junit", str(folder / "r.xml"))
+    return proc, json.loads((folder / "r.json").read_text()), folder / "r.xml"
+
+
+def test_check_all_fails_the_injected_device_only(check_all):
+    proc, report, _ = check_all
+    assert proc.returncode == 1, proc.stderr
+    assert report["verdict"] == "FAIL"
+    verdicts = {row["device"]: row["verdict"] for row in report["devices"]}
+    assert verdicts == {i: "FAIL" if i == BAD_DEVICE else "PASS" for i in range(N_DEVICES)}
+    first = report["devices"][BAD_DEVICE]["first_difference"]
+    assert (first["step"], first["microstep"], first["layer"], first["site"]) == \
+        (2, 0, 1, "fwd/attn_out")
+    assert f"device {BAD_DEVICE} FAIL: step 2, microstep 0, layer 1" in proc.stdout
+
+
+def test_check_all_junit_has_one_case_per_device(check_all):
+    _, _, junit = check_all
+    cases = ET.parse(junit).getroot().findall("./testsuite/testcase")
+    assert [c.get("name") for c in cases] == [f"device {i}" for i in range(N_DEVICES)]
+    assert [c.find("failure") is not None for c in cases] == \
+        [i == BAD_DEVICE for i in range(N_DEVICES)]
+
+
+def test_quorum_finds_the_same_device_without_a_record(check_all, tmp_path):
+    _, checked, _ = check_all
+    proc = _sdcstudy("golden", "quorum", *SHORT, "--inject", FLIP, "--inject-device",
+                     str(BAD_DEVICE), "--json", str(tmp_path / "q.json"))
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "q.json").read_text())
+    assert report["verdict"] == "FAIL" and report["reference"] == 0
+    assert report["groups"] == [[i for i in range(N_DEVICES) if i != BAD_DEVICE], [BAD_DEVICE]]
+    assert [r["device"] for r in report["devices"] if r["verdict"] == "FAIL"] == [BAD_DEVICE]
+    assert report["devices"][BAD_DEVICE]["first_difference"] == \
+        checked["devices"][BAD_DEVICE]["first_difference"]
+
+
+@pytest.mark.parametrize("digests, majority, groups", [
+    (["a", "a", "a"], [0, 1, 2], [[0, 1, 2]]),
+    (["a", "b", "a", "a"], [0, 2, 3], [[0, 2, 3], [1]]),
+    (["a", "a", "b", "b"], None, [[0, 1], [2, 3]]),
+    (["a", "b", "c"], None, [[0], [1], [2]]),
+])
+def test_a_strict_majority_is_the_reference(digests, majority, groups):
+    assert GV.vote(digests) == (majority, groups)
+
+
+def test_the_node_fails_if_any_device_fails():
+    assert GV.node_verdict(["PASS", "INCONCLUSIVE", "FAIL"]) == "FAIL"
+    assert GV.node_verdict(["PASS", "INCONCLUSIVE"]) == "INCONCLUSIVE"
+    assert GV.node_verdict(["PASS", "PASS"]) == "PASS"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["golden", "quorum", "--device", "0"], "give --device all"),
+    (["golden", "quorum", "--inject-device", "1"], "--inject-device needs --inject"),
+    (["golden", "quorum", "--inject", FLIP, "--inject-device", "99"], "has 8 local devices"),
+    (["golden", "quorum", "--workers", "0"], "--workers must be at least 1"),
+    (["golden", "check", "GOLDEN", "--device", "x"], "a device index or 'all'"),
+    (["golden", "check", "GOLDEN", "--device", "1", "--inject", FLIP, "--inject-device", "1"],
+     "--inject-device chooses among the devices of --device all"),
+])
+def test_bad_input_is_one_sentence_and_exit_2(argv, message, capsys, golden_dir):
+    argv = [str(golden_dir) if a == "GOLDEN" else a for a in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_quorum_needs_three_devices(monkeypatch, capsys):
+    import jax
+
+    monkeypatch.setattr(jax, "local_devices", lambda: jax.devices()[:2])
+    assert cli.main(["golden", "quorum"]) == 2
+    assert "at least 3 local devices" in capsys.readouterr().err
