@@ -104,3 +104,24 @@ def test_a_resumed_run_scores_like_an_unbroken_one(unbroken, tmp_path):
     for key in summary:
         if key.startswith("detect/"):
             assert resumed[key] == summary[key], key
+
+
+@pytest.mark.parametrize("fault_kind, expected", [("transient", "transient"),
+                                                  ("repeatable", "persistent")])
+def test_flagged_events_are_classed_by_re_execution(tmp_path, fault_kind, expected):
+    # Exponent flips in the gradient on every step: a transient fault draws afresh when the
+    # step is re-executed on the same device, a repeatable one gives the same wrong result.
+    profile = tmp_path / "flips.yaml"
+    profile.write_text(yaml.safe_dump({"name": "flips", "specs": [
+        {"site": "grad", "kind": "bitflip", "bit_class": "exponent", "rate": 1e-3}]}))
+    cfg = C.from_dict({
+        "experiment": {"mode": "detect", "steps": 3, "batch_size": 2, "checkpoint_every": 0},
+        "mesh": {"dp": 1}, "suspect": {"profile": str(profile), "fault_kind": fault_kind},
+        "detect": {"detectors": "lockstep,reexec", "suspect_rank": 0},
+        "optim": {"warmup_steps": 0}, "data": {"seq_len": 16}})
+    runner.run(cfg, tmp_path / "run", progress=False)
+    frame = pd.read_parquet(tmp_path / "run" / DT.DETECTIONS)
+    assert list(frame["step"]) == [1, 2, 3] and frame["truth"].all()
+    assert set(frame["class"]) == {expected} and set(frame["injected_kind"]) == {expected}
+    matrix = DT.confusion(frame)
+    assert matrix.loc[expected, expected] == 3 and matrix.to_numpy().sum() == 3

@@ -29,6 +29,15 @@ import pandas as pd
 from sdcstudy.core import runfolder as RF
 from sdcstudy.detect.plan import DETECTORS
 
+# detections.parquet: one row per flagged step. `class`: the step re-executed on the same
+# device from the same state (the reexec detector's execution) gave another result
+# ("transient") or the same wrong one ("persistent": a bad unit that will fail again);
+# "unknown" without the reexec detector. `injected_kind`: what the injector's specs are
+# ("transient" draws afresh on a re-execution, anything else repeats; "none": healthy run).
+DETECTIONS = "detections.parquet"
+DETECTION_COLUMNS = ("step", "detectors", "truth", "class", "injected_kind")
+CLASSES = ("transient", "persistent", "unknown")
+
 LATENCY_WINDOW = 5  # steps after an event in which a flag still counts as its detection
 OVERHEAD = "detect_overhead.json"
 COLUMNS = ("profile", "fault_kind", "detector", "steps", "events", "recall", "latency_steps",
@@ -71,6 +80,32 @@ def detector_scores(metrics: pd.DataFrame, name: str, window: int = LATENCY_WIND
 
 
 SCORES = ("recall", "precision", "false_alarms", "latency_steps", "latency_steps_max")
+
+
+def injected_kind(profile) -> str:
+    """The ground-truth class of a profile's faults (None: a healthy run)."""
+    if profile is None or not profile.specs:
+        return "none"
+    kinds = {"transient" if spec.transient else "persistent" for spec in profile.specs}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def detection_row(step: int, verdict: dict, detectors, kind: str) -> dict | None:
+    """detections.parquet's row for one step, or None when no detector flagged it."""
+    flagged = [name for name in detectors if verdict.get(name)]
+    if not flagged:
+        return None
+    cls = ("transient" if verdict["reexec"] else "persistent") if "reexec" in detectors \
+        else "unknown"
+    return {"step": step, "detectors": ",".join(flagged), "truth": verdict.get("truth"),
+            "class": cls, "injected_kind": kind}
+
+
+def confusion(frame: pd.DataFrame) -> pd.DataFrame:
+    """True events (truth 1) by injected kind (rows) and class given (columns)."""
+    events = frame[frame["truth"].fillna(0).astype(bool)]
+    table = pd.crosstab(events["injected_kind"], events["class"])
+    return table.reindex(columns=list(CLASSES), fill_value=0)
 
 
 def window_of(advance: str) -> int:
@@ -193,8 +228,22 @@ def indexed(table: pd.DataFrame) -> pd.DataFrame:
     return table.set_index(INDEX)
 
 
+CONFUSION_TITLE = ("Transient or persistent: flagged true events by the injected kind (rows) "
+                   "and the class re-execution gave them (columns)")
+
+
 def report_tables(runs: dict) -> dict:
     """The report's entry ({csv name: (title, table, index names, fold published)}) for the
     detect-mode runs among `runs`; empty when there are none."""
+    out = {}
     table = benchmark_table(runs)
-    return {"detectors.csv": (TITLE, indexed(table), INDEX, False)} if not table.empty else {}
+    if not table.empty:
+        out["detectors.csv"] = (TITLE, indexed(table), INDEX, False)
+    frames = [pd.read_parquet(Path(r.path) / DETECTIONS) for r in detect_runs(runs).values()
+              if (Path(r.path) / DETECTIONS).is_file()]
+    frames = [f for f in frames if not f.empty]
+    if frames:
+        matrix = confusion(pd.concat(frames, ignore_index=True))
+        if not matrix.empty:
+            out["detections_confusion.csv"] = (CONFUSION_TITLE, matrix, ["injected_kind"], False)
+    return out

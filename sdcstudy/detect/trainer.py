@@ -39,6 +39,7 @@ from sdcstudy.detect.plan import (DETECTORS, executions, needs_reference, parse_
                                   validate)
 from sdcstudy.core.train import accumulate_gradients, apply_update, compile_step
 from sdcstudy.faults.trainer import NodeTrainer
+from sdcstudy.detect import tables as DT
 from sdcstudy.detect.rollback import DetectionError, VerifiedRollback
 
 # --- the bitwise comparisons ------------------------------------------------------------------
@@ -304,10 +305,12 @@ class DetectTrainer(NodeTrainer):
 
     @property
     def TABLES(self):
-        return (RF.FAULTS,)
+        return (RF.FAULTS, DT.DETECTIONS)
 
     def host_tables(self, step: int, extras) -> tuple[dict, dict]:
         faults, verdict = extras
+        kind = DT.injected_kind(None if self.injector is None else self.injector.profile)
+        detection = DT.detection_row(step, verdict, self.detectors, kind)
         rows, overflow = [], 0
         if self.injector is not None:
             for index in range(len(self.roles("primary"))):  # only the faulty device's land
@@ -318,7 +321,7 @@ class DetectTrainer(NodeTrainer):
         for key, value in verdict.items():
             if key not in ("loss", "grad_norm") and key not in PER_STEP:
                 counters[f"detect/{key}"] = value
-        return {RF.FAULTS: rows}, counters
+        return {RF.FAULTS: rows, DT.DETECTIONS: [detection] if detection else []}, counters
 
 
 # Verdict entries that are per-step values, not counts: metrics.jsonl only, not summed.

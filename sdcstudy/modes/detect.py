@@ -4,7 +4,8 @@ data-parallel ranks, judged on the host every step (and rolled back with `detect
 from __future__ import annotations
 
 from sdcstudy.detect.plan import validate
-from sdcstudy.detect.tables import run_scores
+from sdcstudy.core import runfolder as RF
+from sdcstudy.detect.tables import DETECTION_COLUMNS, DETECTIONS, run_scores
 from sdcstudy.detect.trainer import DetectTrainer
 from sdcstudy.modes.base import Mode
 from sdcstudy.paired.summary import paired_summary
@@ -45,6 +46,10 @@ class DetectMode(Mode):
 
     def step(self, compiled):
         return self.trainer.wrap_step(compiled)
+
+    @property
+    def tables(self) -> dict[str, tuple[str, ...]]:
+        return {RF.FAULTS: RF.FAULT_COLUMNS, DETECTIONS: DETECTION_COLUMNS}
 
     def summarize(self, rows, tables, histograms) -> dict:
         return {**paired_summary(rows, tables, histograms, self.cfg.model.dtype),
