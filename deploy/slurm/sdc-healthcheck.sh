@@ -1,0 +1,176 @@
+#!/bin/bash
+# sdc-healthcheck.sh: admit or drain this Slurm node by its sdcstudy golden check.
+#
+# Runs `sdcstudy golden check GOLDEN --device all --json REPORT` (every local accelerator
+# against the golden record of this node's software stack) and acts on its exit code, as the
+# table in `decide` below and in deploy/README.md says: 0 PASS is logged; 1 FAIL drains the
+# node with the first difference as the reason and exits 1; anything else (2 INCONCLUSIVE,
+# 124 timeout, 126/127 command not runnable, a crash) is logged only, or drains the node too
+# when SDC_DRAIN_ON_INCONCLUSIVE=1. The script never resumes a node: a node that failed once
+# may have a mercurial core, so a person runs `scontrol update NodeName=... State=RESUME`.
+#
+# Install as `Prolog=` (before every job; a non-zero exit keeps the job off this node) or as
+# `HealthCheckProgram=` (every HealthCheckInterval seconds; slurmd kills it after 60 s, so set
+# SDC_TIMEOUT below that). deploy/README.md has the slurm.conf lines.
+#
+# Settings, from the environment or from the file $SDC_CONFIG (sourced first when readable;
+# a value set there wins over the environment, because slurmd gives a prolog no environment
+# of its own choosing):
+#   SDC_CONFIG         settings file (default /etc/sdcstudy/healthcheck.env)
+#   SDC_CMD            the sdcstudy command, split on spaces (default "sdcstudy"),
+#                      e.g. "/opt/sdcstudy/.venv/bin/python -m sdcstudy"
+#   SDC_MODE           check (default) | quorum (no golden record: the local devices vote)
+#   SDC_GOLDEN         golden record folder (default $SDC_GOLDEN_ROOT/<stack id>)
+#   SDC_GOLDEN_ROOT    where the golden folders live (default /shared/goldens)
+#   SDC_STACK_ID_FILE  holds this node's stack id (default /etc/sdcstudy/stack-id)
+#   SDC_QUORUM_CONFIG  with SDC_MODE=quorum: the workload config (default: the built-in one)
+#   SDC_REPORT_DIR     JSON, JUnit and log of each check (default /var/log/sdcstudy)
+#   SDC_TIMEOUT        seconds before the check is stopped and counted INCONCLUSIVE
+#                      (default 600; 0 = no limit)
+#   SDC_EXTRA_ARGS     more arguments for the check, split on spaces (e.g. "--repeat 3")
+#   SDC_DRAIN_ON_INCONCLUSIVE  1 = drain on INCONCLUSIVE too (default 0)
+#   SDC_NODE           Slurm node name (default $SLURMD_NODENAME, else `hostname -s`)
+set -u
+
+SDC_CONFIG=${SDC_CONFIG:-/etc/sdcstudy/healthcheck.env}
+# shellcheck source=/dev/null
+if [ -r "$SDC_CONFIG" ]; then . "$SDC_CONFIG"; fi
+
+SDC_CMD=${SDC_CMD:-sdcstudy}
+SDC_MODE=${SDC_MODE:-check}
+SDC_GOLDEN=${SDC_GOLDEN:-}
+SDC_GOLDEN_ROOT=${SDC_GOLDEN_ROOT:-/shared/goldens}
+SDC_STACK_ID_FILE=${SDC_STACK_ID_FILE:-/etc/sdcstudy/stack-id}
+SDC_QUORUM_CONFIG=${SDC_QUORUM_CONFIG:-}
+SDC_REPORT_DIR=${SDC_REPORT_DIR:-/var/log/sdcstudy}
+SDC_TIMEOUT=${SDC_TIMEOUT:-600}
+SDC_EXTRA_ARGS=${SDC_EXTRA_ARGS:-}
+SDC_DRAIN_ON_INCONCLUSIVE=${SDC_DRAIN_ON_INCONCLUSIVE:-0}
+NODE=${SDC_NODE:-${SLURMD_NODENAME:-$(hostname -s)}}
+
+TAG=sdcstudy-golden
+
+log() {  # PRIORITY MESSAGE: to syslog when logger exists, else to stderr
+    if command -v logger >/dev/null 2>&1; then
+        logger -t "$TAG" -p "user.$1" -- "$2"
+    else
+        printf '%s: %s: %s\n' "$TAG" "$1" "$2" >&2
+    fi
+}
+
+# The first device with verdict $1 in the JSON report and where it first differed (or why it
+# could not be checked). Reads the node report ({"devices": [...]}) and a one-device report.
+# shellcheck disable=SC2016  # a jq program: its $v and \(...) are jq's, not the shell's
+JQ_DESCRIBE='
+def where: [("step", "microstep", "layer", "site", "tensor") as $k
+            | select(has($k)) | "\($k) \(.[$k])"] | join(", ");
+[(.devices // [.])[] | select(.verdict == $v)] as $rows
+| $rows[0] // empty
+| (if (.device | type) == "object" then .device.index else .device end) as $device
+| (if (.first_difference | type) == "object" then (.first_difference | where) else "" end) as $at
+| "device \($device): " + (if $at != "" then $at else (.reason // "no reason given" | tostring) end)
+  + (if ($rows | length) > 1 then " (+\(($rows | length) - 1) more)" else "" end)'
+
+describe() {  # VERDICT
+    local text=""
+    if command -v jq >/dev/null 2>&1; then
+        text=$(jq -r --arg v "$1" "$JQ_DESCRIBE" "$REPORT" 2>/dev/null) || text=""
+    fi
+    if [ -z "$text" ] && command -v python3 >/dev/null 2>&1; then
+        text=$(python3 - "$REPORT" "$1" 2>/dev/null <<'EOF'
+import json, sys
+
+report, verdict = json.load(open(sys.argv[1])), sys.argv[2]
+rows = [r for r in report.get("devices", [report]) if r.get("verdict") == verdict]
+if rows:
+    row, device = rows[0], rows[0].get("device")
+    device = device.get("index") if isinstance(device, dict) else device
+    first = row.get("first_difference")
+    at = ", ".join(f"{k} {first[k]}" for k in ("step", "microstep", "layer", "site", "tensor")
+                   if k in first) if isinstance(first, dict) else ""
+    more = f" (+{len(rows) - 1} more)" if len(rows) > 1 else ""
+    print(f"device {device}: {at or row.get('reason') or 'no reason given'}{more}")
+EOF
+        ) || text=""
+    fi
+    # One line without quotes, short enough for a Slurm reason.
+    text=$(printf '%s' "$text" | tr '\n\r"' '   ')
+    printf '%s' "${text:0:200}"
+}
+
+drain() {  # REASON
+    log err "draining $NODE: $1"
+    if ! scontrol update NodeName="$NODE" State=DRAIN Reason="$1"; then
+        log err "scontrol could not drain $NODE; drain it by hand (reason: $1)"
+    fi
+}
+
+# --- run the check ----------------------------------------------------------------------------
+
+stamp=$(date +%Y%m%dT%H%M%S)
+mkdir -p "$SDC_REPORT_DIR" 2>/dev/null || SDC_REPORT_DIR=$(mktemp -d "/tmp/$TAG.XXXXXX")
+base="$SDC_REPORT_DIR/golden-$stamp-$$"
+REPORT="$base.json"
+read -r -a sdc_cmd <<<"$SDC_CMD"
+read -r -a extra_args <<<"$SDC_EXTRA_ARGS"
+limit=()
+if [ "$SDC_TIMEOUT" != 0 ] && command -v timeout >/dev/null 2>&1; then
+    limit=(timeout -k 30 "$SDC_TIMEOUT")
+fi
+
+why=""   # set when the check could not even start
+case "$SDC_MODE" in
+    check)
+        if [ -z "$SDC_GOLDEN" ]; then
+            if [ -r "$SDC_STACK_ID_FILE" ]; then
+                SDC_GOLDEN="$SDC_GOLDEN_ROOT/$(tr -d '[:space:]' <"$SDC_STACK_ID_FILE")"
+            else
+                why="no golden record: SDC_GOLDEN is unset and $SDC_STACK_ID_FILE is unreadable"
+            fi
+        fi
+        args=(golden check "$SDC_GOLDEN") ;;
+    quorum)
+        args=(golden quorum ${SDC_QUORUM_CONFIG:+"$SDC_QUORUM_CONFIG"}) ;;
+    *)
+        why="SDC_MODE=$SDC_MODE is neither check nor quorum"; args=() ;;
+esac
+
+if [ -n "$why" ]; then
+    rc=2
+else
+    log info "checking $NODE: ${sdc_cmd[*]} ${args[*]} --device all (report $REPORT)"
+    # ${a[@]+"${a[@]}"}: an empty array under set -u, also in bash before 4.4 (RHEL 7).
+    ${limit[@]+"${limit[@]}"} "${sdc_cmd[@]}" "${args[@]}" --device all --json "$REPORT" \
+        --junit "$base.xml" ${extra_args[@]+"${extra_args[@]}"} >"$base.log" 2>&1
+    rc=$?
+fi
+
+# --- decide: the check's exit code -> verdict, action, this script's exit code -----------------
+# Keep deploy/README.md's table in step with this one (tests/test_deploy.py compares them).
+
+case "$rc:$SDC_DRAIN_ON_INCONCLUSIVE" in
+    0:*) verdict=PASS;         action=log;   status=0 ;;
+    1:*) verdict=FAIL;         action=drain; status=1 ;;
+    *:1) verdict=INCONCLUSIVE; action=drain; status=2 ;;
+    *)   verdict=INCONCLUSIVE; action=log;   status=0 ;;
+esac
+
+if [ -z "$why" ]; then
+    case "$rc" in
+        0)       why="every device passed" ;;
+        124)     why="the check did not finish within $SDC_TIMEOUT s" ;;
+        137)     why="the check was killed (timeout or out of memory; see $base.log)" ;;
+        126|127) why="could not run '${sdc_cmd[*]}' (exit $rc)" ;;
+        *)       why=$(describe "$verdict")
+                 [ -n "$why" ] || why="exit $rc, no readable report (see $base.log)" ;;
+    esac
+fi
+
+if [ "$action" = drain ]; then
+    drain "sdcstudy golden $verdict: $why"
+elif [ "$verdict" = PASS ]; then
+    log info "$NODE PASS: $why ($REPORT)"
+else
+    log warning "$NODE $verdict (exit $rc): $why; node left as it is ($REPORT)"
+fi
+exit "$status"
