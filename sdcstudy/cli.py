@@ -207,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="devices run at once (default: the CPU cores)")
     p.set_defaults(func=cmd_golden)
 
+    from sdcstudy.fleet.cli import add_parser as add_fleet_parser
+
+    add_fleet_parser(sub)
+
     p = sub.add_parser("profiles", help="list the fault profiles (node zoo)")
     p.set_defaults(func=cmd_profiles)
 

@@ -19,12 +19,12 @@ MAX_NODES = 100_000
 DETECTORS = ("monitor", "abft", "shadow", "reexec", "lockstep")
 NONE = "none"
 
-_DETECTOR_KEYS = ("recall_transient", "recall_persistent", "latency_steps", "overhead")
+ROLLBACK = ("clean", "latest")
 
 DEFAULTS: dict = {
     "fleet": {"nodes": 2048},
     "job": {"step_seconds": 6.22, "hours": 1296.0, "checkpoint_every": 100,
-            "checkpoint_seconds": 10.0, "restart_seconds": 600.0},
+            "checkpoint_seconds": 10.0, "restart_seconds": 600.0, "rollback": "clean"},
     "sdc": {"transient_per_node_hour": 1.1303e-6, "persistent_per_node_hour": 1.1303e-6},
     "golden": {"enabled": True, "interval_hours": 168.0, "duration_hours": 0.25,
                "recall": 0.8},
@@ -131,6 +131,10 @@ def _coerce(dotted: str, value):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"fleet config key {dotted!r} must be a number, not {value!r}.")
         return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise UserError(f"fleet config key {dotted!r} must be a word, not {value!r}.")
+        return value
     if isinstance(default, list):
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -154,6 +158,8 @@ def _check(data: dict) -> None:
     need(job["hours"] > 0, f"job.hours must be positive, not {job['hours']}.")
     need(job["checkpoint_every"] >= 1,
          f"job.checkpoint_every must be at least 1 step, not {job['checkpoint_every']}.")
+    need(job["rollback"] in ROLLBACK, f"job.rollback must be one of {', '.join(ROLLBACK)}, "
+                                      f"not {job['rollback']!r}.")
     for key in ("checkpoint_seconds", "restart_seconds"):
         need(job[key] >= 0, f"job.{key} must not be negative, not {job[key]}.")
     need(job["hours"] * 3600 >= job["step_seconds"],

@@ -9,7 +9,9 @@ episode: it starts at a step s uniform over the job (U = J - s steps remain, U u
 steps later (D = infinity: never; its survival function S(k) = P(D > k) is below). Then
 - corrupted steps (trained on before detection, or to the job's end): min(D, U);
 - detected when D < U; lost steps: 1 when D = 0 (the step is recomputed before its update is
-  applied), o + D otherwise (roll back to the last checkpoint before the event);
+  applied); otherwise o + D with `job.rollback: clean` (back to the last checkpoint before the
+  event, which removes the corruption) or o with `latest` (back to the latest checkpoint, o
+  steps before the flag, keeping the corruption: a restart as after any interruption);
 - a restart of R hours for every detected persistent defect (the node is swapped out) and for
   every transient event detected after its update was applied (reload from a checkpoint).
 Lost steps are executed steps too, so the job executes A = J / (1 - l) steps, l the expected
@@ -38,6 +40,7 @@ class Job:
     checkpoint_every: int  # C
     checkpoint_hours: float  # c
     restart_hours: float  # R
+    clean_rollback: bool  # back to the checkpoint before the event, not the latest one
     transient_rate: float  # lambda_t, events per node-hour
     persistent_rate: float  # lambda_p, defect onsets per node-hour
     golden: bool
@@ -54,6 +57,7 @@ class Job:
                    checkpoint_every=job["checkpoint_every"],
                    checkpoint_hours=job["checkpoint_seconds"] / HOUR,
                    restart_hours=job["restart_seconds"] / HOUR,
+                   clean_rollback=job["rollback"] == "clean",
                    transient_rate=cfg["sdc.transient_per_node_hour"],
                    persistent_rate=cfg["sdc.persistent_per_node_hour"],
                    golden=cfg["golden.enabled"],
@@ -110,7 +114,8 @@ def survival_persistent(strategy: Strategy, steps: int, golden_every: int | None
     if golden_every is not None and golden_recall > 0:
         q, rho = np.divmod(k, golden_every)
         miss = 1 - golden_recall
-        survival *= miss ** (q + 1) + golden_recall * miss ** q * (golden_every - rho) / golden_every
+        survival *= (miss ** (q + 1)
+                     + golden_recall * miss ** q * (golden_every - rho) / golden_every)
     return survival
 
 
@@ -125,7 +130,7 @@ class Episode:
     latency: float | None  # E[D | detected]
 
 
-def episode(survival: np.ndarray, checkpoint_every: int) -> Episode:
+def episode(survival: np.ndarray, checkpoint_every: int, clean: bool = True) -> Episode:
     """Sums over k = 0..J-1 with P(U > k) = (J - k) / J and P(D = k) = S(k-1) - S(k)."""
     steps = len(survival)
     k = np.arange(steps, dtype=np.float64)
@@ -134,7 +139,7 @@ def episode(survival: np.ndarray, checkpoint_every: int) -> Episode:
     detected_at = pmf * remaining
     detected = float(detected_at.sum())
     offset = (checkpoint_every - 1) / 2
-    lost = float(pmf[0] + (detected_at[1:] * (offset + k[1:])).sum())
+    lost = float(pmf[0] + (detected_at[1:] * (offset + (k[1:] if clean else 0))).sum())
     latency = float((detected_at * k).sum() / detected) if detected > 0 else None
     return Episode(corrupted=float((survival * remaining).sum()), detected=detected,
                    in_step=float(pmf[0]), lost=lost, latency=latency)
@@ -142,9 +147,10 @@ def episode(survival: np.ndarray, checkpoint_every: int) -> Episode:
 
 def episodes(job: Job, strategy: Strategy) -> tuple[Episode, Episode]:
     golden_every = golden_steps(job, strategy) if job.golden else None
-    return (episode(survival_transient(strategy, job.steps), job.checkpoint_every),
+    return (episode(survival_transient(strategy, job.steps), job.checkpoint_every,
+                    job.clean_rollback),
             episode(survival_persistent(strategy, job.steps, golden_every, job.golden_recall),
-                    job.checkpoint_every))
+                    job.checkpoint_every, job.clean_rollback))
 
 
 def wall_hours(job: Job, strategy: Strategy, executed: float, restarts: float) -> float:

@@ -17,6 +17,7 @@ from sdcstudy.fleet.model import Job, event_rates, golden_steps, wall_hours
 from sdcstudy.fleet.strategies import Strategy
 
 MAX_ROUNDS = 10_000
+MAX_EVENTS = 5_000_000  # per round: past this the job is not finishing (model.expect: diverges)
 
 
 def _transient_delays(strategy: Strategy, count: int, rng: np.random.Generator) -> np.ndarray:
@@ -49,6 +50,8 @@ def _round(job: Job, strategy: Strategy, executed: np.ndarray, rng: np.random.Ge
     m_t, m_p = event_rates(job, strategy)
     totals = [np.zeros(trials) for _ in range(3)]
     counts = []
+    if (m_t + m_p) * executed.sum() > MAX_EVENTS:
+        return None
     for persistent, rate in ((False, m_t), (True, m_p)):
         n = rng.poisson(rate * executed)
         counts.append(n)
@@ -61,7 +64,8 @@ def _round(job: Job, strategy: Strategy, executed: np.ndarray, rng: np.random.Ge
         remaining = rng.integers(1, job.steps + 1, total)  # U = J - s
         offset = rng.integers(0, job.checkpoint_every, total)  # o
         detected = delay < remaining
-        lost = np.where(detected, np.where(delay == 0, 1, offset + delay), 0)
+        rollback = offset + delay if job.clean_rollback else offset
+        lost = np.where(detected, np.where(delay == 0, 1, rollback), 0)
         corrupted = np.minimum(delay, remaining)
         restart = detected & ((delay > 0) | persistent)
         for acc, values in zip(totals, (lost, corrupted, restart)):
@@ -80,14 +84,17 @@ def simulate(job: Job, strategy: Strategy, trials: int, seed: int) -> dict:
     pending = np.full(trials, float(job.steps))
     for _ in range(MAX_ROUNDS):
         executed += pending
-        lost, corr, restart, n_t, n_p = _round(job, strategy, pending, rng)
+        drawn = _round(job, strategy, pending, rng)
+        if drawn is None:
+            break
+        lost, corr, restart, n_t, n_p = drawn
         corrupted += corr
         restarts += restart
         events += (n_t, n_p)
         pending = lost
         if not pending.any():
             break
-    else:
+    if pending.any():  # the job does not finish (rework outgrows progress)
         return {"goodput_mc": 0.0, "corrupted_steps_mc": None, "rollback_steps_mc": None,
                 "restarts_mc": None, "trials": trials, "finished": False}
     wall = wall_hours(job, strategy, executed, restarts)
