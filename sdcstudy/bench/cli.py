@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sdcstudy.bench.common import add_common_args, check_args, echo_stderr, plot
+from sdcstudy.bench.common import add_common_args, check_args, echo_stderr, write
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -97,10 +97,5 @@ def run_all_suites(args) -> int:
     total = sum(elapsed.values())
     echo_stderr("elapsed: " + ", ".join(f"{name} {s:.0f} s" for name, s in elapsed.items()) +
                 f"; all {total:.0f} s ({total / 60:.1f} min)")
-    report = {"suite": "all", "suites": results, "elapsed_s": elapsed}
-    if args.json is not None:
-        RF.atomic_write_json(args.json, report)
-    if args.markdown is not None:
-        RF.atomic_write_text(args.markdown, table)
-    plot(args, report)
+    write(args, {"suite": "all", "suites": results, "elapsed_s": elapsed}, table)
     return 0

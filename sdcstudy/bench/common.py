@@ -149,16 +149,20 @@ def environment() -> dict:
 
 def finish(args, suite: str, results: list[dict], table: str, **extra) -> int:
     """Print the table; write the JSON and Markdown files when asked (atomically)."""
+    print(table, end="")
+    write(args, {"suite": suite, "results": results, **extra}, table)
+    return 0
+
+
+def write(args, report: dict, table: str) -> None:
+    """The JSON and Markdown files (atomically) and the figure, where the options ask."""
     from sdcstudy.core import runfolder as RF
 
-    print(table, end="")
-    report = {"suite": suite, "results": results, **extra}
     if args.json is not None:
         RF.atomic_write_json(args.json, report)
     if args.markdown is not None:
         RF.atomic_write_text(args.markdown, table)
     plot(args, report)
-    return 0
 
 
 def run_suite(args, suite: str, measure, table, check=None, **extra) -> int:

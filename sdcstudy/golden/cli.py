@@ -44,7 +44,7 @@ def main(args) -> int:
               f"{meta['microsteps']} microsteps, {len(meta['site_order'])} sites, "
               f"{meta['bytes'] / 1e6:.2f} MB, manifest sha256 {meta['manifest_sha256'][:16]}...)")
         return 0
-    device = device_arg(args.device) if isinstance(args.device, str) else args.device
+    device = device_arg(args.device)
     if args.inject_device is not None and device != ALL:
         raise UserError("--inject-device chooses among the devices of --device all; with one "
                         "device, --inject alone injects there.")

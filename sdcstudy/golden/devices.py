@@ -32,7 +32,7 @@ import numpy as np
 
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.digest import tensor_digests
-from sdcstudy.golden.check import check
+from sdcstudy.golden.check import _check_flip, check
 from sdcstudy.golden.compare import EXIT_CODES, FAIL, INCONCLUSIVE, PASS, describe, step_differences
 from sdcstudy.golden.record import load_tokens, store_digests
 from sdcstudy.golden.report import _sentence
@@ -57,11 +57,12 @@ def _where(first: dict | None) -> dict | None:
 
 
 def _report(command: str, rows: list[dict], started: float, **extra) -> dict:
+    """`started`: `time.time()` when the command began."""
     verdict = node_verdict([r["verdict"] for r in rows])
     return {"schema": SCHEMA, "command": command, "verdict": verdict,
             "exit_code": EXIT_CODES[verdict], "host": socket.gethostname(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-            "seconds": time.perf_counter() - started, **extra, "devices": rows}
+            "seconds": time.time() - started, **extra, "devices": rows}
 
 
 def local_devices(inject: str | None, inject_device: int | None, least: int = 1) -> list:
@@ -89,7 +90,7 @@ def _injected(index: int, inject: str | None, inject_device: int | None) -> str 
 def check_all(golden_dir: Path, *, inject: str | None = None, inject_device: int | None = None,
               workers: int | None = None, echo=print, **options) -> dict:
     """`check` on every local device; `options` as `check` takes them (repeat, ...)."""
-    started = time.perf_counter()
+    started = time.time()
     devices = local_devices(inject, inject_device)
 
     def one(index: int) -> dict:
@@ -170,15 +171,16 @@ def vote(digests: list[str]) -> tuple[list[int] | None, list[list[int]]]:
 def quorum(cfg: Config, *, inject: str | None = None, inject_device: int | None = None,
            workers: int | None = None, echo=print) -> dict:
     """Run `cfg`'s workload on every local device and let the devices vote (module doc)."""
-    started = time.perf_counter()
+    started = time.time()
     check_config(cfg)
     devices = local_devices(inject, inject_device, least=3)
     tokens = load_tokens(cfg)
+    injection = parse_injection(inject) if inject else None  # a typo fails before compiling
 
     def one(index: int) -> dict:
         t0 = time.perf_counter()
         text = _injected(index, inject, inject_device)
-        work, _ = workload(cfg, tokens, devices[index], parse_injection(text) if text else None)
+        work, _ = workload(cfg, tokens, devices[index], injection if text else None)
         outs, final = _run(work)
         seconds = time.perf_counter() - t0
         echo(f"  device {index}: ran {work.steps} steps ({seconds:.1f} s)")
@@ -187,6 +189,13 @@ def quorum(cfg: Config, *, inject: str | None = None, inject_device: int | None 
                 "seconds": seconds, "work": work}
 
     runs = in_threads(one, len(devices), workers)
+    work = runs[0]["work"]  # every device runs the same layout
+    meta = {"site_order": work.site_order, "sites": work.sites, "microsteps": work.microsteps,
+            "steps": work.steps,
+            "params": {p: {"shape": list(np.shape(v)), "dtype": str(v.dtype)}
+                       for p, v in _param_leaves(work.initial["params"]).items()}}
+    if injection is not None and injection.flip is not None:
+        _check_flip(injection.flip, meta)  # a flip that never lands would prove nothing
     majority, groups = vote([run["digest"] for run in runs])
     rows = []
     if majority is None:
@@ -196,14 +205,9 @@ def quorum(cfg: Config, *, inject: str | None = None, inject_device: int | None 
                                                 f"split into groups of {sizes}"))
         return _report("quorum", rows, started, groups=groups, reference=None,
                        workers=_workers(workers, len(runs)))
-    reference = runs[majority[0]]
-    work = reference["work"]
     arrays: dict = {}
-    for step, out in enumerate(reference["outs"]):
+    for step, out in enumerate(runs[majority[0]]["outs"]):
         store_digests(arrays, step, out, work.steps)
-    meta = {"site_order": work.site_order, "sites": work.sites, "microsteps": work.microsteps,
-            "params": {p: {"shape": list(np.shape(v)), "dtype": str(v.dtype)}
-                       for p, v in _param_leaves(work.initial["params"]).items()}}
     for run in runs:
         if run["device"] in majority:
             rows.append(_row(run, PASS, f"agrees with {len(majority)} of {len(runs)} devices "

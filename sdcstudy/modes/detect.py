@@ -16,10 +16,23 @@ class DetectMode(Mode):
     description = "SDC detectors side by side on the same faults"
     reads = ("suspect", "abft", "detect")
     metrics = {
-        "loss/healthy": "mean loss of the primary executions",
-        "grad/norm": "norm of the gradient the step trains on",
+        "loss/healthy": "mean loss of the healthy mirror's executions when the run has one "
+                        "(lockstep, localize, or detect.advance reference), else loss/suspect",
+        "loss/suspect": "mean loss of the primary executions (the ranks, one on the faulty "
+                        "device)",
+        "grad/norm": "norm of the mirror's mean gradient (else of the primaries')",
+        "grad/norm_suspect": "norm of the primaries' mean gradient",
+        "grad/diff_l2": "||g' - g||2, primaries' mean gradient against the mirror's (with a "
+                        "mirror)",
+        "grad/nts": "grad/diff_l2 / grad/norm (with a mirror)",
+        "lr": "learning rate of the step",
+        "faults/landed": "corruptions the injector made this step on the faulty device",
+        "faults/unlogged": "corruptions beyond suspect.log_limit, counted but not logged",
         "detect/<detector>": "1 when the detector flagged the step",
         "detect/truth": "1 when the fault changed a rank's gradient (the lock-step mirror)",
+        "detect/truth_device": "the rank whose gradient differed (-1 none, -2 several)",
+        "detect/localized": "the device localize named (-1 none, -2 no single one)",
+        "detect/shadow_rank": "the rank the shadow replica recomputed this step",
     }
     summary = {
         "detect/<detector>": "steps the detector flagged",
@@ -32,9 +45,11 @@ class DetectMode(Mode):
         "detect/<detector>/latency_steps": "mean steps from an event to its first flag; 0 "
                                            "with detect.advance reference (module doc)",
         "detect/<detector>/latency_steps_max": "most steps from an event to its first flag",
-        "wcnts": "eq. (5) over the primary executions' gradients",
+        "faults/landed": "corruptions made over the run",
+        "faults/unlogged": "corruptions made but not logged",
+        "wcnts": "eq. (5): max over steps of grad/nts (null without a mirror)",
         "param/diff_l2": "null: a detect run has no second node",
-        "loss_spikes": "steps whose loss exceeds the healthy one by 0.5 nats",
+        "loss_spikes": "steps whose loss/suspect exceeds loss/healthy by 0.5 nats",
     }
 
     @classmethod
