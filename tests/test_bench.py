@@ -75,6 +75,12 @@ def test_faults_suite(tmp_path, capsys):
     assert idle["injector"] and not idle["program_identical"]
     assert idle["faults_landed"] == 0
     assert all(v["losses_equal_plain"] for v in variants.values())
+    # The goal row: idle / plain, judged against its limit, and printed.
+    ratio = idle["ratio"]["median"]
+    assert report["goals"] == [{"name": "faults.idle_over_plain", "preset": "tiny",
+                                "value": ratio, "limit": 1.1, "bound": "upper",
+                                "met": ratio <= 1.1}]
+    assert f"| faults.idle_over_plain | preset tiny | {ratio:.3g} | <= 1.1 |" in table
 
 
 def test_paired_suite(tmp_path, capsys):
@@ -104,6 +110,11 @@ def test_paired_suite(tmp_path, capsys):
     # tp 2 halves each device's share of the weights, so its compiled memory is not tp 1's.
     assert two["modes"]["free"]["memory"]["peak"] != one["modes"]["free"]["memory"]["peak"]
     assert "lockstep/free memory" in table and "| 2 x 1 x 2 | lockstep |" in table
+    # One goal row per tp degree: lock-step over free at that degree.
+    assert [(g["name"], g["tp"], g["value"]) for g in report["goals"]] == [
+        ("paired.lockstep_over_free", r["mesh"]["tp"], r["modes"]["lockstep"]["ratio"]["median"])
+        for r in report["results"]]
+    assert all(g["met"] == (g["value"] <= 1.1) for g in report["goals"])
     assert "free at tp 2 / free at tp 1" in table
 
 
@@ -171,6 +182,25 @@ def test_train_suite_matches_torch(tmp_path, capsys):
     assert 0 < roof["gflops"]["ours"] <= peak and 0 < roof["gflops"]["torch-sdpa"] <= peak
     assert roof["ceiling"] == pytest.approx(peak / roof["gflops"]["torch-sdpa"])
     assert "ceiling on ours / torch" in table
+    # ours / torch is a goal for every preset; the peak share only for small, not tiny.
+    assert report["goals"] == [{"name": "train.ours_over_torch", "preset": "tiny",
+                                "value": result["ratio"]["median"], "limit": 1.0,
+                                "bound": "lower", "met": result["ratio"]["median"] >= 1.0}]
+
+
+def test_goals_judge_each_bound_and_print_a_table():
+    from sdcstudy.bench import goals
+
+    low = goals.goal("train.peak_share", 0.74, preset="small")
+    high = goals.goal("faults.idle_over_plain", 1.1, preset="tiny")
+    assert (low["met"], high["met"]) == (False, True)  # >= 0.75 missed; <= 1.10 met at 1.10
+    assert goals.goal("train.ours_over_torch", None, preset="tiny")["met"] is False
+    assert goals.applies("train.peak_share", "small") and not goals.applies(
+        "train.peak_share", "tiny")
+    table = goals.goals_table([low, high])
+    assert "| train.peak_share | preset small | 0.74 | >= 0.75 | NO |" in table
+    assert "| faults.idle_over_plain | preset tiny | 1.1 | <= 1.1 | yes |" in table
+    assert goals.goals_table([]) == ""
 
 
 def _dot_flops(jaxpr) -> int:
@@ -303,7 +333,9 @@ def test_all_runs_every_suite_with_its_own_defaults(tmp_path, capsys, monkeypatc
     def fake(name):
         def run(args):
             seen[name] = args
-            bench.finish(args, name, [{"suite": name}], f"| {name} table |\n")
+            goals = [{"name": f"{name}.x", "preset": "tiny", "value": 2.0, "limit": 1.0,
+                      "bound": "upper", "met": False}]
+            bench.finish(args, name, [{"suite": name}], f"| {name} table |\n", goals=goals)
             return 0
         return run
 
@@ -328,6 +360,10 @@ def test_all_runs_every_suite_with_its_own_defaults(tmp_path, capsys, monkeypatc
         name: [{"suite": name}] for name in seen}
     table = md_path.read_text()
     assert all(f"## {name}" in table and f"| {name} table |" in table for name in seen)
+    # Every suite's goals, gathered into one list and one table at the end.
+    assert [g["name"] for g in report["goals"]] == [f"{name}.x" for name in seen]
+    goals_part = table.split("## goals")[-1]
+    assert all(f"| {name}.x | preset tiny | 2 | <= 1 | NO |" in goals_part for name in seen)
 
 
 def _ratio(median, low, high):

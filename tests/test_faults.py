@@ -1,5 +1,6 @@
 """The fault-injection engine: kinds, bits, rates, replay, profiles, and placement on a mesh."""
 
+import dataclasses
 import math
 
 import jax
@@ -357,3 +358,42 @@ def test_step_level_sites_run_in_the_single_node_trainer():
     new_state, metrics, faults = jax.jit(trainer.train_step)(state, batch)
     assert int(new_state["step"]) == 1 and np.isfinite(float(metrics["loss/healthy"]))
     assert "step" in faults
+
+
+def test_skipping_idle_draws_keeps_every_bit(monkeypatch):
+    # At the model's sites the draws and the record run under a lax.cond that skips them at a
+    # rate of 0 (faults/corrupt.py). That must change no bit of anything: three steps whose
+    # middle one fires (forward, backward and a count spec) and whose others are idle give the
+    # same parameters, losses and fault records as drawing unconditionally. If this fails,
+    # the conditional moved XLA's fusions around a site and with them the model's last bits.
+    steps2 = FS.TimePattern("steps", steps=(2,))
+    profile = FS.Profile("middle", (
+        FS.FaultSpec("fwd/attn", "scale", rate=0.01, scale=(0.25, 1.0), pattern=steps2),
+        FS.FaultSpec("bwd/ffn", "bitflip", rate=0.01, bit_class="mantissa", pattern=steps2),
+        FS.FaultSpec("fwd/attn_k", "bitflip", count=1, bits=(20,), pattern=steps2)))
+    cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
+                       "model": {"n_layers": 1}})
+    batch = {"tokens": jax.random.randint(jax.random.key(3), (1, 2, 17), 0, 256)}
+
+    def run():
+        trainer = dataclasses.replace(NodeTrainer.from_config(cfg),
+                                      injector=F.Injector(profile, 1))
+        step = jax.jit(trainer.train_step)
+        state, out = trainer.init_state(), []
+        for _ in range(3):
+            state, metrics, faults = step(state, batch)
+            out.append((metrics["loss/healthy"], faults))
+        text = step.lower(state, batch).as_text()
+        return jax.device_get((state["params"], out)), text
+
+    skipped, skipped_text = run()
+    unconditional = F.corrupt_and_record
+    monkeypatch.setattr(F, "corrupt_and_record",
+                        lambda *a, skip_idle=False: unconditional(*a, skip_idle=False))
+    drawn, drawn_text = run()
+    assert skipped_text.count("stablehlo.case") > drawn_text.count("stablehlo.case")
+    bits = lambda t: [np.asarray(a).tobytes() for a in jax.tree.leaves(t)]  # noqa: E731
+    assert bits(skipped) == bits(drawn)
+    landed = [sum(FC.decode_record(r[0])[0] for r in faults["micro"].values())
+              for _, faults in drawn[1]]
+    assert landed[0] == landed[2] == 0 < landed[1]

@@ -69,6 +69,7 @@ def run_all_suites(args) -> int:
     file holding each suite's results."""
     from sdcstudy.core import runfolder as RF
     from sdcstudy.bench.abft import run_abft_suite
+    from sdcstudy.bench.goals import goals_table
     from sdcstudy.bench.faults import run_faults_suite
     from sdcstudy.bench.paft import run_paft_suite
     from sdcstudy.bench.paired import run_paired_suite
@@ -93,9 +94,12 @@ def run_all_suites(args) -> int:
             elapsed[name] = time.perf_counter() - start
             tables.append(f"## {name}\n\n" + out.with_suffix(".md").read_text())
             results[name] = RF.json_load(out.with_suffix(".json"))
-    table = "\n".join(tables)
+    goals = [g for r in results.values() for g in r.get("goals", [])]
+    table = "\n".join(tables) + "\n## goals\n\n" + goals_table(goals)
     total = sum(elapsed.values())
     echo_stderr("elapsed: " + ", ".join(f"{name} {s:.0f} s" for name, s in elapsed.items()) +
                 f"; all {total:.0f} s ({total / 60:.1f} min)")
-    write(args, {"suite": "all", "suites": results, "elapsed_s": elapsed}, table)
+    print("\n## goals\n\n" + goals_table(goals), end="")
+    write(args, {"suite": "all", "goals": goals, "suites": results, "elapsed_s": elapsed},
+          table)
     return 0

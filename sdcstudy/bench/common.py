@@ -147,10 +147,16 @@ def environment() -> dict:
             "load_average": list(os.getloadavg()), "allocator": hostmem.describe()}
 
 
-def finish(args, suite: str, results: list[dict], table: str, **extra) -> int:
-    """Print the table; write the JSON and Markdown files when asked (atomically)."""
+def finish(args, suite: str, results: list[dict], table: str, goals: list[dict] = (),
+           **extra) -> int:
+    """Print the table and the goals; write the JSON and Markdown files when asked
+    (atomically)."""
+    from sdcstudy.bench.goals import goals_table
+
+    if goals:
+        table += "\nGoals (sdcstudy/bench/goals.py):\n\n" + goals_table(goals)
     print(table, end="")
-    write(args, {"suite": suite, "results": results, **extra}, table)
+    write(args, {"suite": suite, "goals": list(goals), "results": results, **extra}, table)
     return 0
 
 
@@ -165,9 +171,10 @@ def write(args, report: dict, table: str) -> None:
     plot(args, report)
 
 
-def run_suite(args, suite: str, measure, table, check=None, **extra) -> int:
+def run_suite(args, suite: str, measure, table, check=None, goals=None, **extra) -> int:
     """Check every preset first (a typo fails at once, not after minutes of measuring the
-    presets before it), then measure them in turn."""
+    presets before it), then measure them in turn; `goals(results)` gives the suite's
+    `goals` list (goals.py)."""
     presets = check_args(args)
     for preset in presets:
         (check or (lambda p: preset_config(suite, p, args)))(preset)
@@ -178,4 +185,5 @@ def run_suite(args, suite: str, measure, table, check=None, **extra) -> int:
         measured = measure(preset, args)
         results += measured if isinstance(measured, list) else [measured]
     env["load_average_end"] = list(os.getloadavg())
-    return finish(args, suite, results, table(results), environment=env, **extra)
+    return finish(args, suite, results, table(results), goals=goals(results) if goals else (),
+                  environment=env, **extra)

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from sdcstudy.bench import common as B
+from sdcstudy.bench import goals as G
 from sdcstudy.bench import timing as BT
 from sdcstudy.core import determinism as D
 
@@ -101,5 +102,10 @@ def faults_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def faults_goals(results: list[dict]) -> list[dict]:
+    return [G.goal("faults.idle_over_plain", r["variants"]["idle"]["ratio"]["median"],
+                   preset=r["preset"]) for r in results]
+
+
 def run_faults_suite(args) -> int:
-    return B.run_suite(args, "faults", measure_faults, faults_table)
+    return B.run_suite(args, "faults", measure_faults, faults_table, goals=faults_goals)

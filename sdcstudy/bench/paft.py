@@ -30,11 +30,12 @@ contender of that M), and the table says so.
 from __future__ import annotations
 
 from sdcstudy.bench import common as B
+from sdcstudy.bench import goals as G
 from sdcstudy.bench import timing as BT
 from sdcstudy.core import hostmem
 from sdcstudy.core.config import UserError
 
-GOAL = 1.05
+GOAL = G.GOALS["paft.dyn_overlap_over_dp"].limit
 GOAL_RATIO = "dyn-overlap / noised"
 VARIANTS = ("dp", "noised", "dyn-overlap")
 # Repetitions by default: tiny's per-repetition ratios spread by +-5-15% on a loaded 2-core
@@ -218,8 +219,14 @@ def _geomean(ratio: dict) -> str:
     return f", geometric mean {ratio['geomean']:.3f}x (95% interval {low:.3f}-{high:.3f})"
 
 
+def paft_goals(results: list[dict]) -> list[dict]:
+    return [G.goal("paft.dyn_overlap_over_dp", w["dyn_over_noised"]["median"],
+                   preset=r["preset"], workers=w["workers"])
+            for r in results for w in r["by_workers"]]
+
+
 def run_paft_suite(args) -> int:
     def check(preset):
         for workers in _workers(args):
             _configs(preset, args, workers)
-    return B.run_suite(args, "paft", measure_paft, paft_table, check=check)
+    return B.run_suite(args, "paft", measure_paft, paft_table, check=check, goals=paft_goals)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 
 from sdcstudy.bench import common as B
+from sdcstudy.bench import goals as G
 from sdcstudy.bench import timing as BT
 from sdcstudy.bench import roofline
 from sdcstudy.core.config import UserError
 
 TORCH_ATTENTION = ("eager", "sdpa")
-TARGET_RATIO = 2.0  # the project's goal: ours at least twice torch's tokens/s
+TARGET_RATIO = G.GOALS["train.ours_over_torch"].limit  # ours / torch tokens/s, at least
 
 
 def add_parser(sub) -> None:
@@ -258,6 +259,19 @@ def roofline_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def train_goals(results: list[dict]) -> list[dict]:
+    """ours / torch per preset measured against torch; the peak share where its goal applies."""
+    goals = []
+    for r in results:
+        if r["ratio"] is not None:
+            goals.append(G.goal("train.ours_over_torch", r["ratio"]["median"],
+                                preset=r["preset"]))
+        if r.get("roofline") and G.applies("train.peak_share", r["preset"]):
+            goals.append(G.goal("train.peak_share", r["roofline"]["fraction_of_peak"]["ours"],
+                                preset=r["preset"]))
+    return goals
+
+
 def run_train_suite(args) -> int:
     attentions = tuple(a.strip() for a in args.torch_attention.split(",") if a.strip())
     unknown = sorted(set(attentions) - set(TORCH_ATTENTION))
@@ -271,4 +285,5 @@ def run_train_suite(args) -> int:
         B.echo_stderr(note)
         attentions = ()
     return B.run_suite(args, "train", lambda preset, a: measure_train(preset, a, attentions),
-                       train_table, torch_note=note, target_ratio=TARGET_RATIO)
+                       train_table, goals=train_goals, torch_note=note,
+                       target_ratio=TARGET_RATIO)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from sdcstudy.core.mesh import varying_axes, vary
 from sdcstudy.faults.specs import FaultSpec, FaultSpecError
 
 _UINT = {jnp.dtype(jnp.float32): jnp.uint32, jnp.dtype(jnp.bfloat16): jnp.uint16}
@@ -60,10 +61,94 @@ def _draw_bits(key, spec: FaultSpec, width: int, shape):
     allowed = spec.bits if spec.bits is not None else bits_of_class(spec.bit_class, width)
     allowed = tuple(b for b in allowed if b < width)
     if not allowed:
-        raise FaultSpecError(f"{spec.site}: none of bits {spec.bits} exist in a {width}-bit type.")
+        raise FaultSpecError(f"{spec.site}: none of bits {list(spec.bits)} exist in the "
+                             f"{width}-bit values at this site; a {width}-bit float has bits "
+                             f"0-{width - 1}.")
     if len(allowed) == 1:
         return jnp.full(shape, allowed[0], jnp.int32)
     return jnp.asarray(allowed, jnp.int32)[jax.random.randint(key, shape, 0, len(allowed))]
+
+
+def _draws(key, spec: FaultSpec, rate, shape, width):
+    """The random decisions of one corruption, which do not depend on the tensor's values:
+    (hit, aux) where aux is the flipped bit (bitflip), the factor 1 +/- r (scale), the
+    replacement value (random, inf) or nothing (zero, nan)."""
+    k_hit, k_bit, k_value, k_sign = jax.random.split(key, 4)
+    if spec.count is not None:  # exactly `count` distinct elements, when the rate is on
+        size = math.prod(shape)
+        chosen = jax.random.choice(k_hit, size, (min(spec.count, size),), replace=False)
+        hit = jnp.zeros(size, bool).at[chosen].set(rate > 0).reshape(shape)
+    else:
+        hit = jax.random.bernoulli(k_hit, rate, shape)
+    if spec.lanes is not None:
+        lane = lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+        hit &= jnp.isin(lane, jnp.asarray(spec.lanes))
+    if spec.kind == "bitflip":
+        return hit, _draw_bits(k_bit, spec, width, shape)
+    if spec.kind == "scale":
+        lo, hi = spec.scale
+        log_r = jax.random.uniform(k_value, shape, jnp.float32, math.log(lo), math.log(hi))
+        sign = jnp.where(jax.random.bernoulli(k_sign, 0.5, shape), 1.0, -1.0)
+        return hit, 1 + sign * jnp.exp(log_r)
+    if spec.kind == "random":
+        return hit, spec.value_std * jax.random.normal(k_value, shape, jnp.float32)
+    if spec.kind == "inf":
+        return hit, jnp.where(jax.random.bernoulli(k_sign, 0.5, shape), jnp.inf, -jnp.inf)
+    return hit, None
+
+
+def _varying(*values) -> frozenset:
+    """The `shard_map` axes any of `values` varies over: both branches of a `lax.cond` must
+    vary over the same axes."""
+    return frozenset().union(*(varying_axes(v) for v in values))
+
+
+def _vary(tree, axes):
+    return jax.tree.map(lambda v: vary(v, axes), tree)
+
+
+def _no_draws(spec: FaultSpec, shape):
+    """What `_draws` gives when the rate is 0, without drawing: nothing is hit."""
+    aux = {"bitflip": jnp.int32, "scale": jnp.float32, "random": jnp.float32,
+           "inf": jnp.float32}.get(spec.kind)
+    return jnp.zeros(shape, bool), None if aux is None else jnp.zeros(shape, aux)
+
+
+def _corrupt(x, key, spec: FaultSpec, rate, skip_idle: bool = False):
+    """(y, bit): `x` with the hit elements replaced, and the drawn bit (-1 for other kinds).
+
+    The random draws depend only on the key, the rate and the shape. With `skip_idle` they run
+    under a `lax.cond` that skips them when the rate is 0 (an idle spec costs a select, not a
+    random-number generator); the select that reads `x` stays outside the conditional.
+    """
+    width = bit_width(x.dtype)
+    if skip_idle:
+        axes = _varying(key, rate)
+        hit, aux = lax.cond(jnp.asarray(rate) > 0,
+                            lambda: _vary(_draws(key, spec, rate, x.shape, width), axes),
+                            lambda: _vary(_no_draws(spec, x.shape), axes))
+    else:
+        hit, aux = _draws(key, spec, rate, x.shape, width)
+    x_bits = to_bits(x)
+    bit = jnp.full(x.shape, -1, jnp.int32)
+    if spec.kind == "bitflip":
+        bit = aux
+        bad_bits = x_bits ^ (jnp.ones((), x_bits.dtype) << bit.astype(x_bits.dtype))
+    elif spec.kind == "scale":
+        bad_bits = to_bits((x.astype(jnp.float32) * aux).astype(x.dtype))
+    elif spec.kind in ("random", "inf"):
+        bad_bits = to_bits(aux.astype(x.dtype))
+    else:
+        fill = 0.0 if spec.kind == "zero" else jnp.nan
+        bad_bits = to_bits(jnp.full(x.shape, fill, jnp.float32).astype(x.dtype))
+    # Select in the integer domain: a float select may quieten a signalling NaN and so change
+    # bits other than the ones the fault names.
+    return from_bits(jnp.where(hit, bad_bits, x_bits), x.dtype), bit
+
+
+def _landed(x, y, bit):
+    landed = to_bits(y) != to_bits(x)
+    return landed, jnp.where(landed, bit, -1)
 
 
 def corrupt(x, key, spec: FaultSpec, rate):
@@ -71,42 +156,8 @@ def corrupt(x, key, spec: FaultSpec, rate):
 
     `landed` marks elements whose bits changed; `bit` is the flipped bit (-1 for other kinds).
     """
-    width = bit_width(x.dtype)
-    k_hit, k_bit, k_value, k_sign = jax.random.split(key, 4)
-    if spec.count is not None:  # exactly `count` distinct elements, when the rate is on
-        chosen = jax.random.choice(k_hit, x.size, (min(spec.count, x.size),), replace=False)
-        hit = jnp.zeros(x.size, bool).at[chosen].set(rate > 0).reshape(x.shape)
-    else:
-        hit = jax.random.bernoulli(k_hit, rate, x.shape)
-    if spec.lanes is not None:
-        lane = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-        hit &= jnp.isin(lane, jnp.asarray(spec.lanes))
-    bit = jnp.full(x.shape, -1, jnp.int32)
-    x_bits = to_bits(x)
-    if spec.kind == "bitflip":
-        bit = _draw_bits(k_bit, spec, width, x.shape)
-        bad_bits = x_bits ^ (jnp.ones((), x_bits.dtype) << bit.astype(x_bits.dtype))
-    else:
-        if spec.kind == "scale":
-            lo, hi = spec.scale
-            log_r = jax.random.uniform(k_value, x.shape, jnp.float32, math.log(lo), math.log(hi))
-            sign = jnp.where(jax.random.bernoulli(k_sign, 0.5, x.shape), 1.0, -1.0)
-            bad = x.astype(jnp.float32) * (1 + sign * jnp.exp(log_r))
-        elif spec.kind == "random":
-            bad = spec.value_std * jax.random.normal(k_value, x.shape, jnp.float32)
-        elif spec.kind == "zero":
-            bad = jnp.zeros(x.shape, jnp.float32)
-        elif spec.kind == "nan":
-            bad = jnp.full(x.shape, jnp.nan, jnp.float32)
-        else:
-            bad = jnp.where(jax.random.bernoulli(k_sign, 0.5, x.shape), jnp.inf, -jnp.inf)
-        bad_bits = to_bits(bad.astype(x.dtype))
-    # Select in the integer domain: a float select may quieten a signalling NaN and so change
-    # bits other than the ones the fault names.
-    y_bits = jnp.where(hit, bad_bits, x_bits)
-    y = from_bits(y_bits, x.dtype)
-    landed = y_bits != x_bits
-    return y, landed, jnp.where(landed, bit, -1)
+    y, bit = _corrupt(x, key, spec, rate)
+    return (y, *_landed(x, y, bit))
 
 
 # --- ground-truth records ---------------------------------------------------------------------
@@ -139,16 +190,32 @@ def make_record(x, y, landed, bit, limit: int):
     return jnp.concatenate([head, rows], axis=0)
 
 
-def corrupt_and_record(x, key_data, rate, spec: FaultSpec, limit: int):
+def empty_record(dtype, limit: int):
+    """The record of a tensor in which nothing landed, bit for bit `make_record`'s: its unused
+    rows hold the bit -1 times 0, which is -0."""
+    record = jnp.zeros((limit + 1, RECORD_WIDTH), jnp.float32).at[1:, 7].set(-0.0)
+    return record.at[0, 2].set(bit_width(dtype))
+
+
+def corrupt_and_record(x, key_data, rate, spec: FaultSpec, limit: int,
+                       skip_idle: bool = False):
     """(y, record): `corrupt` with the key's raw data, and the record of what landed.
 
-    The draws happen even when `rate` is 0 at a step. Skipping them with `lax.cond` removes
-    their cost but moves bits of the computation around the site (XLA compiles the surrounding
-    fusions and products differently), so a run with an idle spec would no longer match one
-    without it bit for bit (RESULTS.md, "faults").
+    `skip_idle`: at a rate of 0 neither the draws nor the search for landed elements run (the
+    record is the empty one). The model's sites use it: their results are bitwise those of the
+    unconditional draws (tests/test_faults.py pins it). The pytree sites (`grad`, `update`)
+    draw unconditionally: there the conditional moved the last bits of the gradient norm of a
+    corrupted node in a tensor-parallel program, as XLA fused the norm differently (RESULTS.md,
+    "the idle fault engine").
     """
-    y, landed, bit = corrupt(x, jax.random.wrap_key_data(key_data), spec, rate)
-    return y, make_record(x, y, landed, bit, limit)
+    y, bit = _corrupt(x, jax.random.wrap_key_data(key_data), spec, rate, skip_idle)
+    if not skip_idle:
+        return y, make_record(x, y, *_landed(x, y, bit), limit)
+    axes = _varying(x, y, bit, rate)
+    record = lax.cond(jnp.asarray(rate) > 0,
+                      lambda: _vary(make_record(x, y, *_landed(x, y, bit), limit), axes),
+                      lambda: _vary(empty_record(x.dtype, limit), axes))
+    return y, record
 
 
 def decode_record(record: np.ndarray) -> tuple[int, list[dict]]:

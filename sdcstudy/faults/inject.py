@@ -179,7 +179,7 @@ class Injector:
 # `corrupt` would otherwise stop every gradient at the site).
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _corrupt_value(x, key_data, rate, spec, limit):
-    return corrupt_and_record(x, key_data, rate, spec, limit)
+    return corrupt_and_record(x, key_data, rate, spec, limit, skip_idle=True)
 
 
 def _corrupt_value_fwd(x, key_data, rate, spec, limit):
@@ -216,7 +216,7 @@ def _corrupt_ct_fwd(x, sink, key_data, rate, spec, limit):
 
 def _corrupt_ct_bwd(spec, limit, residuals, ct):
     key_data, rate = residuals
-    y, record = corrupt_and_record(ct, key_data, rate, spec, limit)
+    y, record = corrupt_and_record(ct, key_data, rate, spec, limit, skip_idle=True)
     return y, record, None, None
 
 

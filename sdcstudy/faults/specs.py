@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdcstudy.core import sites as S
+from sdcstudy.core.errors import UserError
 
 KINDS = ("bitflip", "scale", "random", "zero", "nan", "inf")
 PATTERNS = ("constant", "burst", "onset", "steps", "decay", "periodic")
@@ -31,8 +32,9 @@ COLLECTIVE_SITES = ("collective/all_gather", "collective/reduce_scatter",
                     "collective/grad_allreduce")
 
 
-class FaultSpecError(ValueError):
-    pass
+class FaultSpecError(UserError, ValueError):
+    """A fault spec that cannot work; the CLI prints it as one sentence (exit 2), even when the
+    step finds it while tracing (bits a tensor's type does not have)."""
 
 
 # --- specs ------------------------------------------------------------------------------------
