@@ -80,7 +80,7 @@ def test_faults_suite(tmp_path, capsys):
     assert report["goals"] == [{"name": "faults.idle_over_plain", "preset": "tiny",
                                 "value": ratio, "limit": 1.1, "bound": "upper",
                                 "met": ratio <= 1.1}]
-    assert f"| faults.idle_over_plain | preset tiny | {ratio:.3g} | <= 1.1 |" in table
+    assert f"| faults.idle_over_plain | preset tiny | {ratio:.3f} | <= 1.1 |" in table
 
 
 def test_paired_suite(tmp_path, capsys):
@@ -198,8 +198,8 @@ def test_goals_judge_each_bound_and_print_a_table():
     assert goals.applies("train.peak_share", "small") and not goals.applies(
         "train.peak_share", "tiny")
     table = goals.goals_table([low, high])
-    assert "| train.peak_share | preset small | 0.74 | >= 0.75 | NO |" in table
-    assert "| faults.idle_over_plain | preset tiny | 1.1 | <= 1.1 | yes |" in table
+    assert "| train.peak_share | preset small | 0.740 | >= 0.75 | NO |" in table
+    assert "| faults.idle_over_plain | preset tiny | 1.100 | <= 1.1 | yes |" in table
     assert goals.goals_table([]) == ""
 
 
@@ -363,7 +363,7 @@ def test_all_runs_every_suite_with_its_own_defaults(tmp_path, capsys, monkeypatc
     # Every suite's goals, gathered into one list and one table at the end.
     assert [g["name"] for g in report["goals"]] == [f"{name}.x" for name in seen]
     goals_part = table.split("## goals")[-1]
-    assert all(f"| {name}.x | preset tiny | 2 | <= 1 | NO |" in goals_part for name in seen)
+    assert all(f"| {name}.x | preset tiny | 2.000 | <= 1 | NO |" in goals_part for name in seen)
 
 
 def _ratio(median, low, high):
@@ -422,14 +422,7 @@ def test_plot_command_writes_the_figure(tmp_path, capsys):
 
 
 def _scaling_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "experiments" / "bench_scaling.py"
-    spec = importlib.util.spec_from_file_location("bench_scaling", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _experiment("bench_scaling")
 
 
 def test_scaling_summary_tables_and_explains_every_curve(tmp_path):
@@ -453,3 +446,39 @@ def test_scaling_summary_tables_and_explains_every_curve(tmp_path):
         assert text.count(f"- {name}: {scaling.EXPLAIN[name]}") == 1
     scaling.figure(table, "tp", tmp_path / "tp.png")
     assert (tmp_path / "tp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _experiment(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_counts_what_the_optimized_hlo_holds():
+    # experiments/profile_overheads.py reads a compiled program's work from its optimized HLO:
+    # a program with one conditional, one loop and one matmul, and random bits in a branch,
+    # must be counted as such (a wrong pattern counts nothing, or counts fused bodies twice).
+    profile = _experiment("profile_overheads")
+
+    def f(x, key):
+        y = jax.lax.cond(x[0, 0] > 0, lambda: x + jax.random.uniform(key, x.shape),
+                         lambda: x)
+        y = jax.lax.fori_loop(0, 3, lambda i, v: jnp.tanh(v) * 1.5, y)
+        return y @ y
+
+    x = jnp.ones((64, 64))
+    text = jax.jit(f).lower(x, jax.random.key(0)).compile().as_text()
+    counts = profile.hlo_counts(text)
+    assert counts["conditional"] == 1 and counts["dot"] == 1 and counts["while"] >= 1
+    assert counts["random-bit ops"] > 0
+    assert profile.hlo_counts(jax.jit(lambda x: x @ x).lower(x).compile().as_text())[
+        "random-bit ops"] == 0
+    # The matmuls of a traced step, with their multiplicity.
+    dots = profile._dots(jax.make_jaxpr(lambda x: (x @ x) @ x + jax.lax.cond(
+        x[0, 0] > 0, lambda: x @ x, lambda: x))(x).jaxpr, profile.Counter())
+    assert sum(dots.values()) == 3

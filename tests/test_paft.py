@@ -303,7 +303,7 @@ def test_bench_suite_goal_is_against_noised_and_batch_splits(tmp_path, capsys, m
     assert goal == {"name": "paft.dyn_overlap_over_dp", "preset": "tiny", "workers": 4,
                     "value": w["dyn_over_noised"]["median"], "limit": 1.05, "bound": "upper",
                     "met": True}
-    assert "| paft.dyn_overlap_over_dp | preset tiny, workers 4 | 1.03 | <= 1.05 | yes |" in table
+    assert "| paft.dyn_overlap_over_dp | preset tiny, workers 4 | 1.033 | <= 1.05 | yes |" in table
     assert w["dyn_over_dp"]["runs"] == [1.6, 2.5 / 2.0]
     assert w["noised_over_dp"]["runs"] == [1.5, 2.5 / 2.0]
     assert w["variants"]["noised"]["ratio_to_noised"]["runs"] == [1.0, 1.0]

@@ -56,7 +56,7 @@ def goals_table(goals: list[dict]) -> str:
         return ""
     lines = ["| goal | where | value | limit | met |", "|---|---|---:|---:|---|"]
     for e in goals:
-        value = "-" if e["value"] is None else f"{e['value']:.3g}"
+        value = "-" if e["value"] is None else f"{e['value']:.3f}"
         limit = ("<= " if e["bound"] == "upper" else ">= ") + f"{e['limit']:g}"
         lines.append(f"| {e['name']} | {_where(e)} | {value} | {limit} | "
                      f"{'yes' if e['met'] else 'NO'} |")
