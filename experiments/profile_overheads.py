@@ -185,9 +185,10 @@ def _dots(jaxpr, out: Counter) -> Counter:
             lhs, rhs = (v.aval for v in eqn.invars)
             out[(lhs.shape, rhs.shape, str(lhs.dtype), eqn.params["dimension_numbers"])] += 1
         for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                _dots(inner, out)
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)  # every branch of a conditional too
+                if hasattr(inner, "eqns"):
+                    _dots(inner, out)
     return out
 
 
