@@ -8,7 +8,11 @@ with each count's difference to the goal's baseline. The faults row also compile
 engine as it was before its draws moved under a `lax.cond` (`idle-unconditional`), to show
 what the conditional removed.
 
-    python experiments/profile_overheads.py [--preset tiny] [--out profile.md]
+`--matmuls` times each matmul of the plain training step alone at its own shape (what the
+train row's peak share can reach); `--barriers` times a lock-step tap on two simulated nodes
+with and without matmuls between taps (what the paired row's barriers cost).
+
+    python experiments/profile_overheads.py [--preset tiny] [--matmuls] [--barriers] [--out F]
 
 The time itself is `sdcstudy bench`'s to measure; this says what the extra time is made of.
 """
@@ -244,6 +248,65 @@ def dot_ceiling_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --- the paired row: what a lock-step barrier costs ------------------------------------------
+
+
+def barrier_cost(rows: int = 512, width: int = 512, hidden: int = 1536, segments: int = 16,
+                 repeats: int = 15) -> dict:
+    """Seconds per lock-step tap on the two simulated nodes, with and without work between.
+
+    Two programs on a (node=2) mesh run `segments` pieces of work (two matmuls, small's FFN
+    shape by default, or nothing); one of them ends every piece with what a forward tap does (an
+    all-gather over `node`, a bitwise comparison, the healthy copy kept). The difference per
+    tap, with and without matmuls between the taps, separates the tap's own work from the cost
+    of making the two device threads meet.
+    """
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("node",))
+
+    def program(tap: bool, work: bool):
+        def local(x, w):
+            for _ in range(segments):
+                x = jnp.tanh(x @ w) @ w.T * 0.01 if work else x * 1.0001 + 1e-3
+                if tap:
+                    pair = jax.lax.all_gather(x, "node")
+                    x = jnp.where(jnp.any(pair[0] != pair[1]), pair[1], pair[0])
+            return x
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("node"), P()),
+                                     out_specs=P("node")))
+
+    x = jax.device_put(jnp.ones((2 * rows, width)), NamedSharding(mesh, P("node")))
+    w = jax.device_put(jnp.full((width, hidden), 0.01), NamedSharding(mesh, P()))
+    out = {}
+    for work in (False, True):
+        seconds = {}
+        for tap in (False, True):
+            run = program(tap, work)
+            run(x, w).block_until_ready()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run(x, w).block_until_ready()
+                times.append(time.perf_counter() - start)
+            seconds[tap] = float(np.median(times))
+        out["with matmuls" if work else "alone"] = {
+            "step_s": seconds[False], "per_tap_s": (seconds[True] - seconds[False]) / segments}
+    return out
+
+
+def barrier_table(result: dict) -> str:
+    lines = ["| between taps | program without taps, ms | extra per tap, ms |", "|---|---:|---:|"]
+    for what, r in result.items():
+        lines.append(f"| {what} | {r['step_s'] * 1e3:.1f} | {r['per_tap_s'] * 1e3:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny")
@@ -251,6 +314,9 @@ def main(argv=None) -> int:
     p.add_argument("--matmuls", action="store_true",
                    help="also time each matmul of the plain step alone (the train row's "
                         "ceiling on the share of the matmul peak)")
+    p.add_argument("--barriers", action="store_true",
+                   help="also time a lock-step tap on two simulated nodes, with and without "
+                        "matmuls between taps (the paired row)")
     p.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -258,6 +324,8 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--rows: {unknown[0]!r} is not one of {', '.join(ROWS)}.")
     table = profile_table(args.preset, rows) if rows else ""
+    if args.barriers:
+        table += "\n" + barrier_table(barrier_cost())
     if args.matmuls:
         table += "\n" + dot_ceiling_table(dot_ceiling(args.preset))
     print(table, end="")

@@ -482,3 +482,12 @@ def test_profile_counts_what_the_optimized_hlo_holds():
     dots = profile._dots(jax.make_jaxpr(lambda x: (x @ x) @ x + jax.lax.cond(
         x[0, 0] > 0, lambda: x @ x, lambda: x))(x).jaxpr, profile.Counter())
     assert sum(dots.values()) == 3
+
+
+def test_barrier_cost_times_taps_with_and_without_work():
+    # Two tiny programs per case on the (node=2) mesh: both cases measured, times positive.
+    profile = _experiment("profile_overheads")
+    result = profile.barrier_cost(rows=8, width=8, hidden=8, segments=2, repeats=2)
+    assert list(result) == ["alone", "with matmuls"]
+    assert all(r["step_s"] > 0 and math.isfinite(r["per_tap_s"]) for r in result.values())
+    assert "| with matmuls |" in profile.barrier_table(result)
