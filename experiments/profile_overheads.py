@@ -285,18 +285,21 @@ def barrier_cost(rows: int = 512, width: int = 512, hidden: int = 1536, segments
     w = jax.device_put(jnp.full((width, hidden), 0.01), NamedSharding(mesh, P()))
     out = {}
     for work in (False, True):
-        seconds = {}
-        for tap in (False, True):
-            run = program(tap, work)
+        runs = {tap: program(tap, work) for tap in (False, True)}
+        for run in runs.values():
             run(x, w).block_until_ready()
-            times = []
-            for _ in range(repeats):
+        pairs = []  # without and with taps back to back, so drift falls on both alike
+        for _ in range(repeats):
+            pair = []
+            for tap in (False, True):
                 start = time.perf_counter()
-                run(x, w).block_until_ready()
-                times.append(time.perf_counter() - start)
-            seconds[tap] = float(np.median(times))
+                runs[tap](x, w).block_until_ready()
+                pair.append(time.perf_counter() - start)
+            pairs.append(pair)
+        plain = float(np.median([p[0] for p in pairs]))
         out["with matmuls" if work else "alone"] = {
-            "step_s": seconds[False], "per_tap_s": (seconds[True] - seconds[False]) / segments}
+            "step_s": plain,
+            "per_tap_s": float(np.median([(t - p) / segments for p, t in pairs]))}
     return out
 
 

@@ -206,7 +206,7 @@ def corrupt_and_record(x, key_data, rate, spec: FaultSpec, limit: int,
     unconditional draws (tests/test_faults.py pins it). The pytree sites (`grad`, `update`)
     draw unconditionally: there the conditional moved the last bits of the gradient norm of a
     corrupted node in a tensor-parallel program, as XLA fused the norm differently (RESULTS.md,
-    "the idle fault engine").
+    "Performance goals", faults).
     """
     y, bit = _corrupt(x, jax.random.wrap_key_data(key_data), spec, rate, skip_idle)
     if not skip_idle:
