@@ -397,3 +397,23 @@ def test_skipping_idle_draws_keeps_every_bit(monkeypatch):
     landed = [sum(FC.decode_record(r[0])[0] for r in faults["micro"].values())
               for _, faults in drawn[1]]
     assert landed[0] == landed[2] == 0 < landed[1]
+
+
+def test_bits_a_bfloat16_site_lacks_are_one_sentence_and_exit_2(tmp_path, capsys):
+    # bits: [20] exists in float32 but not in a bfloat16 model's sites; the step finds out
+    # while tracing, and the user gets one sentence, not a traceback.
+    from sdcstudy import cli
+
+    profile = tmp_path / "high-bit.yaml"
+    profile.write_text("name: high-bit\nspecs:\n  - {site: fwd/attn, kind: bitflip, "
+                       "rate: 0.01, bits: [20]}\n")
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+    code = cli.main(["run", str(config), "--out", str(tmp_path / "run"),
+                     "--no-progress", "--set", "experiment.steps=1",
+                     "--set", "model.dtype=bfloat16", "--set", f"suspect.profile={profile}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("sdcstudy: error:")]
+    assert "none of bits [20] exist in the 16-bit values" in line
