@@ -35,7 +35,7 @@ KINDS = {"fusion": ("fusion",), "copy/transpose": ("copy", "transpose"),
          "conditional": ("conditional",), "while": ("while",),
          "collective": ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
                         "all-to-all"),
-         "dot": ("dot",), "custom-call": ("custom-call",)}
+         "custom-call": ("custom-call",)}
 # `%name = TYPE opcode(`, TYPE a shape or a tuple of shapes.
 _OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\([^()]*\)|[^\s(]+)\s+"
                      r"([a-z][a-z0-9\-]*)\(", re.M)
@@ -99,7 +99,8 @@ def _args(suite: str, preset: str, *extra: str):
     return cli.build_parser().parse_args(["bench", suite, "--presets", preset, *extra])
 
 
-def faults_trainers(preset: str) -> dict:
+def faults_trainers(preset: str) -> tuple[dict, object]:
+    """(contenders by name, a config of theirs)."""
     import dataclasses
 
     from sdcstudy.bench import common as B
@@ -120,7 +121,7 @@ def faults_trainers(preset: str) -> dict:
     return out, cfg
 
 
-def paired_trainers(preset: str) -> dict:
+def paired_trainers(preset: str) -> tuple[dict, object]:
     from sdcstudy.bench.paired import paired_config
     from sdcstudy.paired.trainer import PairedTrainer
 
@@ -132,7 +133,7 @@ def paired_trainers(preset: str) -> dict:
     return out, cfg
 
 
-def paft_trainers(preset: str) -> dict:
+def paft_trainers(preset: str) -> tuple[dict, object]:
     from sdcstudy.bench.paft import _configs
     from sdcstudy.faults.trainer import NodeTrainer
     from sdcstudy.paft.trainer import PaftTrainer
@@ -326,11 +327,17 @@ def main(argv=None) -> int:
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:
         p.error(f"--rows: {unknown[0]!r} is not one of {', '.join(ROWS)}.")
-    table = profile_table(args.preset, rows) if rows else ""
+    from sdcstudy.core.errors import UserError
+
+    try:
+        table = profile_table(args.preset, rows) if rows else ""
+        if args.matmuls:
+            table += "\n" + dot_ceiling_table(dot_ceiling(args.preset))
+    except UserError as e:  # e.g. an unknown --preset
+        print(f"profile_overheads: error: {e}", file=sys.stderr)
+        return 2
     if args.barriers:
         table += "\n" + barrier_table(barrier_cost())
-    if args.matmuls:
-        table += "\n" + dot_ceiling_table(dot_ceiling(args.preset))
     print(table, end="")
     if args.out is not None:
         from sdcstudy.core import runfolder as RF
