@@ -25,7 +25,7 @@ demo: $(VENV)/.installed
 	$(BIN)/sdcstudy demo
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -n $(WORKERS) --durations=15 tests
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --durations=15 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -491,3 +491,31 @@ def test_barrier_cost_times_taps_with_and_without_work():
     assert list(result) == ["alone", "with matmuls"]
     assert all(r["step_s"] > 0 and math.isfinite(r["per_tap_s"]) for r in result.values())
     assert "| with matmuls |" in profile.barrier_table(result)
+
+
+def test_step_profile_joins_the_trace_with_the_hlo():
+    # experiments/profile_step.py: each operation the runtime ran, found in the optimized HLO
+    # with its matmul FLOPs (a batched matmul's 2*b*m*n*k, wherever XLA fused it), its kind,
+    # and the time the profiler gave it; a matmul with a transposed operand shows its layout
+    # change as an operation of its own kind.
+    profile = _experiment("profile_step")
+    b, m, k, n = 3, 32, 48, 16
+
+    def f(x, w, y):
+        return jnp.tanh(jnp.einsum("bmk,bkn->bmn", x, w)) + 1.0, y.T.copy() * 2.0
+
+    args = (jnp.ones((b, m, k)), jnp.ones((b, k, n)), jnp.ones((64, 128)))
+    compiled = jax.jit(f).lower(*args).compile()
+    ops = profile.operations(compiled.as_text())
+    matmuls = [o for o in ops.values() if o["kind"] == "matmul"]
+    assert sum(o["flops"] for o in matmuls) == 2 * b * m * n * k
+    assert any(o["kind"] == "layout change" for o in ops.values())
+
+    times = profile.traced_times(lambda steps: [jax.block_until_ready(compiled(*args))
+                                                for _ in range(steps)], 2)
+    rows = profile.join(ops, times)
+    assert {r["kind"] for r in rows} >= {"matmul", "layout change"}
+    assert all(r["ms"] > 0 for r in rows)
+    table = profile.report({"preset": "t", "batch": 1, "seq_len": 1, "step_s": 0.1,
+                            "minor_faults": 0, "system_s": 0.0, "rows": rows})
+    assert "| matmul |" in table and "| layout change |" in table

@@ -31,7 +31,7 @@ def _cfg(tmp_path, **experiment):
         "detect": {"detectors": "monitor,lockstep", "advance": "primary", "suspect_rank": 0,
                    "spike_window": 4},
         "optim": {"schedule": "constant", "lr": 3e-3, "warmup_steps": 0},
-        "data": {"seq_len": 32}})
+        "model": {"n_layers": 1}, "data": {"seq_len": 32}})
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_flagged_events_are_classed_by_re_execution(tmp_path, fault_kind, expect
         "experiment": {"mode": "detect", "steps": 3, "batch_size": 2, "checkpoint_every": 0},
         "mesh": {"dp": 1}, "suspect": {"profile": str(profile), "fault_kind": fault_kind},
         "detect": {"detectors": "lockstep,reexec", "suspect_rank": 0},
-        "optim": {"warmup_steps": 0}, "data": {"seq_len": 16}})
+        "optim": {"warmup_steps": 0}, "model": {"n_layers": 1}, "data": {"seq_len": 16}})
     runner.run(cfg, tmp_path / "run", progress=False)
     frame = pd.read_parquet(tmp_path / "run" / DT.DETECTIONS)
     assert list(frame["step"]) == [1, 2, 3] and frame["truth"].all()

@@ -1,6 +1,7 @@
 """The fault-injection engine: kinds, bits, rates, replay, profiles, and placement on a mesh."""
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -128,11 +129,22 @@ def test_records_match_the_corruption_exactly(dtype):
     assert count == len(changed) and len(rows) == 5
 
 
-def _inject(profile, seed, step=1, microstep=0, x=None):
+@functools.lru_cache(maxsize=None)
+def _site(profile):
+    """The profile's forward hook at layer 1's attn_out, jitted as a step runs it: one
+    program per profile, the key, step, microstep and tensor its inputs."""
     injector = F.Injector(profile, n_layers=2)
-    ctx = F.FaultContext(jax.random.key(seed), jnp.int32(step), jnp.int32(microstep))
+
+    def site(key, step, microstep, x):
+        return injector.hook(F.FaultContext(key, step, microstep))(S.ATTN_OUT, x, 1)
+
+    return jax.jit(site)
+
+
+def _inject(profile, seed, step=1, microstep=0, x=None):
     x = _x(jnp.float32, (64, 64)) if x is None else x
-    return np.asarray(injector.hook(ctx)(S.ATTN_OUT, x, 1)), ctx
+    return np.asarray(_site(profile)(jax.random.key(seed), jnp.int32(step),
+                                     jnp.int32(microstep), x)),
 
 
 def test_same_seed_replays_other_seed_differs():

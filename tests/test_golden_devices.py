@@ -13,15 +13,15 @@ import pytest
 from sdcstudy import cli
 from sdcstudy.golden import devices as GV
 
-# A short golden workload (the default's model and microsteps, fewer steps and tokens).
-SHORT = ["--set", "experiment.steps=3", "--set", "data.seq_len=32"]
+# A short golden workload (the default's microsteps; one layer, fewer steps and tokens).
+SHORT = ["--set", "experiment.steps=3", "--set", "data.seq_len=32", "--set", "model.n_layers=1"]
 FLIP = "flip:step=2,site=fwd/attn,layer=1,bit=30"
 BAD_DEVICE = 2
-N_DEVICES = 4
+N_DEVICES = 3
 
 
 def _sdcstudy(*argv, timeout=600):
-    """The command line in a fresh process with 4 simulated devices."""
+    """The command line in a fresh process with N_DEVICES simulated devices."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={N_DEVICES}")
     return subprocess.run([sys.executable, "-m", "sdcstudy", *argv], env=env, timeout=timeout,
                           capture_output=True, text=True)
