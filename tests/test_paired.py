@@ -188,7 +188,7 @@ def test_synchronized_states_are_bitwise_equal_after_every_step(mode, tmp_path):
     path = _write_profile(tmp_path, INNER_PROFILE, "p")
     diverged = []
     for state, metrics in _drive(_cfg(f"experiment.mode={mode}", f"suspect.profile={path}",
-                                      "mesh.dp=1"), 3):
+                                      "mesh.dp=1", "model.n_layers=1"), 3):
         for leaf in jax.tree.leaves({"params": state["params"], "opt": state["opt_state"]}):
             assert np.array_equal(_bits(leaf[0]), _bits(leaf[1]))
         diverged.append(metrics["param/diff_l2"])
@@ -201,7 +201,8 @@ def test_synchronized_states_are_bitwise_equal_after_every_step(mode, tmp_path):
 def test_free_running_diverges_and_keeps_diverging(tmp_path):
     path = _write_profile(tmp_path, INNER_PROFILE, "p")
     diffs = [m["param/diff_l2"] for _, m in _drive(
-        _cfg("experiment.mode=free", f"suspect.profile={path}", "mesh.dp=1"), 3)]
+        _cfg("experiment.mode=free", f"suspect.profile={path}", "mesh.dp=1",
+             "model.n_layers=1"), 3)]
     assert diffs[0] == 0 < diffs[1] and diffs[-1] > 0  # step 1: warm-up learning rate 0
 
 
