@@ -6,7 +6,10 @@ joins each XLA operation's time on the CPU runtime's threads with the optimized 
 matmul FLOPs inside each fusion (so its GFLOP/s), the kind of work it does (matmul, layout
 change, reduction, elementwise, gather/scatter) and the JAX operation it came from.
 
-    python experiments/profile_step.py [--preset small] [--steps 3] [--top 15] [--out F]
+    python experiments/profile_step.py [--preset small] [--steps 3] [--top 15] [--torch] [--out F]
+
+`--torch` also profiles the train bench's transformers + torch step on the same batch
+(`torch.profiler`, each operator's own CPU time): its matmuls, layout copies and the rest.
 
 Times are thread time: the runtime spreads an operation over its worker threads, so the
 operations' sum is about the wall time times the threads kept busy. Page faults fall inside
@@ -205,6 +208,62 @@ def profile_step(preset: str, steps: int) -> dict:
             "system_s": (after.ru_stime - before.ru_stime) / steps, "rows": rows}
 
 
+# torch operators by kind; the rest is elementwise work, reductions and the optimizer.
+TORCH_MATMULS = ("aten::mm", "aten::addmm", "aten::bmm",
+                 "aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+TORCH_LAYOUT = ("aten::copy_", "aten::contiguous", "aten::clone", "aten::cat")
+
+
+def profile_torch(preset: str, steps: int) -> dict:
+    """The train bench's torch step (sdpa attention) on our initial weights: median wall time
+    and each kind's own CPU time per step (matmuls run on torch's threads inside the call)."""
+    import jax
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from sdcstudy import cli
+    from sdcstudy.bench import common as B
+    from sdcstudy.bench import train as BT
+    from sdcstudy.bench.timing import random_tokens
+    from sdcstudy.core.config import model_dims
+    from sdcstudy.core.train import Trainer
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    args = cli.build_parser().parse_args(["bench", "train", "--presets", preset])
+    cfg, _ = B.preset_config("train", preset, args, ["experiment.mode=train"])
+    trainer = Trainer.from_config(cfg)
+    params = jax.tree.map(np.asarray, trainer.init_state()["params"])
+    rates = np.full(cfg.experiment.steps, cfg.optim.lr)
+    runner = BT.TorchRunner(cfg, model_dims(cfg.model), params, random_tokens(cfg), "sdpa",
+                            rates)
+    runner.run(B.WARMUP_STEPS)
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        runner.run(1)
+        seconds.append(time.perf_counter() - start)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        runner.run(steps)
+    kinds = defaultdict(float)
+    for event in prof.key_averages():
+        kind = ("matmul" if event.key in TORCH_MATMULS else
+                "layout change" if event.key in TORCH_LAYOUT else "other")
+        kinds[kind] += event.self_cpu_time_total / 1e3 / steps
+    return {"step_s": float(np.median(seconds)), "kinds": dict(kinds)}
+
+
+def torch_report(result: dict) -> str:
+    total = sum(result["kinds"].values())
+    lines = [f"torch (sdpa): {result['step_s'] * 1e3:.0f} ms a step (median, unprofiled); "
+             f"its operators' own CPU time, {total:.0f} ms a step:", "",
+             "| kind | ms / step | share |", "|---|---:|---:|"]
+    for kind, ms in sorted(result["kinds"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {kind} | {ms:.1f} | {ms / total:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
 def _rate(flops: float, ms: float) -> str:
     return f"{flops / ms / 1e6:.1f}" if flops else "-"
 
@@ -243,6 +302,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="small")
     p.add_argument("--steps", type=int, default=3, help="timed and traced steps (default 3)")
     p.add_argument("--top", type=int, default=15, help="rows of the detailed tables")
+    p.add_argument("--torch", action="store_true",
+                   help="also profile the transformers + torch step of `sdcstudy bench train`")
     p.add_argument("--out", type=Path, default=None, help="also write the tables here")
     args = p.parse_args(argv)
     if args.steps < 1 or args.top < 1:
@@ -251,6 +312,8 @@ def main(argv=None) -> int:
 
     try:
         text = report(profile_step(args.preset, args.steps), args.top)
+        if args.torch:
+            text += "\n" + torch_report(profile_torch(args.preset, args.steps))
     except UserError as e:  # e.g. an unknown --preset
         print(f"profile_step: error: {e}", file=sys.stderr)
         return 2

@@ -519,3 +519,5 @@ def test_step_profile_joins_the_trace_with_the_hlo():
     table = profile.report({"preset": "t", "batch": 1, "seq_len": 1, "step_s": 0.1,
                             "minor_faults": 0, "system_s": 0.0, "rows": rows})
     assert "| matmul |" in table and "| layout change |" in table
+    torch_table = profile.torch_report({"step_s": 0.1, "kinds": {"matmul": 2.0, "other": 1.0}})
+    assert "| matmul | 2.0 | 66.7% |" in torch_table and "100 ms a step" in torch_table
