@@ -144,24 +144,24 @@ def _site(profile):
 def _inject(profile, seed, step=1, microstep=0, x=None):
     x = _x(jnp.float32, (64, 64)) if x is None else x
     return np.asarray(_site(profile)(jax.random.key(seed), jnp.int32(step),
-                                     jnp.int32(microstep), x)),
+                                     jnp.int32(microstep), x))
 
 
 def test_same_seed_replays_other_seed_differs():
     profile = FS.Profile("p", (FS.FaultSpec("fwd/attn", "bitflip", rate=1e-2),))
-    a, b, c = _inject(profile, 0)[0], _inject(profile, 0)[0], _inject(profile, 1)[0]
+    a, b, c = _inject(profile, 0), _inject(profile, 0), _inject(profile, 1)
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
     assert not np.array_equal(a.view(np.uint32), c.view(np.uint32))
     # Another step or microstep draws other faults.
-    assert not np.array_equal(a, _inject(profile, 0, step=2)[0])
-    assert not np.array_equal(a, _inject(profile, 0, microstep=1)[0])
+    assert not np.array_equal(a, _inject(profile, 0, step=2))
+    assert not np.array_equal(a, _inject(profile, 0, microstep=1))
 
 
 def test_repeatable_faults_depend_on_the_input_not_the_step():
     profile = FS.Profile("p", (FS.FaultSpec("fwd/attn", "bitflip", rate=1e-2, repeatable=True),))
-    a, b = _inject(profile, 0, step=1)[0], _inject(profile, 0, step=7, microstep=1)[0]
+    a, b = _inject(profile, 0, step=1), _inject(profile, 0, step=7, microstep=1)
     assert np.array_equal(a, b)
-    other = _inject(profile, 0, x=_x(jnp.float32, (64, 64), seed=9))[0]
+    other = _inject(profile, 0, x=_x(jnp.float32, (64, 64), seed=9))
     clean = np.asarray(_x(jnp.float32, (64, 64), seed=9))
     assert not np.array_equal(np.nonzero(other != clean), np.nonzero(a != np.asarray(
         _x(jnp.float32, (64, 64)))))
@@ -175,7 +175,7 @@ def test_repeatable_faults_depend_on_the_input_not_the_step():
 def test_time_patterns(pattern, active_steps):
     profile = FS.Profile("p", (FS.FaultSpec("fwd/attn", "bitflip", rate=1e-2, pattern=pattern),))
     clean = np.asarray(_x(jnp.float32, (64, 64)))
-    hit = [s for s in range(1, 6) if not np.array_equal(_inject(profile, 0, step=s)[0], clean)]
+    hit = [s for s in range(1, 6) if not np.array_equal(_inject(profile, 0, step=s), clean)]
     assert hit == active_steps
 
 
