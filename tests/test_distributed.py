@@ -41,7 +41,7 @@ specs:
 """
 CONFIG = {"experiment": {"mode": "lockstep", "steps": 3, "batch_size": 4, "microsteps": 2,
                          "checkpoint_every": 0},
-          "optim": {"warmup_steps": 1}, "data": {"seq_len": 32}}
+          "model": {"n_layers": 1}, "optim": {"warmup_steps": 1}, "data": {"seq_len": 32}}
 TIMING_KEYS = ("compile_s", "wall_time_s", "tokens_per_s")
 
 
