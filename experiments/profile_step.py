@@ -310,6 +310,11 @@ def main(argv=None) -> int:
         p.error("--steps and --top must be at least 1.")
     from sdcstudy.core.errors import UserError
 
+    if args.torch:
+        from sdcstudy.bench.train import torch_import_problem
+
+        if torch_import_problem() is not None:
+            p.error("--torch needs torch and transformers (pip install torch transformers).")
     try:
         text = report(profile_step(args.preset, args.steps), args.top)
         if args.torch:
