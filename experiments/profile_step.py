@@ -83,16 +83,14 @@ def _called(rest: str) -> list[str]:
     return re.findall(r"calls=%([\w.\-]+)", rest)
 
 
-def computation_work(comps: dict, name: str) -> tuple[float, set]:
-    """(matmul FLOPs, opcodes) of a computation and of the computations it calls."""
-    comp = comps.get(name, {"instructions": {}})
-    flops, opcodes = 0.0, set()
-    for opcode, shape, rest in comp["instructions"].values():
-        opcodes.add(opcode)
-        if opcode == "dot":
-            flops += _dot_flops(comp, shape, rest)
-        for inner in _called(rest):
-            f, o = computation_work(comps, inner)
+def instruction_work(comps: dict, comp: dict, opcode: str, shape: str,
+                     rest: str) -> tuple[float, set]:
+    """(matmul FLOPs, opcodes) of one instruction and of the computations it calls."""
+    flops, opcodes = (_dot_flops(comp, shape, rest) if opcode == "dot" else 0.0), {opcode}
+    for inner in _called(rest):
+        inner_comp = comps.get(inner, {"instructions": {}})
+        for instruction in inner_comp["instructions"].values():
+            f, o = instruction_work(comps, inner_comp, *instruction)
             flops, opcodes = flops + f, opcodes | o
     return flops, opcodes
 
@@ -126,12 +124,7 @@ def operations(text: str) -> dict[str, dict]:
             if opcode in CONTAINERS or opcode in ("parameter", "constant", "tuple",
                                                   "get-tuple-element", "bitcast"):
                 continue
-            flops, opcodes = 0.0, {opcode}
-            if opcode == "dot":
-                flops = _dot_flops(comp, shape, rest)
-            for inner in _called(rest):
-                f, o = computation_work(comps, inner)
-                flops, opcodes = flops + f, opcodes | o
+            flops, opcodes = instruction_work(comps, comp, opcode, shape, rest)
             source = re.search(r'op_name="([^"]*)"', rest)
             out[name] = {"flops": flops, "kind": kind_of(opcodes), "shape": shape,
                          "source": PREFIX.sub("", source.group(1)) if source else ""}
@@ -157,13 +150,9 @@ def traced_times(run, steps: int) -> dict[str, float]:
 
 
 def join(ops: dict[str, dict], times: dict[str, float]) -> list[dict]:
-    """One row per operation the trace timed: its thread milliseconds per step and GFLOP/s."""
-    rows = []
-    for name, ns in times.items():
-        if name in ops and ns > 0:
-            op = ops[name]
-            rows.append({"name": name, **op, "ms": ns / 1e6,
-                         "gflop_per_s": op["flops"] / ns if op["flops"] else None})
+    """One row per operation the trace timed, with its thread milliseconds per step."""
+    rows = [{"name": name, **ops[name], "ms": ns / 1e6}
+            for name, ns in times.items() if name in ops and ns > 0]
     return sorted(rows, key=lambda r: -r["ms"])
 
 
@@ -177,17 +166,24 @@ def by(rows: list[dict], key: str) -> list[dict]:
     return sorted(({key: k, **g} for k, g in groups.items()), key=lambda g: -g["ms"])
 
 
+def train_config(preset: str):
+    """The config `sdcstudy bench train` times for `preset`."""
+    from sdcstudy import cli
+    from sdcstudy.bench import common as B
+
+    args = cli.build_parser().parse_args(["bench", "train", "--presets", preset])
+    return B.preset_config("train", preset, args, ["experiment.mode=train"])[0]
+
+
 def profile_step(preset: str, steps: int) -> dict:
     import jax
     import numpy as np
 
-    from sdcstudy import cli
     from sdcstudy.bench import common as B
     from sdcstudy.bench.timing import StepRunner, random_tokens
     from sdcstudy.core.train import Trainer
 
-    args = cli.build_parser().parse_args(["bench", "train", "--presets", preset])
-    cfg, _ = B.preset_config("train", preset, args, ["experiment.mode=train"])
+    cfg = train_config(preset)
     runner = StepRunner(Trainer.from_config(cfg), random_tokens(cfg))
 
     def run(n):
@@ -223,7 +219,6 @@ def profile_torch(preset: str, steps: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from sdcstudy import cli
     from sdcstudy.bench import common as B
     from sdcstudy.bench import train as BT
     from sdcstudy.bench.timing import random_tokens
@@ -231,8 +226,7 @@ def profile_torch(preset: str, steps: int) -> dict:
     from sdcstudy.core.train import Trainer
 
     torch.set_num_threads(os.cpu_count() or 1)
-    args = cli.build_parser().parse_args(["bench", "train", "--presets", preset])
-    cfg, _ = B.preset_config("train", preset, args, ["experiment.mode=train"])
+    cfg = train_config(preset)
     trainer = Trainer.from_config(cfg)
     params = jax.tree.map(np.asarray, trainer.init_state()["params"])
     rates = np.full(cfg.experiment.steps, cfg.optim.lr)

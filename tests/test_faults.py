@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -419,8 +420,6 @@ def test_bits_a_bfloat16_site_lacks_are_one_sentence_and_exit_2(tmp_path, capsys
     profile = tmp_path / "high-bit.yaml"
     profile.write_text("name: high-bit\nspecs:\n  - {site: fwd/attn, kind: bitflip, "
                        "rate: 0.01, bits: [20]}\n")
-    from pathlib import Path
-
     config = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
     code = cli.main(["run", str(config), "--out", str(tmp_path / "run"),
                      "--no-progress", "--set", "experiment.steps=1",
