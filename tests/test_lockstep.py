@@ -234,8 +234,8 @@ def _build(graphdef, params, dims, tp, *, taps: bool, order="lockstep"):
 
     def local(params, inputs, targets, fault):
         # Each node holds its own copy: gradients must not be summed over nodes.
-        params = L.vary(params, (M.NODE,))
-        capture_sink = L.vary(jnp.zeros((B, LENGTH, dims.d_model), jnp.float32), axes)
+        params = M.vary(params, (M.NODE,))
+        capture_sink = M.vary(jnp.zeros((B, LENGTH, dims.d_model), jnp.float32), axes)
 
         def loss_fn(params, sinks, capture_sink):
             captured = {}
@@ -257,7 +257,7 @@ def _build(graphdef, params, dims, tp, *, taps: bool, order="lockstep"):
         sinks = lockstep.init_sinks()
         (loss, (fwd, value)), (grads, bwd, ct) = jax.value_and_grad(
             loss_fn, (0, 1, 2), has_aux=True)(params, sinks, capture_sink)
-        expand = lambda a: L.vary(a, axes)[None, None]  # noqa: E731
+        expand = lambda a: M.vary(a, axes)[None, None]  # noqa: E731
         return (expand(loss), jax.tree.map(lambda g: g[None], grads),
                 lockstep.expand(fwd), lockstep.expand(bwd), expand(value), expand(ct))
 

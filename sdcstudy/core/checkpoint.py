@@ -15,6 +15,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from sdcstudy.core.config import UserError
+from sdcstudy.core.errors import first_line
 
 
 class Checkpointer:
@@ -41,7 +42,7 @@ class Checkpointer:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         except Exception as e:  # orbax raises many types for damaged or foreign files
-            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            reason = first_line(e, 200)
             raise UserError(f"checkpoint {str(where)!r} is damaged or does not match this model "
                             f"({reason}); it was left as it is.") from e
         return out.state, dict(out.meta)

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from sdcstudy.core.config import UserError
+from sdcstudy.core.errors import first_line
 
 ENV_COORDINATOR = "SDCSTUDY_COORDINATOR"
 ENV_NUM_PROCESSES = "SDCSTUDY_NUM_PROCESSES"
@@ -174,7 +175,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             shutdown_timeout_seconds=seconds)
     except Exception as e:
         raise UserError(f"{who} could not join the run through {where} within {seconds} s "
-                        f"({_first_line(e)}); start every process with the same coordinator "
+                        f"({first_line(e, 300)}); start every process with the same coordinator "
                         f"and process count.") from e
     meet_peers()
     print(f"sdcstudy: process {jax.process_index()} of {jax.process_count()} joined the run "
@@ -287,11 +288,6 @@ def fetch(tree):
 # --- ending a run --------------------------------------------------------------------------
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__
-
-
 def _describe(error: BaseException) -> tuple[int, str]:
     """Exit code and one sentence, as the CLI gives them for one process."""
     import jax
@@ -306,11 +302,11 @@ def _describe(error: BaseException) -> tuple[int, str]:
     if isinstance(error, NonFiniteError):
         return 1, f"{me}: {error}"
     if isinstance(error, jax.errors.JaxRuntimeError):
-        return EXIT_LOST_PEER, (f"{me} lost its peers ({_first_line(error)}): another process "
+        return EXIT_LOST_PEER, (f"{me} lost its peers ({first_line(error, 300)}): another process "
                                 f"died, hung past the timeout or cannot be reached; see its "
                                 f"log.")
     traceback.print_exception(error, file=sys.stderr)
-    return 1, f"{me}: {type(error).__name__}: {_first_line(error)}"
+    return 1, f"{me}: {type(error).__name__}: {first_line(error, 300)}"
 
 
 @contextlib.contextmanager

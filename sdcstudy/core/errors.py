@@ -24,8 +24,8 @@ def did_you_mean(word: str, choices) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def first_line(error: BaseException) -> str:
+def first_line(error: BaseException, limit: int | None = None) -> str:
     """The first line of an exception's message (its type's name when it has none), to quote
-    inside a one-sentence error."""
+    inside a one-sentence error; at most `limit` characters when given."""
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    return text.splitlines()[0][:limit] if text else type(error).__name__

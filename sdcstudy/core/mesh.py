@@ -66,10 +66,13 @@ def varying_axes(x) -> frozenset:
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
-def vary(x, axes):
-    """`x` marked as varying over `axes` too: a no-op at run time that check_vma needs."""
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+def vary(tree, axes):
+    """Every array of `tree` marked as varying over `axes` too: a no-op at run time. With
+    check_vma=True it decides what out_specs may name and what autodiff sums."""
+    def one(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return jax.tree.map(one, tree)
 
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}

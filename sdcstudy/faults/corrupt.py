@@ -103,10 +103,6 @@ def _varying(*values) -> frozenset:
     return frozenset().union(*(varying_axes(v) for v in values))
 
 
-def _vary(tree, axes):
-    return jax.tree.map(lambda v: vary(v, axes), tree)
-
-
 def _no_draws(spec: FaultSpec, shape):
     """What `_draws` gives when the rate is 0, without drawing: nothing is hit."""
     aux = {"bitflip": jnp.int32, "scale": jnp.float32, "random": jnp.float32,
@@ -125,8 +121,8 @@ def _corrupt(x, key, spec: FaultSpec, rate, skip_idle: bool = False):
     if skip_idle:
         axes = _varying(key, rate)
         hit, aux = lax.cond(jnp.asarray(rate) > 0,
-                            lambda: _vary(_draws(key, spec, rate, x.shape, width), axes),
-                            lambda: _vary(_no_draws(spec, x.shape), axes))
+                            lambda: vary(_draws(key, spec, rate, x.shape, width), axes),
+                            lambda: vary(_no_draws(spec, x.shape), axes))
     else:
         hit, aux = _draws(key, spec, rate, x.shape, width)
     x_bits = to_bits(x)
@@ -213,8 +209,8 @@ def corrupt_and_record(x, key_data, rate, spec: FaultSpec, limit: int,
         return y, make_record(x, y, *_landed(x, y, bit), limit)
     axes = _varying(x, y, bit, rate)
     record = lax.cond(jnp.asarray(rate) > 0,
-                      lambda: _vary(make_record(x, y, *_landed(x, y, bit), limit), axes),
-                      lambda: _vary(empty_record(x.dtype, limit), axes))
+                      lambda: vary(make_record(x, y, *_landed(x, y, bit), limit), axes),
+                      lambda: vary(empty_record(x.dtype, limit), axes))
     return y, record
 
 

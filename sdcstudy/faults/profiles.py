@@ -122,7 +122,7 @@ def load(name_or_path: str, fault_kind: str = "profile") -> Profile:
 
 
 def _load(name_or_path: str) -> Profile:
-    from sdcstudy.core.config import UserError
+    from sdcstudy.core.errors import UserError, first_line
 
     profiles = zoo()
     if name_or_path in profiles:
@@ -135,7 +135,7 @@ def _load(name_or_path: str) -> Profile:
             return profile_from_dict(yaml.safe_load(path.read_text()), str(path))
         except yaml.YAMLError as e:
             raise UserError(f"fault profile {name_or_path!r} is not valid YAML "
-                            f"({str(e).splitlines()[0]}).") from None
+                            f"({first_line(e)}).") from None
         except FaultSpecError as e:
             raise UserError(str(e)) from None
     import difflib

@@ -37,6 +37,7 @@ import numpy as np
 from sdcstudy.core import corpus
 from sdcstudy.core import tokenizer as TK
 from sdcstudy.core.config import UserError
+from sdcstudy.core.errors import first_line
 
 LETTERS = "ABCDEFGH"
 ANSWER_HEADER = "### CORRECT ANSWER\n"
@@ -177,7 +178,7 @@ def load_rows(task: Task, source: str, split: str, hub_config: str | None = None
     try:
         return datasets.load_dataset(name, hub_config or task.hub_config, split=split)
     except Exception as e:  # offline, unknown name, unknown split: one sentence either way
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        reason = first_line(e, 200)
         raise UserError(f"could not load split {split!r} of Hub dataset {name!r} ({reason}); "
                         f"point data.source at a local folder with {split}.jsonl instead.") \
             from None

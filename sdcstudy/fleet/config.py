@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from sdcstudy.core.errors import UserError, did_you_mean
+from sdcstudy.core.errors import UserError, did_you_mean, first_line
 
 MAX_NODES = 100_000
 DETECTORS = ("monitor", "abft", "shadow", "reexec", "lockstep")
@@ -228,7 +228,7 @@ def load(path: str | Path | None = None, overrides=()) -> FleetConfig:
             given = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
             raise UserError(f"fleet config {str(path)!r} is not valid YAML "
-                            f"({str(e).splitlines()[0]}).") from None
+                            f"({first_line(e)}).") from None
         if given is not None and not isinstance(given, dict):
             raise UserError(f"fleet config {str(path)!r} must be a YAML mapping of keys.")
         _merge(data, given or {})

@@ -66,23 +66,14 @@ def parse_stat_key(key: str) -> tuple[str, int]:
     return site, int(layer)
 
 
-# --- varying-manual-axes bookkeeping (check_vma=True) -----------------------------------------
-
-
-def vary(tree, axes):
-    """`tree`'s arrays marked as varying over `axes` inside shard_map (a no-op at run time; with
-    check_vma=True it decides what out_specs may name and what autodiff sums)."""
-    return jax.tree.map(lambda x: M.vary(x, axes), tree)
-
-
 # --- forward tap: compare the value, return the healthy one -----------------------------------
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _fwd_tap(x, node_axis, stats_axes):
     gathered = lax.all_gather(x, node_axis)
-    healthy = vary(gathered[HEALTHY], tuple(M.varying_axes(x)))
-    return healthy, vary(compare(gathered[HEALTHY], gathered[1 - HEALTHY]), stats_axes)
+    healthy = M.vary(gathered[HEALTHY], tuple(M.varying_axes(x)))
+    return healthy, M.vary(compare(gathered[HEALTHY], gathered[1 - HEALTHY]), stats_axes)
 
 
 def _fwd_tap_fwd(x, node_axis, stats_axes):
@@ -121,8 +112,8 @@ def _bwd_tap_fwd(x, sink, node_axis, x_axes, sink_axes):
 def _bwd_tap_bwd(node_axis, x_axes, sink_axes, residuals, ct):
     del residuals
     gathered = lax.all_gather(ct, node_axis)
-    healthy = vary(gathered[HEALTHY], x_axes)
-    return healthy, vary(compare(gathered[HEALTHY], gathered[1 - HEALTHY]), sink_axes)
+    healthy = M.vary(gathered[HEALTHY], x_axes)
+    return healthy, M.vary(compare(gathered[HEALTHY], gathered[1 - HEALTHY]), sink_axes)
 
 
 _bwd_tap.defvjp(_bwd_tap_fwd, _bwd_tap_bwd)
@@ -181,7 +172,7 @@ class LockstepTaps:
     Inside the shard_mapped step (mesh axes node, and dp / tp where given)::
 
         taps = LockstepTaps(dims.n_layers, tp_axis=TP)
-        params = lockstep.vary(params, (NODE,))  # each node its own copy, before the grad
+        params = M.vary(params, (NODE,))  # each node its own copy, before the grad
         def loss_fn(params, sinks):
             tap = taps.hook(sinks)
             hook = compose_with_injector(tap, inject)  # inject may be None
@@ -210,7 +201,7 @@ class LockstepTaps:
 
     def init_sinks(self) -> dict[str, jax.Array]:
         """Zero sinks, one per (bwd site, layer); call inside shard_map, differentiate by them."""
-        return {k: vary(jnp.zeros((STATS_LEN,), jnp.float32), self.stats_axes)
+        return {k: M.vary(jnp.zeros((STATS_LEN,), jnp.float32), self.stats_axes)
                 for k in self.keys("bwd")}
 
     def hook(self, sinks: dict) -> TapHook:
@@ -224,7 +215,7 @@ class LockstepTaps:
 
     def expand(self, stats: dict) -> dict:
         """Per-device stats as (1, 1, 1, STATS_LEN) blocks, to leave shard_map by `out_spec`."""
-        return {k: vary(v, self.stats_axes).reshape(1, 1, 1, STATS_LEN)
+        return {k: M.vary(v, self.stats_axes).reshape(1, 1, 1, STATS_LEN)
                 for k, v in stats.items()}
 
     def decoded(self, fwd_stats: dict, bwd_stats: dict) -> dict:

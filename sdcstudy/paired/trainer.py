@@ -224,7 +224,7 @@ class PairedTrainer:
     def _sinks(self):
         sinks = {}
         if self.injector is not None:
-            sinks["faults"] = {k: M.vary(v, M.AXES) for k, v in self.injector.init_sinks().items()}
+            sinks["faults"] = M.vary(self.injector.init_sinks(), M.AXES)
         if self.taps is not None:
             sinks["taps"] = self.taps.init_sinks()
         if self.abft is not None:

@@ -20,6 +20,7 @@ import yaml
 
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import UserError
+from sdcstudy.core.errors import first_line
 
 ABFT_COLUMNS = ("step", "microstep", "layer", "matmul", "direction", "tp_rank", "residual",
                 "threshold", "flagged")
@@ -86,7 +87,7 @@ def _read(path: Path, reader, default):
     try:
         return reader(path)
     except Exception as e:  # pyarrow, json and yaml each raise their own kinds
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         if str(path) in reason:  # pyarrow repeats the path: keep what it found wrong
             reason = reason.rsplit(": ", 1)[-1]
         reason = reason.split(". ")[0].rstrip(".")
