@@ -118,3 +118,12 @@ def test_medium_preset_sits_between_small_and_8b_and_splits_over_tp_4():
     assert (dims.vocab_size, dims.d_model, dims.n_layers, dims.head_dim) == (256, 768, 12, 64)
     assert dims.n_heads % 4 == 0 and dims.n_kv_heads % 4 == 0 and dims.ffn_dim % 4 == 0
     assert dims.n_kv_heads < dims.n_heads  # grouped-query attention, as in Llama 3
+
+
+def test_first_line_quotes_one_line_of_an_error():
+    """If this fails, an error sentence could quote a multi-line traceback or an empty `()`."""
+    from sdcstudy.core.errors import first_line
+
+    assert first_line(ValueError("  bad value\nsecond line")) == "bad value"
+    assert first_line(ValueError("x" * 500 + "\ny"), 300) == "x" * 300
+    assert first_line(KeyError()) == "KeyError"
