@@ -522,3 +522,17 @@ def test_step_profile_joins_the_trace_with_the_hlo():
     assert "| matmul |" in table and "| layout change |" in table
     torch_table = profile.torch_report({"step_s": 0.1, "kinds": {"matmul": 2.0, "other": 1.0}})
     assert "| matmul | 2.0 | 66.7% |" in torch_table and "100 ms a step" in torch_table
+
+
+def test_compiler_options_parse_and_bits_compare():
+    # experiments/compiler_options.py: `K=V,K2=V2` becomes typed options; the bit comparison
+    # tells -0.0 from 0.0 (a float comparison would not).
+    options = _experiment("compiler_options")
+    assert options.parse_options("a=true,b=False, c=8,d=-2,e=x") == {
+        "a": True, "b": False, "c": 8, "d": -2, "e": "x"}
+    for bad in ("a", "=1", "a="):
+        with pytest.raises(ValueError, match="is not KEY=VALUE"):
+            options.parse_options(bad)
+    tree = {"w": jnp.zeros(3), "b": jnp.ones(2)}
+    assert options.same_bits(tree, {"w": jnp.zeros(3), "b": jnp.ones(2)})
+    assert not options.same_bits(tree, {"w": -jnp.zeros(3), "b": jnp.ones(2)})

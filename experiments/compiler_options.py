@@ -1,0 +1,139 @@
+"""The plain training step under XLA's CPU compiler options: faster than the default, same bits?
+
+    python experiments/compiler_options.py [--preset small] [--repeats 6] [--out F] \\
+        --option xla_cpu_experimental_enable_tiling_propagation=true [--option K=V,K2=V2 ...]
+
+Each `--option` (one `K=V`, or several joined by commas) is a contender: the train bench's step
+(`profile_step.train_config`) compiled with `.compile(compiler_options=...)` and started from
+the same initial state and batch as the default. After two steps each contender's parameters
+are compared with the default's, bit for bit; then interleaved repetitions time one step of
+each in turn. The table gives the median step, the ratio to the default's and the bits.
+An option the compiler does not know ends the run with one sentence (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BITS_STEPS = 2  # steps before the parameters are compared (and the warm-up)
+
+
+def parse_options(text: str) -> dict:
+    """`K=V[,K2=V2]` as compiler options: true/false as booleans, integers as integers."""
+    options = {}
+    for item in text.split(","):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip() or not raw.strip():
+            raise ValueError(f"option {item!r} is not KEY=VALUE")
+        raw = raw.strip()
+        value = {"true": True, "false": False}.get(raw.lower(), raw)
+        if isinstance(value, str) and raw.lstrip("-").isdigit():
+            value = int(raw)
+        options[key.strip()] = value
+    return options
+
+
+def same_bits(a, b) -> bool:
+    import jax
+    import numpy as np
+
+    return all(np.array_equal(x.view(np.uint8), y.view(np.uint8)) for x, y in
+               zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))))
+
+
+def compare(preset: str, contenders: dict[str, dict], repeats: int) -> list[dict]:
+    """One row per contender ("default" first): median step seconds, ratio, same bits."""
+    import jax
+
+    from profile_step import train_config
+    from sdcstudy.bench.timing import place, random_tokens
+    from sdcstudy.core.train import Trainer
+
+    cfg = train_config(preset)
+    trainer = Trainer.from_config(cfg)
+    tokens, initial = random_tokens(cfg), {}
+    runs = {}
+    for name, options in {"default": {}, **contenders}.items():
+        state, batch, shardings = place(trainer, tokens, initial)
+        jitted = jax.jit(trainer.train_step, donate_argnums=0,
+                         **({} if shardings is None else dict(in_shardings=shardings)))
+        runs[name] = {"fn": jitted.lower(state, batch).compile(compiler_options=options),
+                      "state": state, "batch": batch, "seconds": []}
+
+    def step(run):
+        run["state"] = run["fn"](run["state"], run["batch"])[0]
+        jax.block_until_ready(run["state"])
+
+    for run in runs.values():
+        for _ in range(BITS_STEPS):
+            step(run)
+    for _ in range(repeats):
+        for run in runs.values():
+            start = time.perf_counter()
+            step(run)
+            run["seconds"].append(time.perf_counter() - start)
+    base = statistics.median(runs["default"]["seconds"])
+    return [{"contender": name, "options": {"default": {}, **contenders}[name],
+             "step_s": statistics.median(run["seconds"]), "min_s": min(run["seconds"]),
+             "ratio": statistics.median(run["seconds"]) / base,
+             "same_bits": same_bits(run["state"]["params"], runs["default"]["state"]["params"])}
+            for name, run in runs.items()]
+
+
+def table(rows: list[dict], preset: str, repeats: int) -> str:
+    lines = [f"{preset}: the train bench's step, median of {repeats} interleaved steps; bits "
+             f"compared after {BITS_STEPS} steps from one initial state.", "",
+             "| compiler options | ms / step (min) | / default | parameters' bits |",
+             "|---|---:|---:|---|"]
+    for r in rows:
+        options = ", ".join(f"{k}={v}" for k, v in r["options"].items()) or "(default)"
+        lines.append(f"| {options} | {1e3 * r['step_s']:,.1f} ({1e3 * r['min_s']:,.1f}) | "
+                     f"{r['ratio']:.2f}x | {'same' if r['same_bits'] else 'DIFFERENT'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--repeats", type=int, default=6, help="interleaved steps timed (default 6)")
+    p.add_argument("--option", action="append", default=[], metavar="K=V[,K2=V2]",
+                   help="compiler options of one contender (repeatable)")
+    p.add_argument("--out", type=Path, default=None, help="also write the table here")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or not args.option:
+        p.error("give at least one --option and --repeats of at least 1.")
+    try:
+        contenders = {text: parse_options(text) for text in args.option}
+    except ValueError as e:
+        p.error(f"{e}.")
+    from sdcstudy.core.errors import UserError, first_line
+
+    try:
+        rows = compare(args.preset, contenders, args.repeats)
+    except UserError as e:  # e.g. an unknown --preset
+        print(f"compiler_options: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # XLA rejects an unknown option with INVALID_ARGUMENT
+        if "No such compile option" not in str(e):
+            raise
+        print(f"compiler_options: error: {first_line(e)}.", file=sys.stderr)
+        return 2
+    text = table(rows, args.preset, args.repeats)
+    print(text, end="")
+    if args.out is not None:
+        from sdcstudy.core import runfolder as RF
+
+        RF.atomic_write_text(args.out, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
