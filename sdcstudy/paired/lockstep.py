@@ -122,7 +122,8 @@ _bwd_tap.defvjp(_bwd_tap_fwd, _bwd_tap_bwd)
 def backward_tap(x, sink, *, node_axis: str = NODE):
     """Identity; in the backward, the healthy cotangent to both nodes, the stats to `sink`."""
     with jax.named_scope("lockstep_bwd"):
-        return _bwd_tap(x, sink, node_axis, tuple(sorted(M.varying_axes(x))), tuple(sorted(M.varying_axes(sink))))
+        return _bwd_tap(x, sink, node_axis, tuple(sorted(M.varying_axes(x))),
+                        tuple(sorted(M.varying_axes(sink))))
 
 
 # --- the hook ---------------------------------------------------------------------------------
