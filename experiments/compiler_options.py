@@ -1,7 +1,8 @@
 """The plain training step under XLA's CPU compiler options: faster than the default, same bits?
 
     python experiments/compiler_options.py [--preset small] [--repeats 6] [--out F] \\
-        --option xla_cpu_experimental_enable_tiling_propagation=true [--option K=V,K2=V2 ...]
+        [--matmul-form] --option xla_cpu_experimental_enable_tiling_propagation=true \\
+        [--option K=V,K2=V2 ...]
 
 Each `--option` (one `K=V`, or several joined by commas) is a contender: the train bench's step
 (`profile_step.train_config`) compiled with `.compile(compiler_options=...)` and started from
@@ -9,11 +10,17 @@ the same initial state and batch as the default. After two steps each contender'
 are compared with the default's, bit for bit; then interleaved repetitions time one step of
 each in turn. The table gives the median step, the ratio to the default's and the bits.
 An option the compiler does not know ends the run with one sentence (exit 2).
+
+`--matmul-form` adds a contender that changes the program instead of the compiler: every
+weight gradient in `sites.matmul`'s form, (dy^T x)^T, which the model uses inside `shard_map`
+only, where XLA's CPU backend transposes fewer operands for it; under `jax.jit` the model
+keeps autodiff's x^T dy, whose bits every earlier run has.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -41,6 +48,28 @@ def parse_options(text: str) -> dict:
     return options
 
 
+MATMUL_FORM = "weight gradients as (dy^T x)^T"
+
+
+@contextlib.contextmanager
+def matmul_form():
+    """While tracing: the model's matmuls in `sites.matmul`'s form, as inside `shard_map`."""
+    from sdcstudy.core import sites as S
+
+    autodiff = S.linear
+
+    def linear(hook, site, x, w, layer, out_dtype=None):
+        if out_dtype is not None or getattr(hook, "linear", None) is not None:
+            return autodiff(hook, site, x, w, layer, out_dtype)
+        return hook(site, S.matmul(x, w), layer)
+
+    S.linear = linear
+    try:
+        yield
+    finally:
+        S.linear = autodiff
+
+
 def same_bits(a, b) -> bool:
     import jax
     import numpy as np
@@ -49,8 +78,10 @@ def same_bits(a, b) -> bool:
                zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))))
 
 
-def compare(preset: str, contenders: dict[str, dict], repeats: int) -> list[dict]:
-    """One row per contender ("default" first): median step seconds, ratio, same bits."""
+def compare(preset: str, contenders: dict[str, dict], repeats: int,
+            form: bool = False) -> list[dict]:
+    """One row per contender ("default" first, then `MATMUL_FORM` with `form`): median step
+    seconds, ratio to the default, same bits."""
     import jax
 
     from profile_step import train_config
@@ -60,12 +91,15 @@ def compare(preset: str, contenders: dict[str, dict], repeats: int) -> list[dict
     cfg = train_config(preset)
     trainer = Trainer.from_config(cfg)
     tokens, initial = random_tokens(cfg), {}
+    contenders = {"default": {}, **({MATMUL_FORM: {}} if form else {}), **contenders}
     runs = {}
-    for name, options in {"default": {}, **contenders}.items():
+    for name, options in contenders.items():
         state, batch, shardings = place(trainer, tokens, initial)
         jitted = jax.jit(trainer.train_step, donate_argnums=0,
                          **({} if shardings is None else dict(in_shardings=shardings)))
-        runs[name] = {"fn": jitted.lower(state, batch).compile(compiler_options=options),
+        with matmul_form() if name == MATMUL_FORM else contextlib.nullcontext():
+            lowered = jitted.lower(state, batch)
+        runs[name] = {"fn": lowered.compile(compiler_options=options),
                       "state": state, "batch": batch, "seconds": []}
 
     def step(run):
@@ -81,7 +115,7 @@ def compare(preset: str, contenders: dict[str, dict], repeats: int) -> list[dict
             step(run)
             run["seconds"].append(time.perf_counter() - start)
     base = statistics.median(runs["default"]["seconds"])
-    return [{"contender": name, "options": {"default": {}, **contenders}[name],
+    return [{"contender": name, "options": contenders[name],
              "step_s": statistics.median(run["seconds"]), "min_s": min(run["seconds"]),
              "ratio": statistics.median(run["seconds"]) / base,
              "same_bits": same_bits(run["state"]["params"], runs["default"]["state"]["params"])}
@@ -91,10 +125,11 @@ def compare(preset: str, contenders: dict[str, dict], repeats: int) -> list[dict
 def table(rows: list[dict], preset: str, repeats: int) -> str:
     lines = [f"{preset}: the train bench's step, median of {repeats} interleaved steps; bits "
              f"compared after {BITS_STEPS} steps from one initial state.", "",
-             "| compiler options | ms / step (min) | / default | parameters' bits |",
+             "| contender | ms / step (min) | / default | parameters' bits |",
              "|---|---:|---:|---|"]
     for r in rows:
-        options = ", ".join(f"{k}={v}" for k, v in r["options"].items()) or "(default)"
+        options = (", ".join(f"{k}={v}" for k, v in r["options"].items())
+                   or ("(default)" if r["contender"] == "default" else r["contender"]))
         lines.append(f"| {options} | {1e3 * r['step_s']:,.1f} ({1e3 * r['min_s']:,.1f}) | "
                      f"{r['ratio']:.2f}x | {'same' if r['same_bits'] else 'DIFFERENT'} |")
     return "\n".join(lines) + "\n"
@@ -106,10 +141,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=6, help="interleaved steps timed (default 6)")
     p.add_argument("--option", action="append", default=[], metavar="K=V[,K2=V2]",
                    help="compiler options of one contender (repeatable)")
+    p.add_argument("--matmul-form", action="store_true",
+                   help="also time every weight gradient in sites.matmul's form (other bits)")
     p.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = p.parse_args(argv)
-    if args.repeats < 1 or not args.option:
-        p.error("give at least one --option and --repeats of at least 1.")
+    if args.repeats < 1 or not (args.option or args.matmul_form):
+        p.error("give --matmul-form or at least one --option, and --repeats of at least 1.")
     try:
         contenders = {text: parse_options(text) for text in args.option}
     except ValueError as e:
@@ -117,7 +154,7 @@ def main(argv=None) -> int:
     from sdcstudy.core.errors import UserError, first_line
 
     try:
-        rows = compare(args.preset, contenders, args.repeats)
+        rows = compare(args.preset, contenders, args.repeats, args.matmul_form)
     except UserError as e:  # e.g. an unknown --preset
         print(f"compiler_options: error: {e}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from sdcstudy.bench import (
@@ -536,3 +537,25 @@ def test_compiler_options_parse_and_bits_compare():
     tree = {"w": jnp.zeros(3), "b": jnp.ones(2)}
     assert options.same_bits(tree, {"w": jnp.zeros(3), "b": jnp.ones(2)})
     assert not options.same_bits(tree, {"w": -jnp.zeros(3), "b": jnp.ones(2)})
+
+
+def test_matmul_form_swaps_the_model_matmul_while_tracing_only():
+    # experiments/compiler_options.py --matmul-form: inside the block the model's matmuls take
+    # sites.matmul's custom VJP, whose weight gradient contracts the tokens flattened to one
+    # axis (a reshape autodiff's form does not have); the same gradient up to rounding, and
+    # autodiff's form is back after.
+    from sdcstudy.core import sites as S
+
+    options = _experiment("compiler_options")
+    x = jax.random.normal(jax.random.key(0), (2, 8, 16))
+    w = jax.random.normal(jax.random.key(1), (16, 4))
+
+    def grad():  # a new function each time: JAX caches traces by function
+        return jax.grad(lambda w: (S.linear(S.identity_hook, S.ATTN_Q, x, w, 0) ** 2).sum())
+
+    autodiff = S.linear
+    with options.matmul_form():
+        assert "reshape" in str(jax.make_jaxpr(grad())(w))
+        swapped = grad()(w)
+    assert S.linear is autodiff and "reshape" not in str(jax.make_jaxpr(grad())(w))
+    np.testing.assert_allclose(swapped, grad()(w), rtol=1e-5, atol=1e-5)

@@ -83,7 +83,7 @@ def linear(hook: Hook, site: str, x: jax.Array, w: jax.Array, layer: int,
         return own(site, x, w, layer, out_dtype)
     if out_dtype is None:
         # Inside `shard_map` (operands that vary over manual mesh axes) the weight gradient
-        # takes `matmul`'s form; under `jax.jit`'s partitioner autodiff's own is as fast.
+        # takes `matmul`'s form; under `jax.jit` autodiff's own, whose bits earlier runs have.
         inside = M.varying_axes(x) | M.varying_axes(w)
         return hook(site, matmul(x, w) if inside else x @ w, layer)
     return hook(site, jnp.einsum("bld,dv->blv", x, w, preferred_element_type=out_dtype), layer)
@@ -99,8 +99,10 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     built on `x @ w`. The form matters to XLA's CPU backend: for autodiff's x^T dy inside
     `shard_map` it emits a plain dot over a transposed operand plus a copy, and the tiny
     model's forward and backward pass takes about 15% longer than with the library matmul it
-    picks for dy^T x. `jax.jit`'s partitioner reaches that form on its own, so `linear` uses
-    this one inside `shard_map` only.
+    picks for dy^T x. `linear` uses this form inside `shard_map` only: under `jax.jit` the
+    plain step keeps autodiff's form and the bits of every run, golden record and figure made
+    with it, though this one would take 0.84-0.85x its time there too (RESULTS.md,
+    `experiments/compiler_options.py --matmul-form`).
     """
     return x @ w
 
