@@ -109,6 +109,8 @@ def compare(preset: str, contenders: dict[str, dict], repeats: int,
     for run in runs.values():
         for _ in range(BITS_STEPS):
             step(run)
+    default = runs["default"]["state"]["params"]
+    bits = {name: same_bits(run["state"]["params"], default) for name, run in runs.items()}
     for _ in range(repeats):
         for run in runs.values():
             start = time.perf_counter()
@@ -118,7 +120,7 @@ def compare(preset: str, contenders: dict[str, dict], repeats: int,
     return [{"contender": name, "options": contenders[name],
              "step_s": statistics.median(run["seconds"]), "min_s": min(run["seconds"]),
              "ratio": statistics.median(run["seconds"]) / base,
-             "same_bits": same_bits(run["state"]["params"], runs["default"]["state"]["params"])}
+             "same_bits": bits[name]}
             for name, run in runs.items()]
 
 
