@@ -97,7 +97,8 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         mode.resume(carried.get("mode", {}))
         echo(f"resuming {run_dir} from step {start}")
     if writes:
-        RF.atomic_write_json(run_dir / RF.ENV, determinism.fingerprint(hlo))
+        RF.atomic_write_json(run_dir / RF.ENV,
+                           determinism.fingerprint(determinism.program_text(hlo)))
     writer = RF.MetricsWriter(files / RF.METRICS, keep_below_step=start + 1)
     tables = {name: RF.TableLog(files / name, cols, keep_below_step=start + 1)
               for name, cols in mode.tables.items()}
