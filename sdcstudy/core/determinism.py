@@ -95,7 +95,8 @@ def package_versions() -> dict:
 
 
 def fingerprint(compiled_text: str | None = None) -> dict:
-    """Environment fingerprint for `env.json`; pass the compiled step's HLO text to hash it."""
+    """Environment fingerprint for `env.json`; pass the compiled step's `program_text` to hash it
+    (without op metadata, so a program loaded from JAX's compilation cache hashes the same)."""
     import jax
 
     devices = jax.devices()
