@@ -71,57 +71,44 @@ def matmul_form():
 
 
 def same_bits(a, b) -> bool:
-    import jax
-    import numpy as np
+    from sdcstudy.core.digest import tree_digest
 
-    return all(np.array_equal(x.view(np.uint8), y.view(np.uint8)) for x, y in
-               zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))))
+    return tree_digest(a) == tree_digest(b)
 
 
 def compare(preset: str, contenders: dict[str, dict], repeats: int,
             form: bool = False) -> list[dict]:
     """One row per contender ("default" first, then `MATMUL_FORM` with `form`): median step
     seconds, ratio to the default, same bits."""
-    import jax
-
     from profile_step import train_config
-    from sdcstudy.bench.timing import place, random_tokens
-    from sdcstudy.core.train import Trainer
+    from sdcstudy.bench.timing import StepRunner, place, random_tokens
+    from sdcstudy.core.train import Trainer, compile_step
 
     cfg = train_config(preset)
     trainer = Trainer.from_config(cfg)
     tokens, initial = random_tokens(cfg), {}
     contenders = {"default": {}, **({MATMUL_FORM: {}} if form else {}), **contenders}
-    runs = {}
+    runners = {}
     for name, options in contenders.items():
-        state, batch, shardings = place(trainer, tokens, initial)
-        jitted = jax.jit(trainer.train_step, donate_argnums=0,
-                         **({} if shardings is None else dict(in_shardings=shardings)))
+        placed = place(trainer, tokens, initial)
         with matmul_form() if name == MATMUL_FORM else contextlib.nullcontext():
-            lowered = jitted.lower(state, batch)
-        runs[name] = {"fn": lowered.compile(compiler_options=options),
-                      "state": state, "batch": batch, "seconds": []}
-
-    def step(run):
-        run["state"] = run["fn"](run["state"], run["batch"])[0]
-        jax.block_until_ready(run["state"])
-
-    for run in runs.values():
-        for _ in range(BITS_STEPS):
-            step(run)
-    default = runs["default"]["state"]["params"]
-    bits = {name: same_bits(run["state"]["params"], default) for name, run in runs.items()}
+            compiled = compile_step(trainer.train_step, *placed, compiler_options=options)
+        runners[name] = StepRunner(trainer, tokens, compiled, placed)
+    for runner in runners.values():
+        runner.run(BITS_STEPS)
+    default = runners["default"].state["params"]
+    bits = {name: same_bits(r.state["params"], default) for name, r in runners.items()}
+    seconds = {name: [] for name in runners}
     for _ in range(repeats):
-        for run in runs.values():
+        for name, runner in runners.items():
             start = time.perf_counter()
-            step(run)
-            run["seconds"].append(time.perf_counter() - start)
-    base = statistics.median(runs["default"]["seconds"])
+            runner.run(1)
+            seconds[name].append(time.perf_counter() - start)
+    base = statistics.median(seconds["default"])
     return [{"contender": name, "options": contenders[name],
-             "step_s": statistics.median(run["seconds"]), "min_s": min(run["seconds"]),
-             "ratio": statistics.median(run["seconds"]) / base,
-             "same_bits": bits[name]}
-            for name, run in runs.items()]
+             "step_s": statistics.median(s), "min_s": min(s),
+             "ratio": statistics.median(s) / base, "same_bits": bits[name]}
+            for name, s in seconds.items()]
 
 
 def table(rows: list[dict], preset: str, repeats: int) -> str:
@@ -165,12 +152,9 @@ def main(argv=None) -> int:
             raise
         print(f"compiler_options: error: {first_line(e)}.", file=sys.stderr)
         return 2
-    text = table(rows, args.preset, args.repeats)
-    print(text, end="")
-    if args.out is not None:
-        from sdcstudy.core import runfolder as RF
+    from profile_step import emit
 
-        RF.atomic_write_text(args.out, text)
+    emit(table(rows, args.preset, args.repeats), args.out)
     return 0
 
 

@@ -216,22 +216,17 @@ def profile_torch(preset: str, steps: int) -> dict:
     and each kind's own CPU time per step (matmuls run on torch's threads inside the call)."""
     import jax
     import numpy as np
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from sdcstudy.bench import common as B
     from sdcstudy.bench import train as BT
     from sdcstudy.bench.timing import random_tokens
-    from sdcstudy.core.config import model_dims
     from sdcstudy.core.train import Trainer
 
-    torch.set_num_threads(os.cpu_count() or 1)
     cfg = train_config(preset)
     trainer = Trainer.from_config(cfg)
     params = jax.tree.map(np.asarray, trainer.init_state()["params"])
-    rates = np.full(cfg.experiment.steps, cfg.optim.lr)
-    runner = BT.TorchRunner(cfg, model_dims(cfg.model), params, random_tokens(cfg), "sdpa",
-                            rates)
+    runner = BT.torch_runners(cfg, trainer, params, random_tokens(cfg), ("sdpa",))["sdpa"]
     runner.run(B.WARMUP_STEPS)
     seconds = []
     for _ in range(steps):
@@ -316,12 +311,17 @@ def main(argv=None) -> int:
     except UserError as e:  # e.g. an unknown --preset
         print(f"profile_step: error: {e}", file=sys.stderr)
         return 2
+    emit(text, args.out)
+    return 0
+
+
+def emit(text: str, out: Path | None) -> None:
+    """The tables on stdout and, with `--out`, in that file (written atomically)."""
     print(text, end="")
-    if args.out is not None:
+    if out is not None:
         from sdcstudy.core import runfolder as RF
 
-        RF.atomic_write_text(args.out, text)
-    return 0
+        RF.atomic_write_text(out, text)
 
 
 if __name__ == "__main__":

@@ -143,10 +143,25 @@ class TorchRunner:
         return out
 
 
+def torch_runners(cfg, trainer, params, tokens_MBL1, attentions) -> dict[str, TorchRunner]:
+    """A torch runner per attention, on torch's threads over every core, starting from
+    `params` (numpy arrays) and following `trainer`'s learning-rate schedule."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from sdcstudy.core.config import model_dims
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    rates = np.asarray(jax.vmap(trainer.schedule)(jnp.arange(cfg.experiment.steps)), np.float64)
+    return {attention: TorchRunner(cfg, model_dims(cfg.model), params, tokens_MBL1, attention,
+                                   rates) for attention in attentions}
+
+
 def measure_train(preset: str, args, attentions: tuple[str, ...], echo=B.echo_stderr) -> dict:
     """Our step and each torch attention, warmed up, then timed in rotation."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from sdcstudy.core.config import model_dims
@@ -161,15 +176,11 @@ def measure_train(preset: str, args, attentions: tuple[str, ...], echo=B.echo_st
     ours = BT.StepRunner(Trainer.from_config(cfg), tokens_MBL1)
     runners = {"ours": ours}
     if attentions:
-        import torch
-
-        torch.set_num_threads(os.cpu_count() or 1)
         # Copied before our first step donates (and so may overwrite) the parameter buffers.
         params = jax.tree.map(lambda x: np.array(x, copy=True), ours.state["params"])
-        lrs = np.asarray(jax.vmap(ours.trainer.schedule)(jnp.arange(e.steps)), np.float64)
-        for attention in attentions:
-            runners[f"torch-{attention}"] = TorchRunner(cfg, dims, params, tokens_MBL1,
-                                                        attention, lrs)
+        for attention, runner in torch_runners(cfg, ours.trainer, params, tokens_MBL1,
+                                               attentions).items():
+            runners[f"torch-{attention}"] = runner
     losses = {name: [r["loss/healthy"] for r in runner.warm_up(B.WARMUP_STEPS)]
               for name, runner in runners.items()}
     seconds, kernel = BT.interleaved(runners, steps, args.repeats, tokens, preset)

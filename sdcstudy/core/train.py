@@ -180,12 +180,13 @@ class Trainer:
         return {}, {}
 
 
-def compile_step(step_fn, state, batch, shardings=None):
-    """Lower and compile once, donating the state; returns (compiled, HLO text, seconds)."""
+def compile_step(step_fn, state, batch, shardings=None, compiler_options=None):
+    """Lower and compile once, donating the state; returns (compiled, HLO text, seconds).
+    `compiler_options`: XLA options for this compile only (`experiments/compiler_options.py`)."""
     start = time.perf_counter()
     jitted = jax.jit(step_fn, donate_argnums=0,
                      **({} if shardings is None else dict(in_shardings=shardings)))
-    compiled = jitted.lower(state, batch).compile()
+    compiled = jitted.lower(state, batch).compile(compiler_options=compiler_options)
     return compiled, compiled.as_text(), time.perf_counter() - start
 
 
