@@ -71,8 +71,9 @@ def _draw_bits(key, spec: FaultSpec, width: int, shape):
 
 def _draws(key, spec: FaultSpec, rate, shape, width):
     """The random decisions of one corruption, which do not depend on the tensor's values:
-    (hit, aux) where aux is the flipped bit (bitflip), the factor 1 +/- r (scale), the
-    replacement value (random, inf) or nothing (zero, nan)."""
+    (hit, aux) where aux is the flipped bit (bitflip), the factor 1 +/- r (scale), the signed
+    error in units of the row's RMS (additive), the replacement value (random, inf) or nothing
+    (zero, nan)."""
     k_hit, k_bit, k_value, k_sign = jax.random.split(key, 4)
     if spec.count is not None:  # exactly `count` distinct elements, when the rate is on
         size = math.prod(shape)
@@ -85,11 +86,11 @@ def _draws(key, spec: FaultSpec, rate, shape, width):
         hit &= jnp.isin(lane, jnp.asarray(spec.lanes))
     if spec.kind == "bitflip":
         return hit, _draw_bits(k_bit, spec, width, shape)
-    if spec.kind == "scale":
+    if spec.kind in ("scale", "additive"):
         lo, hi = spec.scale
         log_r = jax.random.uniform(k_value, shape, jnp.float32, math.log(lo), math.log(hi))
         sign = jnp.where(jax.random.bernoulli(k_sign, 0.5, shape), 1.0, -1.0)
-        return hit, 1 + sign * jnp.exp(log_r)
+        return hit, (spec.kind == "scale") + sign * jnp.exp(log_r)
     if spec.kind == "random":
         return hit, spec.value_std * jax.random.normal(k_value, shape, jnp.float32)
     if spec.kind == "inf":
@@ -105,8 +106,8 @@ def _varying(*values) -> frozenset:
 
 def _no_draws(spec: FaultSpec, shape):
     """What `_draws` gives when the rate is 0, without drawing: nothing is hit."""
-    aux = {"bitflip": jnp.int32, "scale": jnp.float32, "random": jnp.float32,
-           "inf": jnp.float32}.get(spec.kind)
+    aux = {"bitflip": jnp.int32, "scale": jnp.float32, "additive": jnp.float32,
+           "random": jnp.float32, "inf": jnp.float32}.get(spec.kind)
     return jnp.zeros(shape, bool), None if aux is None else jnp.zeros(shape, aux)
 
 
@@ -132,6 +133,9 @@ def _corrupt(x, key, spec: FaultSpec, rate, skip_idle: bool = False):
         bad_bits = x_bits ^ (jnp.ones((), x_bits.dtype) << bit.astype(x_bits.dtype))
     elif spec.kind == "scale":
         bad_bits = to_bits((x.astype(jnp.float32) * aux).astype(x.dtype))
+    elif spec.kind == "additive":
+        x32 = x.astype(jnp.float32)
+        bad_bits = to_bits((x32 + aux * row_rms(x32)).astype(x.dtype))
     elif spec.kind in ("random", "inf"):
         bad_bits = to_bits(aux.astype(x.dtype))
     else:
@@ -140,6 +144,14 @@ def _corrupt(x, key, spec: FaultSpec, rate, skip_idle: bool = False):
     # Select in the integer domain: a float select may quieten a signalling NaN and so change
     # bits other than the ones the fault names.
     return from_bits(jnp.where(hit, bad_bits, x_bits), x.dtype), bit
+
+
+def row_rms(x):
+    """The root mean square of each row (the last axis) of `x`, kept as an axis of 1: the scale
+    of the dot products that made the row, which an accumulator fault is a fraction of."""
+    if x.ndim == 0:
+        return jnp.abs(x)
+    return jnp.sqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True))
 
 
 def _landed(x, y, bit):

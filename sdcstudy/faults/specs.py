@@ -17,7 +17,7 @@ import numpy as np
 from sdcstudy.core import sites as S
 from sdcstudy.core.errors import UserError
 
-KINDS = ("bitflip", "scale", "random", "zero", "nan", "inf")
+KINDS = ("bitflip", "scale", "additive", "random", "zero", "nan", "inf")
 PATTERNS = ("constant", "burst", "onset", "steps", "decay", "periodic")
 BIT_CLASSES = ("any", "sign", "exponent", "mantissa")
 
@@ -102,7 +102,9 @@ class FaultSpec:
     rate: float = 0.0
     bits: tuple[int, ...] | None = None  # bitflip: the bits to choose from; None -> bit_class
     bit_class: str = "any"
-    scale: tuple[float, float] = (1.0, 1.0)  # scale: relative error log-uniform in [lo, hi]
+    # scale: the element times 1 +/- r, r log-uniform in [lo, hi]. additive: the element plus
+    # +/- m times the RMS of its row (the last axis), m log-uniform in [lo, hi] (docs/faults.md).
+    scale: tuple[float, float] = (1.0, 1.0)
     value_std: float = 1.0  # random: replacement values ~ N(0, value_std^2)
     count: int | None = None  # hit exactly this many elements (when active) instead of a rate
     lanes: tuple[int, ...] | None = None  # only these indices of the last axis (a stuck lane)
@@ -153,7 +155,7 @@ class FaultSpec:
         if self.bits is not None and (not self.bits or any(not 0 <= b < 32 for b in self.bits)):
             raise FaultSpecError(f"{where}: bits must be a non-empty list of positions 0-31.")
         lo, hi = self.scale
-        if self.kind == "scale" and not 0 < lo <= hi:
+        if self.kind in ("scale", "additive") and not 0 < lo <= hi:
             raise FaultSpecError(f"{where}: scale must be [lo, hi] with 0 < lo <= hi.")
         if self.repeatable and self.transient:
             raise FaultSpecError(f"{where}: a fault is either repeatable or transient, not both.")
