@@ -95,7 +95,7 @@ def main(out: Path | None, steps: int = DEMO_STEPS, progress: bool = True,
     lock = runner.run(C.from_dict(DEMO, base + ["experiment.name=lockstep"]), root / "lockstep",
                       progress=progress)
     lock_dir = Path(lock["run_dir"])
-    mismatch = RF.read_parquet(lock_dir / RF.MISMATCH)
+    mismatch = RF.read_table(lock_dir / RF.MISMATCH)
     plot_frequency(mismatch, lock_dir / "mismatch.png", f"lock-step, suspect {profile}")
     print(f"\n1. Lock-step computation synchronization, {steps} steps: every attention and FFN "
           f"output and input gradient compared bit for bit, then repaired")

@@ -157,10 +157,10 @@ def test_two_processes_match_one_process_bit_for_bit(setup, processes):
     assert _metrics(multi) == _metrics(single)
     assert [r["step"] for r in _metrics(multi)] == [1, 2, 3]
     for table in (RF.MISMATCH, RF.FAULTS):
-        a, b = RF.read_parquet(multi / table), RF.read_parquet(single / table)
+        a, b = RF.read_table(multi / table), RF.read_table(single / table)
         assert len(a) > 0
         pd.testing.assert_frame_equal(a, b, check_exact=True)
-    assert RF.read_parquet(multi / RF.MISMATCH)["mismatches"].sum() > 0
+    assert RF.read_table(multi / RF.MISMATCH)["mismatches"].sum() > 0
     assert _summary(multi)["param_digest"] == _summary(single)["param_digest"]
     assert _summary(multi) == _summary(single)
 

@@ -74,7 +74,7 @@ def test_healthy_pair_agrees_exactly(healthy_run):
     assert summary["wcnts"] == 0.0 and summary["param/diff_l2"] == 0.0
     assert summary["loss_spikes"] == []
     if mode == "lockstep":
-        mismatch = RF.read_parquet(out / RF.MISMATCH)
+        mismatch = RF.read_table(out / RF.MISMATCH)
         # every (step, microstep, layer, site, tp_rank) has a row, and none has a mismatch
         assert len(mismatch) == 3 * 2 * 2 * 4 * 2
         assert mismatch["mismatches"].sum() == 0 and (mismatch["elements"] > 0).all()
@@ -131,8 +131,8 @@ def _severity_from_faults(group):
 def test_row_severity_equals_the_injected_relative_errors(faulty_lockstep):
     # dp workers of one tp rank share a row, so group the ground truth the same way
     out, _ = faulty_lockstep
-    faults = RF.read_parquet(out / RF.FAULTS)
-    rows = RF.read_parquet(out / RF.MISMATCH).set_index(KEYS)
+    faults = RF.read_table(out / RF.FAULTS)
+    rows = RF.read_table(out / RF.MISMATCH).set_index(KEYS)
     expected = faults.groupby(KEYS).apply(_severity_from_faults, include_groups=False)
     got = rows.loc[expected.index, "severity"]
     np.testing.assert_allclose(got.to_numpy(), expected.to_numpy(), rtol=1e-5)
@@ -142,7 +142,7 @@ def test_row_severity_equals_the_injected_relative_errors(faulty_lockstep):
 def test_summary_aggregates_follow_the_contract(faulty_lockstep):
     out, _ = faulty_lockstep
     summary = RF.json_load(out / RF.SUMMARY)
-    mismatch = RF.read_parquet(out / RF.MISMATCH)
+    mismatch = RF.read_table(out / RF.MISMATCH)
     for site in SITE_NAMES:
         rows = mismatch[mismatch["site"] == site]
         freqs, severities = [], []

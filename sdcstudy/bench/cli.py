@@ -16,6 +16,8 @@ repetition. The suites, one module each:
   with XLA's compiled memory per device.
 - `paft` (paft.py), `detect` (detect.py); `plot` (plot.py) draws the
   overhead ratios of saved results against the parameter count.
+- `logging` (logging.py): the run folder's tables and metrics at the paper's row rate,
+  without the model: peak RSS and flush times (not in `all`: it measures no step).
 Each suite's JSON records the seconds spent per phase (initial states, lowering, compiling,
 warm-up, timed steps), and `all` prints each suite's elapsed time.
 
@@ -37,6 +39,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     from sdcstudy.bench.abft import add_parser as add_abft_parser
     from sdcstudy.bench.detect import add_parser as add_detect_parser
     from sdcstudy.bench.faults import add_parser as add_faults_parser
+    from sdcstudy.bench.logging import add_parser as add_logging_parser
     from sdcstudy.bench.paft import add_parser as add_paft_parser
     from sdcstudy.bench.paired import add_parser as add_paired_parser
     from sdcstudy.bench.plot import add_parser as add_plot_parser
@@ -50,6 +53,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     add_abft_parser(sub)
     add_paft_parser(sub)
     add_detect_parser(sub)
+    add_logging_parser(sub)
     add_plot_parser(sub)
 
     a = sub.add_parser("all", help="every suite in turn (train, faults, paired, abft, paft with "

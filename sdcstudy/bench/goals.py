@@ -29,6 +29,10 @@ GOALS = {
                              "matmul peak", presets=("small",)),
     "paired.lockstep_over_free": Goal(1.10, "upper", "lock-step step time / free running, "
                                       "at each tp degree"),
+    "logging.peak_rss_mb": Goal(1024, "upper", "peak RSS (MiB) of logging a paper-scale "
+                                "lock-step run's tables and metrics"),
+    "logging.last_over_first_flush": Goal(1.5, "upper", "the last flush's seconds / the "
+                                          "first's, at the paper's row rate"),
 }
 
 

@@ -239,8 +239,8 @@ def report_tables(runs: dict) -> dict:
     table = benchmark_table(runs)
     if not table.empty:
         out["detectors.csv"] = (TITLE, indexed(table), INDEX, False)
-    frames = [pd.read_parquet(Path(r.path) / DETECTIONS) for r in detect_runs(runs).values()
-              if (Path(r.path) / DETECTIONS).is_file()]
+    frames = [RF.read_table(Path(r.path) / DETECTIONS) for r in detect_runs(runs).values()
+              if (Path(r.path) / DETECTIONS).exists()]
     frames = [f for f in frames if not f.empty]
     if frames:
         matrix = confusion(pd.concat(frames, ignore_index=True))

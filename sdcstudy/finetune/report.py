@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from sdcstudy.core import runfolder as RF
 from sdcstudy.faults import published as PB
 from sdcstudy.report import tables as T
 
@@ -57,9 +58,9 @@ def _suspect_label(run) -> str:
 
 def _final_healthy(run) -> np.ndarray | None:
     path = Path(run.path) / PREDICTIONS
-    if not path.is_file():
+    if not path.exists():
         return None
-    frame = pd.read_parquet(path)
+    frame = RF.read_table(path)
     rows = frame[(frame["stage"] == "final") & (frame["node"] == 0)].sort_values("question")
     return rows["prediction"].to_numpy()
 

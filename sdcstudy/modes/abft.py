@@ -24,5 +24,6 @@ class AbftMode(TrainMode):
                                  "alarms per site and direction)"}
 
     def summarize(self, rows, tables, histograms) -> dict:
-        return {"abft/detection": A.detection_summary(tables[RF.ABFT].rows,
-                                                      tables[RF.FAULTS].rows)}
+        return {"abft/detection": A.detection_summary(
+            tables[RF.ABFT].frame().to_dict("records"),
+            tables[RF.FAULTS].frame().to_dict("records"))}

@@ -19,10 +19,7 @@ def paired_summary(rows: list[dict], tables: dict, histograms: dict, dtype: str)
            "param/diff_l2": rows[-1].get("param/diff_l2") if rows else None,
            "loss_spikes": MX.loss_spikes(rows, SPIKE_THRESHOLD)}
     if RF.MISMATCH in tables:
-        import pandas as pd
-
-        frame = pd.DataFrame(tables[RF.MISMATCH].rows, columns=list(RF.MISMATCH_COLUMNS))
-        out.update(MX.site_aggregates(frame))
+        out.update(MX.site_aggregates(tables[RF.MISMATCH].frame()))
         out["bit_histogram"] = bit_histogram_summary(histograms, dtype)
     return out
 

@@ -124,7 +124,7 @@ def load_run(run_dir, strict: bool = True) -> Run:
             problems[name] = str(e)
             return default
 
-    tables = {attr: read(name, RF.read_parquet, pd.DataFrame(columns=list(columns)))
+    tables = {attr: read(name, RF.read_table, pd.DataFrame(columns=list(columns)))
               for attr, (name, columns) in _TABLES.items()}
     return Run(path=path, config=config, summary=read(RF.SUMMARY, _summary, {}),
                metrics=read(RF.METRICS, _metrics_frame, _metrics_frame(path / "-")),

@@ -1,0 +1,242 @@
+"""Run tables appended as they grow (runfolder.TableLog) and metrics.jsonl written live.
+
+What would be wrong if these failed: a table that loses or repeats rows on resume, that holds
+the run's rows in memory, that a kill leaves unreadable, or that only our reader can read; a
+run killed with SIGKILL that `sdcstudy report` or `--resume` cannot take up; a logging bench
+whose JSON lacks the figures RESULTS.md quotes.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sdcstudy import cli
+from sdcstudy.core import runfolder as RF
+from sdcstudy.report.writer import REPORT
+
+COLUMNS = ("step", "site", "value")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rows(step, n=3):
+    return [{"step": step, "site": f"s{i}", "value": step + i / 10} for i in range(n)]
+
+
+def test_append_flush_read_round_trip(tmp_path):
+    path = tmp_path / "t.parquet"
+    log = RF.TableLog(path, COLUMNS, keep_below_step=1)
+    log.flush()  # before any row: the table exists with its columns
+    assert list(RF.read_table(path).columns) == list(COLUMNS) and len(RF.read_table(path)) == 0
+    for step in range(1, 4):
+        log.extend(_rows(step))
+        log.flush()
+    log.extend(_rows(4))
+    # frame(): what was flushed and what waits; read_table only what was flushed.
+    assert sorted(set(log.frame()["step"])) == [1, 2, 3, 4]
+    assert sorted(set(RF.read_table(path)["step"])) == [1, 2, 3]
+    log.flush()
+    assert len(RF.table_parts(path)) == 5  # the empty first part, then one per flush
+    frame = RF.read_table(path)
+    assert frame.to_dict("records") == [r for s in range(1, 5) for r in _rows(s)]
+    pd.testing.assert_frame_equal(pd.read_parquet(path), frame)  # the folder reads as one table
+    assert RF.read_table(path, ["value"]).columns.tolist() == ["value"]
+
+
+def test_columns_that_widen_keep_one_schema(tmp_path):
+    """A column all None at first gets its type later, ints meet floats: every part is cast to
+    the wider schema, or `pd.read_parquet` on the folder would fail on the narrower part."""
+    path = tmp_path / "d.parquet"
+    log = RF.TableLog(path, ("step", "truth", "value"), keep_below_step=1)
+    for step, truth, value in ((1, None, 1), (2, 1, 2), (3, 0, 2.5)):
+        log.extend([{"step": step, "truth": truth, "value": value}])
+        log.flush()
+    frame = pd.read_parquet(path)
+    assert frame["value"].tolist() == [1.0, 2.0, 2.5] and frame["truth"].tolist()[1:] == [1, 0]
+    pd.testing.assert_frame_equal(frame, RF.read_table(path))
+    # A kill while the parts were being cast leaves part 0 narrower: read_table still reads the
+    # table, and a resume makes the schema one again.
+    part = RF.table_parts(path)[0]
+    narrow = pq.read_table(part)
+    pq.write_table(narrow.cast(narrow.schema.set(2, pa.field("value", pa.int64()))), part)
+    pd.testing.assert_frame_equal(RF.read_table(path), frame)
+    RF.TableLog(path, ("step", "truth", "value"), keep_below_step=10)
+    pd.testing.assert_frame_equal(pd.read_parquet(path), frame)
+
+
+def test_resume_drops_later_steps(tmp_path):
+    path = tmp_path / "t.parquet"
+    log = RF.TableLog(path, COLUMNS, keep_below_step=1)
+    for steps in ((1, 2), (3, 4), (5, 6)):  # three parts of two steps each
+        for step in steps:
+            log.extend(_rows(step))
+        log.flush()
+    (path / ".part-000009.parquet.x.tmp").write_bytes(b"a write a kill cut short")
+    log = RF.TableLog(path, COLUMNS, keep_below_step=4)  # resume from the checkpoint at 3
+    assert sorted(set(RF.read_table(path)["step"])) == [1, 2, 3]
+    assert [p.name for p in RF.table_parts(path)] == ["part-000000.parquet", "part-000001.parquet"]
+    assert not list(path.glob(".*"))
+    log.extend(_rows(4))
+    log.flush()
+    assert RF.read_table(path)["step"].value_counts().to_dict() == {1: 3, 2: 3, 3: 3, 4: 3}
+    RF.TableLog(path, COLUMNS, keep_below_step=1)  # back to the start: the columns stay
+    assert len(RF.read_table(path)) == 0 and list(RF.read_table(path).columns) == list(COLUMNS)
+    RF.TableLog(path, COLUMNS)  # no keep_below_step: a new table replaces the old one
+    assert not path.exists()
+
+
+def test_single_file_tables_of_older_runs(tmp_path):
+    """Run folders written before tables were appended hold one Parquet file: read as it is,
+    and on resume it becomes the folder's first part."""
+    path = tmp_path / RF.MISMATCH
+    pd.DataFrame([r for s in (1, 2, 3) for r in _rows(s)]).to_parquet(path)
+    assert len(RF.read_table(path)) == 9
+    log = RF.TableLog(path, COLUMNS, keep_below_step=3)
+    assert path.is_dir() and sorted(set(RF.read_table(path)["step"])) == [1, 2]
+    log.extend(_rows(3))
+    log.flush()
+    assert sorted(set(pd.read_parquet(path)["step"])) == [1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RF.MISMATCH]
+
+
+def test_memory_is_bounded_by_one_flush(tmp_path):
+    log = RF.TableLog(tmp_path / "t.parquet", COLUMNS, keep_below_step=1, max_pending_rows=10)
+    log.extend(_rows(1, 4))
+    assert log.pending_rows == 4
+    log.flush()
+    assert log.pending_rows == 0 and not log._pending
+    for step in range(2, 8):  # 24 rows: more than 10 wait -> they flush on their own
+        log.extend(_rows(step, 4))
+        assert log.pending_rows < 10
+    assert len(RF.table_parts(tmp_path / "t.parquet")) == 3
+    assert len(log.frame()) == 28
+
+
+def test_metrics_reach_the_disk_while_the_run_goes_on(tmp_path, monkeypatch):
+    path = tmp_path / RF.METRICS
+    writer = RF.MetricsWriter(path, keep_below_step=1)
+    writer.write({"step": 1, "loss": 1.0})
+    assert RF.read_jsonl(path) == []  # within FLUSH_SECONDS of the last flush: it waits
+    monkeypatch.setattr(RF, "FLUSH_SECONDS", 0.0)
+    writer.write({"step": 2, "loss": float("nan")})
+    assert [r["step"] for r in RF.read_jsonl(path)] == [1, 2]  # on disk, not closed
+    writer.close()
+    with open(path, "a") as f:
+        f.write('{"step": 3, "lo')  # a kill cut this write short
+    assert [r["step"] for r in RF.read_jsonl(path)] == [1, 2]
+    RF.MetricsWriter(path, keep_below_step=2).close()
+    assert path.read_text() == '{"step": 1, "loss": 1.0}\n'
+
+
+# A child that appends a table as fast as it can, each flush one step of ROWS rows.
+WRITER = """
+import sys
+from sdcstudy.core import runfolder as RF
+from sdcstudy.report.writer import REPORT
+log = RF.TableLog(sys.argv[1], ("step", "site", "value"), keep_below_step=1)
+step = 0
+while True:
+    log.extend([{"step": step, "site": "fwd/attn", "value": i / 7} for i in range(ROWS)])
+    log.flush()
+    print(step, flush=True)
+    step += 1
+"""
+ROWS = 50_000
+
+
+def test_kill_during_flush_leaves_a_readable_table(tmp_path):
+    """SIGKILL at random moments of a loop that mostly flushes: the table reads cleanly, whole
+    steps only, at least up to the last flush the child reported."""
+    rng = random.Random()
+    for attempt in range(3):
+        path = tmp_path / f"t{attempt}.parquet"
+        child = subprocess.Popen([sys.executable, "-c", WRITER.replace("ROWS", str(ROWS)),
+                                  str(path)], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "0", "the child never flushed"
+        time.sleep(rng.uniform(0.0, 1.5))
+        os.kill(child.pid, signal.SIGKILL)
+        reported = [int(line) for line in child.stdout.read().split()]
+        child.wait(timeout=30)
+        frame = RF.read_table(path)
+        steps = frame["step"].value_counts().sort_index()
+        assert steps.index.tolist() == list(range(len(steps))), "steps missing or out of order"
+        assert (steps == ROWS).all(), "a flush written in part"
+        assert len(steps) >= 1 + (reported[-1] if reported else 0)
+        pd.testing.assert_frame_equal(pd.read_parquet(path), frame)
+        RF.TableLog(path, COLUMNS, keep_below_step=0)  # resume: leftovers go, the table stays
+        assert not list(path.glob(".*")) and len(RF.read_table(path)) == 0
+
+
+def _sdcstudy(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "sdcstudy.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, **kwargs)
+
+
+def test_run_killed_with_sigkill_reports_and_resumes(tmp_path):
+    """A lock-step run with faults, killed mid-run: `sdcstudy report` reads it, `--resume`
+    finishes it, and every step's metrics line and table rows are there once."""
+    steps, every, out = 60, 10, tmp_path / "run"
+    cmd = [sys.executable, "-m", "sdcstudy.cli", "run", "configs/demo.yaml", "--no-progress",
+           "--set", "suspect.profile=paper-node-11", "--set", f"experiment.steps={steps}",
+           "--set", f"experiment.checkpoint_every={every}", "--set", "experiment.batch_size=4",
+           "--out", str(out)]
+    child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    target = random.randint(2, 4)  # flushes to wait for, of steps / every
+    deadline = time.monotonic() + 300
+    while len(RF.table_parts(out / RF.MISMATCH)) < target and child.poll() is None:
+        assert time.monotonic() < deadline, "the run made no progress in 300 s"
+        time.sleep(0.02)
+    time.sleep(random.uniform(0.0, 0.3))
+    assert child.poll() is None, "the run ended before it could be killed"
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+
+    # An unfinished run has no summary.json: the report says so (exit 1) and shows the rest.
+    report = _sdcstudy("report", str(out), "--out", str(tmp_path / "report"), timeout=300)
+    problems = [line for line in report.stderr.splitlines() if line.startswith("sdcstudy:")]
+    assert report.returncode in (0, 1) and (tmp_path / "report" / REPORT).is_file(), report.stderr
+    assert all(RF.SUMMARY in line and "damaged" not in line for line in problems), problems
+    resumed = subprocess.run(cmd + ["--resume"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stdout + resumed.stderr
+
+    metrics = RF.read_jsonl(out / RF.METRICS)
+    assert [r["step"] for r in metrics] == list(range(1, steps + 1))
+    mismatch = RF.read_table(out / RF.MISMATCH)
+    keys = ["step", "microstep", "layer", "site", "tp_rank"]
+    assert not mismatch.duplicated(keys).any()
+    assert sorted(set(mismatch["step"])) == list(range(1, steps + 1))
+    assert mismatch.groupby("step").size().nunique() == 1  # the same sites every step
+    faults = RF.read_table(out / RF.FAULTS)
+    landed = {r["step"]: r["faults/landed"] for r in metrics}
+    assert sum(landed.values()) > 0
+    assert faults.groupby("step").size().reindex(list(landed), fill_value=0).to_dict() == landed
+
+
+def test_bench_logging_small(tmp_path, capsys):
+    json_path = tmp_path / "logging.json"
+    code = cli.main(["bench", "logging", "--steps", "12", "--rows-per-step", "64",
+                     "--flush-every", "5", "--json", str(json_path),
+                     "--out", str(tmp_path / "tables")])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads(json_path.read_text())
+    (result,) = report["results"]
+    assert result["rows"] == 12 * 64 and len(result["flush_s"]) == 3  # steps 5, 10, 12
+    assert result["peak_rss_mb"] > 0 and result["first_flush_s"] > 0 < result["last_flush_s"]
+    assert result["pending_rows_after_flush"] == 0
+    assert {g["name"] for g in report["goals"]} == {"logging.peak_rss_mb",
+                                                   "logging.last_over_first_flush"}
+    frame = RF.read_table(tmp_path / "tables" / RF.MISMATCH)
+    assert list(frame.columns) == list(RF.MISMATCH_COLUMNS) and len(frame) == 12 * 64
+    assert len(RF.read_jsonl(tmp_path / "tables" / RF.METRICS)) == 12
+    assert cli.main(["bench", "logging", "--steps", "0"]) == 2  # one sentence, exit 2
+    assert "--steps must be at least 1" in capsys.readouterr().err
