@@ -82,8 +82,9 @@ def cmd_sweep(args) -> int:
 
 def cmd_report(args) -> int:
     from sdcstudy.report import writer as report
+    from sdcstudy.reproduce import cli as reproduce
 
-    return report.main(args.run_dirs, args.out)
+    return report.main(reproduce.report_dirs(args.run_dirs), args.out)
 
 
 def cmd_bench(args) -> int:
@@ -210,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     from sdcstudy.fleet.cli import add_parser as add_fleet_parser
 
     add_fleet_parser(sub)
+
+    from sdcstudy.reproduce.cli import add_parser as add_reproduce_parser
+
+    add_reproduce_parser(sub)
 
     p = sub.add_parser("profiles", help="list the fault profiles (node zoo)")
     p.set_defaults(func=cmd_profiles)

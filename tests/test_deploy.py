@@ -560,3 +560,59 @@ def test_daemonset_service_account_may_get_and_patch_nodes():
     assert [name for name, paths in mounts.items() if token in paths] == ["label-node"]
     job = of_kind("Job")[0]
     assert job["metadata"]["namespace"] == namespace
+
+
+# --- the reproduce job array, run for real ----------------------------------------------------
+
+REPRODUCE_SCRIPT = DEPLOY / "slurm" / "reproduce-array.sh"
+
+
+def run_reproduce(fakes: Fakes, *args: str, **settings: str):
+    """reproduce-array.sh with the fake sdcstudy; settings are SDC_* and SLURM_* variables."""
+    env = fakes.env(0, None, SDC_CONFIG=str(fakes.root / "no-such-file.env"),
+                    SDC_CMD=str(fakes.bin / "sdcstudy"), SDC_OUT=str(fakes.root / "out"))
+    env.update(settings)
+    return subprocess.run(["bash", str(REPRODUCE_SCRIPT), *args], env=env, capture_output=True,
+                          text=True, timeout=30)
+
+
+def test_reproduce_array_task_runs_its_shard(fakes):
+    """Task 7 of an array 5-8 (four tasks) runs shard 2/4 into its own folder, with the
+    settings; a second run of the same task (requeued) adds --resume."""
+    array = dict(SLURM_ARRAY_TASK_ID="7", SLURM_ARRAY_TASK_MIN="5", SLURM_ARRAY_TASK_COUNT="4",
+                 SDC_NODES="1,11", SDC_STEPS="50", SDC_EXTRA_ARGS="--set experiment.seed=1")
+    result = run_reproduce(fakes, **array)
+    assert result.returncode == 0, result.stderr
+    out = str(fakes.root / "out" / "shard-2-of-4")
+    (call,) = fakes.calls("sdcstudy")
+    assert call == ["reproduce", "--preset", "small", "--nodes", "1,11", "--shard", "2/4",
+                    "--out", out, "--no-progress", "--steps", "50", "--set",
+                    "experiment.seed=1"]
+    Path(out).mkdir(parents=True)
+    (Path(out) / "reproduce.json").write_text("{}")
+    run_reproduce(fakes, **array)
+    assert "--resume" in fakes.calls("sdcstudy")[1]
+
+
+def test_reproduce_array_merge_joins_every_shard(fakes):
+    """`merge` passes every shard folder to --merge and writes the scorecard beside them;
+    without shard folders, or outside an array, the script says so and exits 2."""
+    assert run_reproduce(fakes, "merge").returncode == 2
+    for index in range(3):
+        (fakes.root / "out" / f"shard-{index}-of-3").mkdir(parents=True)
+    result = run_reproduce(fakes, "merge")
+    assert result.returncode == 0, result.stderr
+    (call,) = fakes.calls("sdcstudy")
+    shards = [str(fakes.root / "out" / f"shard-{i}-of-3") for i in range(3)]
+    assert call == ["reproduce", "--merge", *shards, "--out",
+                    str(fakes.root / "out" / "scorecard"), "--no-progress"]
+    result = run_reproduce(fakes)
+    assert result.returncode == 2 and "not a Slurm array task" in result.stderr
+    assert len(fakes.calls("sdcstudy")) == 1
+
+
+def test_reproduce_array_passes_on_the_exit_code(fakes):
+    """The task fails when sdcstudy fails, so Slurm marks it failed."""
+    result = run_reproduce(fakes, SLURM_ARRAY_TASK_ID="0", SLURM_ARRAY_TASK_COUNT="1",
+                           FAKE_RC="2")
+    assert result.returncode == 2

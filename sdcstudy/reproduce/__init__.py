@@ -1,0 +1,14 @@
+"""`sdcstudy reproduce`: Ma et al.'s published numbers, node by node, measured and judged.
+
+- `plan`: the runs (four per paper node: lockstep, paramsync, free, abft), their built-in
+  configs, the shards, and what each run's profile leads us to expect;
+- `bands`: the band and verdict of every kind of published number, and the scorecard row;
+- `mismatch_rows`: Tables 1, 2 and 6-9 from the lock-step runs;
+- `training_rows`: Figures 5, 6 and 10 from the parameter-sync, free and ABFT runs;
+- `scorecard`: the rows of a folder of runs, as Markdown, CSV and JSON;
+- `figures`: ours against the published numbers, and the free runs over their steps;
+- `cli`: the command, `--resume`, `--shard` and `--merge`.
+
+docs/reproduction.md explains the bands and how to shard on Slurm. Only `plan.build` and
+`cli.reproduce` import JAX (to run); scoring a folder does not.
+"""

@@ -1,0 +1,123 @@
+"""The bands the reproduction scorecard judges by, its row, and the verdicts. Imports no JAX.
+
+Ma et al., "Understanding Silent Data Corruption in LLM Training". A published number passes
+when ours lies in its band:
+- Table 1 (mismatch frequency per site, eqs. 1-2): within `FREQ_TOLERANCE` (25%) of the
+  published value times the node's time pattern over this run (`plan.expectations`: a run of
+  200 steps holds more of nodes 10-11's initial spike than the paper's 4500). Judged only where
+  the run expects at least `MIN_EXPECTED` mismatches, and a bursty profile `MIN_ACTIVE_STEPS`
+  bursts; else "too rare for this run", with the expected count;
+- Table 2 (maximum severity per site, eqs. 3-4): within a factor `SEVERITY_FACTOR` (3), wherever
+  the site had a mismatch;
+- Tables 6-9 (per decoder layer; the paper has 16, our models fewer): each of our layers within
+  the paper's [min, max] over its 16 layers, widened by the same 25% (frequency, times the time
+  pattern; judged where the layer expects `MIN_EXPECTED` mismatches) or factor 3 (severity);
+- Figure 5 (WCNTS, eq. 5, the parameter-synchronized run): within a factor `WCNTS_FACTOR` (3);
+- Figure 6 (the free run): `loss/suspect` within `LOSS_GAP` (2%) of `loss/healthy` at every
+  step ("the loss curves on all unhealthy nodes are plotted but identical to that on the
+  healthy node"), and `param/diff_l2` grows ("model weights on unhealthy nodes incrementally
+  drift away"): above 0 and above its value at `GROWTH_FROM` (10%) of the run. Node 13 "shows
+  no parameter difference before step 450": `param/diff_l2` is exactly 0 before the onset
+  step of its profile;
+- Figure 10 (ABFT in float32, the forward product of the attention output projection `o`):
+  appendix D.2, "ABFT only frequently flags SDCs on Node 14 while flagging little to no errors
+  on other unhealthy nodes". We count the share of optimizer steps in which at least one
+  forward `o` check flagged (over layers and microsteps): "frequently" is at least
+  `ABFT_FREQUENT` (10%) of the steps, "little or nothing" at most `ABFT_LITTLE` (1%).
+Where a band needs events and the run's injector made no corruption at all, the verdict is
+"no events": passing would prove nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+
+from sdcstudy.report import tables as T
+
+FREQ_TOLERANCE = 0.25
+SEVERITY_FACTOR = 3.0
+WCNTS_FACTOR = 3.0
+LOSS_GAP = 0.02
+GROWTH_FROM = 0.10
+MIN_EXPECTED = 100.0
+MIN_ACTIVE_STEPS = 30.0  # the count of bursts is binomial: 30 put one deviation near 18%
+ABFT_FREQUENT = 0.10
+ABFT_LITTLE = 0.01
+PAPER_ONSET = 450  # section 6.2
+TOO_RARE = "too rare for this run"
+VERDICTS = ("pass", "fail", "no events", TOO_RARE, "not applicable", "not run")
+NO_SITE = {"mismatches": 0.0, "scale": 1.0}  # a site the profile does not corrupt
+
+
+@dataclass
+class Row:
+    """One published number: ours beside it, the band and the verdict with its reason."""
+
+    node: int
+    source: str  # "Table 1", ..., "Figure 10"
+    quantity: str  # the site, site and layer, or what the figure shows
+    published: float | str | None  # a number, or the paper's words or range
+    ours: float | None
+    ratio: float | None  # ours / published, where the paper gives one number
+    band: str
+    verdict: str
+    reason: str = ""
+    expected: float | None = None  # what the band centres on: the published number, times the
+    # time pattern over this run for a frequency (`plan.expectations`)
+
+
+def num(value) -> float | None:
+    """A float, or None for a missing value or NaN."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(value) else value
+
+
+def ratio(ours, published) -> float | None:
+    return ours / published if ours is not None and published else None
+
+
+def g(value) -> str:
+    """Three significant digits, as the report prints numbers."""
+    return T.fmt(value)
+
+
+def within(value: float | None, lo: float, hi: float) -> bool:
+    return value is not None and lo <= value <= hi
+
+
+def interval(lo: float, hi: float) -> str:
+    return f"[{g(lo)}, {g(hi)}]"
+
+
+def faults_landed(run) -> int:
+    """Corruptions the injector made over the run (summary.json, else the metrics)."""
+    landed = run.summary.get("faults/landed")
+    if landed is None and "faults/landed" in run.metrics:
+        landed = pd.to_numeric(run.metrics["faults/landed"], errors="coerce").sum()
+    return int(landed or 0)
+
+
+def too_rare(entry: dict, expected: float, where: str = "over the run") -> str | None:
+    """Why a frequency can not be measured in this run, or None when it can."""
+    if expected < MIN_EXPECTED:
+        return f"expected {g(expected)} mismatches {where} (fewer than {MIN_EXPECTED:g})"
+    active = entry.get("active_steps")
+    if active is not None and active < MIN_ACTIVE_STEPS:
+        return f"expected {g(active)} steps with bursts (fewer than {MIN_ACTIVE_STEPS:g})"
+    return None
+
+
+def as_zero(node: int, source: str, quantity: str, published, mismatches: int,
+            ours: float | None, note: str = "") -> Row:
+    """A number the paper gives as zero (no mismatch there): ours must have none either."""
+    ok = mismatches == 0
+    return Row(node, source, quantity, published, ours if ours is not None else 0.0, None, "0",
+               "pass" if ok else "fail",
+               (f"no mismatch, as published{note}" if ok else
+                f"{mismatches} mismatches where the paper has none{note}"))

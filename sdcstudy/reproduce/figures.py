@@ -1,0 +1,151 @@
+"""The scorecard's figures, as PNG files. Imports no JAX.
+
+- `wcnts.png`: our WCNTS beside Figure 5's, per node;
+- `sites.png`: mismatch frequency (Table 1) and maximum severity (Table 2), ours against the
+  published value per node and site, with the bands;
+- `free_runs.png`: per node, the relative gap of `loss/suspect` to `loss/healthy` and
+  `param/diff_l2` over the steps of the free runs (Figure 6's claims);
+- `figure6.png` and `figure10.png`: the report's Figure 6 and Figure 10 of the same runs.
+Each function writes one figure and returns its path, or None when there is nothing to draw.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from sdcstudy.core import runfolder as RF
+from sdcstudy.faults import published as PB
+from sdcstudy.report import plots as P
+from sdcstudy.reproduce import bands as B
+
+DPI = 100
+MARKERS = dict(zip(PB.SITES, ("o", "s", "^", "D")))
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    _pyplot().close(fig)
+    RF.atomic_write_bytes(path, buffer.getvalue())
+    return path
+
+
+def _numbers(rows, source: str) -> list:
+    """The rows of `source` with a number on both sides and what their band centres on."""
+    return [r for r in rows if r.source == source and r.expected is not None
+            and r.ours is not None]
+
+
+def wcnts(rows, path: Path) -> Path | None:
+    """Bars per node: our WCNTS and Figure 5's, log scale."""
+    chosen = _numbers(rows, "Figure 5")
+    if not chosen:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * len(chosen) + 2), 3.5))
+    x = np.arange(len(chosen))
+    floor = min([r.expected for r in chosen] + [r.ours for r in chosen if r.ours > 0]) / 10
+    ax.bar(x - 0.2, [r.expected for r in chosen], 0.4, label="Figure 5 (Ma et al.)")
+    ax.bar(x + 0.2, [max(r.ours, floor) for r in chosen], 0.4, label="ours")
+    ax.set_yscale("log")
+    ax.set_xticks(x, [str(r.node) for r in chosen])
+    ax.set_xlabel("node")
+    ax.set_ylabel("WCNTS (eq. 5)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def sites(rows, path: Path) -> Path | None:
+    """Ours against the published value, log-log, per node (colour) and site (marker): Table
+    1's frequency (times the time pattern over the run, which the band centres on) and Table
+    2's maximum severity, with the line of equality and the band."""
+    panels = [(source, [r for r in _numbers(rows, source) if r.expected > 0 and r.ours > 0])
+              for source in ("Table 1", "Table 2")]
+    if not any(chosen for _, chosen in panels):
+        return None
+    plt = _pyplot()
+    nodes = sorted({r.node for _, chosen in panels for r in chosen})
+    colour = {node: style["color"] for node, style in P.styles(nodes).items()}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, (source, chosen), (lo, hi), what in zip(
+            axes, panels, ((1 - B.FREQ_TOLERANCE, 1 + B.FREQ_TOLERANCE),
+                           (1 / B.SEVERITY_FACTOR, B.SEVERITY_FACTOR)),
+            ("mismatch frequency", "maximum severity")):
+        ax.set_title(f"{source}: {what}", fontsize=10)
+        if not chosen:
+            continue
+        for r in chosen:
+            ax.scatter(r.expected, r.ours, color=colour[r.node], marker=MARKERS[r.quantity],
+                       s=22)
+        values = [v for r in chosen for v in (r.expected, r.ours)]
+        span = np.array([min(values) / 2, max(values) * 2])
+        ax.plot(span, span, color="black", linewidth=0.8)
+        ax.fill_between(span, span * lo, span * hi, color="grey", alpha=0.2, linewidth=0)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("Ma et al." + (" x time pattern over the run" if source == "Table 1"
+                                    else ""))
+        ax.set_ylabel("ours")
+    handles = [plt.Line2D([], [], color="grey", marker=m, linestyle="", label=site)
+               for site, m in MARKERS.items()]
+    handles += [plt.Line2D([], [], color=colour[n], marker="o", linestyle="", label=f"node {n}")
+                for n in nodes]
+    fig.legend(handles=handles, loc="center right", fontsize=7)
+    fig.tight_layout(rect=(0, 0, 0.85, 1))
+    return _save(fig, path)
+
+
+def free_runs(runs: dict, path: Path) -> Path | None:
+    """Two panels over steps, one line per free run ({label: Run}): the relative loss gap
+    |loss/suspect - loss/healthy| / loss/healthy with the 2% band, and param/diff_l2."""
+    chosen = {label: run for label, run in runs.items()
+              if {"loss/healthy", "loss/suspect", "param/diff_l2"} <= set(run.metrics)}
+    if not chosen:
+        return None
+    plt = _pyplot()
+    style = P.styles(list(chosen))
+    fig, (gap_ax, diff_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, run in chosen.items():
+        m = run.metrics
+        steps = m["step"].to_numpy()
+        healthy = pd.to_numeric(m["loss/healthy"], errors="coerce").to_numpy(float)
+        suspect = pd.to_numeric(m["loss/suspect"], errors="coerce").to_numpy(float)
+        gap = np.abs(suspect - healthy) / np.abs(healthy)
+        diff = pd.to_numeric(m["param/diff_l2"], errors="coerce").to_numpy(float)
+        gap_ax.plot(steps, np.where(gap > 0, gap, np.nan), label=label, **style[label])
+        diff_ax.plot(steps, np.where(diff > 0, diff, np.nan), label=label, **style[label])
+    gap_ax.axhline(B.LOSS_GAP, color="black", linewidth=0.8, linestyle="--")
+    gap_ax.set_title("|loss/suspect - loss/healthy| / loss/healthy", fontsize=10)
+    diff_ax.set_title("param/diff_l2", fontsize=10)
+    for ax in (gap_ax, diff_ax):
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+    diff_ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def draw(rows, runs_by_mode: dict, out: Path) -> list[Path]:
+    """Every figure into `out`; `runs_by_mode` is {mode: {label: Run}}. Returns the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    free = runs_by_mode.get("free", {})
+    made = [wcnts(rows, out / "wcnts.png"), sites(rows, out / "sites.png"),
+            free_runs(free, out / "free_runs.png"),
+            P.training(free, out / "figure6.png") if free else None,
+            P.abft_flags(runs_by_mode.get("abft", {}), out / "figure10.png")
+            if runs_by_mode.get("abft") else None]
+    return [path for path in made if path is not None]

@@ -1,0 +1,118 @@
+"""Scorecard rows of a lock-step run (RQ1): Tables 1 and 2 per site, Tables 6-9 per layer.
+
+Frequencies and severities come from `report.tables` (the run's mismatch table, by the
+contract's formulas) with the published values beside them; the bands are `bands`'. Imports
+no JAX.
+"""
+
+from __future__ import annotations
+
+from sdcstudy.faults import published as PB
+from sdcstudy.faults import published_layers as PL
+from sdcstudy.report import tables as T
+from sdcstudy.reproduce import bands as B
+from sdcstudy.reproduce.bands import Row
+
+
+def _cell(table, name: str, column: str) -> float | None:
+    return B.num(table.at[name, column]) if name in table.index else None
+
+
+def site_rows(node: int, name: str, run, entry: dict) -> list[Row]:
+    """Table 1 (frequency) and Table 2 (maximum severity) rows, one per site each."""
+    runs = {name: run}
+    freq, severity = T.frequency_table(runs), T.severity_table(runs)
+    counts = run.mismatch.groupby("site")["mismatches"].sum() if len(run.mismatch) else {}
+    note = "" if node in PB.TABLE1_FREQUENCY else " (Tables 1-2 leave the node out: none)"
+    paper = PB.published(f"{PB.PAPER_PREFIX}{node}")
+    rows = []
+    for site in PB.SITES:
+        expected = entry["sites"].get(site, B.NO_SITE)
+        n = int(counts.get(site, 0))
+        pub_f, ours_f = float(paper["freq"][site]), _cell(freq, name, site)
+        if ours_f is None:
+            rows.append(Row(node, "Table 1", site, pub_f, None, None, "-", "fail",
+                            "the run has no mismatch table"))
+        elif pub_f == 0:
+            rows.append(B.as_zero(node, "Table 1", site, 0.0, n, ours_f, note))
+        else:
+            rows.append(_frequency_row(node, site, pub_f, ours_f, n, expected, entry))
+        pub_s, ours_s = float(paper["max_severity"][site]), _cell(severity, name, site)
+        if pub_s == 0:
+            rows.append(B.as_zero(node, "Table 2", site, 0.0, n, ours_s, note))
+            continue
+        lo, hi = pub_s / B.SEVERITY_FACTOR, pub_s * B.SEVERITY_FACTOR
+        if n == 0:
+            rows.append(Row(node, "Table 2", site, pub_s, None, None, B.interval(lo, hi),
+                            "no events", f"no mismatch at this site (expected "
+                                         f"{B.g(expected['mismatches'])} over the run)"))
+        else:
+            rows.append(Row(node, "Table 2", site, pub_s, ours_s, B.ratio(ours_s, pub_s),
+                            B.interval(lo, hi), "pass" if B.within(ours_s, lo, hi) else "fail",
+                            f"the largest of {n} mismatches", pub_s))
+    return rows
+
+
+def _frequency_row(node, site, published, ours, n, expected, entry) -> Row:
+    scale = expected["scale"]
+    target = published * scale
+    lo, hi = target * (1 - B.FREQ_TOLERANCE), target * (1 + B.FREQ_TOLERANCE)
+    band = B.interval(lo, hi)
+    if abs(scale - 1) > 1e-3:
+        band += f" (Table 1 x {B.g(scale)}, the time pattern over this run)"
+    rare = B.too_rare(entry, expected["mismatches"])
+    if rare:
+        return Row(node, "Table 1", site, published, ours, B.ratio(ours, published), band,
+                   B.TOO_RARE, rare, target)
+    return Row(node, "Table 1", site, published, ours, B.ratio(ours, published), band,
+               "pass" if B.within(ours, lo, hi) else "fail",
+               f"{n} mismatches, {B.g(ours / target)}x the expected frequency", target)
+
+
+def layer_rows(node: int, name: str, run, entry: dict) -> list[Row]:
+    """Tables 6-9: each of our decoder layers against the paper's range over its 16."""
+    if not len(run.mismatch):
+        return []
+    runs = {name: run}
+    counts = run.mismatch.groupby(["layer", "site"])["mismatches"].sum()
+    layers = entry.get("layers") or run.mismatch["layer"].nunique()
+    rows = []
+    for direction, sites in (("fwd", T.FWD_SITES), ("bwd", T.BWD_SITES)):
+        for stat, pick in (("freq", 0), ("severity", 1)):
+            table = T.layer_table(runs, direction, stat)
+            for site in sites:
+                source = PL.tables_for(site)[pick]
+                paper = PL.layer_range(source, node, site)
+                if paper is None:  # the table leaves the node out (Table 1 has it as zero)
+                    continue
+                for layer, at in table.index:
+                    if at == site:
+                        rows.append(_layer_row(
+                            node, source, site, layer, stat, paper,
+                            B.num(table.at[(layer, site), name]),
+                            int(counts.get((layer, site), 0)),
+                            entry["sites"].get(site, B.NO_SITE), layers, entry))
+    return rows
+
+
+def _layer_row(node, source, site, layer, stat, paper, ours, n, expected, layers,
+               entry) -> Row:
+    quantity = f"{site} layer {layer}"
+    published = f"{B.interval(*paper)} over {PL.PAPER_LAYERS} layers"
+    if paper[1] == 0:
+        return B.as_zero(node, source, quantity, published, n, ours)
+    if stat == "freq":
+        scale = expected["scale"]
+        lo = paper[0] * scale * (1 - B.FREQ_TOLERANCE)
+        hi = paper[1] * scale * (1 + B.FREQ_TOLERANCE)
+        rare = B.too_rare(entry, expected["mismatches"] / max(layers, 1), "in this layer")
+        if rare:
+            return Row(node, source, quantity, published, ours, None, B.interval(lo, hi),
+                       B.TOO_RARE, rare)
+    else:
+        lo, hi = paper[0] / B.SEVERITY_FACTOR, paper[1] * B.SEVERITY_FACTOR
+        if n == 0:
+            return Row(node, source, quantity, published, None, None, B.interval(lo, hi),
+                       "no events", "no mismatch in this layer")
+    return Row(node, source, quantity, published, ours, None, B.interval(lo, hi),
+               "pass" if B.within(ours, lo, hi) else "fail", f"{n} mismatches in this layer")

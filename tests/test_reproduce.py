@@ -1,0 +1,411 @@
+"""`sdcstudy reproduce`: the paper's per-layer tables as parsed, the scorecard's verdicts (each
+band can fail), shards that partition the runs, a merge that equals the unsharded scorecard,
+bad input in one sentence, and one node end to end."""
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from report_runs import abft_rows, grid_rows, write_run
+
+from sdcstudy import cli, runner
+from sdcstudy.core import runfolder as RF
+from sdcstudy.faults import published as PB
+from sdcstudy.faults import published_layers as PL
+from sdcstudy.report.runs import Run
+from sdcstudy.reproduce import bands as B
+from sdcstudy.reproduce import cli as RC
+from sdcstudy.reproduce import mismatch_rows as M
+from sdcstudy.reproduce import plan as P
+from sdcstudy.reproduce import scorecard as S
+from sdcstudy.reproduce import training_rows as TR
+
+# --- Tables 6-9 as parsed, against Tables 1 and 2 ---------------------------------------------
+
+LAYER_SOURCES = (("Table 6", "Table 8", ("fwd/attn", "fwd/ffn"), PL.FWD_NODES),
+                 ("Table 7", "Table 9", ("bwd/attn", "bwd/ffn"), PL.BWD_NODES))
+
+
+def test_layer_tables_have_sixteen_layers_and_their_columns():
+    """Every table has a row per layer and site with one value per node of its columns; a
+    lost row (the text extraction was said to have lost Table 6's layer 1) or a shifted
+    column fails here."""
+    for source, (table, nodes, _) in PL.LAYER_TABLES.items():
+        assert sorted({layer for layer, _ in table}) == list(range(1, 17)), source
+        assert all(len(values) == len(nodes) for values in table.values()), source
+    assert PL.layer_values("Table 6", 1, "fwd/attn")[0] == 2.84e-5  # layer 1, node 1
+
+
+def half_unit(value: float, digits: int = 3) -> float:
+    """Half a unit in the last place of `value` printed with `digits` significant digits."""
+    return 0.5 * 10 ** (math.floor(math.log10(abs(value))) - digits + 1) if value else 0.0
+
+
+def test_layer_tables_agree_with_tables_1_2_but_where_the_module_says():
+    """The mean over 16 layers of Tables 6-7 is Table 1's value and the maximum of Tables 8-9
+    is Table 2's, to the rounding of the printed digits, except at exactly the places the
+    module lists; a parsing error (a lost row, a shifted column) adds a place here."""
+    found = {}
+    for freq_source, severity_source, sites, nodes in LAYER_SOURCES:
+        for node in nodes:
+            for site in sites:
+                at = PB.SITES.index(site)
+                values = PL.layer_values(freq_source, node, site)
+                mean, published = statistics.mean(values), PB.TABLE1_FREQUENCY[node][at]
+                rounding = half_unit(published) + statistics.mean(map(half_unit, values))
+                if abs(mean - published) > rounding * (1 + 1e-9):
+                    found[(freq_source, node, site)] = (published, mean)
+                top = max(PL.layer_values(severity_source, node, site))
+                published = PB.TABLE2_MAX_SEVERITY[node][at]
+                if abs(top - published) > half_unit(published) * (1 + 1e-9):
+                    found[(severity_source, node, site)] = (published, top)
+    assert found.keys() == PL.SELF_DISAGREEMENTS.keys()
+    for key, (published, layers) in PL.SELF_DISAGREEMENTS.items():
+        assert found[key] == (published, pytest.approx(layers)), key
+    without_layer_1 = statistics.mean(PL.layer_values("Table 6", 1, "fwd/attn")[1:])
+    assert abs(without_layer_1 / PB.TABLE1_FREQUENCY[1][0] - 1) > 0.04
+
+
+def test_zero_frequency_layers_are_zero_severity_layers():
+    """A layer without mismatches has no severity and the other way round (columns line up)."""
+    for freq_source, severity_source, sites, nodes in LAYER_SOURCES:
+        for node in nodes:
+            for site in sites:
+                freq = PL.layer_values(freq_source, node, site)
+                severity = PL.layer_values(severity_source, node, site)
+                assert [f == 0 for f in freq] == [s == 0 for s in severity], (node, site)
+
+
+# --- verdicts on hand-made runs -----------------------------------------------------------------
+
+ELEMENTS = 10**7
+
+
+def lockstep_run(freq: dict, severity: dict, steps=10, layers=2, landed=1) -> Run:
+    """A lock-step Run in memory: per site the given frequency and severity in every layer."""
+    rows = grid_rows(steps, layers, 1, ELEMENTS, lambda step, micro, layer, site, rank: (
+        round(freq.get(site, 0) * ELEMENTS), severity.get(site, 0.0) if freq.get(site) else 0.0))
+    return Run(path=Path("n"), config={"experiment": {"mode": "lockstep"},
+                                       "suspect": {"profile": "paper-node-1"}},
+               summary={"faults/landed": landed}, metrics=pd.DataFrame({"step": [1]}),
+               mismatch=pd.DataFrame(rows), faults=pd.DataFrame(), abft=pd.DataFrame())
+
+
+def entry(node=1, mode="lockstep", expected=1e4, scale=1.0, steps=10, **extra) -> dict:
+    return {"name": "n", "node": node, "mode": mode, "steps": steps, "layers": 2,
+            "sites": {site: {"mismatches": expected, "scale": scale} for site in PB.SITES},
+            "active_steps": None, "onset_step": None, **extra}
+
+
+def verdicts(rows, source, quantity=None) -> list[str]:
+    return [r.verdict for r in rows if r.source == source
+            and (quantity is None or r.quantity == quantity)]
+
+
+NODE1_FREQ = dict(zip(PB.SITES, PB.TABLE1_FREQUENCY[1]))
+NODE1_SEVERITY = dict(zip(PB.SITES, PB.TABLE2_MAX_SEVERITY[1]))
+
+
+def test_table1_frequency_band_passes_fails_and_too_rare():
+    """Within 25% of Table 1 (times the time pattern) passes, 40% off fails, and a run that
+    expects fewer than 100 mismatches, or 30 bursts, is not judged."""
+    good = M.site_rows(1, "n", lockstep_run({"bwd/attn": 1.6e-4}, NODE1_SEVERITY), entry())
+    assert verdicts(good, "Table 1", "bwd/attn") == ["pass"]
+    off = M.site_rows(1, "n", lockstep_run({"bwd/attn": 2.2e-4}, NODE1_SEVERITY), entry())
+    assert verdicts(off, "Table 1", "bwd/attn") == ["fail"]
+    scaled = M.site_rows(1, "n", lockstep_run({"bwd/attn": 3.1e-4}, NODE1_SEVERITY),
+                         entry(scale=2.0))
+    assert verdicts(scaled, "Table 1", "bwd/attn") == ["pass"]
+    rare = M.site_rows(1, "n", lockstep_run({"bwd/attn": 2.2e-4}, NODE1_SEVERITY),
+                       entry(expected=50))
+    (row,) = [r for r in rare if r.source == "Table 1" and r.quantity == "bwd/attn"]
+    assert row.verdict == B.TOO_RARE and "expected 50 mismatches" in row.reason
+    bursty = M.site_rows(1, "n", lockstep_run({"bwd/attn": 1.6e-4}, NODE1_SEVERITY),
+                         entry(active_steps=5.0))
+    assert verdicts(bursty, "Table 1", "bwd/attn") == [B.TOO_RARE]
+
+
+def test_table1_zero_sites_must_stay_zero():
+    """Node 13 has no fwd/attn mismatch in Table 1: none passes, any fails."""
+    quiet = M.site_rows(13, "n", lockstep_run({}, {}), entry(node=13))
+    assert verdicts(quiet, "Table 1", "fwd/attn") == ["pass"]
+    noisy = M.site_rows(13, "n", lockstep_run({"fwd/attn": 1e-3}, {"fwd/attn": 1.0}),
+                        entry(node=13))
+    assert verdicts(noisy, "Table 1", "fwd/attn") == ["fail"]
+    assert verdicts(noisy, "Table 2", "fwd/attn") == ["fail"]
+
+
+def test_table2_severity_band_and_no_events():
+    """A factor 3 of Table 2 passes, a factor 4 fails, a site without mismatches has no
+    events."""
+    ok = M.site_rows(1, "n", lockstep_run(NODE1_FREQ, {"fwd/attn": 99 * 2.9}), entry())
+    assert verdicts(ok, "Table 2", "fwd/attn") == ["pass"]
+    off = M.site_rows(1, "n", lockstep_run(NODE1_FREQ, {"fwd/attn": 99 / 4}), entry())
+    assert verdicts(off, "Table 2", "fwd/attn") == ["fail"]
+    none = M.site_rows(1, "n", lockstep_run({}, {}), entry())
+    assert verdicts(none, "Table 2", "fwd/attn") == ["no events"]
+
+
+def test_layer_rows_judge_each_layer_against_the_papers_range():
+    """Node 1 fwd/ffn: Table 8's layers span 18.4 to 312, widened by 3: 10 passes, 5 fails;
+    Table 6's 2.86e-7 to 6.52e-7 widened by 25%: 4e-7 passes, 1e-6 fails."""
+    assert PL.layer_range("Table 8", 1, "fwd/ffn") == (18.38, 312)
+    assert PL.layer_range("Table 6", 1, "fwd/ffn") == (2.86e-7, 6.52e-7)
+    run = lockstep_run({"fwd/ffn": 4e-7}, {"fwd/ffn": 10.0})
+    rows = M.layer_rows(1, "n", run, entry())
+    assert verdicts(rows, "Table 8", "fwd/ffn layer 1") == ["pass"]
+    assert verdicts(rows, "Table 6", "fwd/ffn layer 2") == ["pass"]
+    low = M.layer_rows(1, "n", lockstep_run({"fwd/ffn": 1e-6}, {"fwd/ffn": 5.0}), entry())
+    assert verdicts(low, "Table 8", "fwd/ffn layer 1") == ["fail"]
+    assert verdicts(low, "Table 6", "fwd/ffn layer 1") == ["fail"]
+    # Node 14 has no fwd/ffn mismatch in any layer of Table 6: ours must have none.
+    assert verdicts(M.layer_rows(14, "n", run, entry(node=14)), "Table 6",
+                    "fwd/ffn layer 1") == ["fail"]
+
+
+def paired_run(mode, metrics: dict, landed=5, abft=None) -> Run:
+    frame = pd.DataFrame({"step": np.arange(1, len(next(iter(metrics.values()))) + 1),
+                          **metrics})
+    return Run(path=Path("n"), config={"experiment": {"mode": mode},
+                                       "suspect": {"profile": "paper-node-1"}},
+               summary={"faults/landed": landed}, metrics=frame, mismatch=pd.DataFrame(),
+               faults=pd.DataFrame(), abft=pd.DataFrame(abft or []))
+
+
+def test_figure5_wcnts_within_a_factor_three():
+    """Node 1's WCNTS is 0.037: 0.1 passes, 0.2 fails, a run without corruptions has none."""
+    def row(nts, landed=5):
+        run = paired_run("paramsync", {"grad/nts": [0.0, nts, nts / 2]}, landed)
+        return TR.figure5_row(1, "n", run, entry(mode="paramsync", steps=3))
+
+    assert row(0.1).verdict == "pass" and row(0.1).ratio == pytest.approx(0.1 / 0.037)
+    assert row(0.2).verdict == "fail"
+    assert row(0.1, landed=0).verdict == "no events"
+
+
+def free_rows(healthy, suspect, diff, node=1, landed=5, onset=None):
+    run = paired_run("free", {"loss/healthy": healthy, "loss/suspect": suspect,
+                              "param/diff_l2": diff}, landed)
+    return TR.figure6_rows(node, "n", run, entry(node=node, mode="free", steps=len(diff),
+                                                 onset_step=onset))
+
+
+def test_figure6_loss_gap_and_parameter_drift():
+    """Losses within 2% and a growing parameter difference pass; a 3% gap at one step fails,
+    a difference that falls back fails, a run without corruptions has no events."""
+    steps = 20
+    healthy = [3.0] * steps
+    growing = [0.0] + [0.01 * s for s in range(1, steps)]
+    good = free_rows(healthy, [3.05] * steps, growing)
+    assert verdicts(good, "Figure 6") == ["pass", "pass"]
+    spike = [3.05] * steps
+    spike[7] = 3.1
+    assert verdicts(free_rows(healthy, spike, growing), "Figure 6", "loss gap") == ["fail"]
+    shrinking = [0.0, 0.5, 0.6] + [0.1] * (steps - 3)
+    assert verdicts(free_rows(healthy, healthy, shrinking), "Figure 6",
+                    "param/diff_l2 grows") == ["fail"]
+    assert verdicts(free_rows(healthy, healthy, growing, landed=0), "Figure 6") == \
+        ["no events", "no events"]
+
+
+def test_figure6_node13_is_zero_before_its_onset():
+    """Node 13: exactly zero before the onset passes, a tiny drift before it fails; with the
+    onset after the run the growth is not applicable."""
+    steps = 20
+    healthy = [3.0] * steps
+    after = [0.0] * 10 + [1e-3 * s for s in range(1, 11)]
+    rows = free_rows(healthy, healthy, after, node=13, onset=11)
+    assert verdicts(rows, "Figure 6", "param/diff_l2 before step 11") == ["pass"]
+    assert verdicts(rows, "Figure 6", "param/diff_l2 grows") == ["pass"]
+    early = list(after)
+    early[3] = 1e-9
+    assert verdicts(free_rows(healthy, healthy, early, node=13, onset=11), "Figure 6",
+                    "param/diff_l2 before step 11") == ["fail"]
+    late = free_rows(healthy, healthy, [0.0] * steps, node=13, landed=0, onset=450)
+    assert verdicts(late, "Figure 6", "param/diff_l2 grows") == ["not applicable"]
+
+
+def test_figure10_frequently_on_node_14_little_elsewhere():
+    """ABFT flagging the forward `o` product in half the steps is "frequently": it passes on
+    node 14 and fails elsewhere; flags in no step fail node 14 and pass the others."""
+    steps = 10
+
+    def row(node, flag_steps):
+        checks = abft_rows(steps, 2, 1, lambda step, micro, layer, matmul, direction, rank:
+                           matmul == "o" and direction == "fwd" and step in flag_steps)
+        run = paired_run("abft", {"loss": [3.0] * steps}, abft=checks)
+        return TR.figure10_row(node, "n", run, entry(node=node, mode="abft", steps=steps))
+
+    half = range(1, 6)
+    assert row(14, half).verdict == "pass" and row(14, half).ours == 0.5
+    assert row(1, half).verdict == "fail"
+    assert row(14, ()).verdict == "fail"
+    assert row(1, ()).verdict == "pass"
+
+
+# --- plan and shards ------------------------------------------------------------------------------
+
+
+def test_shards_partition_the_runs():
+    """Every planned run is in exactly one shard of I/N, for several N; the order is node by
+    node in MODES order."""
+    req = P.request("tiny", 5, [1, 11, 14], None, [])
+    plan, configs = P.build(req)
+    names = [e["name"] for e in plan]
+    assert names[:4] == [f"paper-node-1-{mode}" for mode in P.MODES]
+    assert len(names) == 12 == len(set(names)) == len(configs)
+    for count in (1, 2, 5, 12, 13):
+        shards = [[n for i, n in enumerate(names) if P.in_shard(i, (k, count))]
+                  for k in range(count)]
+        assert sorted(sum(shards, [])) == sorted(names)
+    assert configs["paper-node-1-abft"].mesh.tp == 1
+    assert configs["paper-node-1-abft"].model.dtype == "float32"
+    assert configs["paper-node-11-free"].experiment.steps == 5
+
+
+# --- the command, with a fake runner ----------------------------------------------------------------
+
+
+class FakeRunner:
+    """Stands in for `runner.run`: a small run folder of the mode and profile it is given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, cfg, out_dir, *, resume=False, progress=True, echo=print, **_):
+        mode, profile, steps = cfg.experiment.mode, cfg.suspect.profile, cfg.experiment.steps
+        self.calls.append((out_dir.name, resume))
+        node = PB.paper_node_number(profile)
+        freq = dict(zip(PB.SITES, PB.TABLE1_FREQUENCY.get(node, (0,) * 4)))
+        severity = dict(zip(PB.SITES, PB.TABLE2_MAX_SEVERITY.get(node, (0,) * 4)))
+        metrics = [{"step": s, "loss/healthy": 3.0, "loss/suspect": 3.0 + 0.001 * node,
+                    "param/diff_l2": 0.01 * s * node, "grad/nts": 0.01 * node,
+                    "faults/landed": 1} for s in range(1, steps + 1)]
+        kwargs = {}
+        if mode == "lockstep":
+            kwargs["mismatch"] = grid_rows(steps, 2, 2, 10**6, lambda st, mi, layer, site, r: (
+                round(freq[site] * 10**6), severity[site] if freq[site] else 0.0))
+        if mode == "abft":
+            kwargs["abft"] = abft_rows(steps, 2, 1, lambda st, *key: node == 14 and st % 2)
+        write_run(Path(out_dir), mode=mode, profile=profile, metrics=metrics,
+                  summary={"faults/landed": steps}, **kwargs)
+        return {"run_dir": str(out_dir)}
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    runs = FakeRunner()
+    monkeypatch.setattr(runner, "run", runs)
+    return runs
+
+
+def reproduce(out, *extra):
+    return cli.main(["reproduce", "--nodes", "1,14", "--steps", "6", "--out", str(out),
+                     "--no-progress", *extra])
+
+
+def scorecard(root) -> list[dict]:
+    return json.loads((Path(root) / S.JSON).read_text())["rows"]
+
+
+def test_merge_of_shards_equals_the_unsharded_scorecard(fake, tmp_path, capsys):
+    """Two shards merged score exactly as one unsharded command; a --resume of a finished
+    shard runs nothing again."""
+    assert reproduce(tmp_path / "whole") == 0
+    assert len(fake.calls) == 8
+    assert reproduce(tmp_path / "s0", "--shard", "0/2") == 0
+    assert reproduce(tmp_path / "s1", "--shard", "1/2") == 0
+    assert len(fake.calls) == 16
+    assert cli.main(["reproduce", "--merge", str(tmp_path / "s0"), str(tmp_path / "s1"),
+                     "--out", str(tmp_path / "merged"), "--no-progress"]) == 0
+    assert scorecard(tmp_path / "merged") == scorecard(tmp_path / "whole")
+    for name in ("scorecard.md", "scorecard.csv", "figures/wcnts.png", "figures/sites.png"):
+        assert (tmp_path / "merged" / name).is_file(), name
+    assert not list((tmp_path / "merged" / "runs").glob("*/checkpoints"))
+    assert reproduce(tmp_path / "s0", "--shard", "0/2", "--resume") == 0
+    assert len(fake.calls) == 16
+    capsys.readouterr()
+    assert cli.main(["report", str(tmp_path / "merged"), "--out", str(tmp_path / "rep")]) == 0
+    assert "# Reproduction scorecard" in capsys.readouterr().out
+
+
+def test_a_partial_merge_marks_missing_runs_not_run(fake, tmp_path):
+    """One shard alone: the other shard's runs are "not run", not failures."""
+    assert reproduce(tmp_path / "s1", "--shard", "1/2") == 0
+    assert cli.main(["reproduce", "--merge", str(tmp_path / "s1"), "--out",
+                     str(tmp_path / "m"), "--no-progress"]) == 0
+    rows = scorecard(tmp_path / "m")
+    assert {r["verdict"] for r in rows if r["source"] == "Table 1"} == {"not run"}
+    assert {r["verdict"] for r in rows if r["source"] == "Figure 5"} != {"not run"}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nodes", "1,16"], "'16'"),
+    (["--nodes", "1,1"], "more than once"),
+    (["--shard", "2/2"], "--shard '2/2' must be I/N"),
+    (["--shard", "x"], "must be I/N"),
+    (["--preset", "huge"], "--preset 'huge' is not one of"),
+    (["--dtype", "float16"], "--dtype 'float16'"),
+])
+def test_bad_input_is_one_sentence(fake, tmp_path, capsys, argv, message):
+    assert cli.main(["reproduce", "--out", str(tmp_path / "r"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.count("\n") == 0 and fake.calls == []
+    assert not (tmp_path / "r").exists()
+
+
+def test_bad_merges_are_one_sentence(fake, tmp_path, capsys):
+    """Folders that are not reproduce folders, of other settings, overlapping, or --merge
+    with run arguments: one sentence, exit 2, nothing written."""
+    assert reproduce(tmp_path / "a") == 0
+    assert cli.main(["reproduce", "--nodes", "1,14", "--steps", "7", "--out",
+                     str(tmp_path / "b"), "--no-progress"]) == 0
+    (tmp_path / "plain").mkdir()
+    cases = [([tmp_path / "plain"], "is not a reproduce folder"),
+             ([tmp_path / "a", tmp_path / "b"], "was run with other steps"),
+             ([tmp_path / "a", tmp_path / "a"], "more than once")]
+    assert reproduce(tmp_path / "c") == 0
+    cases.append(([tmp_path / "a", tmp_path / "c"], "the shards overlap"))
+    for dirs, message in cases:
+        capsys.readouterr()
+        assert cli.main(["reproduce", "--merge", *map(str, dirs), "--out",
+                         str(tmp_path / "m")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and err.count("\n") == 0, err
+        assert not (tmp_path / "m").exists()
+    assert cli.main(["reproduce", "--merge", str(tmp_path / "a"), "--nodes", "1",
+                     "--out", str(tmp_path / "m")]) == 2
+    assert "--merge takes only --out" in capsys.readouterr().err
+
+
+def test_resume_refuses_other_settings(fake, tmp_path, capsys):
+    assert reproduce(tmp_path / "r") == 0
+    assert reproduce(tmp_path / "r", "--resume", "--dtype", "bfloat16") == 2
+    assert "other dtype" in capsys.readouterr().err
+
+
+# --- end to end ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_reproduce_one_node_end_to_end(tmp_path, capsys):
+    """Node 11's four runs for real, a few steps: every scorecard file, a row per source, and
+    the runs' own numbers in it."""
+    out = tmp_path / "r"
+    assert cli.main(["reproduce", "--nodes", "11", "--steps", "3", "--out", str(out),
+                     "--no-progress"]) == 0
+    assert "| 11 |" in capsys.readouterr().out
+    for name in (S.MARKDOWN, S.CSV, S.JSON):
+        assert (out / name).is_file()
+    rows = scorecard(out)
+    assert {r["source"] for r in rows} == set(S.ORDER)
+    assert not [r for r in rows if r["verdict"] == "not run"]
+    summary = RF.json_load(out / "runs" / "paper-node-11-paramsync" / RF.SUMMARY)
+    (wcnts,) = [r for r in rows if r["source"] == "Figure 5"]
+    assert wcnts["ours"] == pytest.approx(summary["wcnts"]) and math.isfinite(wcnts["ours"])
+    frame = pd.read_csv(out / S.CSV)
+    assert list(frame.columns) == list(S.COLUMNS) and len(frame) == len(rows)
