@@ -334,13 +334,18 @@ def test_merge_of_shards_equals_the_unsharded_scorecard(fake, tmp_path, capsys):
 
 
 def test_a_partial_merge_marks_missing_runs_not_run(fake, tmp_path):
-    """One shard alone: the other shard's runs are "not run", not failures."""
+    """One shard alone: the other shard's runs are "not run", not failures, and --resume on
+    the merged folder runs them."""
     assert reproduce(tmp_path / "s1", "--shard", "1/2") == 0
     assert cli.main(["reproduce", "--merge", str(tmp_path / "s1"), "--out",
                      str(tmp_path / "m"), "--no-progress"]) == 0
     rows = scorecard(tmp_path / "m")
     assert {r["verdict"] for r in rows if r["source"] == "Table 1"} == {"not run"}
     assert {r["verdict"] for r in rows if r["source"] == "Figure 5"} != {"not run"}
+    calls = len(fake.calls)
+    assert reproduce(tmp_path / "m", "--resume") == 0  # the merged folder, completed
+    assert len(fake.calls) == calls + 4
+    assert "not run" not in {r["verdict"] for r in scorecard(tmp_path / "m")}
 
 
 @pytest.mark.parametrize("argv,message", [
