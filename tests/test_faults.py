@@ -22,6 +22,7 @@ from sdcstudy.faults import profiles
 from sdcstudy.core import sites as S
 from sdcstudy.faults.trainer import NodeTrainer
 from sdcstudy.core.config import UserError
+from sdcstudy.core.digest import path_name
 
 DTYPES = [jnp.float32, jnp.bfloat16]
 UINT = {jnp.float32: np.uint32, jnp.bfloat16: np.uint16}
@@ -195,9 +196,10 @@ def test_zoo_numbers_come_from_the_paper():
     assert {f"paper-node-{i}" for i in range(1, 16)} <= set(zoo)
     assert {"healthy", "exponent-flip", "mantissa-noise", "stuck-lane", "nan-burst",
             "repeatable"} <= set(zoo)
-    # Node 1, fwd/attn: Table 1 frequency 1.55e-5 (constant), Table 2 severity 99.
+    # Node 1, fwd/attn: Table 1 frequency 1.55e-5 (constant), accumulator errors of 2^-8 to 1
+    # times the row's RMS (docs/faults.md).
     spec = next(s for s in zoo["paper-node-1"].specs if s.site == "fwd/attn")
-    assert spec.rate == 1.55e-5 and spec.scale == (99 / 4, 99)
+    assert spec.rate == 1.55e-5 and spec.kind == "additive" and spec.scale == (2 ** -8, 1.0)
     # Node 11 decays from a spike: its base rate times the run-mean multiplier is Table 1's.
     spec = next(s for s in zoo["paper-node-11"].specs if s.site == "fwd/attn")
     assert spec.rate * spec.pattern.mean_multiplier(4500) == pytest.approx(2.89e-2)
@@ -361,16 +363,39 @@ def test_healthy_profile_compiles_to_the_plain_step():
 
 
 def test_step_level_sites_run_in_the_single_node_trainer():
-    # Gradient and update specs carry no microstep; the trainer must still trace them.
+    # Gradient and update specs carry no microstep; the trainer must still trace them, and they
+    # must land: `count` specs hit one element of every leaf in every step. If this fails, a
+    # step-level site is skipped (no rows, an unchanged gradient) or its record does not say
+    # what was applied.
+    profile = FS.Profile("step-level", (FS.FaultSpec("grad", "bitflip", count=1, bits=(23,)),
+                                        FS.FaultSpec("update", "bitflip", count=1, bits=(23,))))
     cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
-                       "suspect": {"profile": "paper-node-2"}})
-    trainer = NodeTrainer.from_config(cfg)
-    assert {s.site for _, s in trainer.injector.tree_specs} == {"grad"}
-    state = trainer.init_state()
-    batch = {"tokens": np.zeros((1, 2, 17), np.int32)}
-    new_state, metrics, faults = jax.jit(trainer.train_step)(state, batch)
+                       "model": {"n_layers": 1}})
+    clean = NodeTrainer.from_config(cfg)
+    trainer = dataclasses.replace(clean, injector=F.Injector(profile, 1))
+    assert {s.site for _, s in trainer.injector.tree_specs} == {"grad", "update"}
+    state = jax.device_get(trainer.init_state())
+    batch = {"tokens": jax.random.randint(jax.random.key(3), (1, 2, 17), 0, 256)}
+    _, clean_metrics, _ = jax.jit(clean.train_step)(state, batch)
+    new_state, metrics, faults = jax.device_get(jax.jit(trainer.train_step)(state, batch))
     assert int(new_state["step"]) == 1 and np.isfinite(float(metrics["loss/healthy"]))
-    assert "step" in faults
+    rows, overflow = trainer.fault_rows(faults, 1)
+    leaves = {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(
+        state["params"])[0]}
+    assert overflow == 0 and sorted(r["site"] for r in rows) == sorted(
+        f"{site}/{name}" for site in ("grad", "update") for name in leaves)
+    # the exponent flips reached the gradient the optimizer and the metrics see
+    assert float(metrics["grad/norm"]) != float(clean_metrics["grad/norm"])
+    assert all(r["bit"] == 23 and r["corrupted"] != r["original"] for r in rows)
+    # each corrupted update element is the one added to its parameter
+    new_leaves = {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(
+        new_state["params"])[0]}
+    for r in rows:
+        if r["site"].startswith("update/"):
+            name = r["site"].removeprefix("update/")
+            old = leaves[name].reshape(-1)[r["flat_index"]]
+            assert new_leaves[name].reshape(-1)[r["flat_index"]] == \
+                np.float32(old) + np.float32(r["corrupted"])
 
 
 def test_skipping_idle_draws_keeps_every_bit(monkeypatch):

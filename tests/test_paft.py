@@ -224,21 +224,38 @@ def exact_rows():
     return Stepper(["paft.noise.sigma2=0"]).run(3)
 
 
-@pytest.mark.parametrize("mode", ["renormalized", "zero", "stale"])
-def test_lossy_aggregation_in_the_trainer(mode, exact_rows):
+AGGREGATES = ("renormalized", "zero", "stale")
+
+
+@pytest.fixture(scope="module")
+def lossy_runs():
+    """Per aggregation mode: three steps with nothing lost, and three with 30% of the packets
+    lost (the same packets in every mode: the drops are drawn from the same keys)."""
+    out = {}
+    for mode in AGGREGATES:
+        lossy = Stepper(["paft.noise.sigma2=0", "paft.loss.p=0.3",
+                         f"paft.loss.aggregate={mode}", "paft.loss.packet_size=64"])
+        out[mode] = lossy.run(3, loss_p=0.0), lossy.run(3)
+    return out
+
+
+@pytest.mark.parametrize("mode", AGGREGATES)
+def test_lossy_aggregation_in_the_trainer(mode, exact_rows, lossy_runs):
     """The trainer's packet path (all-gather, arrival masks, each worker's own aggregate):
     with nothing lost every mode is the exact mean, so the workers' copies stay bitwise equal
     and the losses are those of exact aggregation; with drops the workers aggregate different
-    packets and their copies drift apart. If this fails, the path mixes up senders, packets
-    or leaves (or a mode weighs what arrived wrongly)."""
-    lossy = Stepper(["paft.noise.sigma2=0", "paft.loss.p=0.3", f"paft.loss.aggregate={mode}",
-                     "paft.loss.packet_size=64"])
-    none_lost = lossy.run(3, loss_p=0.0)
+    packets and their copies drift apart, and each mode weighs the same drops its own way, so
+    no two modes train alike. If this fails, the path mixes up senders, packets or leaves, or
+    a mode weighs what arrived wrongly (or the setting is not read at all)."""
+    none_lost, dropped = lossy_runs[mode]
     assert [r["div/mean_sq"] for r in none_lost] == [0.0] * 3
     for e, r in zip(exact_rows, none_lost):
         assert r["loss/mean"] == pytest.approx(e["loss/mean"], rel=1e-6)  # float32 sums
-    dropped = lossy.run(3)
     assert all(r["div/mean_sq"] > 0 and np.isfinite(r["loss/mean"]) for r in dropped)
+    for other in AGGREGATES:
+        if other != mode:
+            assert [r["div/mean_sq"] for r in dropped] != \
+                [r["div/mean_sq"] for r in lossy_runs[other][1]], f"{mode} trains as {other}"
 
 
 def test_lossy_broadcast_drift_is_bounded_as_derived():
