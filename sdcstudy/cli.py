@@ -1,8 +1,8 @@
 """`sdcstudy ...` and `python -m sdcstudy ...`.
 
 Problems a user can fix end with one sentence on stderr and exit code 2; a training that
-diverges ends with exit code 1; an interrupt with 130. JAX is imported only by the commands
-that need it, after the determinism flags are set.
+diverges, or cannot write its run folder, ends with exit code 1; an interrupt with 130. JAX
+is imported only by the commands that need it, after the determinism flags are set.
 """
 
 from __future__ import annotations
@@ -246,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         from sdcstudy.detect.trainer import DetectionError
         from sdcstudy.core.train import NonFiniteError
+        from sdcstudy.runner import WriteError
 
-        if isinstance(e, (NonFiniteError, DetectionError)):  # the run stopped, as it should
+        if isinstance(e, (NonFiniteError, DetectionError, WriteError)):  # the run stopped
             print(f"sdcstudy: error: {e}", file=sys.stderr)
             return 1
         raise

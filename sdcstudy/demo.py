@@ -16,6 +16,7 @@ from pathlib import Path
 from sdcstudy.core import config as C
 from sdcstudy.faults import profiles
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import runlock
 from sdcstudy import runner
 from sdcstudy.core.metrics import SITES
 
@@ -87,7 +88,13 @@ def plot_frequency(mismatch, path: Path, title: str) -> None:
 
 def main(out: Path | None, steps: int = DEMO_STEPS, progress: bool = True,
          profile: str = PROFILE) -> dict:
-    root = RF.open_run_dir(out or RF.default_run_dir("demo"), resume=False)
+    """Both runs into a new demo folder, held for as long as they write it (core.runlock)."""
+    with runlock.hold(out or RF.default_run_dir("demo"), create=True, what="demo folder",
+                      hint="choose another --out") as root:
+        return _demo(root, steps, progress, profile)
+
+
+def _demo(root: Path, steps: int, progress: bool, profile: str) -> dict:
     base = [f"experiment.steps={steps}", f"suspect.profile={profile}"]
     print(f"sdcstudy demo: a healthy node and a suspect node ({profile}) train the tiny Llama "
           f"side by side (node x tp = 2 x 2 simulated CPU devices)\n")

@@ -7,6 +7,7 @@ data position, learning rate and every random draw are functions of (seed, step)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import tempfile
@@ -22,20 +23,31 @@ from sdcstudy.core import config as C
 from sdcstudy.core import determinism, digest, distributed
 from sdcstudy.core import metrics as MX
 from sdcstudy.core import runfolder as RF
-from sdcstudy.core.checkpoint import Checkpointer
+from sdcstudy.core import runlock
+from sdcstudy.core.checkpoint import Checkpointer, CheckpointWriteError, saved_steps, write_reason
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.train import NonFiniteError, compile_step
 
+# Sections that change how a run is watched, not what it computes: left out of the hash that
+# ties a checkpoint to its configuration, and free to change on --resume.
+WATCHING = ("logging",)
+
+
+class WriteError(Exception):
+    """The run folder could not be written (disk full, permission, the folder gone): the run
+    stopped; the message names the folder, its last good checkpoint and how to continue."""
+
+
 def config_hash(cfg: Config) -> str:
-    d = C.to_dict(cfg)
+    d = {k: v for k, v in C.to_dict(cfg).items() if k not in WATCHING}
     d["experiment"] = {k: v for k, v in d["experiment"].items() if k != "steps"}
     return hashlib.sha256(RF.dumps(d, indent=None).encode()).hexdigest()[:16]
 
 
 def check_resumable(saved: Config, cfg: Config) -> None:
     a, b = C.to_dict(saved), C.to_dict(cfg)
-    differing = {f"{section}.{key}" for section in a for key in a[section]
-                 if a[section][key] != b[section][key]}
+    differing = {f"{section}.{key}" for section in a if section not in WATCHING
+                 for key in a[section] if a[section][key] != b[section][key]}
     if differing - {"experiment.steps"}:
         raise UserError(f"cannot resume with a different configuration: "
                         f"{', '.join(sorted(differing - {'experiment.steps'}))} differ from the "
@@ -55,17 +67,83 @@ def _put(tree, shardings):
 
 def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         stop_after: int | None = None, progress: bool = True, echo=print) -> dict:
-    """Run `cfg` into a run folder; returns the summary written to `summary.json`."""
+    """Run `cfg` into a run folder; returns the summary written to `summary.json`.
+
+    Process 0 holds the folder (`core.runlock`) from start to end: a second writer, at the same
+    moment or later, is refused. A write that fails ends the run with `WriteError`.
+    """
+    if cfg.logging.tensorboard:
+        from sdcstudy.core import tensorboard
+
+        tensorboard.require()
+    if out_dir is None and jax.process_count() > 1:
+        raise UserError("a run on several processes needs --out RUN_DIR, the same on each.")
+    # With several processes only process 0 writes the run folder (orbax has each process
+    # write its own checkpoint shards); the others keep their logs in a scratch folder.
+    if not distributed.is_writer():
+        if resume:
+            RF.open_run_dir(out_dir, resume=True)
+        return _run(cfg, Path(out_dir), False, resume, stop_after, progress, echo)
+    with contextlib.ExitStack() as held:
+        run_dir = _claim(held, out_dir, cfg.experiment.name or cfg.experiment.mode, resume)
+        with _writing(run_dir):
+            return _run(cfg, run_dir, True, resume, stop_after, progress, echo)
+
+
+def _claim(held: contextlib.ExitStack, out_dir: Path | None, name: str, resume: bool) -> Path:
+    """Hold the run folder for this process until `held` closes: a new one, or the one to
+    resume."""
+    if resume:
+        RF.open_run_dir(out_dir, resume=True)  # a run folder, with its config
+        return held.enter_context(runlock.hold(out_dir, create=False))
+    if out_dir is not None:
+        return held.enter_context(runlock.hold(out_dir, create=True))
+    for _ in range(9):  # two runs started in one second pick one name: the later takes the next
+        try:
+            return held.enter_context(runlock.hold(RF.default_run_dir(name), create=True))
+        except (runlock.FolderHeld, runlock.FolderTaken):
+            continue
+    return held.enter_context(runlock.hold(RF.default_run_dir(name), create=True))
+
+
+@contextlib.contextmanager
+def _writing(run_dir: Path):
+    """Turn a write that fails into one sentence: the folder, its last good checkpoint and the
+    command that continues the run."""
+    try:
+        yield
+    except (OSError, CheckpointWriteError) as error:
+        where = getattr(error, "filename", None)
+        if where and not Path(where).resolve().is_relative_to(Path(run_dir).resolve()):
+            raise  # another folder's file, e.g. the data's: not the run folder's failure
+        doing = ("saving a checkpoint" if isinstance(error, CheckpointWriteError) else
+                 f"writing {Path(where).resolve().relative_to(Path(run_dir).resolve())}"
+                 if where else "writing its files")
+        steps = saved_steps(run_dir / RF.CHECKPOINTS)
+        last = (f"its last good checkpoint is step {steps[-1]}" if steps else
+                "it has no checkpoint yet (--resume starts it over)")
+        raise WriteError(f"could not write run folder {str(run_dir)!r} ({doing}: "
+                         f"{write_reason(error)}); {last}: make room or fix the folder, then "
+                         f"continue with: sdcstudy run {run_dir / RF.CONFIG} --out {run_dir} "
+                         f"--resume") from None
+
+
+def _close_all(*closers) -> BaseException | None:
+    """Call every closer, even after one failed; the first failure, if any."""
+    failure = None
+    for close in closers:
+        try:
+            close()
+        except (OSError, CheckpointWriteError) as error:
+            failure = failure or error
+    return failure
+
+
+def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int | None,
+         progress: bool, echo) -> dict:
     e = cfg.experiment
     mode = modes.build(cfg)
     trainer, loss_key = mode.trainer, mode.loss_key  # the loss that must stay finite
-    # With several processes only process 0 writes the run folder (orbax has each process
-    # write its own checkpoint shards); the others keep their logs in a scratch folder.
-    writes = distributed.is_writer()
-    if out_dir is None and jax.process_count() > 1:
-        raise UserError("a run on several processes needs --out RUN_DIR, the same on each.")
-    run_dir = RF.open_run_dir(out_dir or RF.default_run_dir(e.name or e.mode), resume) \
-        if writes or resume else Path(out_dir)
     scratch = None if writes else tempfile.TemporaryDirectory(prefix="sdcstudy-peer-")
     files = run_dir if writes else Path(scratch.name)
     if resume:
@@ -100,6 +178,11 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         RF.atomic_write_json(run_dir / RF.ENV,
                            determinism.fingerprint(determinism.program_text(hlo)))
     writer = RF.MetricsWriter(files / RF.METRICS, keep_below_step=start + 1)
+    board = None
+    if cfg.logging.tensorboard and writes:
+        from sdcstudy.core import tensorboard
+
+        board = tensorboard.ScalarLog(run_dir, first_step=start + 1)
     tables = {name: RF.TableLog(files / name, cols, keep_below_step=start + 1)
               for name, cols in mode.tables.items()}
     counters = dict(carried.get("counters", {}))
@@ -115,6 +198,8 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
 
     def flush():
         writer.flush()
+        if board:
+            board.flush()
         for table in tables.values():
             table.flush()
 
@@ -143,6 +228,8 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         if not math.isfinite(values[loss_key]):
             raise NonFiniteError(f"the loss became {values[loss_key]} at step {step}.")
         writer.write({"step": step, **values})
+        if board:
+            board.write({"step": step, **values})
         done_steps += 1
         bar.update(1)
         bar.set_postfix(loss=f"{values[loss_key]:.3f}")
@@ -166,15 +253,16 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
                 record(*pending)
             flush()
             save(int(jax.device_get(state["step"])))
+            ckpt.wait()
         except Exception:
             pass
-        ckpt.wait()
         raise KeyboardInterrupt(f"interrupted; the latest checkpoint is step "
-                                f"{ckpt.latest_step()}: continue with --resume --out {run_dir}")
-    finally:
+                                f"{ckpt.last_saved()}: continue with --resume --out {run_dir}")
+    finally:  # after a failure, closing fails too: the first failure is the one to report
         bar.close()
-        writer.close()
-        ckpt.close()
+        closing = _close_all(writer.close, *([board.close] if board else []), ckpt.close)
+    if closing is not None:
+        raise closing
     wall = time.perf_counter() - wall_start
 
     rows = RF.read_jsonl(files / RF.METRICS)

@@ -17,6 +17,7 @@ from pathlib import Path
 from sdcstudy.core import config as C
 from sdcstudy.report import writer as R
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import runlock
 from sdcstudy.core.config import UserError
 
 SWEEP = "sweep.json"  # what the sweep was asked to do, to check a --resume against
@@ -47,24 +48,12 @@ def folder_name(profile: str) -> str:
     return Path(profile).stem if profile.endswith((".yaml", ".yml")) else profile
 
 
-def _open_root(out: Path | None, mode: str, resume: bool, request: dict) -> Path:
-    if resume:
-        if out is None or not (Path(out) / SWEEP).is_file():
-            raise UserError(f"--resume needs --out SWEEP_DIR, a folder an earlier sweep wrote "
-                            f"(with {SWEEP}).")
-        earlier = RF.json_load(Path(out) / SWEEP)
-        if earlier != request:
-            changed = sorted(k for k in request if earlier.get(k) != request[k])
-            raise UserError(f"cannot resume {str(out)!r}: its sweep had different "
-                            f"{', '.join(changed)}; run the same command with --resume.")
-        return Path(out)
-    root = Path(out) if out is not None else RF.default_run_dir(f"sweep-{mode}")
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise UserError(f"sweep folder {str(root)!r} already exists and is not empty; pass "
-                        f"--resume to continue it or choose another --out.")
-    root.mkdir(parents=True, exist_ok=True)
-    RF.atomic_write_json(root / SWEEP, request)
-    return root
+def _check_resumable(root: Path, request: dict) -> None:
+    earlier = RF.json_load(root / SWEEP)
+    if earlier != request:
+        changed = sorted(k for k in request if earlier.get(k) != request[k])
+        raise UserError(f"cannot resume {str(root)!r}: its sweep had different "
+                        f"{', '.join(changed)}; run the same command with --resume.")
 
 
 def _finished(run_dir: Path) -> bool:
@@ -96,19 +85,28 @@ def sweep(config_path, profiles: list[str], out: Path | None = None, overrides=(
         raise UserError("a sweep pairs a healthy node with each suspect profile, and "
                         "experiment.mode train has one node; use lockstep, paramsync or free.")
     request = {"config": str(config_path), "overrides": overrides, "profiles": list(profiles)}
-    root = _open_root(out, mode, resume, request)
-
-    run_dirs = []
-    for i, (name, (profile, cfg)) in enumerate(configs.items(), 1):
-        run_dir = root / name
-        run_dirs.append(run_dir)
-        if resume and _finished(run_dir):
-            echo(f"[{i}/{len(configs)}] {profile}: finished earlier, kept ({run_dir})")
-            continue
-        echo(f"[{i}/{len(configs)}] {profile}: {mode}, {cfg.experiment.steps} steps -> {run_dir}")
-        runner.run(cfg, run_dir, resume=resume and (run_dir / RF.CONFIG).is_file(),
-                   progress=progress, echo=echo)
-    result = R.write_report(run_dirs, root / "report")
+    if resume and (out is None or not (Path(out) / SWEEP).is_file()):
+        raise UserError(f"--resume needs --out SWEEP_DIR, a folder an earlier sweep wrote "
+                        f"(with {SWEEP}).")
+    root = Path(out) if out is not None else RF.default_run_dir(f"sweep-{mode}")
+    # The sweep holds its folder, and each run its own, for as long as they write.
+    with runlock.hold(root, create=not resume, what="sweep folder"):
+        if resume:
+            _check_resumable(root, request)
+        else:
+            RF.atomic_write_json(root / SWEEP, request)
+        run_dirs = []
+        for i, (name, (profile, cfg)) in enumerate(configs.items(), 1):
+            run_dir = root / name
+            run_dirs.append(run_dir)
+            if resume and _finished(run_dir):
+                echo(f"[{i}/{len(configs)}] {profile}: finished earlier, kept ({run_dir})")
+                continue
+            echo(f"[{i}/{len(configs)}] {profile}: {mode}, {cfg.experiment.steps} steps -> "
+                 f"{run_dir}")
+            runner.run(cfg, run_dir, resume=resume and (run_dir / RF.CONFIG).is_file(),
+                       progress=progress, echo=echo)
+        result = R.write_report(run_dirs, root / "report")
     return {"root": root, "runs": run_dirs, "report": result}
 
 

@@ -4,10 +4,19 @@ A checkpoint holds the whole training state (parameters, optimizer state, step) 
 record of what else continuing needs. Data position, RNG and fault-schedule position are all
 pure functions of (seed, step), so the step number is enough; the record also keeps a hash
 of the configuration so a checkpoint is never restored into a different experiment.
+
+A save that fails (disk full, no permission, the folder gone) raises `CheckpointWriteError`
+at the next save, wait or close, in the caller's thread. orbax's own error reports of the
+failed background save, and the asyncio noise of its abandoned writes, are not printed: the
+caller turns the error into one sentence.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +27,65 @@ from sdcstudy.core.config import UserError
 from sdcstudy.core.errors import first_line
 
 
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written; the message says why, in a few words."""
+
+
+def write_reason(error: BaseException) -> str:
+    """Why a write failed, in a few words: the operating system's reason where there is one
+    (orbax reports a full disk as a ValueError naming the error code)."""
+    if isinstance(error, CheckpointWriteError):
+        return str(error)
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    if code := re.search(r"os_error_code='(\d+)'", str(error)):
+        return os.strerror(int(code.group(1)))
+    return first_line(error, 200)
+
+
+def saved_steps(directory: Path) -> list[int]:
+    """The steps whose checkpoint is whole on disk: orbax writes into a temporary folder and
+    renames it to the step number only when every file is in."""
+    try:
+        return sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+class _OrbaxFailureReports(logging.Filter):
+    """Drops orbax's error reports (each with its traceback) of a failed save: the same error
+    reaches the caller at the next save, wait or close."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+def _quiet_closed_loop(previous):
+    """An unraisable-exception hook that skips 'Event loop is closed': the callbacks of the
+    writes a failed save abandoned, arriving after orbax closed their loop."""
+
+    def hook(unraisable):
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.quiets_orbax = True
+    return hook
+
+
+def _quiet_orbax_failures() -> None:
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _OrbaxFailureReports) for f in absl.filters):
+        absl.addFilter(_OrbaxFailureReports())
+    if not getattr(sys.unraisablehook, "quiets_orbax", False):
+        sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
+
+
 class Checkpointer:
     def __init__(self, directory: Path, keep: int = 2, asynchronous: bool = True):
         self.directory = Path(directory).resolve()
+        _quiet_orbax_failures()
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max(keep, 1),
@@ -30,9 +95,18 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def last_saved(self) -> int | None:
+        """The latest step whose checkpoint is whole on disk (after a failed save, the
+        manager's own list may name the step that failed)."""
+        steps = saved_steps(self.directory)
+        return steps[-1] if steps else None
+
     def save(self, step: int, state: Any, record: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(record)))
+        try:  # orbax raises the previous save's failure here too
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            meta=ocp.args.JsonSave(record)))
+        except Exception as e:
+            raise CheckpointWriteError(write_reason(e)) from e
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict]:
         """Restore `step` into the structure, shapes, dtypes and shardings of `like`."""
@@ -48,8 +122,18 @@ class Checkpointer:
         return out.state, dict(out.meta)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Until the last save is on disk; `CheckpointWriteError` if it failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise CheckpointWriteError(write_reason(e)) from e
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for the last save, then stop orbax's threads (also when that save failed)."""
+        try:
+            self.wait()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:  # the failure, if any, was raised by wait
+                pass

@@ -151,6 +151,15 @@ class FinetuneConfig:
 
 
 @dataclass
+class LoggingConfig:
+    """How a run can be watched while it trains; changes nothing it computes."""
+
+    # the per-step scalars of metrics.jsonl also as TensorBoard event files in
+    # RUN_DIR/tensorboard/ (needs tensorboardX: pip install 'sdcstudy[tensorboard]')
+    tensorboard: bool = False
+
+
+@dataclass
 class Config:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -162,6 +171,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     detect: DetectConfig = field(default_factory=DetectConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 # --- loading, overriding, validating ---------------------------------------------------------

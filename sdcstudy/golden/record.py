@@ -15,11 +15,10 @@ The final parameters also get SHA-256 on the host (the `param_digest` of run fol
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
-import shutil
 import socket
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from sdcstudy.core import config as C
 from sdcstudy.core import data as D
 from sdcstudy.core import determinism
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import runlock
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.digest import tensor_digests, tree_digest
 from sdcstudy.golden.digest import BLOCKS
@@ -80,12 +80,17 @@ def write_manifest(folder: Path) -> dict:
 
 
 def record(cfg: Config, out_dir: Path, *, device_index: int = 0, progress: bool = True) -> dict:
-    """Run the golden workload and write GOLDEN_DIR atomically; returns its metadata."""
-    out_dir = Path(out_dir)
+    """Run the golden workload and write GOLDEN_DIR, its manifest last; returns its metadata.
+
+    The folder is held (core.runlock) from the start: a second recorder is refused at once.
+    """
     check_config(cfg)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise UserError(f"golden folder {str(out_dir)!r} already exists; a golden record is "
-                        f"never overwritten: choose another --out.")
+    with runlock.hold(out_dir, create=True, what="golden folder",
+                      hint="a golden record is never overwritten: choose another --out"):
+        return _record(cfg, Path(out_dir), device_index, progress)
+
+
+def _record(cfg: Config, out_dir: Path, device_index: int, progress: bool) -> dict:
     started = time.perf_counter()
     tokens = load_tokens(cfg)
     device = pick_device(device_index)
@@ -135,30 +140,31 @@ def record(cfg: Config, out_dir: Path, *, device_index: int = 0, progress: bool 
         "record_s": time.perf_counter() - started,
     }
     env = determinism.fingerprint(determinism.program_text(work.hlo))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    # Each file is written atomically and the manifest last, so a folder is a golden record
+    # only once it is whole: a check of an unfinished one finds no manifest (INCONCLUSIVE).
+    written = []
     try:
-        RF.atomic_write_text(tmp / CONFIG, C.dump(cfg))
-        RF.atomic_write_json(tmp / ENV, env)
-        RF.atomic_write_json(tmp / META, meta)
-        with open(tmp / ARRAYS, "wb") as f:
-            np.savez_compressed(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        manifest = write_manifest(tmp)
+        RF.atomic_write_text(out_dir / CONFIG, C.dump(cfg))
+        written.append(out_dir / CONFIG)
+        RF.atomic_write_json(out_dir / ENV, env)
+        written.append(out_dir / ENV)
+        RF.atomic_write_json(out_dir / META, meta)
+        written.append(out_dir / META)
+        npz = io.BytesIO()
+        np.savez_compressed(npz, **arrays)
+        RF.atomic_write_bytes(out_dir / ARRAYS, npz.getvalue())
+        written.append(out_dir / ARRAYS)
         umask = os.umask(0)
         os.umask(umask)
-        for path in tmp.iterdir():  # mkstemp and mkdtemp make private files; a golden is shared
+        for path in written:  # atomic writes make private files; a golden record is shared
             path.chmod(0o666 & ~umask)
-        tmp.chmod(0o777 & ~umask)
-        try:
-            os.rename(tmp, out_dir)  # atomic; refuses a folder that filled in the meantime
-        except OSError as e:
-            raise UserError(f"could not move the golden record into {str(out_dir)!r} "
-                            f"({e.strerror}); nothing there was changed.") from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        manifest = write_manifest(out_dir)
+        (out_dir / MANIFEST).chmod(0o666 & ~umask)
+    except OSError as e:
+        for path in written:  # nothing of an unfinished record is left
+            path.unlink(missing_ok=True)
+        raise UserError(f"could not write the golden record into {str(out_dir)!r} "
+                        f"({e.strerror}); nothing of it was kept.") from None
     meta["manifest_sha256"] = manifest["sha256"]
     meta["bytes"] = sum(f["bytes"] for f in manifest["body"]["files"].values())
     meta["golden_dir"] = str(out_dir)
