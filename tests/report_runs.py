@@ -1,5 +1,5 @@
 """Synthetic run folders for the report, sweep and notebook tests: the files a run writes
-(CONTRACT.md), written with the runfolder helpers, so reporting is tested without training.
+(docs/metrics.md has their columns' meaning), written with the runfolder helpers, so reporting is tested without training.
 
     python tests/report_runs.py /tmp/zoo20 --steps 200 --layers 2 --tp 2
 

@@ -1,10 +1,13 @@
 """The package's layers, read from the source: `sdcstudy.core` imports no feature subpackage,
-no two modules import each other (directly or through others, imports inside functions
-included), no module is over 400 lines and at most 10 modules sit directly in `sdcstudy/`.
+`sdcstudy.report` none either (features contribute their report sections through the mode
+registry), no two modules import each other (directly or through others, imports inside
+functions included), no module is over 400 lines and at most 10 modules sit directly in
+`sdcstudy/`.
 
-Each check is a function of a source tree, so the tests below also plant a cycle and a
-core-to-feature import in a copy and show that the checks catch them (a check that cannot fail
-is no check). docs/architecture.md explains the layers these checks keep.
+Each check is a function of a source tree, so the tests below also plant a cycle, a
+core-to-feature and a report-to-feature import in a copy and show that the checks catch them
+(a check that cannot fail is no check). docs/architecture.md explains the layers these checks
+keep.
 """
 
 from __future__ import annotations
@@ -72,6 +75,33 @@ def core_violations(graph: dict[str, set[str]], top: str = "sdcstudy") -> list[s
                   for d in deps if not (d == core or d.startswith(core + ".")))
 
 
+# What `sdcstudy.report` may reach, through its own imports and theirs: core, itself, the mode
+# registry (`sdcstudy.modes`'s __init__, which names the report sections as strings and
+# imports only core) and the paper's published numbers (a data module that imports nothing).
+REPORT_MAY_REACH = ("core", "report")
+REPORT_MAY_IMPORT = ("modes", "faults.published")
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def report_violations(graph: dict[str, set[str]], top: str = "sdcstudy") -> list[str]:
+    """`report` module -> a feature (or top-level) module it reaches through imports."""
+    allowed = {f"{top}.{m}" for m in REPORT_MAY_IMPORT}
+    inside = lambda m, pkg: m == f"{top}.{pkg}" or m.startswith(f"{top}.{pkg}.")  # noqa: E731
+    return sorted(f"{m} reaches {d}" for m in graph if inside(m, "report")
+                  for d in reachable(graph, m)
+                  if d not in allowed and not any(inside(d, p) for p in REPORT_MAY_REACH))
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import cycle as a path `a -> b -> ... -> a`, or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
@@ -108,6 +138,12 @@ def test_core_imports_no_feature():
         "sdcstudy.core must not import a feature subpackage; move the shared piece into core"
 
 
+def test_report_imports_no_feature():
+    assert report_violations(import_graph()) == [], \
+        "sdcstudy.report must not import a feature subpackage; contribute a report section " \
+        "(report/sections.py) through sdcstudy.modes.REPORT_SECTIONS instead"
+
+
 def test_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
@@ -128,6 +164,8 @@ def test_the_graph_sees_the_package():
     assert "sdcstudy.core.train" in graph["sdcstudy.runner"]
     assert "sdcstudy.core.config" in graph["sdcstudy.core.train"]
     assert len(graph) > 50
+    assert {"sdcstudy.core.runfolder", "sdcstudy.modes"} <= reachable(graph,
+                                                                     "sdcstudy.report.writer")
 
 
 # --- the checks catch what they are for ---------------------------------------------------------
@@ -156,6 +194,19 @@ def test_a_planted_core_to_feature_import_is_named(copy):
     _append(copy / "core" / "model.py", "from sdcstudy.faults import inject")
     assert core_violations(import_graph(copy)) == \
         ["sdcstudy.core.model imports sdcstudy.faults.inject"]
+
+
+def test_a_planted_report_to_feature_import_is_named(copy):
+    # Directly, inside a function, as the writer once imported the PAFT tables ...
+    _append(copy / "report" / "plots.py", "from sdcstudy.paft import report")
+    assert "sdcstudy.report.plots reaches sdcstudy.paft.report" in \
+        report_violations(import_graph(copy))
+    # ... and through the registry, were it to import a mode (and with it a trainer).
+    (copy / "report" / "plots.py").write_text((PACKAGE / "report" / "plots.py").read_text())
+    _append(copy / "modes" / "__init__.py", "from sdcstudy.modes import paft")
+    found = report_violations(import_graph(copy))
+    assert "sdcstudy.report.writer reaches sdcstudy.modes.paft" in found
+    assert "sdcstudy.report.writer reaches sdcstudy.paft.trainer" in found
 
 
 def test_a_planted_long_module_is_named(copy):

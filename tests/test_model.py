@@ -13,7 +13,7 @@ from sdcstudy.core import sites as S
 
 DIMS = C.model_dims(C.ModelConfig(preset="tiny"))
 # Sharded and unsharded float32 programs sum in different orders: relative differences of
-# about 1e-6 are expected (JAX-NOTES, "Determinism"); 1e-5 leaves room and still catches a
+# about 1e-6 are expected (float32 addition is not associative); 1e-5 leaves room and catches a
 # wrong head or column layout, which gives O(1) differences.
 TP_RTOL = 1e-5
 

@@ -1,5 +1,6 @@
 """The paired harness end to end: healthy pairs agree exactly, mismatches equal the injected
-ground truth, summary aggregates follow the contract's formulas, synchronization is exact."""
+ground truth, summary aggregates follow docs/metrics.md's formulas, synchronization is exact,
+and the healthy node trains as one device does."""
 
 import math
 
@@ -166,7 +167,7 @@ def test_row_severity_equals_the_injected_relative_errors(faulty_lockstep):
     assert (rows.drop(expected.index)["severity"] == 0).all()
 
 
-def test_summary_aggregates_follow_the_contract(faulty_lockstep):
+def test_summary_aggregates_follow_the_formulas(faulty_lockstep):
     out, _ = faulty_lockstep
     summary = RF.json_load(out / RF.SUMMARY)
     mismatch = RF.read_table(out / RF.MISMATCH)

@@ -16,7 +16,7 @@ HOST_THRESHOLDS = ("paper", "paper-dtype", "rounding")
 EPS32 = 2.0 ** -23  # float32 machine epsilon (torch.finfo(float32).eps)
 EPS = {32: EPS32, 16: 2.0 ** -7}  # machine epsilon by bit width (float32, bfloat16)
 
-# abft.parquet: the contract's columns (`residual`, `threshold`: the row check under the
+# abft.parquet: the first columns (`residual`, `threshold`: the row check under the
 # configured rule), then the column check, the location, the node, and what any rule needs.
 COLUMNS = ("step", "microstep", "layer", "matmul", "direction", "tp_rank", "residual",
            "threshold", "flagged", "col_residual", "col_threshold", "row", "col", "recomputed",

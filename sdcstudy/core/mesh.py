@@ -2,7 +2,7 @@
 
 `node` pairs a trusted healthy replica (index 0) with a suspect one (index 1); `dp` holds
 data-parallel workers; `tp` tensor-parallel ranks. Every axis is Auto so that `shard_map`
-accepts inputs that jit placed (see JAX-NOTES: `jax.make_mesh` now makes Explicit axes).
+accepts inputs that jit placed (`jax.make_mesh` makes Explicit axes unless told otherwise).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run-level metrics from run-folder tables, by the contract's formulas (no JAX).
+"""Run-level metrics from run-folder tables, by docs/metrics.md's formulas (no JAX).
 
 Ma et al., "Understanding Silent Data Corruption in LLM Training":
 - frequency of a site at a microstep, eqs. (1)-(2): mismatches summed over tp ranks divided by

@@ -36,7 +36,7 @@ BLOCK_SITES = (ATTN_NORM, ATTN_IN, ATTN_Q, ATTN_K, ATTN_V, ATTN_SCORES, ATTN_PRO
 MODEL_SITES = (EMBED, FINAL_NORM, LOGITS)
 ALL_SITES = BLOCK_SITES + MODEL_SITES
 
-# The paper's four comparison sites, as (contract name, model site, direction).
+# The paper's four comparison sites, as (run-folder name, model site, direction).
 PAPER_SITES = {
     "fwd/attn": (ATTN_OUT, "fwd"),
     "fwd/ffn": (FFN_OUT, "fwd"),

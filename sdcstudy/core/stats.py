@@ -1,8 +1,8 @@
 """Mismatch statistics between a healthy and a suspect tensor, in numpy (no JAX).
 
-The reference for what `paired/mismatch.py` computes on device, and the contract's
-`sdcstudy.mismatch_stats` (CONTRACT.md, "Metric definitions"; Ma et al., "Understanding Silent
-Data Corruption in LLM Training", section 3, eqs. (1)-(4)):
+The reference for what `paired/mismatch.py` computes on device, and `sdcstudy.mismatch_stats`
+(docs/metrics.md, "Mismatches of one tensor"; Ma et al., "Understanding Silent Data
+Corruption in LLM Training", section 4.1, eq. (3)):
 
 - a mismatch is an element whose bit pattern differs between suspect and healthy;
 - `severity` is the mean, over mismatching elements where both values are finite, of

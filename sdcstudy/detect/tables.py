@@ -28,6 +28,7 @@ import pandas as pd
 
 from sdcstudy.core import runfolder as RF
 from sdcstudy.detect.plan import DETECTORS
+from sdcstudy.report.sections import Section
 
 # detections.parquet: one row per flagged step. `class`: the step re-executed on the same
 # device from the same state (the reexec detector's execution) gave another result
@@ -247,3 +248,7 @@ def report_tables(runs: dict) -> dict:
         if not matrix.empty:
             out["detections_confusion.csv"] = (CONFUSION_TITLE, matrix, ["injected_kind"], False)
     return out
+
+
+# The `detect` mode's part of `sdcstudy report` (sdcstudy.modes.REPORT_SECTIONS names it).
+SECTION = Section(tables=report_tables, files=("detectors.csv", "detections_confusion.csv"))

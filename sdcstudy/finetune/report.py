@@ -26,6 +26,7 @@ import pandas as pd
 from sdcstudy.core import runfolder as RF
 from sdcstudy.faults import published as PB
 from sdcstudy.report import tables as T
+from sdcstudy.report.sections import Section
 
 PREDICTIONS = "predictions.parquet"
 TABLE3_CSV = "table3_finetune.csv"
@@ -221,3 +222,14 @@ def loss_figure(runs: dict, path: Path) -> Path | None:
     axes[0, -1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     return plots._save(fig, path)
+
+
+def draw_figures(runs: dict, out: Path) -> list[str]:
+    """For `sdcstudy report`: Figure 7 into the folder `out` (its name, if there was data)."""
+    return [FIGURE7] if loss_figure(runs, Path(out) / FIGURE7) else []
+
+
+# The `finetune` mode's part of `sdcstudy report` (sdcstudy.modes.REPORT_SECTIONS names it).
+SECTION = Section(text=sections, figures=draw_figures, files=(*CSV_FILES, FIGURE7),
+                  titles={FIGURE7: "Figure 7: training loss during fine-tuning, loss spikes "
+                                   "marked"})

@@ -1,8 +1,10 @@
 """Experiment modes as plug-ins: `experiment.mode` -> the class that runs it.
 
 Adding a mode is one new file in this folder, holding a `modes.base.Mode` subclass, and one
-line in `REGISTRY` below (docs/architecture.md, "Adding a mode"). Modules load on first use,
-so `sdcstudy run` imports only the mode it runs.
+line in `REGISTRY` below (docs/architecture.md, "Adding a mode"); a mode with report tables of
+its own adds one line to `REPORT_SECTIONS`. Modules load on first use, so `sdcstudy run`
+imports only the mode it runs, and `sdcstudy report` no mode at all. This module imports
+nothing but core: the report reads it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,17 @@ REGISTRY = {
 }
 
 
+# experiment.mode -> "module:attribute" of the `report.sections.Section` its runs add to
+# `sdcstudy report`, in the report's order. Only modes whose runs hold more than the report's
+# own tables cover (paired, train and ABFT runs) have one. Names, not imports: the report
+# loads these without a mode's class, whose trainer imports JAX.
+REPORT_SECTIONS = {
+    "paft": "sdcstudy.paft.report:SECTION",
+    "detect": "sdcstudy.detect.tables:SECTION",
+    "finetune": "sdcstudy.finetune.report:SECTION",
+}
+
+
 def get(name: str):
     """The `Mode` class registered as `name`, or a `ConfigError` naming the closest one."""
     if name not in REGISTRY:
@@ -42,3 +55,12 @@ def check(cfg: Config) -> None:
 def build(cfg: Config):
     """The mode of `cfg`, checked and with its trainer built."""
     return get(cfg.experiment.mode)(cfg)
+
+
+def report_sections() -> dict:
+    """{experiment.mode: its `report.sections.Section`}, in `REPORT_SECTIONS`'s order."""
+    out = {}
+    for mode, target in REPORT_SECTIONS.items():
+        module, attribute = target.split(":")
+        out[mode] = getattr(importlib.import_module(module), attribute)
+    return out

@@ -1,7 +1,8 @@
 """PAFT run folders as tables and figures (no JAX): final losses, loss and divergence curves.
 
-Used by the `experiments/paft_*.py` studies, by `sdcstudy report` for runs of mode `paft`, and
-by notebooks/paft.ipynb. Runs come as an ordered {label: report.Run}.
+Used by the `experiments/paft_*.py` studies, by `sdcstudy report` for runs of mode `paft` (as
+the mode's report section, `SECTION`), and by notebooks/paft.ipynb. Runs come as an ordered
+{label: report.Run}.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from sdcstudy.report import plots as PL
+from sdcstudy.report.sections import Section
 
 LOSS, DIV = "loss/mean", "div/mean_sq"
 TAIL = 10  # final numbers average the last TAIL steps (one step's batch is noisy)
@@ -151,3 +153,8 @@ def draw_figures(runs: dict, out: Path) -> list[str]:
 
 
 FILES = ("paft_final.csv", "paft_loss.png", "paft_divergence.png")  # what the report writes
+
+# The `paft` mode's part of `sdcstudy report` (sdcstudy.modes.REPORT_SECTIONS names it).
+SECTION = Section(tables=report_tables, figures=draw_figures, files=FILES,
+                  titles={"paft_loss.png": "PAFT: training loss (mean over workers)",
+                          "paft_divergence.png": "PAFT: divergence of the workers' parameters"})

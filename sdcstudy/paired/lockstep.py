@@ -237,7 +237,7 @@ class LockstepTaps:
 
     def rows(self, fwd_stats: dict, bwd_stats: dict, step: int, microstep: int,
              elements_by_site: dict | None = None) -> list[dict]:
-        """mismatch.parquet rows (CONTRACT.md) for one microstep.
+        """mismatch.parquet rows (docs/metrics.md) for one microstep.
 
         `elements_by_site` ({site: n} or {(site, layer): n}), when given, is checked against
         the element counts the taps measured."""

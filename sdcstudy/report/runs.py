@@ -4,11 +4,12 @@
     run.mismatch.groupby("site")["mismatches"].sum()
     runs = label_runs([load_run(p) for p in expand_run_dirs("runs/sweep")])  # {label: Run}
 
-`load_run` reads one folder (CONTRACT.md) into a `Run`: config and summary as dicts, metrics and
-the Parquet tables as DataFrames. A missing or damaged file is a one-sentence UserError, or,
-with `strict=False`, an empty table and a sentence in `run.problems`, so that a report can
-still show what the other files allow. `label_runs` names runs as the tables and figures show
-them. Writing the report is `report/writer.py`. Imports no JAX.
+`load_run` reads one run folder (README.md, "Run folders") into a `Run`: config and summary
+as dicts, metrics and the Parquet tables as DataFrames. A missing or damaged file is a
+one-sentence UserError, or, with `strict=False`, an empty table and a sentence in
+`run.problems`, so that a report can still show what the other files allow. `label_runs`
+names runs as the tables and figures show them. Writing the report is `report/writer.py`.
+Imports no JAX.
 """
 
 from __future__ import annotations
@@ -95,13 +96,13 @@ def _read(path: Path, reader, default):
 
 
 def expected_files(config: dict) -> tuple[str, ...]:
-    """The files every finished run of this configuration writes (CONTRACT.md)."""
+    """The files every finished run of this configuration writes."""
     mode = str((config.get("experiment") or {}).get("mode", "train"))
     return (RF.METRICS, RF.SUMMARY) + ((RF.MISMATCH,) if mode == "lockstep" else ())
 
 
 def load_run(run_dir, strict: bool = True) -> Run:
-    """The run folder `run_dir` (CONTRACT.md) as a `Run`. A damaged file raises a UserError
+    """The run folder `run_dir` as a `Run`. A damaged file raises a UserError
     naming it; with `strict=False` it is read as absent instead and named in `run.problems`,
     as is a missing file that a finished run of its mode has."""
     import pandas as pd

@@ -142,7 +142,7 @@ def synchronized_runs(runs: dict) -> dict:
 
 
 def bit_histograms(run) -> dict:
-    """{site: histogram dict} of summary.json's `bit_histogram`, contract sites only."""
+    """{site: histogram dict} of summary.json's `bit_histogram`, the four compared sites only."""
     histograms = run.summary.get("bit_histogram")
     if not isinstance(histograms, dict):
         return {}

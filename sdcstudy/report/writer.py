@@ -6,17 +6,20 @@ a set of run folders.
 
 `load_runs` reads and labels the run folders (`report/runs.py`) and turns each file it could
 not read into one sentence that says what the report leaves out (`NEEDED_BY`). `write_report`
-computes the tables (`tables.py`, and the PAFT, detector and fine-tuning tables of their
-subpackages) while the figures (`plots.py`) are drawn, in forked workers where that is safe,
-and removes the files an earlier report in the same folder wrote and this one did not.
-Imports no JAX. A run folder with a missing or damaged file still reports what the other
-files allow; `sdcstudy report` then names each such file on stderr and exits 1.
+computes the tables (`tables.py`) while the figures (`plots.py`) are drawn, in forked workers
+where that is safe, adds the report sections of the runs' modes (`sections.py`: PAFT, the
+detector benchmark and fine-tuning contribute theirs through the mode registry,
+`sdcstudy.modes.REPORT_SECTIONS`), and removes the files an earlier report in the same folder
+wrote and this one did not. Imports no JAX, and no feature package. A run folder with a
+missing or damaged file still reports what the other files allow; `sdcstudy report` then
+names each such file on stderr and exits 1.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from sdcstudy import modes
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import UserError
 from sdcstudy.report.runs import DamagedFile, expand_run_dirs, label_runs, load_run
@@ -37,9 +40,6 @@ FIGURE_TITLES = {
                                   "of free-running pairs",
     "bit_positions.png": "Differing bits per bit position of the mismatching elements",
     "fig10_abft_flag_frequency.png": "Figure 10: ABFT flag frequency over steps",
-    "paft_loss.png": "PAFT: training loss (mean over workers)",
-    "paft_divergence.png": "PAFT: divergence of the workers' parameters",
-    "fig7_finetune_loss.png": "Figure 7: training loss during fine-tuning, loss spikes marked",
 }
 # What the report leaves out of a run whose file of this name can not be read.
 NEEDED_BY = {RF.MISMATCH: "Tables 1-2 and 6-9 and Figures 3-4",
@@ -66,11 +66,21 @@ def _out_dir(out) -> Path:
     return out
 
 
-def report_tables(runs: dict) -> dict:
-    """{csv file name: (title, DataFrame, index names, fold published)} for the runs."""
-    from sdcstudy.detect import tables as detect_tables
-    from sdcstudy.paft import report as paft_report
+def run_sections(runs: dict) -> list:
+    """The report sections (`sections.Section`) of the modes among `runs`, in the registry's
+    order."""
     from sdcstudy.report import tables as T
+
+    present = {T.run_mode(run) for run in runs.values()}
+    return [s for mode, s in modes.report_sections().items() if mode in present]
+
+
+def report_tables(runs: dict, sections: list | None = None) -> dict:
+    """{csv file name: (title, DataFrame, index names, fold published)} for the runs: the
+    report's own tables, then those of the runs' report `sections` (default: looked up)."""
+    from sdcstudy.report import tables as T
+
+    sections = run_sections(runs) if sections is None else sections
 
     layer = lambda d, s: T.layer_table(runs, d, s)  # noqa: E731
     return {
@@ -103,8 +113,7 @@ def report_tables(runs: dict) -> dict:
         "abft_flag_rate.csv": ("ABFT flag rate: the fraction of checksum tests, eq. (6), that "
                                "flagged, per matmul and direction", T.abft_rate_table(runs),
                                ["matmul", "direction"], False),
-        **paft_report.report_tables(runs),
-        **detect_tables.report_tables(runs),
+        **{name: table for s in sections for name, table in s.tables(runs).items()},
     }
 
 
@@ -115,7 +124,6 @@ def write_report(run_dirs, out=None) -> dict:
     out what needs it (`NEEDED_BY`) and is named in "problems" and in report.md. Returns
     {"out", "files", "markdown", "summary", "problems"} where "summary" is the Markdown of the
     runs, Table 1, Table 2 and WCNTS, and "problems" one sentence per unreadable file."""
-    from sdcstudy.paft import report as paft_report
     from sdcstudy.report import plots
     from sdcstudy.report import tables as T
 
@@ -130,9 +138,10 @@ def write_report(run_dirs, out=None) -> dict:
     runs, problems = load_runs(paths)
     out = _out_dir(out)
     drawing = draw_figures(runs, out)  # in worker processes while the tables are written
+    mode_sections = run_sections(runs)
 
     produced, sections, summary = [], [], []
-    for name, (title, table, index, fold) in report_tables(runs).items():
+    for name, (title, table, index, fold) in report_tables(runs, mode_sections).items():
         if table.empty:
             continue
         shown = table.loc[:, (table.fillna(0) != 0).any()] if name in SPARSE_TABLES else table
@@ -146,22 +155,23 @@ def write_report(run_dirs, out=None) -> dict:
             summary.append(section)
         RF.atomic_write_text(out / name, T.csv(table, index))
         produced.append(name)
-    from sdcstudy.finetune import report as FR  # Table 3 and the loss-spike table of fine-tuning
-
-    finetune_sections, finetune_files = FR.sections(runs)
-    for name, text in finetune_files.items():
-        RF.atomic_write_text(out / name, text)
-        produced.append(name)
-    sections += finetune_sections
+    for section in mode_sections:  # tables that format themselves (fine-tuning's Table 3)
+        texts, files = section.text(runs)
+        for name, text in files.items():
+            RF.atomic_write_text(out / name, text)
+            produced.append(name)
+        sections += texts
     if not T.lockstep_runs(runs):
         sections.append("Tables 1, 2 and 6-9 and Figures 3-4 need lock-step runs "
                         "(mismatch.parquet); none was given or readable.\n")
     figures = []
-    drawn = drawing() + paft_report.draw_figures(runs, out)
-    if FR.loss_figure(runs, out / FR.FIGURE7):
-        drawn.append(FR.FIGURE7)
+    titles = dict(FIGURE_TITLES)
+    drawn = drawing()
+    for section in mode_sections:
+        titles.update(section.titles)
+        drawn += section.figures(runs, out)
     for name in drawn:
-        figures.append(f"## {FIGURE_TITLES.get(name, name)}\n\n![{name}]({name})\n")
+        figures.append(f"## {titles.get(name, name)}\n\n![{name}]({name})\n")
         produced.append(name)
     left_out = ["## Files that could not be read\n\n" + "".join(f"- {p}\n" for p in problems)
                 ] if problems else []
@@ -169,8 +179,8 @@ def write_report(run_dirs, out=None) -> dict:
         f"`{r.path}`" for r in runs.values()) + "\n", *left_out, *sections, *figures]) + "\n"
     RF.atomic_write_text(out / REPORT, markdown)
     # From an earlier report into the same folder:
-    for stale in [*CSV_FILES, *FR.CSV_FILES, *paft_report.FILES, "detectors.csv",
-                  *plots.FIGURES, FR.FIGURE7]:
+    section_files = [name for s in modes.report_sections().values() for name in s.files]
+    for stale in [*CSV_FILES, *plots.FIGURES, *section_files]:
         if stale not in produced:
             (out / stale).unlink(missing_ok=True)
     return {"out": out, "files": [REPORT, *produced], "markdown": markdown,
