@@ -20,6 +20,12 @@ Model FLOPs count the matmuls of one forward and backward pass (backward = 2x fo
 
 Softmax, norms, the loss and the optimizer are left out: they only lower what a step can
 reach, so the ceiling is an upper bound.
+
+On a GPU whose kind is in `DEVICE_PEAKS` the summary also gives the model FLOPs utilisation,
+MFU = step FLOPs / step time / the device's published dense peak for the step's compute dtype
+(`device_peak` names the peak it used). A float32 step counts against the plain float32 peak
+unless the float32 matmul timed beside it ran faster than that peak, which only tensor cores
+(TF32) can do; then against the TF32 peak.
 """
 
 from __future__ import annotations
@@ -27,6 +33,18 @@ from __future__ import annotations
 import time
 
 from sdcstudy.core.config import ModelDims
+
+# Published dense (no sparsity) peak FLOP/s per device kind, as JAX spells the kind
+# (`jax.devices()[0].device_kind`): tensor cores in bfloat16 and in TF32, and the plain
+# float32 units. The H200 has the H100 SXM's chip and clocks.
+_HOPPER_SXM = {"bfloat16": 989e12, "tf32": 494e12, "float32": 67e12}
+_A100_SXM = {"bfloat16": 312e12, "tf32": 156e12, "float32": 19.5e12}
+DEVICE_PEAKS = {
+    "NVIDIA H100 80GB HBM3": ("H100 SXM", _HOPPER_SXM),
+    "NVIDIA H200": ("H200", _HOPPER_SXM),
+    "NVIDIA A100-SXM4-80GB": ("A100 SXM", _A100_SXM),
+    "NVIDIA A100-SXM4-40GB": ("A100 SXM", _A100_SXM),
+}
 
 PEAK_SIZE = 2048  # square float32 matmul timed for the peak; larger ones gain nothing here
 PEAK_SECONDS = 0.5  # per library and repetition
@@ -77,15 +95,37 @@ def matmul_peak(repeats: int = 3, with_torch: bool = True) -> dict[str, float]:
     return peaks
 
 
+def device_peak(device_kind: str, dtype: str, measured_float32: float | None = None
+                ) -> dict | None:
+    """The published peak an MFU is taken against, or None for a kind not in `DEVICE_PEAKS`
+    (a CPU among them): {"device_kind", "device", "unit", "flops", "label"}. `unit` is
+    bfloat16 for a bfloat16 step; for a float32 one, tf32 when `measured_float32` (FLOP/s of a
+    float32 matmul on this device) beats the plain float32 peak, else float32."""
+    if device_kind not in DEVICE_PEAKS:
+        return None
+    device, peaks = DEVICE_PEAKS[device_kind]
+    unit = "bfloat16" if dtype == "bfloat16" else "float32"
+    if unit == "float32" and measured_float32 is not None and measured_float32 > peaks["float32"]:
+        unit = "tf32"
+    what = {"bfloat16": "dense bfloat16 tensor-core", "tf32": "dense TF32 tensor-core",
+            "float32": "float32 (no tensor cores)"}[unit]
+    return {"device_kind": device_kind, "device": device, "unit": unit, "flops": peaks[unit],
+            "label": f"{device} {what} peak, {peaks[unit] / 1e12:g} TFLOP/s"}
+
+
 def summary(dims: ModelDims, sequences: int, seq_len: int, steps_per_s: dict[str, float],
-            peaks: dict[str, float], baseline: str | None) -> dict:
-    """Achieved FLOP/s per contender, the peak, and the ceiling over `baseline`."""
+            peaks: dict[str, float], baseline: str | None, mfu_peak: dict | None = None) -> dict:
+    """Achieved FLOP/s per contender, the peak, and the ceiling over `baseline`; with
+    `mfu_peak` (`device_peak`), each contender's MFU against it."""
     flops = step_flops(dims, sequences, seq_len)
     achieved = {name: flops * rate for name, rate in steps_per_s.items()}
     peak = max(peaks.values())
     out = {"step_gflop": flops / 1e9, "gflops": {k: v / 1e9 for k, v in achieved.items()},
            "peak_gflops": {k: v / 1e9 for k, v in peaks.items()},
-           "fraction_of_peak": {k: v / peak for k, v in achieved.items()}, "ceiling": None}
+           "fraction_of_peak": {k: v / peak for k, v in achieved.items()}, "ceiling": None,
+           "mfu": None, "mfu_peak": mfu_peak}
     if baseline is not None:
         out["ceiling"] = peak / achieved[baseline]
+    if mfu_peak is not None:
+        out["mfu"] = {k: v / mfu_peak["flops"] for k, v in achieved.items()}
     return out

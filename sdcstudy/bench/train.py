@@ -2,7 +2,9 @@
 transformers + torch on the CPU: the same initial weights (`torch_state_dict`), batch, next-token
 loss, global-norm clipping, AdamW and learning-rate schedule, all in float32, timed side by side
 in one run (bench_timing.py's rotation); the model FLOP/s of both against the machine's matmul
-peak (roofline.py).
+peak (roofline.py), and on a GPU whose kind roofline.py knows, the MFU against its published
+peak. The torch contender runs on the CPU, so on a GPU time ours alone (`--no-torch`, which
+also allows a bfloat16 model).
 
 torch and transformers are imported inside the functions that use them.
 """
@@ -189,7 +191,8 @@ def measure_train(preset: str, args, attentions: tuple[str, ...], echo=B.echo_st
         return {**BT.timing(seconds[name], steps, tokens), "warmup_losses": losses[name],
                 "kernel": kernel[name]}
 
-    result = {"preset": preset, "n_params": dims.n_params, "batch": e.batch_size,
+    result = {"preset": preset, "dtype": dims.dtype, "n_params": dims.n_params,
+              "batch": e.batch_size,
               "seq_len": cfg.data.seq_len, "tokens_per_step": tokens, "steps": steps,
               "repeats": args.repeats, "warmup_steps": B.WARMUP_STEPS,
               "ours": {**contender("ours"), "compile_s": ours.compile_s},
@@ -207,10 +210,14 @@ def measure_train(preset: str, args, attentions: tuple[str, ...], echo=B.echo_st
     echo(f"{preset}: timing a {roofline.PEAK_SIZE}x{roofline.PEAK_SIZE} float32 matmul "
          "for the machine's peak")
     rates = {name: steps / float(np.median(s)) for name, s in seconds.items()}
+    peaks = roofline.matmul_peak(with_torch=bool(attentions))
+    mfu_peak = roofline.device_peak(jax.devices()[0].device_kind, dims.dtype, peaks["jax"])
     result["roofline"] = roofline.summary(
-        dims, e.microsteps * e.batch_size, cfg.data.seq_len, rates,
-        roofline.matmul_peak(with_torch=bool(attentions)),
-        f"torch-{result['torch_baseline']}" if attentions else None)
+        dims, e.microsteps * e.batch_size, cfg.data.seq_len, rates, peaks,
+        f"torch-{result['torch_baseline']}" if attentions else None, mfu_peak)
+    if mfu_peak is not None:
+        echo(f"{preset}: MFU of ours {result['roofline']['mfu']['ours']:.1%} against the "
+             f"{mfu_peak['label']}")
     return result
 
 
@@ -262,6 +269,13 @@ def roofline_table(results: list[dict]) -> str:
               f"{roofline.PEAK_SIZE}x{roofline.PEAK_SIZE} float32 matmul timed in the same "
               f"run. The ceiling, peak / torch's FLOP/s, is the highest ours / torch any "
               f"implementation of this step could reach on this machine."]
+    for r in rows:
+        f = r["roofline"]
+        if f.get("mfu"):
+            shares = ", ".join(f"{k} {v:.1%}" for k, v in f["mfu"].items())
+            lines.append(f"MFU on {f['mfu_peak']['device_kind']}, {r['preset']} "
+                         f"({r.get('dtype', 'float32')}): {shares} of the "
+                         f"{f['mfu_peak']['label']}.")
     beyond = [r["preset"] for r in rows
               if r["roofline"]["ceiling"] is not None and r["roofline"]["ceiling"] < TARGET_RATIO]
     if beyond:
