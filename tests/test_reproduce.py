@@ -4,6 +4,7 @@ bad input in one sentence, and one node end to end."""
 
 import json
 import math
+import shutil
 import statistics
 from pathlib import Path
 
@@ -273,12 +274,19 @@ def test_shards_partition_the_runs():
 class FakeRunner:
     """Stands in for `runner.run`: a small run folder of the mode and profile it is given."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, interrupt_at=None):
+        self.calls, self.interrupt_at = [], interrupt_at
 
     def __call__(self, cfg, out_dir, *, resume=False, progress=True, echo=print, **_):
         mode, profile, steps = cfg.experiment.mode, cfg.suspect.profile, cfg.experiment.steps
         self.calls.append((out_dir.name, resume))
+        if out_dir.name == self.interrupt_at:
+            self.interrupt_at = None
+            Path(out_dir).mkdir(parents=True)
+            (Path(out_dir) / RF.CONFIG).write_text("experiment: {mode: free}\n")
+            raise KeyboardInterrupt("interrupted")
+        if resume:  # the fake starts the unfinished run over
+            shutil.rmtree(out_dir)
         node = PB.paper_node_number(profile)
         freq = dict(zip(PB.SITES, PB.TABLE1_FREQUENCY.get(node, (0,) * 4)))
         severity = dict(zip(PB.SITES, PB.TABLE2_MAX_SEVERITY.get(node, (0,) * 4)))
@@ -385,6 +393,17 @@ def test_bad_merges_are_one_sentence(fake, tmp_path, capsys):
     assert cli.main(["reproduce", "--merge", str(tmp_path / "a"), "--nodes", "1",
                      "--out", str(tmp_path / "m")]) == 2
     assert "--merge takes only --out" in capsys.readouterr().err
+
+
+def test_an_interrupted_command_resumes_and_keeps_finished_runs(fake, tmp_path, capsys):
+    """Ctrl-C in the third run names the folder to --resume; the resumed command keeps the
+    two finished runs, continues the third and runs the rest."""
+    fake.interrupt_at = "paper-node-1-free"
+    assert reproduce(tmp_path / "r") == 130
+    assert f"--resume --out {tmp_path / 'r'}" in capsys.readouterr().err
+    assert reproduce(tmp_path / "r", "--resume") == 0
+    assert fake.calls[3:5] == [("paper-node-1-free", True), ("paper-node-1-abft", False)]
+    assert len(fake.calls) == 9
 
 
 def test_resume_refuses_other_settings(fake, tmp_path, capsys):

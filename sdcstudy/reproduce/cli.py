@@ -155,6 +155,9 @@ def reproduce(req: dict, shard: tuple[int, int], out: Path | None, *, resume: bo
             except NonFiniteError as e:
                 tqdm.write(f"{name}: stopped: {e}")
                 stopped[name] = str(e)
+            except KeyboardInterrupt:
+                raise KeyboardInterrupt(f"interrupted in {name}; continue with the same "
+                                        f"command and --resume --out {root}") from None
             RF.atomic_write_json(root / STOPPED, stopped)
         bar.close()
         return write_scorecard(root)
