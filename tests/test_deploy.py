@@ -585,6 +585,7 @@ def test_reproduce_array_task_runs_its_shard(fakes):
     assert result.returncode == 0, result.stderr
     out = str(fakes.root / "out" / "shard-2-of-4")
     (call,) = fakes.calls("sdcstudy")
+    assert (fakes.root / "out").is_dir()
     assert call == ["reproduce", "--preset", "small", "--nodes", "1,11", "--shard", "2/4",
                     "--out", out, "--no-progress", "--steps", "50", "--set",
                     "experiment.seed=1"]
@@ -609,6 +610,18 @@ def test_reproduce_array_merge_joins_every_shard(fakes):
     result = run_reproduce(fakes)
     assert result.returncode == 2 and "not a Slurm array task" in result.stderr
     assert len(fakes.calls("sdcstudy")) == 1
+
+
+def test_reproduce_array_runs_float32_matmuls_at_full_precision(fakes):
+    """JAX_DEFAULT_MATMUL_PRECISION is highest unless set: TF32 products would make the float32
+    ABFT run flag healthy nodes."""
+    fakes.write("sdcstudy", "#!/bin/bash\necho \"$JAX_DEFAULT_MATMUL_PRECISION\" "
+                            "> \"$FAKE_LOG/precision\"\n")
+    array = dict(SLURM_ARRAY_TASK_ID="0", SLURM_ARRAY_TASK_COUNT="1")
+    assert run_reproduce(fakes, **array).returncode == 0
+    assert (fakes.log / "precision").read_text().strip() == "highest"
+    run_reproduce(fakes, JAX_DEFAULT_MATMUL_PRECISION="high", **array)
+    assert (fakes.log / "precision").read_text().strip() == "high"
 
 
 def test_reproduce_array_passes_on_the_exit_code(fakes):

@@ -24,6 +24,9 @@
 #   SDC_DTYPE       float32 | bfloat16 (default: the preset's, float32)
 #   SDC_SHARDS      shards when not read from Slurm (default $SLURM_ARRAY_TASK_COUNT)
 #   SDC_EXTRA_ARGS  more arguments for each shard, split on spaces (e.g. "--set experiment.seed=1")
+#   JAX_DEFAULT_MATMUL_PRECISION  default highest: XLA:GPU's default multiplies float32 on TF32
+#                   tensor cores, and the float32 ABFT run (appendix D) then flags healthy
+#                   products (RESULTS.md, "On one GPU")
 #SBATCH --job-name=sdc-reproduce
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
@@ -44,6 +47,7 @@ SDC_NODES=${SDC_NODES:-all}
 SDC_STEPS=${SDC_STEPS:-}
 SDC_DTYPE=${SDC_DTYPE:-}
 SDC_EXTRA_ARGS=${SDC_EXTRA_ARGS:-}
+export JAX_DEFAULT_MATMUL_PRECISION=${JAX_DEFAULT_MATMUL_PRECISION:-highest}
 read -r -a sdc_cmd <<<"$SDC_CMD"
 read -r -a extra_args <<<"$SDC_EXTRA_ARGS"
 
