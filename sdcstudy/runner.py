@@ -122,10 +122,12 @@ def _writing(run_dir: Path):
         steps = saved_steps(run_dir / RF.CHECKPOINTS)
         last = (f"its last good checkpoint is step {steps[-1]}" if steps else
                 "it has no checkpoint yet (--resume starts it over)")
+        then = (f"{last}: make room or fix the folder, then continue with: sdcstudy run "
+                f"{run_dir / RF.CONFIG} --out {run_dir} --resume"
+                if (run_dir / RF.CONFIG).is_file() else
+                "its config.yaml is gone, so it cannot be resumed: run it again")
         raise WriteError(f"could not write run folder {str(run_dir)!r} ({doing}: "
-                         f"{write_reason(error)}); {last}: make room or fix the folder, then "
-                         f"continue with: sdcstudy run {run_dir / RF.CONFIG} --out {run_dir} "
-                         f"--resume") from None
+                         f"{write_reason(error)}); {then}") from None
 
 
 def _close_all(*closers) -> BaseException | None:
@@ -197,6 +199,8 @@ def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int
         ckpt.save(step, state, {"config_hash": config_hash(cfg), "step": step, "carried": extra})
 
     def flush():
+        if writes:
+            runlock.check(run_dir)
         writer.flush()
         if board:
             board.flush()

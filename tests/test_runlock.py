@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +76,18 @@ def test_a_new_folder_left_empty_by_a_failure_is_removed(tmp_path):
         with runlock.hold(folder, create=True):
             raise RuntimeError("the run failed before writing anything")
     assert not folder.exists()
+
+
+def test_a_held_folder_that_vanished_is_noticed(tmp_path):
+    # Writers that make missing parents (orbax, atomic writes) would carry on into a new,
+    # empty folder; the runner checks at every checkpoint that its folder is still the one held.
+    folder = tmp_path / "run"
+    with runlock.hold(folder, create=True):
+        runlock.check(folder)
+        shutil.rmtree(folder)
+        folder.mkdir()
+        with pytest.raises(FileNotFoundError, match="removed or replaced"):
+            runlock.check(folder)
 
 
 # --- two processes ------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from sdcstudy.core.errors import UserError
 
 LOCK = ".lock"
 PID_WAIT_S = 1.0  # how long a refused writer waits for a new holder to write its pid
+_held_here: dict[Path, int] = {}  # folder -> its lock's descriptor, for `check`
 PEEK_RETRIES = 4  # tries, 50 ms apart, before a lock counts as held (`holder` looks briefly)
 
 
@@ -123,6 +124,21 @@ def _acquire(path: Path, what: str) -> int:
         os.close(fd)
 
 
+def check(path: Path) -> None:
+    """Raise FileNotFoundError when the folder this process holds was removed or replaced
+    (writers that make missing parents would otherwise carry on into a new, empty one)."""
+    fd = _held_here.get(Path(path).resolve())
+    if fd is None:
+        return
+    try:
+        same = os.stat(Path(path) / LOCK).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:
+        raise FileNotFoundError(errno.ENOENT, "it was removed or replaced while this process "
+                                              "wrote it")
+
+
 def _release(path: Path, fd: int) -> None:
     with contextlib.suppress(FileNotFoundError):  # removed while still locked: no one else
         (path / LOCK).unlink()                     # can take the old file meanwhile
@@ -162,12 +178,14 @@ def hold(path: Path, create: bool, what: str = "run folder",
             raise UserError(f"cannot write {what} {str(path)!r} ({e.strerror}).") from None
         raise
     failed = True
+    _held_here[path.resolve()] = fd
     try:
         if create:
             _check_new(path, what, hint)  # filled between the first check and the lock
         yield path
         failed = False
     finally:
+        del _held_here[path.resolve()]
         _release(path, fd)
         if made and failed:
             with contextlib.suppress(OSError):
