@@ -20,12 +20,13 @@ spike, with its damage in TA and DP. Results in DIR: report/ (report.md with Tab
 loss-spike table and Figure 7), finetune_qa.md and finetune_qa.csv (Table 3), the run
 folders. About 10 minutes on 2 idle CPU cores (20 on a loaded machine).
 
-Measured (defaults, 2 shared CPU cores): Table 3 TA (DP) healthy 93.40 (-); other seed 92.60
-(3.00); paper-node-1 51.40 (43.40) and paper-node-10 45.00 (49.80), both with loss spikes
-(their per-element severities, up to ~100x, are far stronger for a 64-wide model than for
-Mistral-7B); mantissa-noise 94.40 (1.40), no spike; late-update-corruption 0.00 (100.00), a
-loss spike at steps 181-200 of up to 21 nats: the damaged model no longer writes an answer
-letter, as Ma et al.'s node 6 on CosmosQA.
+Measured (defaults, 2 shared CPU cores, 2026-11-25, RESULTS.md): Table 3 TA (DP) healthy
+93.00 (-); other seed 92.60 (3.40); paper-node-1 93.40 (1.20) and paper-node-10 93.80 (3.20),
+no loss spike (the paper nodes' faults are small additive errors, docs/faults.md: their DP is
+not larger than the other seed's, as in Ma et al.'s Table 3); mantissa-noise 93.40 (2.80), no
+spike; late-update-corruption 42.60 (52.40), a loss spike at steps 181-200 of up to 15 nats.
+The healthy row is the healthy node of the first run read (paper-node-1's), whose bits leave
+the healthy run's (TA 91.40) at step 3 when the suspect's profile has a `grad` or `update` spec.
 """
 
 from __future__ import annotations
