@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
 def fault_profiles(folder: Path) -> dict[str, str]:
     """`suspect.profile` per variant; the rate-0 and idle profiles are written to `folder`.
 
-    Both put one `scale` spec (the paper nodes' kind) at each of the paper's four sites.
+    Both put one `additive` spec (the paper nodes' kind, docs/faults.md) at each of the
+    paper's four sites.
     Rate 0 makes `Profile.healthy` true, so no injector is built; the idle specs have a rate
     but a `steps` pattern listing no step, so every draw happens and none lands.
     """
@@ -39,7 +40,7 @@ def fault_profiles(folder: Path) -> dict[str, str]:
     from sdcstudy.faults.profiles import SITES
 
     def write(name: str, rate: float, pattern: dict | None) -> str:
-        specs = [{"site": site, "kind": "scale", "rate": rate, "scale": [0.25, 1.0],
+        specs = [{"site": site, "kind": "additive", "rate": rate, "scale": [2.0 ** -8, 1.0],
                   **({"pattern": pattern} if pattern else {})} for site in SITES]
         path = folder / f"{name}.yaml"
         path.write_text(yaml.safe_dump({"name": name, "specs": specs}, sort_keys=False))
