@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 # pytest-xdist workers; each test module compiles its own tiny models.
 WORKERS ?= 2
 
-.PHONY: demo test install install-test clean
+.PHONY: demo test test-fast install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,14 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --durations=15 tests
+
+# The quick tier for the inner loop (README "Tests: two tiers"): the unit-level modules, less
+# their end-to-end runs marked slow. `make test` runs these too, slow ones included.
+FAST_TESTS := $(addprefix tests/test_,$(addsuffix .py,config architecture fault_model tables \
+	runlock report report_bits_abft fleet deploy gpu_acceptance paft_checks hostmem reproduce))
+
+test-fast: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --durations=10 -m "not slow" $(FAST_TESTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

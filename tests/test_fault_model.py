@@ -125,6 +125,7 @@ def _paired_run(tmp_path, mode: str, node: int, steps: int) -> tuple[dict, list[
     return summary, RF.read_jsonl(out / RF.METRICS)
 
 
+@pytest.mark.slow
 def test_paramsync_wcnts_is_in_figure5_band(tmp_path):
     """RQ2: node 1's gradient noise is a few percent of the gradient, as in Figure 5 (0.037),
     not the orders of magnitude a multiplicative model of Table 2's severities gave."""
@@ -132,6 +133,7 @@ def test_paramsync_wcnts_is_in_figure5_band(tmp_path):
     assert WCNTS[1] / 3 <= summary["wcnts"] <= WCNTS[1] * 3, summary["wcnts"]
 
 
+@pytest.mark.slow
 def test_free_running_loss_stays_within_two_percent_while_parameters_drift(tmp_path):
     """RQ3 (Figure 6): node 11, the busiest, changes the loss by under 2% at every step while
     the parameters move apart."""

@@ -232,27 +232,3 @@ def test_free_running_diverges_and_keeps_diverging(tmp_path):
         _cfg("experiment.mode=free", f"suspect.profile={path}", "mesh.dp=1",
              "model.n_layers=1"), 3)]
     assert diffs[0] == 0 < diffs[1] and diffs[-1] > 0  # step 1: warm-up learning rate 0
-
-
-def test_demo_config_file_is_what_the_demo_runs():
-    from pathlib import Path
-
-    from sdcstudy import demo
-
-    path = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
-    assert C.to_dict(C.load(path)) == C.to_dict(C.from_dict(demo.DEMO))
-
-
-def test_demo_leaves_both_run_folders_and_prints_the_table(tmp_path, capsys):
-    from sdcstudy import demo
-
-    result = demo.main(tmp_path / "demo", steps=3, progress=False)
-    printed = capsys.readouterr().out
-    for site in SITE_NAMES:
-        assert f"| {site} |" in printed
-    assert "WCNTS" in printed
-    lock, sync = (tmp_path / "demo" / name for name in ("lockstep", "paramsync"))
-    assert (lock / "mismatch.png").stat().st_size > 0 and (lock / RF.MISMATCH).exists()
-    assert RF.json_load(sync / RF.SUMMARY)["wcnts"] == result["paramsync"]["wcnts"]
-    # the suspect did corrupt something, and lock-step found exactly that much
-    assert 0 < result["lockstep"]["faults/landed"] == sum(result["lockstep"]["mismatches"].values())

@@ -154,6 +154,7 @@ def _steps(folder: Path) -> list[int]:
     return [row["step"] for row in RF.read_jsonl(folder / RF.METRICS)]
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_on_one_folder(group, tmp_path):
     out = tmp_path / "run"
     procs = [group.start("run", "configs/tiny.yaml", *TINY, "--out", str(out))
@@ -170,6 +171,7 @@ def test_two_runs_started_together_on_one_folder(group, tmp_path):
     assert not (out / runlock.LOCK).exists()
 
 
+@pytest.mark.slow
 def test_two_resumes_together_one_is_refused(group, tmp_path):
     out = tmp_path / "run"
     group.start("run", "configs/tiny.yaml", *TINY, "--set", "experiment.steps=6",
@@ -182,6 +184,7 @@ def test_two_resumes_together_one_is_refused(group, tmp_path):
     assert _steps(out) == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 def test_a_killed_run_does_not_block_its_resume(group, tmp_path):
     out = tmp_path / "run"
     proc = group.start("run", "configs/tiny.yaml", *TINY, "--set", "experiment.steps=100000",
@@ -205,6 +208,7 @@ def test_a_killed_run_does_not_block_its_resume(group, tmp_path):
 # --- a write that fails -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["checkpoint", "table"])
 def test_a_failed_write_ends_with_one_sentence_and_resume_completes(where, tmp_path,
                                                                    monkeypatch, capsys):
