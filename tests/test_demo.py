@@ -26,5 +26,7 @@ def test_demo_leaves_both_run_folders_and_prints_the_table(tmp_path, capsys):
     lock, sync = (tmp_path / "demo" / name for name in ("lockstep", "paramsync"))
     assert (lock / "mismatch.png").stat().st_size > 0 and (lock / RF.MISMATCH).exists()
     assert RF.json_load(sync / RF.SUMMARY)["wcnts"] == result["paramsync"]["wcnts"]
-    # the suspect did corrupt something, and lock-step found exactly that much
-    assert 0 < result["lockstep"]["faults/landed"] == sum(result["lockstep"]["mismatches"].values())
+    # the suspect did corrupt something at the compared sites, and lock-step found exactly that
+    # much (its weight-gradient faults are not compared: docs/faults.md)
+    assert 0 < result["faults_at_sites"] == sum(result["lockstep"]["mismatches"].values())
+    assert result["lockstep"]["faults/landed"] > result["faults_at_sites"]
