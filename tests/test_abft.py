@@ -175,7 +175,7 @@ def _located(frame, faults, paired=True):
     return flagged, truth
 
 
-def test_healthy_float32_steps_have_no_flags_and_follow_the_contract(runs):
+def test_healthy_float32_steps_have_no_flags_and_follow_the_documented_columns(runs):
     summary, run = runs["lockstep"]
     frame = run.abft
     assert list(frame.columns[:9]) == list(report.ABFT_COLUMNS)

@@ -173,7 +173,7 @@ def test_pass_logs_and_leaves_the_node(fakes):
     assert any("PASS" in call[-1] for call in fakes.calls("logger"))
 
 
-def test_check_is_called_as_the_contract_says(fakes):
+def test_check_is_called_as_the_docs_say(fakes):
     """golden check GOLDEN --device all --json F --junit F, with F in SDC_REPORT_DIR."""
     run_slurm(fakes, 0)
     (call,) = fakes.calls("sdcstudy")

@@ -102,7 +102,7 @@ def test_seeds_change_noise_not_determinism(sync4):
 
 
 def test_overlap_dynamic_run_folder(tmp_path):
-    """PAFT-Dyn with overlap through `sdcstudy run`'s loop: the metrics the contract names, the
+    """PAFT-Dyn with overlap through `sdcstudy run`'s loop: the metrics docs/metrics.md names, the
     error estimate from the divergence, H from the SNR, and one step of divergence right
     after each overlapped average."""
     from sdcstudy import runner

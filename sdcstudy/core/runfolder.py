@@ -21,7 +21,7 @@ CONFIG, ENV, METRICS, SUMMARY, CHECKPOINTS = (
     "config.yaml", "env.json", "metrics.jsonl", "summary.json", "checkpoints")
 FAULTS, MISMATCH, ABFT = "faults.parquet", "mismatch.parquet", "abft.parquet"
 
-# Contract columns of the Parquet tables.
+# Columns of the Parquet tables (README's run-folder table, docs/metrics.md).
 FAULT_COLUMNS = ("step", "microstep", "layer", "site", "tp_rank", "node", "kind", "bit",
                  "flat_index", "original", "corrupted")
 MISMATCH_COLUMNS = ("step", "microstep", "layer", "site", "tp_rank", "mismatches", "elements",

@@ -1,7 +1,7 @@
 """Scorecard rows of a lock-step run (RQ1): Tables 1 and 2 per site, Tables 6-9 per layer.
 
 Frequencies and severities come from `report.tables` (the run's mismatch table, by the
-contract's formulas) with the published values beside them; the bands are `bands`'. Imports
+formulas of docs/metrics.md) with the published values beside them; the bands are `bands`'. Imports
 no JAX.
 """
 
