@@ -56,13 +56,6 @@ def _check_resumable(root: Path, request: dict) -> None:
                         f"{', '.join(changed)}; run the same command with --resume.")
 
 
-def _finished(run_dir: Path) -> bool:
-    if not (run_dir / RF.SUMMARY).is_file():
-        return False
-    summary = RF.json_load(run_dir / RF.SUMMARY)
-    return summary.get("steps_done") == summary.get("steps")
-
-
 def sweep(config_path, profiles: list[str], out: Path | None = None, overrides=(), *,
           resume: bool = False, progress: bool = True, echo=print) -> dict:
     """Run `config_path` once per suspect profile, then report; returns {"root", "runs",
@@ -99,7 +92,7 @@ def sweep(config_path, profiles: list[str], out: Path | None = None, overrides=(
         for i, (name, (profile, cfg)) in enumerate(configs.items(), 1):
             run_dir = root / name
             run_dirs.append(run_dir)
-            if resume and _finished(run_dir):
+            if resume and RF.finished(run_dir):
                 echo(f"[{i}/{len(configs)}] {profile}: finished earlier, kept ({run_dir})")
                 continue
             echo(f"[{i}/{len(configs)}] {profile}: {mode}, {cfg.experiment.steps} steps -> "

@@ -168,6 +168,15 @@ def json_load(path: Path):
         return json.load(f)
 
 
+def finished(run_dir: Path) -> bool:
+    """A run folder whose summary.json says it ran every step (what `sweep --resume` and
+    `reproduce --resume` keep)."""
+    if not (Path(run_dir) / SUMMARY).is_file():
+        return False
+    summary = json_load(Path(run_dir) / SUMMARY)
+    return summary.get("steps_done") == summary.get("steps")
+
+
 def table_parts(path: Path) -> list[Path]:
     """The part files of a table folder, in the order they were written (their numbers are
     zero-padded, so this is also the order `pd.read_parquet` reads them in)."""
@@ -211,7 +220,7 @@ class TableLog:
 
     On resume (`keep_below_step`) the rows of steps from it on are dropped, as the steps will
     be redone: later parts are deleted, last first, and the one part that holds both kinds is
-    rewritten; the rest is never read beyond its step column. Without `keep_below_step` an
+    rewritten; the earlier parts are not read. Without `keep_below_step` an
     existing table is replaced. A run folder's single-file table (written before tables were
     appended) becomes the folder's first part.
     """
@@ -305,8 +314,8 @@ class TableLog:
             if len(steps) == 0:
                 continue
             kept = pc.sum(pc.less(steps, step)).as_py() or 0
-            if kept == len(steps):
-                continue
+            if kept == len(steps):  # parts hold steps in order: the earlier ones are kept too
+                break
             if kept == 0 and i > 0:  # the first part stays, if empty, to hold the columns
                 parts[i].unlink()
                 continue

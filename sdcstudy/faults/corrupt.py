@@ -90,7 +90,8 @@ def _draws(key, spec: FaultSpec, rate, shape, width):
         lo, hi = spec.scale
         log_r = jax.random.uniform(k_value, shape, jnp.float32, math.log(lo), math.log(hi))
         sign = jnp.where(jax.random.bernoulli(k_sign, 0.5, shape), 1.0, -1.0)
-        return hit, (spec.kind == "scale") + sign * jnp.exp(log_r)
+        error = sign * jnp.exp(log_r)
+        return hit, 1 + error if spec.kind == "scale" else error
     if spec.kind == "random":
         return hit, spec.value_std * jax.random.normal(k_value, shape, jnp.float32)
     if spec.kind == "inf":

@@ -11,10 +11,8 @@ Each table is {(layer, site): one value per node of its column tuple}; layers ar
 1 to 16. The tables leave out the nodes with no mismatch in that direction: Tables 6 and 8
 have the columns of `FWD_NODES`, Tables 7 and 9 those of `BWD_NODES`.
 
-Parsed from a text extraction of the paper, in which every table has all 16 layer rows. An
-earlier extraction was reported to have lost Table 6's layer-1 row; it is present here
-(node 1: 2.84e-5 and 5.17e-7), and with it the 16-layer averages of Table 6 reproduce Table 1
-to the rounding of the printed values, which they would not without it.
+Every table has all 16 layer rows; Table 6's layer-1 row (node 1: 2.84e-5 and 5.17e-7) is
+what makes its 16-layer averages reproduce Table 1 to the rounding of the printed values.
 
 Where the paper disagrees with itself, beyond the rounding of its printed digits (three
 significant digits; tests/test_reproduce.py finds exactly `SELF_DISAGREEMENTS`):

@@ -145,7 +145,7 @@ def reproduce(req: dict, shard: tuple[int, int], out: Path | None, *, resume: bo
             name = entry["name"]
             run_dir = root / RUNS / name
             bar.set_postfix_str(name)
-            if resume and P.finished(run_dir):
+            if resume and RF.finished(run_dir):
                 tqdm.write(f"{name}: finished earlier, kept")
                 continue
             try:
@@ -172,7 +172,7 @@ def write_scorecard(root: Path) -> dict:
     manifest = read_manifest(root)
     plan = manifest["plan"]
     runs = {e["name"]: load_run(root / RUNS / e["name"], strict=False) for e in plan
-            if P.finished(root / RUNS / e["name"])}
+            if RF.finished(root / RUNS / e["name"])}
     rows = S.build(plan, runs, _stopped(root))
     result = S.write(root, rows, manifest["request"])
     by_mode = {mode: {f"Node {e['node']}": runs[e["name"]] for e in plan
@@ -206,7 +206,7 @@ def merge(dirs: list[Path], out: Path) -> dict:
     for d in dirs:
         for entry in first["plan"]:
             name = entry["name"]
-            if P.finished(d / RUNS / name):
+            if RF.finished(d / RUNS / name):
                 if name in found:
                     raise UserError(f"run {name} finished in both {str(found[name])!r} and "
                                     f"{str(d)!r}: the shards overlap; merge each shard once.")

@@ -16,10 +16,8 @@ steps, the onset), so the scorecard needs no profile, and no JAX, to judge it.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from sdcstudy.core import config as C
-from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import UserError
 from sdcstudy.faults import published as PB
 
@@ -181,10 +179,3 @@ def _finite(value):
         return None
     return value
 
-
-def finished(run_dir: Path) -> bool:
-    """A run folder whose summary.json says it ran every step (as `sdcstudy sweep` counts)."""
-    if not (Path(run_dir) / RF.SUMMARY).is_file():
-        return False
-    summary = RF.json_load(Path(run_dir) / RF.SUMMARY)
-    return summary.get("steps_done") == summary.get("steps")
