@@ -26,7 +26,7 @@ from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
 from sdcstudy.core.checkpoint import Checkpointer, CheckpointWriteError, saved_steps, write_reason
 from sdcstudy.core.config import Config, UserError
-from sdcstudy.core.train import NonFiniteError, compile_step
+from sdcstudy.core.train import STEP_ONLY, NonFiniteError, compile_step
 
 # Sections that change how a run is watched, not what it computes: left out of the hash that
 # ties a checkpoint to its configuration, and free to change on --resume.
@@ -223,6 +223,8 @@ def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int
         for key, value in step_counters.items():
             if key == "bit_histograms":
                 MX.merge_histograms(histograms, value)
+            elif key == STEP_ONLY:  # this step's values, not summed over the run
+                values.update(value)
             else:
                 counters[key] = counters.get(key, 0) + value
                 values[key] = value

@@ -56,12 +56,19 @@ def expected(out) -> dict[tuple[int, str], float]:
 
 def test_event_files_hold_every_metric_of_every_step(tmp_path):
     out = tmp_path / "run"
-    runner.run(C.from_dict(CONFIG), out, progress=False)
+    runner.run(C.from_dict(CONFIG, ["experiment.mode=lockstep", "suspect.profile=paper-node-11"]),
+               out, progress=False)
     logged = scalars(read_events(out / TB.FOLDER))
     want = expected(out)
     assert {step for step, _ in want} == {1, 2, 3, 4}
     assert {"loss/healthy", "grad/norm"} <= {key for _, key in want}
     assert logged == want
+    # The live view's mismatch frequency per site is the step's mismatch table, eqs. (1)-(2).
+    table = RF.read_table(out / RF.MISMATCH)
+    sums = table.groupby(["step", "site"])[["mismatches", "elements"]].sum()
+    assert len(sums) == 4 * 4 and sums["mismatches"].sum() > 0  # steps x sites
+    for (step, site), row in sums.iterrows():
+        assert want[(step, f"freq/{site}")] == float(np.float32(row.mismatches / row.elements))
 
 
 def test_a_resumed_run_shows_each_step_once(tmp_path):

@@ -71,6 +71,8 @@ class StepRunner:
         (faults landed, lock-step mismatches)."""
         import jax
 
+        from sdcstudy.core.train import STEP_ONLY
+
         out = []
         for _ in range(n):
             self.run(1)
@@ -78,7 +80,7 @@ class StepRunner:
             _, counters = self.trainer.host_tables(step, jax.device_get(self.extras))
             counters.pop("bit_histograms", None)
             out.append({**{k: float(v) for k, v in jax.device_get(self.metrics).items()},
-                        **counters})
+                        **counters.pop(STEP_ONLY, {}), **counters})
         return out
 
     def memory(self) -> dict | None:

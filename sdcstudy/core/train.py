@@ -28,6 +28,9 @@ from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.sites import Hook, identity_hook
 
 
+STEP_ONLY = "step_only"  # a host_tables counter: values of this step, not summed (see there)
+
+
 class NonFiniteError(RuntimeError):
     """The loss became NaN or Inf."""
 
@@ -175,7 +178,10 @@ class Trainer:
     TABLES: ClassVar[tuple[str, ...]] = ()
 
     def host_tables(self, step: int, extras) -> tuple[dict, dict]:
-        """Host side, one step: rows for the run folder's tables, and counters (none here)."""
+        """Host side, one step: rows for the run folder's tables, and counters (none here).
+        The runner sums each counter over the run into summary.json and writes this step's in
+        metrics.jsonl, but for `STEP_ONLY`, a dict of values that are this step's only
+        (metrics.jsonl), and `bit_histograms`, which it merges."""
         del step, extras
         return {}, {}
 

@@ -54,7 +54,10 @@ class PairedMode(Mode):
 class LockstepMode(PairedMode):
     name = "lockstep"
     description = "RQ1: compare the suspect with the healthy node at every site, then correct it"
-    metrics = {**METRICS, "mismatches": "mismatching elements over every site this step"}
+    metrics = {**METRICS, "mismatches": "mismatching elements over every site this step",
+               "freq/<site>": "mismatch frequency of the site this step, eqs. (1)-(2): "
+                              "mismatching elements / elements compared, over microsteps, "
+                              "layers and tp ranks"}
     summary = {**SUMMARY, **LOCKSTEP_SUMMARY}
 
 

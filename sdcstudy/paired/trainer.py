@@ -42,7 +42,7 @@ from sdcstudy.core import runfolder as RF
 from sdcstudy.core import sites as S
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.train import (
-    accumulate_gradients, apply_update, learning_rate_schedule, make_optimizer)
+    STEP_ONLY, accumulate_gradients, apply_update, learning_rate_schedule, make_optimizer)
 
 PAIRED_MODES = ("lockstep", "paramsync", "free")
 SYNCED_MODES = ("lockstep", "paramsync")
@@ -125,6 +125,16 @@ def _node_pair(x):
 def _clip(grads, norm, max_norm):
     """Global-norm clipping with the norm of the whole sharded gradient (optax's formula)."""
     return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, (g / norm) * max_norm), grads)
+
+
+def site_frequencies(rows: list[dict]) -> dict:
+    """{"freq/<site>": mismatching elements / elements compared} of one step's mismatch rows:
+    eqs. (1)-(2) over the step's microsteps, layers and tp ranks (docs/metrics.md)."""
+    totals = {}
+    for r in rows:
+        n, e = totals.get(r["site"], (0, 0))
+        totals[r["site"]] = (n + int(r["mismatches"]), e + int(r["elements"]))
+    return {f"freq/{site}": n / e for site, (n, e) in totals.items() if e}
 
 
 @dataclass
@@ -314,6 +324,7 @@ class PairedTrainer:
                     hist[site] = hist.get(site, 0) + np.asarray(counts, np.int64)
             tables[RF.MISMATCH] = rows
             counters["mismatches"] = int(sum(r["mismatches"] for r in rows))
+            counters[STEP_ONLY] = site_frequencies(rows)
             counters["bit_histograms"] = hist
         if self.injector is not None:
             landed, overflow = [], 0
