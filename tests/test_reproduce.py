@@ -20,6 +20,7 @@ from sdcstudy.faults import published_layers as PL
 from sdcstudy.report.runs import Run
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import cli as RC
+from sdcstudy.reproduce import findings as F
 from sdcstudy.reproduce import mismatch_rows as M
 from sdcstudy.reproduce import plan as P
 from sdcstudy.reproduce import scorecard as S
@@ -246,6 +247,69 @@ def test_figure10_frequently_on_node_14_little_elsewhere():
     assert row(1, half).verdict == "fail"
     assert row(14, ()).verdict == "fail"
     assert row(1, ()).verdict == "pass"
+
+
+# --- findings: why a failing row fails ----------------------------------------------------------
+
+
+def fault_rows(steps, site="grad/layers/0/attn/wq", kind="additive", bit=-1) -> pd.DataFrame:
+    return pd.DataFrame({"step": list(steps), "site": site, "kind": kind, "bit": bit})
+
+
+def with_faults(run: Run, faults: pd.DataFrame) -> Run:
+    run.faults = faults
+    return run
+
+
+def test_findings_explain_severity_rows_by_the_units_their_maximum_spans():
+    """A failing Table 2 row names the units its maximum spans and on which side of the band it
+    lies; a passing row gets no why."""
+    run = lockstep_run(NODE1_FREQ, {"fwd/attn": 99 / 4, "bwd/attn": 7392 * 2.5})
+    rows = F.explain(M.site_rows(1, "n", run, entry()), entry(), run)
+    (low,) = [r for r in rows if r.source == "Table 2" and r.quantity == "fwd/attn"]
+    assert low.verdict == "fail" and "5.3" in low.why and "below" in low.why
+    assert "largest of 20 (step, microstep, layer, rank) units" in low.why  # 10 steps x 2 layers
+    (ok,) = [r for r in rows if r.source == "Table 2" and r.quantity == "bwd/attn"]
+    assert ok.verdict == "pass" and ok.why == ""
+    high = lockstep_run(NODE1_FREQ, {"fwd/attn": 99 * 4})
+    (row,) = [r for r in F.explain(M.site_rows(1, "n", high, entry()), entry(), high)
+              if r.source == "Table 2" and r.quantity == "fwd/attn"]
+    assert "5.3" in row.why and "above" in row.why
+
+
+def test_findings_tell_the_wcnts_overshoots_apart_and_leave_others_unexplained():
+    """Figure 5 above its band: from Table 1's faults alone (no weight-gradient fault), from a
+    few corruptions a step, from last-bit flips; with many corruptions a step no finding
+    covers it, and the scorecard counts it as unexplained."""
+    def row(faults, landed):
+        run = with_faults(paired_run("paramsync", {"grad/nts": [0.5, 0.5]}, landed), faults)
+        e = entry(mode="paramsync", steps=2)
+        return F.explain([TR.figure5_row(1, "n", run, e)], e, run)[0]
+
+    table1 = row(fault_rows([1, 2], site="fwd/attn"), landed=10)
+    assert table1.verdict == "fail" and "5.1" in table1.why and "Table 1" in table1.why
+    few = row(fault_rows([1, 2]), landed=10)
+    assert "small gradient" in few.why and "5 corruptions a step" in few.why
+    flips = row(fault_rows([1], kind="bitflip", bit=0), landed=1)
+    assert "5.2" in flips.why
+    many = row(fault_rows([1, 2]), landed=2 * int(F.FEW_FAULTS))
+    assert many.verdict == "fail" and many.why == ""
+    assert S.unexplained([table1, few, flips, many]) == 1
+
+
+def test_findings_count_the_abft_flags_that_held_an_attention_fault():
+    """Figure 10: the why counts the flagged steps with an attention-output fault and those
+    without one."""
+    steps = 10
+    checks = abft_rows(steps, 1, 1, lambda step, micro, layer, matmul, direction, rank:
+                       matmul == "o" and direction == "fwd" and step in (2, 3, 9))
+    run = with_faults(paired_run("abft", {"loss": [3.0] * steps}, abft=checks),
+                      fault_rows([2, 3, 5], site="fwd/attn"))
+    e = entry(mode="abft", steps=steps)
+    (row,) = F.explain([TR.figure10_row(1, "n", run, e)], e, run)
+    assert row.verdict == "fail"
+    assert "flagged 2 of the 3 steps with an attention-output fault" in row.why
+    assert "and 1 step without one" in row.why
 
 
 # --- plan and shards ------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ class Row:
     reason: str = ""
     expected: float | None = None  # what the band centres on: the published number, times the
     # time pattern over this run for a frequency (`plan.expectations`)
+    why: str = ""  # for a failing row, the measured finding that explains it (`findings`)
 
 
 def num(value) -> float | None:
@@ -93,6 +94,14 @@ def within(value: float | None, lo: float, hi: float) -> bool:
 
 def interval(lo: float, hi: float) -> str:
     return f"[{g(lo)}, {g(hi)}]"
+
+
+def bounds(band: str) -> tuple[float, float] | None:
+    """(lo, hi) of a band that starts with an `interval`, else None."""
+    if not band.startswith("["):
+        return None
+    lo, _, rest = band[1:].partition(", ")
+    return num(lo), num(rest.partition("]")[0])
 
 
 def faults_landed(run) -> int:

@@ -3,7 +3,8 @@
 `build(plan, runs, stopped)` makes the rows (`bands.Row`) from the planned runs and the run
 folders that finished; `write` puts them in `scorecard.md`, `scorecard.csv` and
 `scorecard.json`. The bands and verdicts are `bands`'; the rows of each source come from
-`mismatch_rows` (Tables 1, 2, 6-9) and `training_rows` (Figures 5, 6, 10). Imports no JAX.
+`mismatch_rows` (Tables 1, 2, 6-9) and `training_rows` (Figures 5, 6, 10); a failing row that
+a measured finding explains names it (`findings`). Imports no JAX.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from sdcstudy.core import runfolder as RF
 from sdcstudy.reproduce import bands as B
+from sdcstudy.reproduce import findings as F
 from sdcstudy.reproduce import mismatch_rows as M
 from sdcstudy.reproduce import training_rows as TR
 from sdcstudy.reproduce.bands import Row
@@ -23,7 +25,7 @@ SOURCES = {"lockstep": ("Table 1", "Table 2", "Table 6", "Table 7", "Table 8", "
            "paramsync": ("Figure 5",), "free": ("Figure 6",), "abft": ("Figure 10",)}
 ORDER = [source for sources in SOURCES.values() for source in sources]
 COLUMNS = ("node", "source", "quantity", "published", "ours", "ratio", "band", "verdict",
-           "reason", "expected")
+           "reason", "expected", "why")
 
 
 def _rows_of(entry: dict, run) -> list[Row]:
@@ -51,13 +53,18 @@ def build(plan: list[dict], runs: dict, stopped: dict | None = None) -> list[Row
             rows += [Row(node, source, "-", None, None, None, "-", "not run",
                          f"{name} has not finished") for source in SOURCES[entry["mode"]]]
         else:
-            rows += _rows_of(entry, runs[name])
+            rows += F.explain(_rows_of(entry, runs[name]), entry, runs[name])
     return sorted(rows, key=lambda r: (r.node, ORDER.index(r.source)))
 
 
 def counts(rows: list[Row]) -> dict:
     """{verdict: rows}, every verdict named."""
     return {v: sum(r.verdict == v for r in rows) for v in B.VERDICTS}
+
+
+def unexplained(rows: list[Row]) -> int:
+    """Failing rows that no measured finding explains."""
+    return sum(r.verdict == "fail" and not r.why for r in rows)
 
 
 def _cell(value) -> str:
@@ -82,6 +89,9 @@ def markdown(rows: list[Row], request: dict) -> str:
         lines.append(f"| {node} | " + " | ".join(str(tally[v]) for v in B.VERDICTS) + " |")
     total = counts(rows)
     lines.append("| all | " + " | ".join(f"**{total[v]}**" for v in B.VERDICTS) + " |")
+    lines += ["", f"Of the {total['fail']} failing rows, {total['fail'] - unexplained(rows)} "
+                  f"name the measurement that explains them (docs/faults.md, section 5) and "
+                  f"{unexplained(rows)} do not."]
     for node in nodes:
         lines += ["", f"## Node {node}", "",
                   "| source | quantity | published | ours | ratio | band | verdict | reason |",
@@ -89,9 +99,10 @@ def markdown(rows: list[Row], request: dict) -> str:
         for r in rows:
             if r.node == node:
                 verdict = f"**{r.verdict}**" if r.verdict == "fail" else r.verdict
+                reason = f"{r.reason}. Why: {r.why}" if r.why else r.reason
                 lines.append(f"| {r.source} | {r.quantity} | {_cell(r.published)} "
                              f"| {_cell(r.ours)} | {_cell(r.ratio)} | {r.band} | {verdict} "
-                             f"| {r.reason} |")
+                             f"| {reason} |")
     return "\n".join(lines) + "\n"
 
 
@@ -104,5 +115,6 @@ def write(root: Path, rows: list[Row], request: dict) -> dict:
     frame = pd.DataFrame([asdict(r) for r in rows], columns=list(COLUMNS))
     RF.atomic_write_text(root / CSV, frame.to_csv(index=False, float_format="%.6g"))
     RF.atomic_write_json(root / JSON, {"request": request, "counts": counts(rows),
+                                       "unexplained": unexplained(rows),
                                        "rows": [asdict(r) for r in rows]})
     return {"markdown": text, "counts": counts(rows)}
