@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from sdcstudy import cli
+from sdcstudy.core import metrics as MX
 from sdcstudy.core import runfolder as RF
 from sdcstudy.report.writer import REPORT
 
@@ -119,6 +120,50 @@ def test_memory_is_bounded_by_one_flush(tmp_path):
         assert log.pending_rows < 10
     assert len(RF.table_parts(tmp_path / "t.parquet")) == 3
     assert len(log.frame()) == 28
+
+
+def test_site_aggregates_part_by_part_equal_eqs_1_to_4_on_the_whole_table(tmp_path):
+    """A paired run's summary sums its mismatch table up one part at a time; with parts cut in
+    the middle of steps (flushes forced by max_pending_rows) and rows still waiting, it gives
+    eqs. (1)-(4) computed here on every row at once."""
+    rng = random.Random(0)
+    log = RF.TableLog(tmp_path / "m.parquet", RF.MISMATCH_COLUMNS, keep_below_step=1,
+                      max_pending_rows=37)
+    rows = []
+    for step in range(1, 7):
+        for micro in range(2):
+            for layer in range(3):
+                for site in MX.SITES:
+                    for rank in range(2):
+                        n = rng.choice([0, 0, rng.randint(1, 50)])
+                        rows.append({"step": step, "microstep": micro, "layer": layer,
+                                     "site": site, "tp_rank": rank, "mismatches": n,
+                                     "elements": 1000 + rank, "severity": rng.random() * n,
+                                     "max_rel_err": 0.0, "nonfinite": rng.randint(0, 1)})
+    for row in rows:  # one at a time: a part ends wherever 37 rows wait, mid-step
+        log.extend([row])
+    parts = list(log.frames(MX.AGGREGATE_COLUMNS))
+    assert {len(set(part["step"])) for part in parts} >= {2} and log.pending_rows > 0
+    got = MX.site_aggregates_of_parts(iter(parts))
+    for site in MX.SITES:
+        mine = [r for r in rows if r["site"] == site]
+        micro_freqs = []
+        for step in range(1, 7):
+            for micro in range(2):
+                layer_freqs = []
+                for layer in range(3):
+                    cell = [r for r in mine if (r["step"], r["microstep"], r["layer"]) ==
+                            (step, micro, layer)]
+                    layer_freqs.append(sum(r["mismatches"] for r in cell)
+                                       / sum(r["elements"] for r in cell))
+                micro_freqs.append(sum(layer_freqs) / len(layer_freqs))
+        assert got["freq"][site] == pytest.approx(sum(micro_freqs) / len(micro_freqs), rel=1e-12)
+        assert got["max_severity"][site] == max(r["severity"] for r in mine)
+        assert got["mismatches"][site] == sum(r["mismatches"] for r in mine)
+        assert got["nonfinite"][site] == sum(r["nonfinite"] for r in mine)
+    whole = MX.site_aggregates(log.frame())
+    for key, values in got.items():
+        assert whole[key] == pytest.approx(values, rel=1e-12), key
 
 
 def test_metrics_reach_the_disk_while_the_run_goes_on(tmp_path, monkeypatch):
@@ -234,7 +279,7 @@ def test_bench_logging_small(tmp_path, capsys):
     (result,) = report["results"]
     assert result["rows"] == 12 * 64 and len(result["flush_s"]) == 3  # steps 5, 10, 12
     assert result["peak_rss_mb"] > 0 and result["first_flush_s"] > 0 < result["last_flush_s"]
-    assert result["pending_rows_after_flush"] == 0
+    assert result["pending_rows_after_flush"] == 0 and result["summary_s"] > 0
     assert {g["name"] for g in report["goals"]} == {"logging.peak_rss_mb",
                                                    "logging.last_over_first_flush"}
     frame = RF.read_table(tmp_path / "tables" / RF.MISMATCH)

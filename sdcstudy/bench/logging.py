@@ -6,9 +6,10 @@ drives the path the host loop takes (`runfolder.TableLog` for mismatch.parquet w
 `MISMATCH_COLUMNS`, `runfolder.MetricsWriter` for metrics.jsonl) with rows like a lock-step
 run's, flushing every 100 steps as a run that checkpoints that often does, and reports the
 process's peak RSS and the wall seconds of the first and the last flushes (`first_flush_s`,
-`last_flush_s`: each the median of up to five, and their CPU seconds beside). A table kept whole in
-memory and rewritten at each flush grows both with the run's length; an appended one keeps
-both flat. Imports no JAX.
+`last_flush_s`: each the median of up to five, and their CPU seconds beside), then sums the table
+up per site as the run's end does for summary.json (`summary_s`; `metrics.site_aggregates_of_parts`
+over the parts, within the same peak RSS). A table kept whole in memory and rewritten at each
+flush grows both with the run's length; an appended one keeps both flat. Imports no JAX.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 
 from sdcstudy.bench import common as B
 from sdcstudy.bench.goals import goal
+from sdcstudy.core import metrics as MX
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.errors import UserError
 
@@ -115,6 +117,10 @@ def measure(folder: Path, steps: int, rows_per_step: int, flush_every: int,
             echo(f"step {step:,}/{steps:,}: flush {flush_s[-1]:.3f} s, RSS "
                  f"{rss_after_flush[-1] or 0:,.0f} MiB")
     writer.close()
+    began = time.perf_counter()
+    aggregates = MX.site_aggregates_of_parts(table.frames(MX.AGGREGATE_COLUMNS))
+    summary_s = time.perf_counter() - began
+    echo(f"summary: {summary_s:.1f} s, {sum(aggregates['mismatches'].values()):,} mismatches")
     edge = max(1, min(EDGE_FLUSHES, len(flush_s) // 3))
     return {"steps": steps, "rows_per_step": rows_per_step, "flush_every": flush_every,
             "rows": steps * rows_per_step, "wall_s": time.perf_counter() - start,
@@ -123,6 +129,7 @@ def measure(folder: Path, steps: int, rows_per_step: int, flush_every: int,
             "last_flush_s": statistics.median(flush_s[-edge:]),
             "first_flush_cpu_s": statistics.median(flush_cpu_s[:edge]),
             "last_flush_cpu_s": statistics.median(flush_cpu_s[-edge:]),
+            "summary_s": summary_s,
             "flush_s": flush_s, "flush_cpu_s": flush_cpu_s, "rss_mb_after_flush": rss_after_flush,
             "table_mb": _size(folder / RF.MISMATCH) / 2**20,
             "pending_rows_after_flush": getattr(table, "pending_rows", None)}
@@ -143,12 +150,14 @@ def logging_goals(result: dict) -> list[dict]:
 
 
 def table(result: dict) -> str:
-    return ("| steps | rows/step | rows | flushes | first flush s | last flush s | peak RSS MiB "
-            "| table MiB | wall s |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    return ("| steps | rows/step | rows | flushes | first flush s | last flush s | summary s "
+            "| peak RSS MiB | table MiB | wall s |\n"
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
             f"| {result['steps']:,} | {result['rows_per_step']:,} | {result['rows']:,} | "
             f"{len(result['flush_s'])} | {result['first_flush_s']:.3f} | "
-            f"{result['last_flush_s']:.3f} | {result['peak_rss_mb']:,.0f} | "
-            f"{result['table_mb']:,.1f} | {result['wall_s']:,.1f} |\n")
+            f"{result['last_flush_s']:.3f} | {result['summary_s']:.1f} | "
+            f"{result['peak_rss_mb']:,.0f} | {result['table_mb']:,.1f} | "
+            f"{result['wall_s']:,.1f} |\n")
 
 
 def run_logging_suite(args) -> int:

@@ -18,24 +18,55 @@ import numpy as np
 SITES = ("fwd/attn", "fwd/ffn", "bwd/attn", "bwd/ffn")
 
 
+AGGREGATE_COLUMNS = ["step", "microstep", "layer", "site", "mismatches", "elements", "severity",
+                     "nonfinite"]  # the mismatch-table columns `site_aggregates` reads
+
+
 def site_aggregates(mismatch) -> dict:
-    """{"freq": {site: f}, "max_severity": {site: s}, "mismatches": {site: n}} from a
-    mismatch.parquet DataFrame (sites without rows are left out)."""
-    out = {"freq": {}, "max_severity": {}, "mismatches": {}, "nonfinite": {}}
-    if mismatch is None or len(mismatch) == 0:
-        return out
-    for site, rows in mismatch.groupby("site", sort=False):
+    """{"freq": {site: f}, "max_severity": {site: s}, "mismatches": {site: n}, "nonfinite":
+    {site: n}} from a mismatch.parquet DataFrame (sites without rows are left out)."""
+    return site_aggregates_of_parts([mismatch] if mismatch is not None else [])
+
+
+def site_aggregates_of_parts(parts) -> dict:
+    """`site_aggregates` of a table given as DataFrames in step order (its part files), one
+    part at a time: memory holds one part and one step's rows, never the whole table, so a run
+    of the paper's 36.9 million rows sums up in the memory of a flush. A step's rows may go on
+    into the next part; they wait for it."""
+    totals = {"freq": {}, "micro": {}, "max_severity": {}, "mismatches": {}, "nonfinite": {}}
+    carry = None
+    for part in parts:
+        if carry is not None and len(carry):
+            import pandas as pd
+
+            part = pd.concat([carry, part], ignore_index=True)
+        if not len(part):
+            continue
+        last = part["step"].max()
+        _accumulate(part[part["step"] < last], totals)
+        carry = part[part["step"] == last]
+    if carry is not None:
+        _accumulate(carry, totals)
+    micro = totals.pop("micro")
+    totals["freq"] = {site: total / micro[site] for site, total in totals["freq"].items()}
+    return totals
+
+
+def _accumulate(rows, totals: dict) -> None:
+    """Adds whole steps' rows to the running sums of `site_aggregates_of_parts`."""
+    for site, group in rows.groupby("site", sort=False):
         # eq. (1): per (microstep, layer), sum over tp ranks; eq. (2): mean over layers.
-        per_layer = rows.groupby(["step", "microstep", "layer"])[["mismatches", "elements"]].sum()
+        per_layer = group.groupby(["step", "microstep", "layer"])[["mismatches", "elements"]].sum()
         freq_layer = per_layer["mismatches"] / per_layer["elements"]
         freq_micro = freq_layer.groupby(level=["step", "microstep"]).mean()
-        # eqs. (3)-(4): max over tp ranks and layers per microstep, then max over microsteps.
-        sev_micro = rows.groupby(["step", "microstep"])["severity"].max()
-        out["freq"][site] = float(freq_micro.mean())
-        out["max_severity"][site] = float(sev_micro.max())
-        out["mismatches"][site] = int(rows["mismatches"].sum())
-        out["nonfinite"][site] = int(rows["nonfinite"].sum())
-    return out
+        for key, value in (("freq", float(freq_micro.sum())), ("micro", len(freq_micro)),
+                           ("mismatches", int(group["mismatches"].sum())),
+                           ("nonfinite", int(group["nonfinite"].sum()))):
+            totals[key][site] = totals[key].get(site, 0) + value
+        # eqs. (3)-(4): max over tp ranks, layers and microsteps (NaN only where all are).
+        severity, known = float(group["severity"].max()), totals["max_severity"].get(site)
+        if known is None or math.isnan(known) or severity > known:
+            totals["max_severity"][site] = severity
 
 
 def wcnts(metric_rows: list[dict]) -> float | None:

@@ -295,6 +295,18 @@ class TableLog:
             tables.append(waiting if columns is None else waiting.select(columns))
         return _concat(tables, columns or list(self.columns))
 
+    def frames(self, columns: list[str] | None = None):
+        """The table one part at a time, as DataFrames in the order written, then the rows that
+        wait: what `frame` gives, without holding more than a part in memory."""
+        import pyarrow.parquet as pq
+
+        for part in table_parts(self.path) if self.path.is_dir() else []:
+            yield _concat([pq.read_table(part, columns=columns)], columns)
+        if self._pending:
+            waiting = self._pending_table()
+            yield _concat([waiting if columns is None else waiting.select(columns)],
+                          columns or list(self.columns))
+
     def _pending_table(self):
         import pyarrow as pa
 

@@ -19,7 +19,8 @@ def paired_summary(rows: list[dict], tables: dict, histograms: dict, dtype: str)
            "param/diff_l2": rows[-1].get("param/diff_l2") if rows else None,
            "loss_spikes": MX.loss_spikes(rows, SPIKE_THRESHOLD)}
     if RF.MISMATCH in tables:
-        out.update(MX.site_aggregates(tables[RF.MISMATCH].frame()))
+        out.update(MX.site_aggregates_of_parts(
+            tables[RF.MISMATCH].frames(MX.AGGREGATE_COLUMNS)))
         out["bit_histogram"] = bit_histogram_summary(histograms, dtype)
     return out
 
