@@ -297,6 +297,34 @@ def test_findings_tell_the_wcnts_overshoots_apart_and_leave_others_unexplained()
     assert S.unexplained([table1, few, flips, many]) == 1
 
 
+def test_findings_tell_one_batchs_scatter_from_a_lasting_loss_gap():
+    """Figure 6: a gap of 3% that alternates in sign (10-step means equal) is one batch's
+    scatter; a lasting 3% gap with only Table 1 faults is 5.5's; with weight-gradient faults
+    no finding covers it."""
+    steps = 40
+    healthy = [1.0] * steps
+    scatter = [1.0 + 0.03 * (-1) ** s for s in range(steps)]
+    lasting = [1.03] * steps
+    diff = [0.01 * s for s in range(steps)]
+
+    def row(suspect, faults):
+        run = with_faults(paired_run("free", {"loss/healthy": healthy, "loss/suspect": suspect,
+                                              "param/diff_l2": diff}), faults)
+        run.config["experiment"] = {"mode": "free", "batch_size": 8}
+        run.config["data"] = {"seq_len": 128}
+        e = entry(mode="free", steps=steps)
+        (gap,) = [r for r in F.explain(TR.figure6_rows(1, "n", run, e), e, run)
+                  if r.quantity == "loss gap"]
+        assert gap.verdict == "fail"
+        return gap.why
+
+    grad, table1 = fault_rows(range(1, steps)), fault_rows(range(1, steps), site="fwd/attn")
+    assert "5.6" in row(scatter, grad) and "1,024 tokens" in row(scatter, grad)
+    assert "within 0.0% of each other" in row(scatter, grad)
+    assert "5.5" in row(lasting, table1) and "at 100% of the steps" in row(lasting, table1)
+    assert row(lasting, grad) == ""
+
+
 def test_findings_count_the_abft_flags_that_held_an_attention_fault():
     """Figure 10: the why counts the flagged steps with an attention-output fault and those
     without one."""

@@ -21,6 +21,8 @@ from sdcstudy.reproduce.bands import Row
 # the (microstep, layer, rank) units a maximum severity of Tables 2, 8 and 9 is taken over.
 PAPER_UNITS = 4500 * 16 * 16 * 8
 FEW_FAULTS = 100.0  # corruptions a step below which a maximum over steps overshoots (5.1)
+PAPER_TOKENS = 256 * 4096  # tokens of one optimizer step in sections 5-6 (appendix B)
+SMOOTH_STEPS = 10  # the window of the loss means that set one batch's scatter aside (5.6)
 SEVERITY_SOURCES = ("Table 2", "Table 8", "Table 9")
 DOC = "docs/faults.md"
 
@@ -95,13 +97,32 @@ def last_bit(row: Row, entry: dict, run) -> str | None:
     return None
 
 
+def loss_gap_of_one_batch(row: Row, entry: dict, run) -> str | None:
+    """Figure 6's loss gap where the losses' means over a few steps stay within the band: the
+    gap is the scatter of two drifted models' losses on one small batch."""
+    if row.source != "Figure 6" or row.quantity != "loss gap":
+        return None
+    healthy = pd.to_numeric(run.metrics["loss/healthy"], errors="coerce")
+    suspect = pd.to_numeric(run.metrics["loss/suspect"], errors="coerce")
+    h, s = healthy.rolling(SMOOTH_STEPS).mean(), suspect.rolling(SMOOTH_STEPS).mean()
+    smooth = ((s - h).abs() / h.abs()).dropna()
+    if not len(smooth) or smooth.max() > B.LOSS_GAP:
+        return None
+    tokens = _tokens_per_step(run)
+    over = f"{tokens:,} tokens" if tokens else "one batch"
+    return (f"{DOC} 5.6, one batch's loss: a step's loss is the mean over {over}, the "
+            f"paper's over {PAPER_TOKENS:,} (sections 5-6), and two drifted models' losses on "
+            f"so few tokens scatter; their means over {SMOOTH_STEPS} steps stay within "
+            f"{smooth.max():.1%} of each other ({_suspect_above(run)})")
+
+
 def loss_gap_from_table1(row: Row, entry: dict, run) -> str | None:
     """Figure 6's loss gap on a node whose Table 1 rates give its WCNTS on their own."""
     if row.source != "Figure 6" or row.quantity != "loss gap" or _weight_gradient_faults(run):
         return None
     return (f"{DOC} 5.5, Figure 6 against Table 1: the run made no weight-gradient fault; "
             f"the node's Table 1 rates alone, with the error size that gives Figure 5's WCNTS, "
-            f"move the loss by {B.g(row.ours)}")
+            f"move the loss by up to {B.g(row.ours)} ({_suspect_above(run)})")
 
 
 def abft_checks_our_faults(row: Row, entry: dict, run) -> str | None:
@@ -123,7 +144,8 @@ def abft_checks_our_faults(row: Row, entry: dict, run) -> str | None:
 
 
 FINDINGS: tuple[Callable[[Row, dict, object], str | None], ...] = (
-    severity_tail, last_bit, wcnts_from_table1, wcnts_few_faults, loss_gap_from_table1,
+    severity_tail, last_bit, wcnts_from_table1, wcnts_few_faults, loss_gap_of_one_batch,
+    loss_gap_from_table1,
     abft_checks_our_faults)
 
 
@@ -160,6 +182,21 @@ def _only_last_bit_flips(run) -> bool:
     faults = _faults(run)
     return bool(len(faults)) and bool(((faults["kind"] == "bitflip")
                                        & (faults["bit"] == 0)).all())
+
+
+def _suspect_above(run) -> str:
+    """How often and by how much the suspect's loss is above the healthy one's."""
+    healthy = pd.to_numeric(run.metrics["loss/healthy"], errors="coerce")
+    gap = (pd.to_numeric(run.metrics["loss/suspect"], errors="coerce") - healthy) / healthy
+    return (f"the suspect's loss is above the healthy one's at {(gap > 0).mean():.0%} of the "
+            f"steps, and their relative difference is {gap.mean():+.2%} on average")
+
+
+def _tokens_per_step(run) -> int | None:
+    """Tokens of one optimizer step of the run's config, or None where it does not say."""
+    experiment, data = run.config.get("experiment", {}), run.config.get("data", {})
+    size = experiment.get("batch_size"), data.get("seq_len")
+    return size[0] * size[1] if all(isinstance(v, int) for v in size) else None
 
 
 def _landed_per_step(run) -> float | None:
