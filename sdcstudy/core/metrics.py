@@ -33,12 +33,12 @@ def site_aggregates_of_parts(parts) -> dict:
     part at a time: memory holds one part and one step's rows, never the whole table, so a run
     of the paper's 36.9 million rows sums up in the memory of a flush. A step's rows may go on
     into the next part; they wait for it."""
+    import pandas as pd
+
     totals = {"freq": {}, "micro": {}, "max_severity": {}, "mismatches": {}, "nonfinite": {}}
     carry = None
     for part in parts:
         if carry is not None and len(carry):
-            import pandas as pd
-
             part = pd.concat([carry, part], ignore_index=True)
         if not len(part):
             continue

@@ -286,26 +286,23 @@ class TableLog:
 
     def frame(self, columns: list[str] | None = None):
         """The whole table as a DataFrame: what was flushed and what waits."""
-        import pyarrow.parquet as pq
-
-        tables = [pq.read_table(part, columns=columns) for part in
-                  (table_parts(self.path) if self.path.is_dir() else [])]
-        if self._pending:
-            waiting = self._pending_table()
-            tables.append(waiting if columns is None else waiting.select(columns))
-        return _concat(tables, columns or list(self.columns))
+        return _concat(list(self._parts(columns)), columns or list(self.columns))
 
     def frames(self, columns: list[str] | None = None):
         """The table one part at a time, as DataFrames in the order written, then the rows that
         wait: what `frame` gives, without holding more than a part in memory."""
+        for part in self._parts(columns):
+            yield _concat([part], columns or list(self.columns))
+
+    def _parts(self, columns: list[str] | None):
+        """Arrow tables: each flushed part in the order written, then the waiting rows."""
         import pyarrow.parquet as pq
 
         for part in table_parts(self.path) if self.path.is_dir() else []:
-            yield _concat([pq.read_table(part, columns=columns)], columns)
+            yield pq.read_table(part, columns=columns)
         if self._pending:
             waiting = self._pending_table()
-            yield _concat([waiting if columns is None else waiting.select(columns)],
-                          columns or list(self.columns))
+            yield waiting if columns is None else waiting.select(columns)
 
     def _pending_table(self):
         import pyarrow as pa

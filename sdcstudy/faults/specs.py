@@ -21,8 +21,9 @@ KINDS = ("bitflip", "scale", "additive", "random", "zero", "nan", "inf")
 PATTERNS = ("constant", "burst", "onset", "steps", "decay", "periodic")
 BIT_CLASSES = ("any", "sign", "exponent", "mantissa")
 
-# The paper's four site names (docs/metrics.md) -> (direction, model site). Any model site can also be named directly as
-# "fwd/<site>" (its value) or "bwd/<site>" (the gradient arriving at it).
+# The paper's four site names (docs/metrics.md) -> (direction, model site). Any model site can
+# also be named directly as "fwd/<site>" (its value) or "bwd/<site>" (the gradient arriving at
+# it).
 SITE_ALIASES = {"fwd/attn": ("fwd", S.ATTN_OUT), "fwd/ffn": ("fwd", S.FFN_OUT),
                 "bwd/attn": ("bwd", S.ATTN_IN), "bwd/ffn": ("bwd", S.FFN_IN)}
 # Sites outside the model, applied by the trainer to whole pytrees.

@@ -102,8 +102,7 @@ def loss_gap_of_one_batch(row: Row, entry: dict, run) -> str | None:
     gap is the scatter of two drifted models' losses on one small batch."""
     if row.source != "Figure 6" or row.quantity != "loss gap":
         return None
-    healthy = pd.to_numeric(run.metrics["loss/healthy"], errors="coerce")
-    suspect = pd.to_numeric(run.metrics["loss/suspect"], errors="coerce")
+    healthy, suspect = _losses(run)
     h, s = healthy.rolling(SMOOTH_STEPS).mean(), suspect.rolling(SMOOTH_STEPS).mean()
     smooth = ((s - h).abs() / h.abs()).dropna()
     if not len(smooth) or smooth.max() > B.LOSS_GAP:
@@ -184,10 +183,16 @@ def _only_last_bit_flips(run) -> bool:
                                        & (faults["bit"] == 0)).all())
 
 
+def _losses(run) -> tuple[pd.Series, pd.Series]:
+    """(loss/healthy, loss/suspect) per step of a paired run."""
+    return tuple(pd.to_numeric(run.metrics[key], errors="coerce")
+                 for key in ("loss/healthy", "loss/suspect"))
+
+
 def _suspect_above(run) -> str:
     """How often and by how much the suspect's loss is above the healthy one's."""
-    healthy = pd.to_numeric(run.metrics["loss/healthy"], errors="coerce")
-    gap = (pd.to_numeric(run.metrics["loss/suspect"], errors="coerce") - healthy) / healthy
+    healthy, suspect = _losses(run)
+    gap = (suspect - healthy) / healthy
     return (f"the suspect's loss is above the healthy one's at {(gap > 0).mean():.0%} of the "
             f"steps, and their relative difference is {gap.mean():+.2%} on average")
 
