@@ -66,8 +66,8 @@ def test_faults_suite(tmp_path, capsys):
         # ... and so it is compiled once and shared, which is what makes it identical here.
         assert variants[name]["shares_program_of"] == "plain", name
     assert "shares_program_of" not in variants["idle"]
-    assert result["phases"]["programs"] == 2
-    # The four variants start from one initial state, computed once and copied.
+    assert result["phases"]["programs"] == 4
+    # Every variant starts from one initial state, computed once and copied.
     assert result["phases"]["initializers"] == 1
     assert {"init_s", "lower_s", "compile_s", "warmup_s", "timed_s"} <= set(result["phases"])
     # The idle profile compiles the engine in (a different program) but never fires: nothing
@@ -75,13 +75,23 @@ def test_faults_suite(tmp_path, capsys):
     idle = variants["idle"]
     assert idle["injector"] and not idle["program_identical"]
     assert idle["faults_landed"] == 0
-    assert all(v["losses_equal_plain"] for v in variants.values())
-    # The goal row: idle / plain, judged against its limit, and printed.
-    ratio = idle["ratio"]["median"]
-    assert report["goals"] == [{"name": "faults.idle_over_plain", "preset": "tiny",
-                                "value": ratio, "limit": 1.1, "bound": "upper",
-                                "met": ratio <= 1.1}]
-    assert f"| faults.idle_over_plain | preset tiny | {ratio:.3f} | <= 1.1 |" in table
+    quiet = [n for n in variants if not n.startswith("active")]
+    assert all(variants[n]["losses_equal_plain"] for n in quiet)
+    # The active profiles fire: faults land and the losses leave plain's.
+    for name in ("active-scale", "active"):
+        v = variants[name]
+        assert v["injector"] and v["faults_landed"] > 0 and not v["losses_equal_plain"], name
+    # active / active-scale per repetition is the ratio of their ratios to plain.
+    (a,), (s,) = variants["active"]["ratio"]["runs"], variants["active-scale"]["ratio"]["runs"]
+    assert result["active_over_scale"]["runs"] == [pytest.approx(a / s)]
+    # The goal rows: idle / plain and additive / scale, judged against their limits, printed.
+    ratios = {"faults.idle_over_plain": idle["ratio"]["median"],
+              "faults.additive_over_scale": result["active_over_scale"]["median"]}
+    assert report["goals"] == [{"name": name, "preset": "tiny", "value": ratio, "limit": 1.1,
+                                "bound": "upper", "met": ratio <= 1.1}
+                               for name, ratio in ratios.items()]
+    for name, ratio in ratios.items():
+        assert f"| {name} | preset tiny | {ratio:.3f} | <= 1.1 |" in table
 
 
 def test_paired_suite(tmp_path, capsys):

@@ -1,8 +1,10 @@
-"""`sdcstudy bench faults`: the cost of the fault engine when nothing fires. The plain
+"""`sdcstudy bench faults`: the cost of the fault engine, idle and firing. The plain
 single-node step (no injector) against the step built from the `healthy` profile, from a profile
-of rate-0 specs, and from an `idle` profile whose specs have a non-zero rate at the paper's four
+of rate-0 specs, from an `idle` profile whose specs have a non-zero rate at the paper's four
 sites but a time pattern that never fires (so the injection machinery is compiled in and runs,
-and changes nothing), timed side by side in one run (bench_timing.py's rotation).
+and changes nothing), and from two profiles that fire at every step at those sites: `active`
+with the paper nodes' `additive` kind and `active-scale` with the multiplicative `scale` kind,
+at one rate and magnitude, timed side by side in one run (bench_timing.py's rotation).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from sdcstudy.bench import goals as G
 from sdcstudy.bench import timing as BT
 from sdcstudy.core import determinism as D
 
-FAULT_VARIANTS = ("plain", "healthy", "zero-rate", "idle")
+FAULT_VARIANTS = ("plain", "healthy", "zero-rate", "idle", "active-scale", "active")
 IDLE_RATE = 1e-3  # any rate above 0 compiles a spec in; the pattern keeps it from firing
+ACTIVE_RATE = 1e-3  # per element and step: every step of every preset lands faults
 
 
 def add_parser(sub) -> None:
@@ -28,30 +31,33 @@ def add_parser(sub) -> None:
 
 
 def fault_profiles(folder: Path) -> dict[str, str]:
-    """`suspect.profile` per variant; the rate-0 and idle profiles are written to `folder`.
+    """`suspect.profile` per variant; the profiles with specs are written to `folder`.
 
-    Both put one `additive` spec (the paper nodes' kind, docs/faults.md) at each of the
-    paper's four sites.
+    Each puts one spec at each of the paper's four sites, of the `additive` kind (the paper
+    nodes', docs/faults.md) but in `active-scale`, magnitudes in [2^-8, 1] in all.
     Rate 0 makes `Profile.healthy` true, so no injector is built; the idle specs have a rate
-    but a `steps` pattern listing no step, so every draw happens and none lands.
+    but a `steps` pattern listing no step, so every draw happens and none lands; the active
+    specs have no pattern and land at every step.
     """
     import yaml
 
     from sdcstudy.faults.profiles import SITES
 
-    def write(name: str, rate: float, pattern: dict | None) -> str:
-        specs = [{"site": site, "kind": "additive", "rate": rate, "scale": [2.0 ** -8, 1.0],
+    def write(name: str, rate: float, pattern: dict | None, kind: str = "additive") -> str:
+        specs = [{"site": site, "kind": kind, "rate": rate, "scale": [2.0 ** -8, 1.0],
                   **({"pattern": pattern} if pattern else {})} for site in SITES]
         path = folder / f"{name}.yaml"
         path.write_text(yaml.safe_dump({"name": name, "specs": specs}, sort_keys=False))
         return str(path)
 
     return {"plain": "healthy", "healthy": "healthy", "zero-rate": write("zero-rate", 0.0, None),
-            "idle": write("idle", IDLE_RATE, {"kind": "steps", "steps": []})}
+            "idle": write("idle", IDLE_RATE, {"kind": "steps", "steps": []}),
+            "active-scale": write("active-scale", ACTIVE_RATE, None, kind="scale"),
+            "active": write("active", ACTIVE_RATE, None)}
 
 
 def measure_faults(preset: str, args, echo=B.echo_stderr) -> dict:
-    """The four variants of one preset's single-node step, warmed up, then timed in rotation."""
+    """The variants of one preset's single-node step, warmed up, then timed in rotation."""
     from sdcstudy.faults.trainer import NodeTrainer
 
     trainers, cfg, steps = {}, None, 0
@@ -74,7 +80,15 @@ def measure_faults(preset: str, args, echo=B.echo_stderr) -> dict:
             "hlo_chars": len(runner.hlo),
             "faults_landed": sum(w.get("faults/landed", 0) for w in warmup[variant]),
         })
-    return {**result, "idle_rate": IDLE_RATE, "variants": variants}
+    return {**result, "idle_rate": IDLE_RATE, "active_rate": ACTIVE_RATE,
+            "active_over_scale": additive_over_scale(variants), "variants": variants}
+
+
+def additive_over_scale(variants: dict) -> dict:
+    """The firing `additive` step over the firing `scale` step: per repetition the ratio of
+    their ratios to plain (timed in the same repetition, so plain cancels), then its spread."""
+    return BT.spread([a / s for a, s in zip(variants["active"]["ratio"]["runs"],
+                                            variants["active-scale"]["ratio"]["runs"])])
 
 
 def faults_table(results: list[dict]) -> str:
@@ -92,11 +106,16 @@ def faults_table(results: list[dict]) -> str:
               "plain: no injector; healthy: `suspect.profile: healthy` (its ratio is the "
               "measurement's noise floor); zero-rate: specs at rate 0 (no injector is built); "
               "idle: specs at the four paper sites with a pattern that never fires (the "
-              "engine compiled in). \"ops only\": equal apart from source locations. A variant "
+              "engine compiled in); active-scale and active: specs there that land at every "
+              "step, multiplicative and additive. \"ops only\": equal apart from source locations. A variant "
               "whose lowered program is plain's, byte for byte, runs plain's executable "
               "(compiled once), so its compile s is its lowering alone."]
     for r in results:
-        unequal = [k for k, v in r["variants"].items() if not v["losses_equal_plain"]]
+        ratio = r["active_over_scale"]
+        lines.append(f"- {r['preset']}: active / active-scale (the additive kind's firing step "
+                     f"over the multiplicative kind's) {B._ratio(ratio)}.")
+        unequal = [k for k, v in r["variants"].items()
+                   if not v["losses_equal_plain"] and not k.startswith("active")]
         if unequal:
             lines.append(f"- {r['preset']}: warm-up losses differ from plain's in "
                          f"{', '.join(unequal)}.")
@@ -104,8 +123,11 @@ def faults_table(results: list[dict]) -> str:
 
 
 def faults_goals(results: list[dict]) -> list[dict]:
-    return [G.goal("faults.idle_over_plain", r["variants"]["idle"]["ratio"]["median"],
-                   preset=r["preset"]) for r in results]
+    return [g for r in results for g in (
+        G.goal("faults.idle_over_plain", r["variants"]["idle"]["ratio"]["median"],
+               preset=r["preset"]),
+        G.goal("faults.additive_over_scale", r["active_over_scale"]["median"],
+               preset=r["preset"]))]
 
 
 def run_faults_suite(args) -> int:

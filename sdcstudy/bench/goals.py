@@ -21,6 +21,9 @@ class Goal:
 GOALS = {
     "faults.idle_over_plain": Goal(1.10, "upper", "step time with the fault engine compiled "
                                    "in but idle / the plain step"),
+    "faults.additive_over_scale": Goal(1.10, "upper", "step time with `additive` faults "
+                                       "landing at every step / with `scale` faults at the "
+                                       "same rate and sites"),
     "paft.dyn_overlap_over_dp": Goal(1.05, "upper", "PAFT-Dyn with overlap / data parallel "
                                      "under the same simulated error"),
     "train.ours_over_torch": Goal(1.0, "lower", "our plain step's tokens/s / transformers + "
