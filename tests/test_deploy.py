@@ -580,14 +580,16 @@ def test_reproduce_array_task_runs_its_shard(fakes):
     """Task 7 of an array 5-8 (four tasks) runs shard 2/4 into its own folder, with the
     settings; a second run of the same task (requeued) adds --resume."""
     array = dict(SLURM_ARRAY_TASK_ID="7", SLURM_ARRAY_TASK_MIN="5", SLURM_ARRAY_TASK_COUNT="4",
-                 SDC_NODES="1,11", SDC_STEPS="50", SDC_EXTRA_ARGS="--set experiment.seed=1")
+                 SDC_NODES="1,11", SDC_MODES="paramsync,free", SDC_STEPS="50",
+                 SDC_EXTRA_ARGS="--set experiment.seed=1")
     result = run_reproduce(fakes, **array)
     assert result.returncode == 0, result.stderr
     out = str(fakes.root / "out" / "shard-2-of-4")
     (call,) = fakes.calls("sdcstudy")
     assert (fakes.root / "out").is_dir()
     assert call == ["reproduce", "--preset", "small", "--nodes", "1,11", "--shard", "2/4",
-                    "--out", out, "--no-progress", "--steps", "50", "--set",
+                    "--out", out, "--no-progress", "--modes", "paramsync,free", "--steps", "50",
+                    "--set",
                     "experiment.seed=1"]
     Path(out).mkdir(parents=True)
     (Path(out) / "reproduce.json").write_text("{}")

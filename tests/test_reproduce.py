@@ -455,6 +455,8 @@ def test_a_partial_merge_marks_missing_runs_not_run(fake, tmp_path):
     (["--shard", "x"], "must be I/N"),
     (["--preset", "huge"], "--preset 'huge' is not one of"),
     (["--dtype", "float16"], "--dtype 'float16'"),
+    (["--modes", "free,sync"], "--modes 'free,sync' names 'sync'"),
+    (["--modes", "free,free"], "more than once"),
 ])
 def test_bad_input_is_one_sentence(fake, tmp_path, capsys, argv, message):
     assert cli.main(["reproduce", "--out", str(tmp_path / "r"), *argv]) == 2
@@ -496,6 +498,31 @@ def test_an_interrupted_command_resumes_and_keeps_finished_runs(fake, tmp_path, 
     assert reproduce(tmp_path / "r", "--resume") == 0
     assert fake.calls[3:5] == [("paper-node-1-free", True), ("paper-node-1-abft", False)]
     assert len(fake.calls) == 9
+
+
+def test_modes_keep_some_of_each_nodes_runs(fake, tmp_path, capsys):
+    """--modes plans and runs only those modes, in MODES order; the scorecard has their
+    sources only and says which runs it holds."""
+    assert reproduce(tmp_path / "r", "--modes", "free, paramsync") == 0
+    assert [name for name, _ in fake.calls] == [f"paper-node-{n}-{m}" for n in (1, 14)
+                                               for m in ("paramsync", "free")]
+    assert {r["source"] for r in scorecard(tmp_path / "r")} == {"Figure 5", "Figure 6"}
+    assert "steps per run, the paramsync and free runs" in capsys.readouterr().out
+
+
+def test_manifests_from_before_modes_ran_every_mode(fake, tmp_path):
+    """A reproduce.json without `modes` (written before the option) reads as every mode, so
+    its folder still resumes and merges with the shards of the same command."""
+    assert reproduce(tmp_path / "r", "--shard", "0/2") == 0
+    path = tmp_path / "r" / "reproduce.json"
+    manifest = json.loads(path.read_text())
+    del manifest["request"]["modes"]
+    path.write_text(json.dumps(manifest))
+    assert reproduce(tmp_path / "r", "--shard", "0/2", "--resume") == 0
+    assert reproduce(tmp_path / "s1", "--shard", "1/2") == 0
+    assert cli.main(["reproduce", "--merge", str(tmp_path / "r"), str(tmp_path / "s1"),
+                     "--out", str(tmp_path / "m"), "--no-progress"]) == 0
+    assert "not run" not in {r["verdict"] for r in scorecard(tmp_path / "m")}
 
 
 def test_resume_refuses_other_settings(fake, tmp_path, capsys):

@@ -20,6 +20,7 @@
 #   SDC_OUT         the folder of the shards and the scorecard (default ./reproduce)
 #   SDC_PRESET      tiny | small | medium (default small)
 #   SDC_NODES       paper nodes, e.g. 1,4,11, or all (default all)
+#   SDC_MODES       which runs of each node, e.g. paramsync,free, or all (default all)
 #   SDC_STEPS       optimizer steps per run (default: the preset's)
 #   SDC_DTYPE       float32 | bfloat16 (default: the preset's, float32)
 #   SDC_SHARDS      shards when not read from Slurm (default $SLURM_ARRAY_TASK_COUNT)
@@ -44,6 +45,7 @@ SDC_CMD=${SDC_CMD:-sdcstudy}
 SDC_OUT=${SDC_OUT:-reproduce}
 SDC_PRESET=${SDC_PRESET:-small}
 SDC_NODES=${SDC_NODES:-all}
+SDC_MODES=${SDC_MODES:-}
 SDC_STEPS=${SDC_STEPS:-}
 SDC_DTYPE=${SDC_DTYPE:-}
 SDC_EXTRA_ARGS=${SDC_EXTRA_ARGS:-}
@@ -81,6 +83,7 @@ out="$SDC_OUT/shard-$index-of-$count"
 
 args=(reproduce --preset "$SDC_PRESET" --nodes "$SDC_NODES" --shard "$index/$count"
       --out "$out" --no-progress)
+if [ -n "$SDC_MODES" ]; then args+=(--modes "$SDC_MODES"); fi
 if [ -n "$SDC_STEPS" ]; then args+=(--steps "$SDC_STEPS"); fi
 if [ -n "$SDC_DTYPE" ]; then args+=(--dtype "$SDC_DTYPE"); fi
 if [ -f "$out/reproduce.json" ]; then args+=(--resume); fi

@@ -1,7 +1,8 @@
 """`sdcstudy reproduce`: every paper node's runs, then the reproduction scorecard.
 
     sdcstudy reproduce [--preset tiny|small|medium] [--steps N] [--nodes 1,4,...|all]
-        [--dtype float32|bfloat16] [--set key=value ...] --out DIR [--resume] [--shard I/N]
+        [--modes lockstep,paramsync,free,abft|all] [--dtype float32|bfloat16]
+        [--set key=value ...] --out DIR [--resume] [--shard I/N]
     sdcstudy reproduce --merge DIR ... --out DIR
 
 leaves DIR/reproduce.json (what was asked, the shard, the plan: `plan`), one run folder per
@@ -24,8 +25,8 @@ MANIFEST = "reproduce.json"  # what the command asked for, to check a --resume o
 STOPPED = "stopped.json"  # {run: why it stopped} for runs whose loss became non-finite
 RUNS, FIGURES = "runs", "figures"
 SCHEMA = "sdcstudy-reproduce/1"
-DEFAULT_PRESET, DEFAULT_NODES = "tiny", P.ALL
-RUN_ARGUMENTS = ("preset", "steps", "nodes", "dtype", "shard")
+DEFAULT_PRESET, DEFAULT_NODES, DEFAULT_MODES = "tiny", P.ALL, P.ALL
+RUN_ARGUMENTS = ("preset", "steps", "nodes", "modes", "dtype", "shard")
 
 
 def add_parser(sub) -> None:
@@ -38,6 +39,9 @@ def add_parser(sub) -> None:
                         "medium)")
     p.add_argument("--nodes", default=None, metavar="1,4,...|all",
                    help="Ma et al.'s nodes, comma separated, or all (default)")
+    p.add_argument("--modes", default=None, metavar="lockstep,paramsync,...|all",
+                   help=f"which of each node's runs: {', '.join(P.MODES)}, comma separated, or "
+                        f"all (default)")
     p.add_argument("--dtype", default=None, metavar="D",
                    help="model.dtype of the paired runs: float32 or bfloat16 (ABFT runs "
                         "float32 always)")
@@ -69,7 +73,8 @@ def main(args) -> int:
         result = merge(args.merge, args.out)
     else:
         req = P.request(args.preset or DEFAULT_PRESET, args.steps,
-                        P.parse_nodes(args.nodes or DEFAULT_NODES), args.dtype, args.overrides)
+                        P.parse_nodes(args.nodes or DEFAULT_NODES), args.dtype, args.overrides,
+                        P.parse_modes(args.modes or DEFAULT_MODES))
         result = reproduce(req, P.parse_shard(args.shard), args.out, resume=args.resume,
                            progress=not args.no_progress)
     print(result["markdown"].split("\n## ")[0].rstrip())
@@ -89,7 +94,7 @@ def read_manifest(root: Path) -> dict:
     manifest = RF.json_load(path)
     if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
         raise UserError(f"{str(path)!r} is not a manifest sdcstudy reproduce wrote.")
-    return manifest
+    return {**manifest, "request": P.with_defaults(manifest["request"])}
 
 
 def _stopped(root: Path) -> dict:

@@ -6,8 +6,8 @@ suspect runs the zoo profile `paper-node-N` beside a healthy node in
 - `paramsync` (RQ2, section 5: the WCNTS table of Figure 5),
 - `free` (RQ3, section 6.2: Figure 6),
 and alone with checksummed matmuls in `abft` (appendix D, Figure 10: float32, tp 1, the
-paper's threshold), on a built-in config (`PRESETS`). Runs are enumerated node by node in
-`MODES` order; shard I/N takes every N-th of them from the I-th, so the shards of a Slurm job
+paper's threshold), on a built-in config (`PRESETS`); `--modes` keeps some of the four. Runs
+are enumerated node by node in `MODES` order; shard I/N takes every N-th of them from the I-th, so the shards of a Slurm job
 array partition the runs. Each planned run carries what its profile leads us to expect (the
 mismatches over the run, the time pattern's weight over this run against the paper's 4500
 steps, the onset), so the scorecard needs no profile, and no JAX, to judge it.
@@ -60,6 +60,20 @@ def parse_nodes(text: str) -> list[int]:
     return sorted(nodes)
 
 
+def parse_modes(text: str) -> list[str]:
+    """"free, paramsync" -> ["paramsync", "free"] (in `MODES` order); "all" -> `MODES`."""
+    if text.strip() == ALL:
+        return list(MODES)
+    parts = [p.strip() for p in text.split(",")]
+    bad = [p for p in parts if p not in MODES]
+    if bad:
+        raise UserError(f"--modes {text!r} names {', '.join(map(repr, bad))}; give "
+                        f"{', '.join(MODES)} separated by commas, or all.")
+    if len(set(parts)) != len(parts):
+        raise UserError(f"--modes {text!r} names a mode more than once.")
+    return [m for m in MODES if m in parts]
+
+
 def parse_shard(text: str | None) -> tuple[int, int]:
     """"2/8" -> (2, 8): the third of eight shards (I counts from 0, as SLURM_ARRAY_TASK_ID)."""
     if text is None:
@@ -78,7 +92,7 @@ def in_shard(position: int, shard: tuple[int, int]) -> bool:
 
 
 def request(preset: str, steps: int | None, nodes: list[int], dtype: str | None,
-            overrides: list[str]) -> dict:
+            overrides: list[str], modes: list[str] = MODES) -> dict:
     """What a reproduce command asks for, checked; shards of one command share it."""
     if preset not in PRESETS:
         raise UserError(f"--preset {preset!r} is not one of {', '.join(PRESETS)}.")
@@ -87,7 +101,12 @@ def request(preset: str, steps: int | None, nodes: list[int], dtype: str | None,
     if steps is not None and steps < 1:
         raise UserError(f"--steps {steps} must be at least 1.")
     return {"preset": preset, "steps": steps or PRESETS[preset]["steps"], "nodes": list(nodes),
-            "dtype": dtype, "overrides": list(overrides)}
+            "modes": list(modes), "dtype": dtype, "overrides": list(overrides)}
+
+
+def with_defaults(req: dict) -> dict:
+    """A request as read from a manifest: those written before `modes` existed ran them all."""
+    return {**req, "modes": list(req.get("modes", MODES))}
 
 
 def base_config(req: dict) -> dict:
@@ -159,7 +178,7 @@ def build(req: dict) -> tuple[list[dict], dict]:
     entries, configs = [], {}
     for node in req["nodes"]:
         profile = profiles.load(f"{PB.PAPER_PREFIX}{node}")
-        for mode in MODES:
+        for mode in with_defaults(req)["modes"]:
             cfg = run_config(req, node, mode)
             modes.check(cfg)
             name = run_name(node, mode)
