@@ -511,8 +511,8 @@ def test_modes_keep_some_of_each_nodes_runs(fake, tmp_path, capsys):
 
 
 def test_manifests_from_before_modes_ran_every_mode(fake, tmp_path):
-    """A reproduce.json without `modes` (written before the option) reads as every mode, so
-    its folder still resumes and merges with the shards of the same command."""
+    """A reproduce.json without `modes` reads as every mode, so its folder resumes and merges
+    with the shards of the same command."""
     assert reproduce(tmp_path / "r", "--shard", "0/2") == 0
     path = tmp_path / "r" / "reproduce.json"
     manifest = json.loads(path.read_text())

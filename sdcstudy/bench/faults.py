@@ -33,8 +33,9 @@ def add_parser(sub) -> None:
 def fault_profiles(folder: Path) -> dict[str, str]:
     """`suspect.profile` per variant; the profiles with specs are written to `folder`.
 
-    Each puts one spec at each of the paper's four sites, of the `additive` kind (the paper
-    nodes', docs/faults.md) but in `active-scale`, magnitudes in [2^-8, 1] in all.
+    Each puts one spec with magnitudes in [2^-8, 1] at each of the paper's four sites, of the
+    `additive` kind (the paper nodes', docs/faults.md), or of the `scale` kind in
+    `active-scale`.
     Rate 0 makes `Profile.healthy` true, so no injector is built; the idle specs have a rate
     but a `steps` pattern listing no step, so every draw happens and none lands; the active
     specs have no pattern and land at every step.
@@ -107,9 +108,9 @@ def faults_table(results: list[dict]) -> str:
               "measurement's noise floor); zero-rate: specs at rate 0 (no injector is built); "
               "idle: specs at the four paper sites with a pattern that never fires (the "
               "engine compiled in); active-scale and active: specs there that land at every "
-              "step, multiplicative and additive. \"ops only\": equal apart from source locations. A variant "
-              "whose lowered program is plain's, byte for byte, runs plain's executable "
-              "(compiled once), so its compile s is its lowering alone."]
+              "step, multiplicative and additive. \"ops only\": equal apart from source "
+              "locations. A variant whose lowered program is plain's, byte for byte, runs "
+              "plain's executable (compiled once), so its compile s is its lowering alone."]
     for r in results:
         ratio = r["active_over_scale"]
         lines.append(f"- {r['preset']}: active / active-scale (the additive kind's firing step "

@@ -7,10 +7,11 @@ suspect runs the zoo profile `paper-node-N` beside a healthy node in
 - `free` (RQ3, section 6.2: Figure 6),
 and alone with checksummed matmuls in `abft` (appendix D, Figure 10: float32, tp 1, the
 paper's threshold), on a built-in config (`PRESETS`); `--modes` keeps some of the four. Runs
-are enumerated node by node in `MODES` order; shard I/N takes every N-th of them from the I-th, so the shards of a Slurm job
-array partition the runs. Each planned run carries what its profile leads us to expect (the
-mismatches over the run, the time pattern's weight over this run against the paper's 4500
-steps, the onset), so the scorecard needs no profile, and no JAX, to judge it.
+are enumerated node by node in `MODES` order; shard I/N takes every N-th of them from the
+I-th, so the shards of a Slurm job array partition the runs. Each planned run carries what its
+profile leads us to expect (the mismatches over the run, the time pattern's weight over this
+run against the paper's 4500 steps, the onset), so the scorecard needs no profile, and no JAX,
+to judge it.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def request(preset: str, steps: int | None, nodes: list[int], dtype: str | None,
 
 
 def with_defaults(req: dict) -> dict:
-    """A request as read from a manifest: those written before `modes` existed ran them all."""
+    """A request as read from a manifest; one without `modes` ran every mode."""
     return {**req, "modes": list(req.get("modes", MODES))}
 
 
