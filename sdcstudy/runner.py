@@ -207,7 +207,7 @@ def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int
         for table in tables.values():
             table.flush()
 
-    tokens_per_step = e.microsteps * e.batch_size * cfg.data.seq_len
+    tokens_per_step = C.tokens_per_step(cfg)
     bar = tqdm(total=e.steps, initial=start, desc=e.mode, unit="step", disable=not progress,
                dynamic_ncols=True)
     done_steps = 0

@@ -307,10 +307,10 @@ def test_findings_tell_one_batchs_scatter_from_a_lasting_loss_gap():
     lasting = [1.03] * steps
     diff = [0.01 * s for s in range(steps)]
 
-    def row(suspect, faults):
+    def row(suspect, faults, microsteps=1):
         run = with_faults(paired_run("free", {"loss/healthy": healthy, "loss/suspect": suspect,
                                               "param/diff_l2": diff}), faults)
-        run.config["experiment"] = {"mode": "free", "batch_size": 8}
+        run.config["experiment"] = {"mode": "free", "batch_size": 8, "microsteps": microsteps}
         run.config["data"] = {"seq_len": 128}
         e = entry(mode="free", steps=steps)
         (gap,) = [r for r in F.explain(TR.figure6_rows(1, "n", run, e), e, run)
@@ -320,6 +320,7 @@ def test_findings_tell_one_batchs_scatter_from_a_lasting_loss_gap():
 
     grad, table1 = fault_rows(range(1, steps)), fault_rows(range(1, steps), site="fwd/attn")
     assert "5.6" in row(scatter, grad) and "1,024 tokens" in row(scatter, grad)
+    assert "4,096 tokens" in row(scatter, grad, microsteps=4)  # a step's tokens, every microstep
     assert "within 0.0% of each other" in row(scatter, grad)
     assert "5.5" in row(lasting, table1) and "at 100% of the steps" in row(lasting, table1)
     assert row(lasting, grad) == ""

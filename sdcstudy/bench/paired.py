@@ -9,7 +9,7 @@ from __future__ import annotations
 from sdcstudy.bench import common as B
 from sdcstudy.bench import goals as G
 from sdcstudy.bench import timing as BT
-from sdcstudy.core.config import UserError
+from sdcstudy.core.config import UserError, tokens_per_step
 
 PAIRED_MODES = ("free", "lockstep", "paramsync")  # free first: the others are divided by it
 # The project's goals for the paired step, as ratios to free running.
@@ -73,7 +73,7 @@ def measure_paired(preset: str, args, echo=B.echo_stderr) -> list[dict]:
         for mode in PAIRED_MODES:
             cfg, steps = paired_config(preset, args, mode, tp)
             trainers[name(mode, tp)] = PairedTrainer.from_config(cfg)
-    dims, tokens = model_dims(cfg.model), BT.tokens_per_step(cfg)
+    dims, tokens = model_dims(cfg.model), tokens_per_step(cfg)
     runners, phases = BT.build_runners(
         trainers, BT.random_tokens(cfg), BT.compile_threads(args),
         f"{{}} (node 2 x dp {args.dp}{' x tp ' + str(degrees[0]) if len(degrees) == 1 else ''})",

@@ -19,6 +19,7 @@ import os
 import time
 
 from sdcstudy.bench import common as B
+from sdcstudy.core.config import tokens_per_step
 
 
 def random_tokens(cfg):
@@ -31,11 +32,6 @@ def random_tokens(cfg):
     shape = (e.microsteps, e.batch_size, cfg.data.seq_len + 1)
     return np.random.default_rng(e.seed).integers(0, model_dims(cfg.model).vocab_size, shape,
                                                   dtype=np.int32)
-
-
-def tokens_per_step(cfg) -> int:
-    e = cfg.experiment
-    return e.microsteps * e.batch_size * cfg.data.seq_len
 
 
 class StepRunner:

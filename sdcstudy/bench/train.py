@@ -17,7 +17,7 @@ from sdcstudy.bench import common as B
 from sdcstudy.bench import goals as G
 from sdcstudy.bench import timing as BT
 from sdcstudy.bench import roofline
-from sdcstudy.core.config import UserError
+from sdcstudy.core.config import UserError, tokens_per_step
 
 TORCH_ATTENTION = ("eager", "sdpa")
 TARGET_RATIO = G.GOALS["train.ours_over_torch"].limit  # ours / torch tokens/s, at least
@@ -171,7 +171,7 @@ def measure_train(preset: str, args, attentions: tuple[str, ...], echo=B.echo_st
 
     cfg, steps = B.preset_config("train", preset, args, ["experiment.mode=train"])
     dims, tokens_MBL1, tokens = (model_dims(cfg.model), BT.random_tokens(cfg),
-                                 BT.tokens_per_step(cfg))
+                                 tokens_per_step(cfg))
     e = cfg.experiment
     echo(f"{preset}: compiling our step ({dims.n_params:,} parameters, batch {e.batch_size} x "
          f"{cfg.data.seq_len})")

@@ -276,6 +276,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def tokens_per_step(cfg: Config) -> int:
+    """Tokens of one optimizer step: microsteps x sequences a microstep x sequence length."""
+    e = cfg.experiment
+    return e.microsteps * e.batch_size * cfg.data.seq_len
+
+
 def from_dict(data: dict | None, overrides: list[str] = ()) -> Config:
     data = _deepcopy(data or {})
     for text in overrides:

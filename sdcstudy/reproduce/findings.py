@@ -10,6 +10,7 @@ scorecard counts it as unexplained. Imports no JAX.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import pandas as pd
@@ -112,7 +113,7 @@ def loss_gap_of_one_batch(row: Row, entry: dict, run) -> str | None:
     return (f"{DOC} 5.6, one batch's loss: a step's loss is the mean over {over}, the "
             f"paper's over {PAPER_TOKENS:,} (sections 5-6), and two drifted models' losses on "
             f"so few tokens scatter; their means over {SMOOTH_STEPS} steps stay within "
-            f"{smooth.max():.1%} of each other ({_suspect_above(run)})")
+            f"{smooth.max():.1%} of each other ({_suspect_above(healthy, suspect)})")
 
 
 def loss_gap_from_table1(row: Row, entry: dict, run) -> str | None:
@@ -121,7 +122,7 @@ def loss_gap_from_table1(row: Row, entry: dict, run) -> str | None:
         return None
     return (f"{DOC} 5.5, Figure 6 against Table 1: the run made no weight-gradient fault; "
             f"the node's Table 1 rates alone, with the error size that gives Figure 5's WCNTS, "
-            f"move the loss by up to {B.g(row.ours)} ({_suspect_above(run)})")
+            f"move the loss by up to {B.g(row.ours)} ({_suspect_above(*_losses(run))})")
 
 
 def abft_checks_our_faults(row: Row, entry: dict, run) -> str | None:
@@ -189,19 +190,19 @@ def _losses(run) -> tuple[pd.Series, pd.Series]:
                  for key in ("loss/healthy", "loss/suspect"))
 
 
-def _suspect_above(run) -> str:
+def _suspect_above(healthy: pd.Series, suspect: pd.Series) -> str:
     """How often and by how much the suspect's loss is above the healthy one's."""
-    healthy, suspect = _losses(run)
     gap = (suspect - healthy) / healthy
     return (f"the suspect's loss is above the healthy one's at {(gap > 0).mean():.0%} of the "
             f"steps, and their relative difference is {gap.mean():+.2%} on average")
 
 
 def _tokens_per_step(run) -> int | None:
-    """Tokens of one optimizer step of the run's config, or None where it does not say."""
+    """Tokens of one optimizer step of the run's config (`config.tokens_per_step`), or None
+    where it does not say."""
     experiment, data = run.config.get("experiment", {}), run.config.get("data", {})
-    size = experiment.get("batch_size"), data.get("seq_len")
-    return size[0] * size[1] if all(isinstance(v, int) for v in size) else None
+    size = experiment.get("microsteps", 1), experiment.get("batch_size"), data.get("seq_len")
+    return math.prod(size) if all(isinstance(v, int) for v in size) else None
 
 
 def _landed_per_step(run) -> float | None:

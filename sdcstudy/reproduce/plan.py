@@ -179,7 +179,7 @@ def build(req: dict) -> tuple[list[dict], dict]:
     entries, configs = [], {}
     for node in req["nodes"]:
         profile = profiles.load(f"{PB.PAPER_PREFIX}{node}")
-        for mode in with_defaults(req)["modes"]:
+        for mode in req["modes"]:
             cfg = run_config(req, node, mode)
             modes.check(cfg)
             name = run_name(node, mode)

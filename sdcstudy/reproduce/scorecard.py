@@ -80,7 +80,7 @@ def markdown(rows: list[Row], request: dict) -> str:
              f"Ma et al., *Understanding Silent Data Corruption in LLM Training*, measured on "
              f"the {request['preset']} model, {request['steps']} steps per run"
              + (f", the {' and '.join(request['modes'])} runs"
-                if len(request.get("modes", SOURCES)) < len(SOURCES) else "")
+                if len(request["modes"]) < len(SOURCES) else "")
              + (f", {request['dtype']}" if request.get("dtype") else "")
              + (f", `--set {' '.join(request['overrides'])}`" if request.get("overrides")
                 else "") + " (bands: docs/reproduction.md).", "",
