@@ -52,6 +52,82 @@ def test_load_run_refuses_a_folder_that_is_not_a_run(tmp_path):
         sdcstudy.load_run(tmp_path)
 
 
+def _parted_table(path, columns, rows, cuts):
+    """A run table written by TableLog, flushed after each row index in `cuts` (a flush may
+    cut a step in two, as a full buffer of waiting rows does)."""
+    log = RF.TableLog(path, columns)
+    for start, stop in zip((0, *cuts), (*cuts, len(rows))):
+        log.extend(rows[start:stop])
+        log.flush()
+    return path
+
+
+def test_rollups_equal_the_whole_tables_groupings(tmp_path):
+    """What load_run gives the report, made one part file at a time, equals the groupings of
+    the whole table (tp 2, a step cut across two parts, severities NaN without a mismatch),
+    and the per-site statistics equal summary.json's (`metrics.site_aggregates`)."""
+    import sdcstudy
+    from sdcstudy.core import metrics as MX
+
+    rng = np.random.default_rng(0)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / RF.CONFIG).write_text("experiment:\n  mode: lockstep\n")
+    keys = [(s, m, layer, site, r) for s in range(1, 6) for m in range(2) for layer in range(3)
+            for site in MX.SITES for r in range(2)]
+    hits = rng.integers(0, 4, len(keys)) * (rng.random(len(keys)) < 0.4)
+    mismatch = [{"step": s, "microstep": m, "layer": layer, "site": site, "tp_rank": r,
+                 "mismatches": int(n), "elements": 100 + 10 * layer,
+                 "severity": float(rng.lognormal()) if n else math.nan,
+                 "max_rel_err": float(n), "nonfinite": 0}
+                for (s, m, layer, site, r), n in zip(keys, hits)]
+    _parted_table(run_dir / RF.MISMATCH, RF.MISMATCH_COLUMNS, mismatch, (77, 150, 151))
+    abft = [{"step": s, "microstep": 0, "layer": layer, "matmul": mm, "direction": d,
+             "tp_rank": r, "residual": 0.0, "threshold": 1.0, "flagged": bool(rng.random() < .3)}
+            for s in range(1, 5) for layer in range(2) for mm in ("o", "up")
+            for d in ("fwd", "bwd_input") for r in range(2)]
+    _parted_table(run_dir / RF.ABFT, report.ABFT_COLUMNS, abft, (40,))
+    faults = [{"step": int(s), "microstep": 0, "layer": 0, "site": site, "tp_rank": 0,
+               "node": 1, "kind": kind, "bit": int(bit), "flat_index": 0, "original": 1.0,
+               "corrupted": 2.0}
+              for s, site, kind, bit in zip(rng.integers(1, 5, 60), rng.choice(MX.SITES, 60),
+                                            rng.choice(["bitflip", "additive"], 60),
+                                            rng.integers(-1, 3, 60))]
+    _parted_table(run_dir / RF.FAULTS, RF.FAULT_COLUMNS, faults, (30,))
+    assert len(RF.table_parts(run_dir / RF.MISMATCH)) == 4
+
+    run = sdcstudy.load_run(run_dir)
+    whole = pd.DataFrame(mismatch)
+    per_layer = whole.groupby(["site", "step", "microstep", "layer"]).agg(
+        m=("mismatches", "sum"), e=("elements", "sum"), severity=("severity", "max"))
+    per_layer["freq"] = per_layer["m"] / per_layer["e"]
+    micro = run.mismatch_rollup.by_microstep
+    expected = per_layer.groupby(level=["site", "step", "microstep"])
+    np.testing.assert_allclose(micro["freq"], expected["freq"].mean(), rtol=1e-15)
+    np.testing.assert_array_equal(micro["severity"], expected["severity"].max())
+    np.testing.assert_array_equal(micro["mismatches"], expected["m"].sum())
+    by_layer = run.mismatch_rollup.by_layer
+    expected = per_layer.groupby(level=["layer", "site"])
+    np.testing.assert_allclose(by_layer["freq"], expected["freq"].mean(), rtol=1e-15)
+    np.testing.assert_array_equal(by_layer["severity"], expected["severity"].max())
+    np.testing.assert_array_equal(by_layer["units"],
+                                  whole.groupby(["layer", "site"])["mismatches"].apply(
+                                      lambda m: int((m > 0).sum())))
+    aggregates = MX.site_aggregates(whole)
+    statistics = T.site_statistics(run)
+    assert statistics["freq"].to_dict() == pytest.approx(aggregates["freq"], rel=1e-15)
+    assert statistics["max_severity"].to_dict() == aggregates["max_severity"]
+    # abft: checks and flags per (step, matmul, direction); faults per (step, site, kind, bit 0).
+    flagged = pd.DataFrame(abft).groupby(["step", "matmul", "direction"])["flagged"]
+    np.testing.assert_array_equal(run.abft_by_step["checks"], flagged.size())
+    np.testing.assert_array_equal(run.abft_by_step["flagged"], flagged.sum())
+    counted = pd.DataFrame(faults).assign(last_bit=lambda f: f["bit"] == 0).groupby(
+        ["step", "site", "kind", "last_bit"]).size()
+    np.testing.assert_array_equal(run.fault_counts["faults"], counted)
+    # The whole tables are still there for a notebook, read when first asked for.
+    assert len(run.mismatch) == len(mismatch) and run.abft["flagged"].sum() == flagged.sum().sum()
+
+
 # --- sdcstudy report: paper-style tables and figures --------------------------------------------
 
 import math  # noqa: E402
@@ -126,7 +202,7 @@ def test_layer_tables_6_to_9_order_and_values(hand_run):
     assert bwd_freq[(2, "bwd/ffn")] == pytest.approx(0.00625, rel=1e-12)
     assert fwd_sev[(1, "fwd/attn")] == 2.0 and fwd_sev[(2, "fwd/attn")] == 7.0
     # The per-step series behind Figures 3-4 averages microsteps within a step.
-    by_step = T.frequency_by_step(runs["Node 1"].mismatch, "fwd/attn")
+    by_step = T.frequency_by_step(runs["Node 1"], "fwd/attn")
     assert list(by_step.index) == [1, 2]
     assert list(by_step) == pytest.approx([0.005, 0.0025], rel=1e-12)
 

@@ -80,10 +80,10 @@ def test_abft_flag_rate_table_and_figure_10(tmp_path):
     assert len(table) == 7 * 3
     assert table.loc[("o", "fwd"), "Node 14"] == pytest.approx(5 / 12, rel=1e-12)
     assert table["Node 14"].drop(("o", "fwd")).eq(0).all() and table["healthy"].eq(0).all()
-    per_step = T.abft_frequency_by_step(runs["Node 14"].abft, "o", "fwd")
+    per_step = T.abft_frequency_by_step(runs["Node 14"], "o", "fwd")
     assert list(per_step.index) == [1, 2, 3]
     assert list(per_step) == pytest.approx([0, 1, 0.25], rel=1e-12)
-    everything = T.abft_frequency_by_step(runs["Node 14"].abft)
+    everything = T.abft_frequency_by_step(runs["Node 14"])
     assert list(everything) == pytest.approx([0, 4 / 84, 1 / 84], rel=1e-12)
     result = writer.write_report([noisy, quiet], tmp_path / "out")
     assert {"abft_flag_rate.csv", "fig10_abft_flag_frequency.png"} <= set(result["files"])

@@ -28,25 +28,33 @@ def site_aggregates(mismatch) -> dict:
     return site_aggregates_of_parts([mismatch] if mismatch is not None else [])
 
 
-def site_aggregates_of_parts(parts) -> dict:
-    """`site_aggregates` of a table given as DataFrames in step order (its part files), one
-    part at a time: memory holds one part and one step's rows, never the whole table, so a run
-    of the paper's 36.9 million rows sums up in the memory of a flush. A step's rows may go on
-    into the next part; they wait for it."""
+def whole_steps(parts):
+    """DataFrames of a table in step order (`runfolder.table_frames`) again, each cut after
+    its last whole step: the rows of a part's last step wait for the next part, where the step
+    may go on, so each frame given holds every row of its steps."""
     import pandas as pd
 
-    totals = {"freq": {}, "micro": {}, "max_severity": {}, "mismatches": {}, "nonfinite": {}}
     carry = None
     for part in parts:
-        if carry is not None and len(carry):
+        if carry is not None:
             part = pd.concat([carry, part], ignore_index=True)
         if not len(part):
             continue
         last = part["step"].max()
-        _accumulate(part[part["step"] < last], totals)
+        yield part[part["step"] < last]
         carry = part[part["step"] == last]
-    if carry is not None:
-        _accumulate(carry, totals)
+    if carry is not None and len(carry):
+        yield carry
+
+
+def site_aggregates_of_parts(parts) -> dict:
+    """`site_aggregates` of a table given as DataFrames in step order (its part files), one
+    part at a time: memory holds one part and one step's rows, never the whole table, so a run
+    of the paper's 36.9 million rows sums up in the memory of a flush. A step's rows may go on
+    into the next part; they wait for it (`whole_steps`)."""
+    totals = {"freq": {}, "micro": {}, "max_severity": {}, "mismatches": {}, "nonfinite": {}}
+    for rows in whole_steps(parts):
+        _accumulate(rows, totals)
     micro = totals.pop("micro")
     totals["freq"] = {site: total / micro[site] for site, total in totals["freq"].items()}
     return totals

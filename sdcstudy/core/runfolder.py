@@ -196,6 +196,20 @@ def read_table(path: Path, columns: list[str] | None = None):
                    columns)
 
 
+def table_frames(path: Path, columns: list[str] | None = None):
+    """A run table one part file at a time, as DataFrames in the order written (one, for a
+    table written as one file): what `read_table` gives, in the memory of one part."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.is_dir():
+        yield pd.read_parquet(path, columns=columns)
+        return
+    for part in table_parts(path):
+        yield _concat([pq.read_table(part, columns=columns)], columns)
+
+
 def _concat(tables: list, columns: list[str] | None):
     """Arrow tables as one DataFrame; parts share one schema, except while a kill has cut a
     widening short (TableLog.flush), which the promotion covers."""

@@ -55,6 +55,11 @@ def _positive(series: pd.Series) -> pd.Series:
     return values.where(np.isfinite(values) & (values > 0))
 
 
+def _last_step(rollup: pd.DataFrame) -> int:
+    """The last optimizer step of a rollup indexed by step (among other levels)."""
+    return int(rollup.index.get_level_values("step").max())
+
+
 def _log_y(ax) -> None:
     """A log y axis with at most ~5 labelled decades and no minor ticks: matplotlib makes
     every tick an object, and on 15-20 shared panels spanning many decades that takes
@@ -149,7 +154,7 @@ def frequency_panels(runs: dict, path: Path) -> Path | None:
     site_style = styles(T.SITES)
     for ax, (label, run) in zip(axes.flat, runs.items()):
         for site in T.SITES:
-            freq = _positive(T.frequency_by_step(run.mismatch, site))
+            freq = _positive(T.frequency_by_step(run, site))
             ax.plot(freq.index, freq.values, marker=".", markersize=3, lw=0.8, label=site,
                     **site_style[site])
         _log_y(ax)
@@ -166,15 +171,15 @@ def frequency_smoothed(runs: dict, path: Path, site: str = "fwd/attn",
     """Figure 4: the mismatch frequency of one site, a moving mean over `window` steps (a
     twentieth of the longest run by default), one line per lock-step run."""
     runs = {label: run for label, run in T.lockstep_runs(runs).items()
-            if (run.mismatch["site"] == site).any()}
+            if site in run.mismatch_rollup.by_microstep.index.get_level_values("site")}
     if not runs:
         return None
     plt = _pyplot()
-    longest = max(int(run.mismatch["step"].max()) for run in runs.values())
+    longest = max(_last_step(run.mismatch_rollup.by_microstep) for run in runs.values())
     window = window or max(1, round(longest / 20))
     fig, ax = _with_legend_room(plt, 1, len(runs), 7.5, 4.2)
     for (label, run), style in zip(runs.items(), styles(runs).values()):
-        freq = T.frequency_by_step(run.mismatch, site)
+        freq = T.frequency_by_step(run, site)
         smooth = _positive(freq.rolling(window, min_periods=1).mean())
         ax.plot(smooth.index, smooth.values, lw=1.2, label=label, **style)
     _log_y(ax)
@@ -313,12 +318,12 @@ def abft_flags(runs: dict, path: Path, matmul: str = "o", direction: str = "fwd"
     if not runs:
         return None
     plt = _pyplot()
-    longest = max(int(run.abft["step"].max()) for run in runs.values())
+    longest = max(_last_step(run.abft_by_step) for run in runs.values())
     window = window or max(1, round(longest / 20))
     fig, axes = _with_legend_room(plt, 2, len(runs), 11.5, 4.4, sharey=True)
     for (label, run), style in zip(runs.items(), styles(runs).values()):
         for ax, (mm, dr) in zip(axes, ((matmul, direction), (None, None))):
-            freq = T.abft_frequency_by_step(run.abft, mm, dr)
+            freq = T.abft_frequency_by_step(run, mm, dr)
             shown = _positive(freq.rolling(window, min_periods=1).mean())
             ax.plot(shown.index, shown.values, lw=1.1, label=label, **style)
     for ax, title in ((axes[0], f"{matmul} ({direction}), as Figure 10 of Ma et al."),

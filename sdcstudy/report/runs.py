@@ -5,16 +5,16 @@
     runs = label_runs([load_run(p) for p in expand_run_dirs("runs/sweep")])  # {label: Run}
 
 `load_run` reads one run folder (README.md, "Run folders") into a `Run`: config and summary
-as dicts, metrics and the Parquet tables as DataFrames. A missing or damaged file is a
-one-sentence UserError, or, with `strict=False`, an empty table and a sentence in
-`run.problems`, so that a report can still show what the other files allow. `label_runs`
-names runs as the tables and figures show them. Writing the report is `report/writer.py`.
-Imports no JAX.
+as dicts, metrics and the Parquet tables as DataFrames (the tables when first used; the
+report reads their rollups, made one part file at a time: `report/rollups.py`). A missing
+or damaged file is a one-sentence UserError, or, with `strict=False`, an empty table and a
+sentence in `run.problems`, so that a report can still show what the other files allow.
+`label_runs` names runs as the tables and figures show them. Writing the report is
+`report/writer.py`. Imports no JAX.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -22,31 +22,63 @@ import yaml
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import UserError
 from sdcstudy.core.errors import first_line
+from sdcstudy.report import rollups as R
 
 ABFT_COLUMNS = ("step", "microstep", "layer", "matmul", "direction", "tp_rank", "residual",
                 "threshold", "flagged")
 _TABLES = {"mismatch": (RF.MISMATCH, RF.MISMATCH_COLUMNS), "faults": (RF.FAULTS, RF.FAULT_COLUMNS),
            "abft": (RF.ABFT, ABFT_COLUMNS)}
+# table -> (its rollup, the columns that reads)
+_ROLLUPS = {"mismatch": (R.mismatch_rollup, R.MISMATCH_READ),
+            "faults": (R.fault_rollup, R.FAULT_READ), "abft": (R.abft_rollup, R.ABFT_READ)}
 
 
-@dataclass
+class _Table:
+    """A run table as a DataFrame, read whole when first asked for (`run.mismatch` in a
+    notebook); the report reads the table's rollup instead. Setting one, as a Run made in
+    memory does, drops the rollup made from the old one."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, run, owner=None):
+        if run is None:
+            return self
+        if run._frames.get(self.name) is None:
+            on_disk = run.on_disk.get(self.name)
+            run._frames[self.name] = (RF.read_table(on_disk) if on_disk else
+                                      _empty_frame(_TABLES[self.name][1]))
+        return run._frames[self.name]
+
+    def __set__(self, run, frame):
+        run._frames[self.name] = frame
+        run._rollups.pop(self.name, None)
+
+
 class Run:
-    """One run folder: `config` and `summary` as dicts, tables as DataFrames (empty if absent).
+    """One run folder: `config` and `summary` as dicts, `metrics` and the tables as DataFrames.
 
     `metrics` has one row per optimizer step; the non-finite values a run wrote as the strings
-    "nan" / "inf" are floats again. `problems` holds {file name: one sentence} for each file of
-    the folder that is missing or could not be read (`load_run(..., strict=False)`); what
-    needs that file is empty."""
+    "nan" / "inf" are floats again. The tables (`mismatch`, `faults`, `abft`; empty where
+    absent) are read whole on first use; the report reads their rollups instead
+    (`mismatch_rollup`, `abft_by_step`, `fault_counts`; `report/rollups.py`), which
+    `load_run` makes one part file at a time. `problems` holds {file name: one sentence} for
+    each file of the folder that is missing or could not be read (`load_run(...,
+    strict=False)`); what needs that file is empty."""
 
-    path: Path
-    config: dict
-    summary: dict
-    metrics: object
-    mismatch: object
-    faults: object
-    abft: object
-    env: dict = field(default_factory=dict)
-    problems: dict = field(default_factory=dict)
+    mismatch = _Table()
+    faults = _Table()
+    abft = _Table()
+
+    def __init__(self, path, config: dict, summary: dict, metrics, mismatch=None, faults=None,
+                 abft=None, env: dict | None = None, problems: dict | None = None):
+        self.path, self.config, self.summary, self.metrics = Path(path), config, summary, metrics
+        self.env = {} if env is None else env
+        self.problems = {} if problems is None else problems
+        self.on_disk: dict[str, Path] = {}  # table -> its file, read when first asked for
+        self._frames: dict = {}
+        self._rollups: dict = {}
+        self.mismatch, self.faults, self.abft = mismatch, faults, abft
 
     @property
     def name(self) -> str:
@@ -55,7 +87,40 @@ class Run:
     @property
     def usable(self) -> bool:
         """Whether anything beyond config.yaml could be read."""
-        return bool(len(self.metrics) or len(self.mismatch) or len(self.abft) or self.summary)
+        return bool(len(self.metrics) or len(self.mismatch_rollup) or len(self.abft_by_step)
+                    or self.summary)
+
+    @property
+    def mismatch_rollup(self) -> R.MismatchRollup:
+        return self.rollup("mismatch")
+
+    @property
+    def abft_by_step(self):
+        return self.rollup("abft")
+
+    @property
+    def fault_counts(self):
+        return self.rollup("faults")
+
+    def rollup(self, table: str):
+        """The rollup of `table` (`report/rollups.py`): from the DataFrame where it is in
+        memory, else from the folder's file one part at a time; made once."""
+        if table not in self._rollups:
+            roll, columns = _ROLLUPS[table]
+            frame = self._frames.get(table)
+            parts = ([frame] if frame is not None else RF.table_frames(
+                self.on_disk[table], columns) if table in self.on_disk else [])
+            self._rollups[table] = roll(parts)
+        return self._rollups[table]
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}, problems={self.problems!r})"
+
+
+def _empty_frame(columns):
+    import pandas as pd
+
+    return pd.DataFrame(columns=list(columns))
 
 
 class DamagedFile(UserError):
@@ -125,11 +190,15 @@ def load_run(run_dir, strict: bool = True) -> Run:
             problems[name] = str(e)
             return default
 
-    tables = {attr: read(name, RF.read_table, pd.DataFrame(columns=list(columns)))
-              for attr, (name, columns) in _TABLES.items()}
-    return Run(path=path, config=config, summary=read(RF.SUMMARY, _summary, {}),
-               metrics=read(RF.METRICS, _metrics_frame, _metrics_frame(path / "-")),
-               env=read(RF.ENV, RF.json_load, {}), problems=problems, **tables)
+    run = Run(path, config, summary=read(RF.SUMMARY, _summary, {}),
+              metrics=read(RF.METRICS, _metrics_frame, _metrics_frame(path / "-")),
+              env=read(RF.ENV, RF.json_load, {}), problems=problems)
+    for table, (name, _) in _TABLES.items():
+        if (path / name).exists():
+            run.on_disk[table] = path / name
+            if read(name, lambda _, t=table: run.rollup(t), None) is None:  # damaged
+                del run.on_disk[table]
+    return run
 
 
 def expand_run_dirs(path) -> list[Path]:

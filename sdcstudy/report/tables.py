@@ -36,55 +36,22 @@ ABFT_MATMULS = ("q", "k", "v", "o", "gate", "up", "down", "head")
 ABFT_DIRECTIONS = ("fwd", "bwd_input", "bwd_weight")
 
 
-_MEMO: dict = {}  # (kind, id(frame)) -> (frame, value); the frame is held, so its id stays
-_MEMO_SIZE = 128  # results kept: three kinds for each run of a 40-run report
-
-
-def _memo(kind: str, frame: pd.DataFrame, compute):
-    """`compute(frame)`, computed once per DataFrame object: the report asks each run's
-    mismatch table for the same groupings from several tables and figures. Run tables are
-    read, never changed in place; a frame edited in place after its first use would get the
-    old result (a copy gets a new one). The last `_MEMO_SIZE` results are kept."""
-    key = (kind, id(frame))
-    if key not in _MEMO or _MEMO[key][0] is not frame:
-        if len(_MEMO) >= _MEMO_SIZE:
-            _MEMO.pop(next(iter(_MEMO)))
-        _MEMO[key] = (frame, compute(frame))
-    return _MEMO[key][1]
-
-
-def layer_frequency(mismatch: pd.DataFrame) -> pd.Series:
-    """Eq. (1) per (site, step, microstep, layer): mismatches over elements, summed over tp
-    ranks (memoized per table)."""
-    def compute(frame):
-        summed = frame.groupby(["site", "step", "microstep", "layer"])[
-            ["mismatches", "elements"]].sum()
-        return summed["mismatches"] / summed["elements"]
-
-    return _memo("layer_frequency", mismatch, compute)
-
-
 def lockstep_runs(runs: dict) -> dict:
     """The runs with a mismatch table (lock-step runs)."""
-    return {label: run for label, run in runs.items() if len(run.mismatch)}
+    return {label: run for label, run in runs.items() if len(run.mismatch_rollup)}
 
 
-def site_statistics(mismatch: pd.DataFrame) -> pd.DataFrame:
+def site_statistics(run) -> pd.DataFrame:
     """Rows per site: "freq", eqs. (1)-(2) averaged over microsteps, and "max_severity", eqs.
-    (3)-(4) maximised over microsteps; `metrics.site_aggregates` in a few grouped operations
-    (memoized per table), as the report computes it for many runs."""
-    def compute(frame):
-        per_micro = layer_frequency(frame).groupby(level=["site", "step", "microstep"]).mean()
-        return pd.DataFrame({"freq": per_micro.groupby(level="site").mean(),
-                             "max_severity": frame.groupby("site")["severity"].max()})
-
-    return _memo("site_statistics", mismatch, compute)
+    (3)-(4) maximised over microsteps (`metrics.site_aggregates`, from the run's rollup)."""
+    by_site = run.mismatch_rollup.by_microstep.groupby(level="site")
+    return pd.DataFrame({"freq": by_site["freq"].mean(), "max_severity": by_site["severity"].max()})
 
 
 def _site_table(runs: dict, key: str, published_key: str) -> pd.DataFrame:
     rows = {}
     for label, run in lockstep_runs(runs).items():
-        measured = site_statistics(run.mismatch)[key]
+        measured = site_statistics(run)[key]
         paper = PB.published(run_profile(run))
         rows[label] = {**{site: measured.get(site, math.nan) for site in SITES},
                        **{site + PUBLISHED_SUFFIX: paper[published_key][site] if paper
@@ -104,16 +71,12 @@ def severity_table(runs: dict) -> pd.DataFrame:
     return _site_table(runs, "max_severity", "max_severity")
 
 
-def _per_layer(mismatch: pd.DataFrame, sites: tuple[str, ...], stat: str) -> pd.Series:
-    if stat == "freq":
-        # eq. (1) per layer: mismatches summed over tp ranks / elements, then the mean over
-        # all microsteps of the run.
-        per_micro = layer_frequency(mismatch)
-        per_micro = per_micro[per_micro.index.get_level_values("site").isin(sites)]
-        return per_micro.groupby(level=["layer", "site"]).mean()
-    # eq. (3) per layer: the max over tp ranks, then over all microsteps of the run.
-    rows = mismatch[mismatch["site"].isin(sites)]
-    return rows.groupby(["layer", "site"])["severity"].max()
+def _per_layer(run, sites: tuple[str, ...], stat: str) -> pd.Series:
+    """Eq. (1) per layer averaged over all microsteps of the run ("freq"), or eq. (3) per
+    layer, the max over tp ranks and microsteps ("severity"), of `sites`."""
+    by_layer = run.mismatch_rollup.by_layer
+    rows = by_layer[by_layer.index.get_level_values("site").isin(sites)]
+    return rows["freq" if stat == "freq" else "severity"]
 
 
 def layer_table(runs: dict, direction: str, stat: str) -> pd.DataFrame:
@@ -124,7 +87,7 @@ def layer_table(runs: dict, direction: str, stat: str) -> pd.DataFrame:
         raise ValueError(f"layer_table needs direction fwd|bwd and stat freq|severity, not "
                          f"{direction!r}, {stat!r}.")
     sites = FWD_SITES if direction == "fwd" else BWD_SITES
-    columns = {label: _per_layer(run.mismatch, sites, stat)
+    columns = {label: _per_layer(run, sites, stat)
                for label, run in lockstep_runs(runs).items()}
     if not columns:
         return pd.DataFrame()
@@ -208,7 +171,7 @@ def bit_position_table(runs: dict) -> pd.DataFrame:
 
 def abft_runs(runs: dict) -> dict:
     """The runs with a non-empty abft.parquet."""
-    return {label: run for label, run in runs.items() if len(run.abft)}
+    return {label: run for label, run in runs.items() if len(run.abft_by_step)}
 
 
 def _order_rank(order: tuple, value) -> tuple:
@@ -220,8 +183,8 @@ def abft_rate_table(runs: dict) -> pd.DataFrame:
     (over steps, microsteps, layers and tp ranks) that the checksum test flagged (eq. (6))."""
     columns = {}
     for label, run in abft_runs(runs).items():
-        flagged = run.abft["flagged"].astype(float)
-        columns[label] = flagged.groupby([run.abft["matmul"], run.abft["direction"]]).mean()
+        sums = run.abft_by_step.groupby(level=["matmul", "direction"]).sum()
+        columns[label] = sums["flagged"] / sums["checks"]
     if not columns:
         return pd.DataFrame()
     table = pd.DataFrame(columns)
@@ -230,16 +193,17 @@ def abft_rate_table(runs: dict) -> pd.DataFrame:
     return table.reindex(pd.MultiIndex.from_tuples(order, names=["matmul", "direction"]))
 
 
-def abft_frequency_by_step(abft: pd.DataFrame, matmul: str | None = None,
+def abft_frequency_by_step(run, matmul: str | None = None,
                            direction: str | None = None) -> pd.Series:
-    """Per optimizer step, the fraction of ABFT checks flagged over microsteps, layers and tp
-    ranks, for one matmul and direction (None: all of them)."""
-    rows = abft
+    """Per optimizer step, the fraction of the run's ABFT checks flagged over microsteps,
+    layers and tp ranks, for one matmul and direction (None: all of them)."""
+    rows = run.abft_by_step
     if matmul is not None:
-        rows = rows[rows["matmul"] == matmul]
+        rows = rows[rows.index.get_level_values("matmul") == matmul]
     if direction is not None:
-        rows = rows[rows["direction"] == direction]
-    return rows["flagged"].astype(float).groupby(rows["step"]).mean()
+        rows = rows[rows.index.get_level_values("direction") == direction]
+    sums = rows.groupby(level="step").sum()
+    return (sums["flagged"] / sums["checks"]).astype(float)
 
 
 def wcnts_table(runs: dict) -> pd.DataFrame:
@@ -266,14 +230,14 @@ def runs_table(runs: dict) -> pd.DataFrame:
         m = run.metrics
         last = m.iloc[-1] if len(m) else pd.Series(dtype=float)
         faults = (int(pd.to_numeric(m["faults/landed"]).sum()) if "faults/landed" in m
-                  else len(run.faults))
+                  else int(run.fault_counts["faults"].sum()))
         spikes = run.summary.get("loss_spikes")
         rows[label] = {
             "run": run.name, "mode": run_mode(run), "profile": run_profile(run),
             "steps": int(m["step"].max()) if len(m) else 0,
             "faults injected": faults,
-            "mismatches": int(run.mismatch["mismatches"].sum()) if len(run.mismatch)
-            else math.nan,
+            "mismatches": int(run.mismatch_rollup.by_microstep["mismatches"].sum())
+            if len(run.mismatch_rollup) else math.nan,
             "loss/healthy": last.get("loss/healthy", math.nan),
             "loss/suspect": last.get("loss/suspect", math.nan),
             "param/diff_l2": last.get("param/diff_l2", math.nan),
@@ -282,17 +246,13 @@ def runs_table(runs: dict) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
-def frequency_by_step(mismatch: pd.DataFrame, site: str) -> pd.Series:
-    """Mismatch frequency of `site` per optimizer step (eqs. (1)-(2) per microstep, averaged
-    over the step's microsteps); zero where a step has rows but no mismatch."""
-    def compute(frame):
-        per_micro = layer_frequency(frame).groupby(level=["site", "step", "microstep"]).mean()
-        return per_micro.groupby(level=["site", "step"]).mean()
-
-    by_step = _memo("frequency_by_step", mismatch, compute)
-    if site not in by_step.index.get_level_values("site"):
+def frequency_by_step(run, site: str) -> pd.Series:
+    """Mismatch frequency of `site` per optimizer step of `run` (eqs. (1)-(2) per microstep,
+    averaged over the step's microsteps); zero where a step has rows but no mismatch."""
+    micro = run.mismatch_rollup.by_microstep["freq"]
+    if site not in micro.index.get_level_values("site"):
         return pd.Series(dtype=float, name=site)
-    return by_step.xs(site, level="site").rename(site)
+    return micro.xs(site, level="site").groupby(level="step").mean().rename(site)
 
 
 def run_profile(run) -> str:

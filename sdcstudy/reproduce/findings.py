@@ -15,6 +15,7 @@ from typing import Callable
 
 import pandas as pd
 
+from sdcstudy.report import tables as T
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce.bands import Row
 
@@ -31,14 +32,12 @@ DOC = "docs/faults.md"
 def _severity_units(row: Row, run) -> int:
     """The (step, microstep, layer, tp rank) units with a mismatch at the row's site (and
     layer) that its maximum severity is taken over."""
-    table = run.mismatch
-    if not len(table):
-        return 0
+    units = run.mismatch_rollup.by_layer["units"]
     site, _, layer = row.quantity.partition(" layer ")
-    rows = table[(table["site"] == site) & (table["mismatches"] > 0)]
+    units = units[units.index.get_level_values("site") == site]
     if layer:
-        rows = rows[rows["layer"] == int(layer)]
-    return len(rows)
+        units = units[units.index.get_level_values("layer") == int(layer)]
+    return int(units.sum())
 
 
 def severity_tail(row: Row, entry: dict, run) -> str | None:
@@ -169,19 +168,25 @@ def _above(row: Row) -> bool:
     return row.ratio is not None and row.ratio > 1
 
 
-def _faults(run) -> pd.DataFrame:
-    return run.faults if run.faults is not None and len(run.faults) else pd.DataFrame(
-        columns=["step", "site", "kind", "bit"])
+def _fault_counts(run, site=None, kind=None, last_bit=None) -> pd.Series:
+    """Faults the run's faults.parquet holds, per (step, site, kind, last_bit), of the given
+    site, kind and last_bit (None: any)."""
+    counts = run.fault_counts["faults"]
+    for level, value in (("site", site), ("kind", kind), ("last_bit", last_bit)):
+        if value is not None:
+            counts = counts[counts.index.get_level_values(level) == value]
+    return counts
 
 
 def _weight_gradient_faults(run) -> int:
-    return int(_faults(run)["site"].astype(str).str.startswith("grad/").sum())
+    counts = run.fault_counts["faults"]
+    sites = counts.index.get_level_values("site").astype(str)
+    return int(counts[sites.str.startswith("grad/")].sum())
 
 
 def _only_last_bit_flips(run) -> bool:
-    faults = _faults(run)
-    return bool(len(faults)) and bool(((faults["kind"] == "bitflip")
-                                       & (faults["bit"] == 0)).all())
+    total = int(run.fault_counts["faults"].sum())
+    return total > 0 and int(_fault_counts(run, kind="bitflip", last_bit=True).sum()) == total
 
 
 def _losses(run) -> tuple[pd.Series, pd.Series]:
@@ -211,13 +216,10 @@ def _landed_per_step(run) -> float | None:
 
 
 def _flagged_steps(run) -> set[int]:
-    abft = run.abft
-    if not len(abft):
-        return set()
-    rows = abft[(abft["matmul"] == "o") & (abft["direction"] == "fwd") & abft["flagged"]]
-    return set(rows["step"].astype(int))
+    per_step = T.abft_frequency_by_step(run, "o", "fwd")
+    return set(per_step.index[per_step > 0].astype(int))
 
 
 def _attention_fault_steps(run) -> set[int]:
-    faults = _faults(run)
-    return set(faults.loc[faults["site"] == "fwd/attn", "step"].astype(int))
+    counts = _fault_counts(run, site="fwd/attn")
+    return set(counts.index.get_level_values("step").astype(int))

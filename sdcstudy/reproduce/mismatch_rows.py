@@ -22,7 +22,8 @@ def site_rows(node: int, name: str, run, entry: dict) -> list[Row]:
     """Table 1 (frequency) and Table 2 (maximum severity) rows, one per site each."""
     runs = {name: run}
     freq, severity = T.frequency_table(runs), T.severity_table(runs)
-    counts = run.mismatch.groupby("site")["mismatches"].sum() if len(run.mismatch) else {}
+    by_layer = run.mismatch_rollup.by_layer
+    counts = by_layer["mismatches"].groupby(level="site").sum() if len(by_layer) else {}
     note = "" if node in PB.TABLE1_FREQUENCY else " (Tables 1-2 leave the node out: none)"
     paper = PB.published(f"{PB.PAPER_PREFIX}{node}")
     rows = []
@@ -71,11 +72,11 @@ def _frequency_row(node, site, published, ours, n, expected, entry) -> Row:
 
 def layer_rows(node: int, name: str, run, entry: dict) -> list[Row]:
     """Tables 6-9: each of our decoder layers against the paper's range over its 16."""
-    if not len(run.mismatch):
+    counts = run.mismatch_rollup.by_layer["mismatches"]
+    if not len(counts):
         return []
     runs = {name: run}
-    counts = run.mismatch.groupby(["layer", "site"])["mismatches"].sum()
-    layers = entry.get("layers") or run.mismatch["layer"].nunique()
+    layers = entry.get("layers") or counts.index.get_level_values("layer").nunique()
     rows = []
     for direction, sites in (("fwd", T.FWD_SITES), ("bwd", T.BWD_SITES)):
         for stat, pick in (("freq", 0), ("severity", 1)):

@@ -101,10 +101,10 @@ def figure10_row(node: int, name: str, run, entry: dict) -> Row:
     published = "frequently" if frequent else "little or nothing"
     band = (f">= {B.ABFT_FREQUENT:.0%} of steps flagged" if frequent
             else f"<= {B.ABFT_LITTLE:.0%} of steps flagged")
-    if not len(run.abft):
+    if not len(run.abft_by_step):
         return Row(node, "Figure 10", "fwd o flagged steps", published, None, None, band,
                    "fail", "the run has no ABFT checks")
-    per_step = T.abft_frequency_by_step(run.abft, "o", "fwd")
+    per_step = T.abft_frequency_by_step(run, "o", "fwd")
     steps = max(len(run.metrics), len(per_step), 1)
     ours = float((per_step > 0).sum()) / steps
     if B.faults_landed(run) == 0:
