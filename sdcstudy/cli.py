@@ -32,6 +32,12 @@ def cmd_run(args) -> int:
     cfg = C.load(args.config, args.overrides)
     if args.resume and args.out is None:
         raise UserError("--resume needs --out RUN_DIR, the run folder to continue.")
+    if args.out is not None and not args.process_id:  # process 0 is the folder's writer
+        from sdcstudy.core import runfolder, runlock
+
+        if args.resume:
+            runfolder.open_run_dir(args.out, resume=True)
+        runlock.refuse_early(args.out, create=not args.resume)
     from sdcstudy.core import distributed
 
     with distributed.ends_together():

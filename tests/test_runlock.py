@@ -48,6 +48,24 @@ def test_a_held_folder_refuses_a_second_writer_and_names_the_holder(tmp_path):
     assert list(folder.iterdir()) == [] and runlock.holder(folder) is None
 
 
+def test_a_second_run_is_refused_before_jax_is_imported(tmp_path):
+    """`sdcstudy run` on a held folder (new or --resume) says so at once: the sentence comes
+    before the command imports JAX, and the folder is unchanged."""
+    folder = tmp_path / "run"
+    with runlock.hold(folder, create=True):
+        (folder / RF.CONFIG).write_text("experiment:\n  steps: 3\n")
+        for extra in ([], ["--resume"]):
+            code = ("import sys; from sdcstudy import cli; rc = cli.main(['run', "
+                    f"'configs/tiny.yaml', '--out', {str(folder)!r}, *{extra!r}]) ; "
+                    "print(rc, 'jax' in sys.modules)")
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                  timeout=DEADLINE_S, cwd=Path(__file__).parents[1])
+            assert done.stdout.split() == ["2", "False"], done.stderr
+            match = REFUSED.search(done.stderr)
+            assert match and int(match["pid"]) == os.getpid()
+        assert sorted(p.name for p in folder.iterdir()) == [runlock.LOCK, RF.CONFIG]
+
+
 def test_a_lock_file_of_a_dead_process_is_not_held(tmp_path):
     # A killed writer leaves its lock file, with its pid; the kernel has released its flock.
     folder = tmp_path / "run"

@@ -87,6 +87,18 @@ def _check_new(path: Path, what: str, hint: str) -> None:
         raise FolderTaken(f"{what} {str(path)!r} already exists and is not empty; {hint}.")
 
 
+def refuse_early(path: Path, create: bool, what: str = "run folder",
+                 hint: str = "pass --resume to continue it or choose another --out") -> None:
+    """Raise the sentence `hold(path, create)` would refuse with now, taking nothing: a command
+    calls it before its slow imports (JAX), so a second writer is told at once. `hold` still
+    decides, atomically; a folder taken between the two is refused there."""
+    path = Path(path)
+    if pid := holder(path):
+        raise _held(path, what, pid)
+    if create:
+        _check_new(path, what, hint)
+
+
 def _lock(fd: int) -> None:
     """flock LOCK_EX, or BlockingIOError while a writer holds it; `holder`'s brief shared look
     is waited out."""
