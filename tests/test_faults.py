@@ -132,10 +132,11 @@ def test_records_match_the_corruption_exactly(dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _site(profile):
+def _site(profile, fault_seed=None):
     """The profile's forward hook at layer 1's attn_out, jitted as a step runs it: one
-    program per profile, the key, step, microstep and tensor its inputs."""
-    injector = F.Injector(profile, n_layers=2)
+    program per profile (and suspect.fault_seed), the key, step, microstep and tensor its
+    inputs."""
+    injector = F.Injector(profile, n_layers=2, seed=fault_seed)
 
     def site(key, step, microstep, x):
         return injector.hook(F.FaultContext(key, step, microstep))(S.ATTN_OUT, x, 1)
@@ -143,10 +144,10 @@ def _site(profile):
     return jax.jit(site)
 
 
-def _inject(profile, seed, step=1, microstep=0, x=None):
+def _inject(profile, seed, step=1, microstep=0, x=None, fault_seed=None):
     x = _x(jnp.float32, (64, 64)) if x is None else x
-    return np.asarray(_site(profile)(jax.random.key(seed), jnp.int32(step),
-                                     jnp.int32(microstep), x))
+    return np.asarray(_site(profile, fault_seed)(jax.random.key(seed), jnp.int32(step),
+                                                 jnp.int32(microstep), x))
 
 
 def test_same_seed_replays_other_seed_differs():
@@ -157,6 +158,21 @@ def test_same_seed_replays_other_seed_differs():
     # Another step or microstep draws other faults.
     assert not np.array_equal(a, _inject(profile, 0, step=2))
     assert not np.array_equal(a, _inject(profile, 0, microstep=1))
+
+
+def test_fault_seed_draws_other_faults_and_replays_its_own():
+    """suspect.fault_seed: the same run seed with another fault seed draws other faults, the
+    same fault seed the same ones; two profiles with the same spec draw the same faults
+    unless their fault seeds differ."""
+    spec = FS.FaultSpec("fwd/attn", "bitflip", rate=1e-2)
+    one, other = FS.Profile("one", (spec,)), FS.Profile("other", (spec,))
+    plain = _inject(one, 0)
+    assert np.array_equal(plain.view(np.uint32), _inject(other, 0).view(np.uint32))
+    seeded = _inject(one, 0, fault_seed=3)
+    assert not np.array_equal(plain.view(np.uint32), seeded.view(np.uint32))
+    assert np.array_equal(seeded.view(np.uint32), _inject(other, 0, fault_seed=3).view(np.uint32))
+    assert not np.array_equal(seeded.view(np.uint32),
+                              _inject(other, 0, fault_seed=4).view(np.uint32))
 
 
 def test_repeatable_faults_depend_on_the_input_not_the_step():

@@ -49,6 +49,9 @@ class SuspectConfig:
     # "profile" keeps each spec's own kind; "transient" (a re-execution draws afresh) or
     # "repeatable" (the same inputs give the same corruption) applies to every spec.
     fault_kind: str = "profile"
+    # Folded into every fault draw: the same model, data and profile with other faults.
+    # null: the draws of experiment.seed alone (profiles whose specs match draw the same).
+    fault_seed: int | None = None
 
 
 @dataclass

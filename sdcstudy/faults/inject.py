@@ -62,10 +62,12 @@ def parse_record_key(key: str) -> tuple[int, str, int]:
 class Injector:
     """Turns a profile into a hook. `Injector(profile).hook(ctx)` is used inside the step."""
 
-    def __init__(self, profile: Profile, n_layers: int, limit: int = 64):
+    def __init__(self, profile: Profile, n_layers: int, limit: int = 64,
+                 seed: int | None = None):
         self.profile = profile
         self.n_layers = n_layers
         self.limit = limit
+        self.seed = seed  # suspect.fault_seed: folded into every draw when set
         self.model_specs = [(i, s) for i, s in enumerate(profile.specs)
                             if s.base_rate > 0 and s.direction in ("fwd", "bwd")]
 
@@ -122,6 +124,8 @@ class Injector:
     def _rate_and_key(self, ctx: FaultContext, index: int, spec: FaultSpec, site_id: int,
                       layer: int, x):
         key = jax.random.fold_in(ctx.key, index)
+        if self.seed is not None:
+            key = jax.random.fold_in(key, self.seed)
         if spec.transient and ctx.attempt is not None:
             key = jax.random.fold_in(key, ctx.attempt)  # every execution draws afresh
         pattern_key = jax.random.fold_in(key, ctx.step)  # one burst draw per step and spec

@@ -35,8 +35,8 @@ class NodeTrainer(Trainer):
     def from_config(cls, cfg: Config, hook: Hook = identity_hook) -> "NodeTrainer":
         dims = C.model_dims(cfg.model)
         profile = profiles.load(cfg.suspect.profile, cfg.suspect.fault_kind)
-        injector = None if profile.healthy else F.Injector(profile, dims.n_layers,
-                                                           cfg.suspect.log_limit)
+        injector = None if profile.healthy else F.Injector(
+            profile, dims.n_layers, cfg.suspect.log_limit, cfg.suspect.fault_seed)
         return super().from_config(cfg, hook, injector=injector,
                                    abft=A.Checker.from_config(cfg, dims.n_layers))
 

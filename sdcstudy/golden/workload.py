@@ -87,7 +87,7 @@ def parse_injection(text: str) -> Injection:
 
 def _split(injector: F.Injector, direction: str) -> F.Injector:
     """The same injector (same spec indices, so the same draws) restricted to one direction."""
-    part = F.Injector(injector.profile, injector.n_layers, injector.limit)
+    part = F.Injector(injector.profile, injector.n_layers, injector.limit, injector.seed)
     part.model_specs = [(i, s) for i, s in injector.model_specs if s.direction == direction]
     part.tree_specs = []
     return part

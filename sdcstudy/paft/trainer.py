@@ -109,7 +109,8 @@ class PaftTrainer:
                 raise UserError(f"paft mode corrupts gradients in aggregation only, so profile "
                                 f"{profile.name!r} may use the sites {', '.join(PAFT_SITES)}, "
                                 f"not {bad[0]!r}.")
-            injector = F.Injector(profile, dims.n_layers, cfg.suspect.log_limit)
+            injector = F.Injector(profile, dims.n_layers, cfg.suspect.log_limit,
+                                  cfg.suspect.fault_seed)
         tx = make_optimizer(cfg.optim, steps)
         opt_shapes = jax.eval_shape(tx.init, abstract)
         opt_floats = sum(math.prod(x.shape) for x in jax.tree.leaves(opt_shapes)

@@ -167,8 +167,8 @@ class PairedTrainer:
         graphdef, _ = model.abstract_init(dims)
         steps = cfg.experiment.steps
         profile = profiles.load(cfg.suspect.profile, cfg.suspect.fault_kind)
-        injector = None if profile.healthy else F.Injector(profile, dims.n_layers,
-                                                           cfg.suspect.log_limit)
+        injector = None if profile.healthy else F.Injector(
+            profile, dims.n_layers, cfg.suspect.log_limit, cfg.suspect.fault_seed)
         taps = LS.LockstepTaps(dims.n_layers, tp_axis=M.TP, dp_axis=M.DATA) \
             if mode == "lockstep" else None
         mesh = mesh or M.make_node_mesh(2, dp, tp)
