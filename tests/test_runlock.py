@@ -28,7 +28,8 @@ from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
 
 DEADLINE_S = 240  # for one group of processes: start-up, compile and a few tiny steps
-TINY = ["--set", "experiment.steps=3", "--set", "optim.schedule=constant"]
+TINY = ["--set", "experiment.steps=3", "--set", "optim.schedule=constant",
+        "--set", "model.n_layers=1"]
 REFUSED = re.compile(r"sdcstudy: error: run folder '(?P<folder>[^']+)' is being written by "
                      r"process (?P<pid>\d+); ")
 

@@ -234,7 +234,7 @@ def test_run_killed_with_sigkill_reports_and_resumes(tmp_path):
     cmd = [sys.executable, "-m", "sdcstudy.cli", "run", "configs/demo.yaml", "--no-progress",
            "--set", "suspect.profile=paper-node-11", "--set", f"experiment.steps={steps}",
            "--set", f"experiment.checkpoint_every={every}", "--set", "experiment.batch_size=4",
-           "--out", str(out)]
+           "--set", "model.n_layers=1", "--out", str(out)]
     child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     target = random.randint(2, 4)  # flushes to wait for, of steps / every
     deadline = time.monotonic() + 300
