@@ -60,6 +60,8 @@ def sweep(config_path, profiles: list[str], out: Path | None = None, overrides=(
           resume: bool = False, progress: bool = True, echo=print) -> dict:
     """Run `config_path` once per suspect profile, then report; returns {"root", "runs",
     "report"} (the report as `report.write_report` returns it)."""
+    if out is not None:  # said before the imports below (JAX), which take seconds
+        runlock.refuse_early(out, create=not resume, what="sweep folder")
     from sdcstudy.faults import profiles as zoo
     from sdcstudy import runner
 

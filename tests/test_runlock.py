@@ -49,22 +49,39 @@ def test_a_held_folder_refuses_a_second_writer_and_names_the_holder(tmp_path):
     assert list(folder.iterdir()) == [] and runlock.holder(folder) is None
 
 
-def test_a_second_run_is_refused_before_jax_is_imported(tmp_path):
-    """`sdcstudy run` on a held folder (new or --resume) says so at once: the sentence comes
+@pytest.mark.parametrize("command, what", [
+    (["run", "configs/tiny.yaml"], "run folder"),
+    (["sweep", "configs/demo.yaml", "--profiles", "paper-node-1"], "sweep folder"),
+    (["reproduce", "--nodes", "1"], "reproduce folder")])
+def test_a_second_writer_is_refused_before_jax_is_imported(command, what, tmp_path):
+    """`run`, `sweep` and `reproduce` on a held folder say so at once: the sentence comes
     before the command imports JAX, and the folder is unchanged."""
+    folder = tmp_path / "out"
+    with runlock.hold(folder, create=True):
+        (folder / "kept.txt").write_text("the holder's\n")
+        code = ("import sys; from sdcstudy import cli; "
+                f"rc = cli.main([*{command!r}, '--out', {str(folder)!r}]); "
+                "print(rc, 'jax' in sys.modules)")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=DEADLINE_S, cwd=Path(__file__).parents[1])
+        assert done.stdout.split() == ["2", "False"], done.stderr
+        assert f"{what} {str(folder)!r} is being written by process {os.getpid()};" in \
+            done.stderr
+        assert sorted(p.name for p in folder.iterdir()) == [runlock.LOCK, "kept.txt"]
+
+
+def test_a_second_resume_is_refused_before_jax_is_imported(tmp_path):
     folder = tmp_path / "run"
     with runlock.hold(folder, create=True):
         (folder / RF.CONFIG).write_text("experiment:\n  steps: 3\n")
-        for extra in ([], ["--resume"]):
-            code = ("import sys; from sdcstudy import cli; rc = cli.main(['run', "
-                    f"'configs/tiny.yaml', '--out', {str(folder)!r}, *{extra!r}]) ; "
-                    "print(rc, 'jax' in sys.modules)")
-            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                  timeout=DEADLINE_S, cwd=Path(__file__).parents[1])
-            assert done.stdout.split() == ["2", "False"], done.stderr
-            match = REFUSED.search(done.stderr)
-            assert match and int(match["pid"]) == os.getpid()
-        assert sorted(p.name for p in folder.iterdir()) == [runlock.LOCK, RF.CONFIG]
+        code = ("import sys; from sdcstudy import cli; rc = cli.main(['run', "
+                f"'configs/tiny.yaml', '--out', {str(folder)!r}, '--resume']); "
+                "print(rc, 'jax' in sys.modules)")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=DEADLINE_S, cwd=Path(__file__).parents[1])
+        assert done.stdout.split() == ["2", "False"], done.stderr
+        match = REFUSED.search(done.stderr)
+        assert match and int(match["pid"]) == os.getpid()
 
 
 def test_a_lock_file_of_a_dead_process_is_not_held(tmp_path):

@@ -102,12 +102,14 @@ def _stopped(root: Path) -> dict:
     return RF.json_load(path) if path.is_file() else {}
 
 
-def _hold(root: Path, create: bool):
-    """The run-folder lock on the reproduce root (core.runlock), as `run` and `sweep` hold."""
+def _hold(root: Path, create: bool, early: bool = False):
+    """The run-folder lock on the reproduce root (core.runlock), as `run` and `sweep` hold;
+    `early`: only the sentence it would refuse with now (`runlock.refuse_early`)."""
     from sdcstudy.core import runlock
 
-    return runlock.hold(root, create=create, what="reproduce folder",
-                        hint="pass --resume to continue it or choose another --out")
+    take = runlock.refuse_early if early else runlock.hold
+    return take(root, create=create, what="reproduce folder",
+                hint="pass --resume to continue it or choose another --out")
 
 
 def _check_resume(root: Path, manifest: dict) -> None:
@@ -125,6 +127,8 @@ def _check_resume(root: Path, manifest: dict) -> None:
 def reproduce(req: dict, shard: tuple[int, int], out: Path | None, *, resume: bool = False,
               progress: bool = True) -> dict:
     """Run this shard's part of the plan of `req` into `out`, then score the folder."""
+    if out is not None:  # said before the imports below (JAX), which take seconds
+        _hold(out, create=not resume, early=True)
     from tqdm import tqdm
 
     from sdcstudy import runner
