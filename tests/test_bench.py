@@ -569,3 +569,13 @@ def test_matmul_form_swaps_the_model_matmul_while_tracing_only():
         swapped = grad()(w)
     assert S.linear is autodiff and "reshape" not in str(jax.make_jaxpr(grad())(w))
     np.testing.assert_allclose(swapped, grad()(w), rtol=1e-5, atol=1e-5)
+
+
+def test_fault_draw_cost_times_three_parts_of_one_site(capsys):
+    # experiments/fault_draw_cost.py: the matmul, the draws and the whole firing site, each a
+    # positive time, the draws and the site as ratios to the matmul.
+    _experiment("fault_draw_cost").main(["--tokens", "16", "--calls", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["matmul", "draws", "draw,"]
+    times = [float(line.split(" us")[0].split()[-1]) for line in lines]
+    assert all(t > 0 for t in times) and lines[0].endswith("1.0x the matmul")

@@ -1,0 +1,66 @@
+"""What one firing fault site costs: the draws, against the matmul that made the tensor.
+
+`sdcstudy bench faults` times whole steps: a profile whose specs fire at every step costs
+1.4x a plain step on tiny (RESULTS.md, "The fault engine's speed"). This times the parts at
+one site of the model, jitted alone: the site's matmul (tokens x d_model by d_model x
+d_model), the random draws of an additive spec (`faults.corrupt._draws`: hit, magnitude and
+sign, one of each per element), and drawing, applying and recording together
+(`corrupt_and_record`, as a firing site runs it).
+
+    python experiments/fault_draw_cost.py [--preset tiny] [--tokens 1024] [--calls 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from sdcstudy.core import config as C
+from sdcstudy.faults import corrupt as FC
+from sdcstudy.faults import specs as FS
+
+
+def per_call_us(fn, *args, calls: int) -> float:
+    """The mean wall time of `calls` back-to-back calls, after one warm-up call."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", help="model preset: its d_model (default tiny)")
+    p.add_argument("--tokens", type=int, default=1024, help="rows of the activation (default "
+                                                            "1,024: 16 sequences of 64)")
+    p.add_argument("--rate", type=float, default=1e-3, help="the spec's rate (default 1e-3)")
+    p.add_argument("--calls", type=int, default=300, help="timed calls each (default 300)")
+    args = p.parse_args(argv)
+    width = C.model_dims(C.from_dict({"model": {"preset": args.preset}}).model).d_model
+    shape = (args.tokens, width)
+    x = jax.random.normal(jax.random.key(0), shape)
+    w = jax.random.normal(jax.random.key(1), (width, width))
+    spec = FS.FaultSpec("fwd/attn", "additive", rate=args.rate, scale=(2.0**-8, 1.0))
+    key_data = jax.random.key_data(jax.random.key(2))
+    parts = {
+        f"matmul {args.tokens} x {width} @ {width} x {width}": (jax.jit(lambda x, w: x @ w),
+                                                                (x, w)),
+        "draws (hit, magnitude, sign)": (jax.jit(lambda kd: FC._draws(
+            jax.random.wrap_key_data(kd), spec, args.rate, shape, 32)), (key_data,)),
+        "draw, apply and record": (jax.jit(lambda x, kd: FC.corrupt_and_record(
+            x, kd, args.rate, spec, 64, skip_idle=True)), (x, key_data)),
+    }
+    base = None
+    for name, (fn, fn_args) in parts.items():
+        us = per_call_us(fn, *fn_args, calls=args.calls)
+        base = base or us
+        print(f"{name:<34} {us:9.0f} us  {us / base:5.1f}x the matmul")
+
+
+if __name__ == "__main__":
+    main()
