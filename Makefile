@@ -25,7 +25,7 @@ demo: $(VENV)/.installed
 	$(BIN)/sdcstudy demo
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --durations=15 tests
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --no-loadscope-reorder --durations=15 tests
 
 # The quick tier for the inner loop (README "Tests: two tiers"): the unit-level modules, less
 # their end-to-end runs marked slow. `make test` runs these too, slow ones included.
@@ -33,7 +33,7 @@ FAST_TESTS := $(addprefix tests/test_,$(addsuffix .py,config architecture fault_
 	runlock report report_bits_abft fleet deploy gpu_acceptance paft_checks hostmem reproduce))
 
 test-fast: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --durations=10 -m "not slow" $(FAST_TESTS)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --no-loadscope-reorder --durations=10 -m "not slow" $(FAST_TESTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
