@@ -170,7 +170,8 @@ def test_fault_seed_draws_other_faults_and_replays_its_own():
     assert np.array_equal(plain.view(np.uint32), _inject(other, 0).view(np.uint32))
     seeded = _inject(one, 0, fault_seed=3)
     assert not np.array_equal(plain.view(np.uint32), seeded.view(np.uint32))
-    assert np.array_equal(seeded.view(np.uint32), _inject(other, 0, fault_seed=3).view(np.uint32))
+    assert np.array_equal(seeded.view(np.uint32),
+                          _inject(other, 0, fault_seed=3).view(np.uint32))
     assert not np.array_equal(seeded.view(np.uint32),
                               _inject(other, 0, fault_seed=4).view(np.uint32))
 

@@ -49,6 +49,17 @@ def test_a_held_folder_refuses_a_second_writer_and_names_the_holder(tmp_path):
     assert list(folder.iterdir()) == [] and runlock.holder(folder) is None
 
 
+def _refused_before_jax(argv: list[str]) -> str:
+    """`sdcstudy ARGV` in a fresh process, which must exit 2 without importing JAX; its
+    stderr."""
+    code = ("import sys; from sdcstudy import cli; "
+            f"rc = cli.main({argv!r}); print(rc, 'jax' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=DEADLINE_S, cwd=Path(__file__).parents[1])
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    return done.stderr
+
+
 @pytest.mark.parametrize("command, what", [
     (["run", "configs/tiny.yaml"], "run folder"),
     (["sweep", "configs/demo.yaml", "--profiles", "paper-node-1"], "sweep folder"),
@@ -59,14 +70,8 @@ def test_a_second_writer_is_refused_before_jax_is_imported(command, what, tmp_pa
     folder = tmp_path / "out"
     with runlock.hold(folder, create=True):
         (folder / "kept.txt").write_text("the holder's\n")
-        code = ("import sys; from sdcstudy import cli; "
-                f"rc = cli.main([*{command!r}, '--out', {str(folder)!r}]); "
-                "print(rc, 'jax' in sys.modules)")
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=DEADLINE_S, cwd=Path(__file__).parents[1])
-        assert done.stdout.split() == ["2", "False"], done.stderr
-        assert f"{what} {str(folder)!r} is being written by process {os.getpid()};" in \
-            done.stderr
+        stderr = _refused_before_jax([*command, "--out", str(folder)])
+        assert f"{what} {str(folder)!r} is being written by process {os.getpid()};" in stderr
         assert sorted(p.name for p in folder.iterdir()) == [runlock.LOCK, "kept.txt"]
 
 
@@ -74,13 +79,8 @@ def test_a_second_resume_is_refused_before_jax_is_imported(tmp_path):
     folder = tmp_path / "run"
     with runlock.hold(folder, create=True):
         (folder / RF.CONFIG).write_text("experiment:\n  steps: 3\n")
-        code = ("import sys; from sdcstudy import cli; rc = cli.main(['run', "
-                f"'configs/tiny.yaml', '--out', {str(folder)!r}, '--resume']); "
-                "print(rc, 'jax' in sys.modules)")
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=DEADLINE_S, cwd=Path(__file__).parents[1])
-        assert done.stdout.split() == ["2", "False"], done.stderr
-        match = REFUSED.search(done.stderr)
+        match = REFUSED.search(_refused_before_jax(
+            ["run", "configs/tiny.yaml", "--out", str(folder), "--resume"]))
         assert match and int(match["pid"]) == os.getpid()
 
 
