@@ -18,7 +18,9 @@ from sdcstudy.core.errors import ConfigError, did_you_mean
 class ModelConfig:
     """Llama-style decoder. Sizes set to null take the preset's value."""
 
-    preset: str = "tiny"  # tiny, small, medium, llama3-8b, ...; or configs/models/NAME.yaml
+    # A built-in preset (tiny, small, medium, llama3.2-1b, llama3-8b, ...) or
+    # configs/models/NAME.yaml.
+    preset: str = "tiny"
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # storage dtype of parameters and optimizer state
     vocab_size: int | None = None  # tokens in the vocabulary
@@ -76,6 +78,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                           ffn_dim=16384, rope_theta=500_000.0),
     "llama3-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                       ffn_dim=16384, rope_theta=500_000.0),
+    # Llama 3.2 1B's shape (d=2048, 16 layers, 32 heads, 8 KV heads, head dim 64, FFN 8192,
+    # its llama3 RoPE scaling): the ~1B size for one GPU. Unlike Llama 3.2 1B the output head
+    # is its own matrix (1.50B parameters in all, not 1.24B): set tie_embeddings to share it.
+    "llama3.2-1b": dict(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                        ffn_dim=8192, rope_theta=500_000.0,
+                        rope_scaling=(("factor", 32.0), ("high_freq_factor", 4.0),
+                                      ("low_freq_factor", 1.0),
+                                      ("original_max_position_embeddings", 8192))),
 }
 
 DTYPES = ("float32", "bfloat16")
