@@ -18,7 +18,11 @@ Paper nodes (`paper-node-1` ... `paper-node-15`) take their numbers from Ma et a
 - time patterns from the text: Figure 3 (nodes 7 and 14: rare spikes, "during the majority of
   training time, no mismatch occurs"; node 14 "very infrequently over 4000 optimizer steps"),
   Figure 4 (nodes 10 and 11: "a high peak of mismatch frequency at the first few steps"),
-  section 6.2 (node 13: "no parameter difference before step 450").
+  section 6.2 (node 13: "no parameter difference before step 450");
+- where the attention's faults arise (`attn_placement`): by default every fwd/attn fault lands
+  in the output projection's product, between it and its ABFT check; `inside` puts them in the
+  attention's context (the input of that projection), `split` shares them by multiply-adds
+  (docs/faults.md, section 5.4).
 The tables were measured in bfloat16 on a 16-layer (Tables 1-2) and a 32-layer (Figure 5)
 Llama3-8B-style model at tp=8; rates are per element, so they transfer to other sizes, but rare
 nodes (rates below ~1e-8) produce no submodule event at all in a short run of a small model, as
@@ -33,6 +37,7 @@ from pathlib import Path
 
 import yaml
 
+from sdcstudy.core.errors import UserError
 from sdcstudy.faults.specs import FaultSpec, FaultSpecError, Profile, TimePattern, profile_from_dict
 from sdcstudy.faults.published import SITES, TABLE1_FREQUENCY, TABLE2_MAX_SEVERITY, WCNTS
 from sdcstudy.faults.published import published
@@ -69,6 +74,18 @@ MAGNITUDE_MEAN_SQUARE = (MAGNITUDE[1] ** 2 - MAGNITUDE[0] ** 2) / (
 LAST_BIT = {3: FaultSpec("grad", "bitflip", rate=1e-9, bits=(0,),
                          note="Figure 5 WCNTS 1.34e-15: a last-bit difference")}
 
+# Where a node's fwd/attn faults land (`paper_node(attn_placement=...)`): `o_proj`, in the
+# attention output projection's product before its check (the zoo's default: ABFT sees every
+# one); `inside`, in the attention's context, the projection's input (the check sees a product
+# consistent with its input); `split`, O_SHARE of the rate in the projection, the rest inside.
+ATTN_PLACEMENTS = ("o_proj", "inside", "split")
+CONTEXT_SITE = "fwd/attn_context"
+# The output projection's share of the attention's unchecked multiply-adds per token: o takes
+# d^2, QK^T and PV s*d each (standard attention without FlashAttention, appendix B.2), so
+# d / (d + 2s) = 1/3 at the paper's s = d = 4096. The q, k and v projections have checks of
+# their own and are left out.
+O_SHARE = 1 / 3
+
 
 def weight_grad_spec(node: int, pattern: TimePattern) -> FaultSpec | None:
     if node in LAST_BIT:
@@ -81,7 +98,40 @@ def weight_grad_spec(node: int, pattern: TimePattern) -> FaultSpec | None:
                      note=f"Figure 5 WCNTS {WCNTS[node]:g} (weight-gradient products)")
 
 
-def paper_node(node: int) -> Profile:
+def attention_specs(spec: FaultSpec, placement: str, context_width: int | None,
+                    o_share: float) -> list[FaultSpec]:
+    """The fwd/attn spec `spec` (faults in the output projection's product) placed as
+    `placement` says (ATTN_PLACEMENTS).
+
+    A fault in the context (the attention's output, the projection's input: a row of
+    `context_width` elements per token on one tp rank) moves the whole row of the projection's
+    product, its fan-out of n elements. Table 1 counts mismatching elements of that product
+    (m x n per rank); the same count, rate * m * n, comes from rate * m * n / n faulty rows, so
+    the rate per context element is rate / context_width."""
+    if placement not in ATTN_PLACEMENTS:
+        raise UserError(f"attn_placement must be one of {', '.join(ATTN_PLACEMENTS)}, "
+                        f"not {placement!r}.")
+    if placement == "o_proj":
+        return [spec]
+    if not context_width or context_width < 1:
+        raise UserError(f"attn_placement {placement!r} needs the context's width on one tp "
+                        f"rank (context_width, the model's heads times head_dim over tp).")
+    share = 0.0 if placement == "inside" else o_share
+    inside = dataclasses.replace(spec, site=CONTEXT_SITE,
+                                 rate=spec.rate * (1 - share) / context_width,
+                                 note=f"{spec.note}; {1 - share:.3g} of it in the attention's "
+                                      f"context, divided by its width {context_width}")
+    if share == 0:
+        return [inside]
+    return [dataclasses.replace(spec, rate=spec.rate * share,
+                                note=f"{spec.note}; {share:.3g} of it in the output projection"),
+            inside]
+
+
+def paper_node(node: int, attn_placement: str = "o_proj", context_width: int | None = None,
+               o_share: float = O_SHARE) -> Profile:
+    """Ma et al.'s node `node`; `attn_placement` (with `context_width` and `o_share`) moves its
+    fwd/attn faults (`attention_specs`); the default keeps them in the output projection."""
     pattern = PATTERNS.get(node, TimePattern())
     mean = pattern.mean_multiplier(PAPER_STEPS)
     specs = []
@@ -89,10 +139,12 @@ def paper_node(node: int) -> Profile:
         for site, freq, severity in zip(SITES, TABLE1_FREQUENCY[node], TABLE2_MAX_SEVERITY[node]):
             if freq == 0:
                 continue
-            specs.append(FaultSpec(site, "additive", rate=min(freq / mean, 1.0), scale=MAGNITUDE,
-                                   pattern=pattern,
-                                   note=f"Table 1 frequency {freq:g} (Table 2 max severity "
-                                        f"{severity:g})"))
+            spec = FaultSpec(site, "additive", rate=min(freq / mean, 1.0), scale=MAGNITUDE,
+                             pattern=pattern,
+                             note=f"Table 1 frequency {freq:g} (Table 2 max severity "
+                                  f"{severity:g})")
+            specs += (attention_specs(spec, attn_placement, context_width, o_share)
+                      if site == "fwd/attn" else [spec])
     if (grad := weight_grad_spec(node, GRAD_PATTERNS.get(node, TimePattern()))) is not None:
         specs.append(grad)
     kind = {"burst": "rare bursts", "decay": "initial spike", "onset": f"onset at step "
@@ -149,7 +201,7 @@ def load(name_or_path: str, fault_kind: str = "profile") -> Profile:
 
 
 def _load(name_or_path: str) -> Profile:
-    from sdcstudy.core.errors import UserError, first_line
+    from sdcstudy.core.errors import first_line
 
     profiles = zoo()
     if name_or_path in profiles:
