@@ -4,7 +4,9 @@ loss, global-norm clipping, AdamW and learning-rate schedule, all in float32, ti
 in one run (bench_timing.py's rotation); the model FLOP/s of both against the machine's matmul
 peak (roofline.py), and on a GPU whose kind roofline.py knows, the MFU against its published
 peak. The torch contender runs on the CPU, so on a GPU time ours alone (`--no-torch`, which
-also allows a bfloat16 model).
+also allows a bfloat16 model). Each result carries the kernel census of our compiled step
+(census.py: which library runs each GEMM, Triton's tiles, fused attention, serialized
+scatters); `--hlo DIR` also keeps that step's optimized HLO as DIR/PRESET-DTYPE.hlo.
 
 torch and transformers are imported inside the functions that use them.
 """
@@ -13,6 +15,9 @@ from __future__ import annotations
 
 import os
 
+from pathlib import Path
+
+from sdcstudy.bench import census
 from sdcstudy.bench import common as B
 from sdcstudy.bench import goals as G
 from sdcstudy.bench import timing as BT
@@ -30,6 +35,8 @@ def add_parser(sub) -> None:
                    help="transformers attention implementations to time (default eager,sdpa); "
                         "the faster one is the baseline")
     t.add_argument("--no-torch", action="store_true", help="time only our step")
+    t.add_argument("--hlo", type=Path, default=None, metavar="DIR",
+                   help="write our compiled step's optimized HLO to DIR/PRESET-DTYPE.hlo")
     t.set_defaults(bench=run_train_suite)
 
 
@@ -196,7 +203,9 @@ def measure_train(preset: str, args, attentions: tuple[str, ...], echo=B.echo_st
               "seq_len": cfg.data.seq_len, "tokens_per_step": tokens, "steps": steps,
               "repeats": args.repeats, "warmup_steps": B.WARMUP_STEPS,
               "ours": {**contender("ours"), "compile_s": ours.compile_s},
+              "census": census.census(ours.hlo),
               "torch": {}, "torch_baseline": None, "ratio": None}
+    keep_hlo(args, f"{preset}-{dims.dtype}", ours.hlo)
     for a in attentions:
         name = f"torch-{a}"
         result["torch"][a] = {**contender(name),
@@ -219,6 +228,16 @@ def measure_train(preset: str, args, attentions: tuple[str, ...], echo=B.echo_st
         echo(f"{preset}: MFU of ours {result['roofline']['mfu']['ours']:.1%} against the "
              f"{mfu_peak['label']}")
     return result
+
+
+def keep_hlo(args, name: str, hlo: str) -> None:
+    """Our step's optimized HLO as `--hlo`/NAME.hlo, when asked."""
+    folder = getattr(args, "hlo", None)
+    if folder is not None:
+        from sdcstudy.core import runfolder as RF
+
+        folder.mkdir(parents=True, exist_ok=True)
+        RF.atomic_write_text(folder / f"{name}.hlo", hlo)
 
 
 def train_table(results: list[dict]) -> str:
@@ -244,6 +263,9 @@ def train_table(results: list[dict]) -> str:
                                  f"losses within {v['max_loss_diff']:.1e} of ours"
                                  for a, v in r["torch"].items())
             lines.append(f"- {r['preset']}: torch {variants}.")
+    for r in results:
+        lines.append(f"- {r['preset']} ({r['dtype']}), kernel census of our step: "
+                     f"{census.describe(r['census'])}.")
     return "\n".join(lines) + "\n" + roofline_table(results)
 
 
