@@ -172,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config key (repeatable)")
     g.add_argument("--out", type=Path, required=True, help="new golden folder (never overwritten)")
     g.add_argument("--device", type=int, default=0, metavar="I", help="local device (default 0)")
+    g.add_argument("--workload", choices=("tiny", "full"), default="tiny",
+                   help="tiny (default, seconds) or full: sized to cover the device's SMs and "
+                        "most of its memory (docs/golden.md, Coverage)")
+    g.add_argument("--memory-share", type=float, default=None, metavar="S",
+                   help="with --workload full: share of device memory written and read back "
+                        "every step (default 0.75)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = gsub.add_parser("check", help="re-run and compare: exit 0 PASS, 1 FAIL, 2 INCONCLUSIVE")
     g.add_argument("golden_dir", type=Path, help="folder written by golden record")

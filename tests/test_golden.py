@@ -13,10 +13,15 @@ import pytest
 from sdcstudy import cli
 from sdcstudy.core import determinism
 from sdcstudy.faults import specs as FS
+from sdcstudy.core.errors import UserError
 from sdcstudy.golden import check as G
 from sdcstudy.golden import compare as GC
+from sdcstudy.golden import coverage as GCov
 from sdcstudy.golden import digest as GD
 from sdcstudy.golden import record as GR
+from sdcstudy.golden import report as GRep
+from sdcstudy.golden import sizing as GS
+from sdcstudy.golden import telemetry as GT
 from sdcstudy.core import sites as S
 
 # Single-bit flips, each its own check. Sampled once with a fixed seed so that a failure can be
@@ -294,3 +299,197 @@ def test_an_injection_that_cannot_land_is_refused(golden_dir, inject, words):
     # A flip outside the run would let the detector "pass" without having been exercised.
     report = G.check(golden_dir, inject=inject)
     assert report["verdict"] == "INCONCLUSIVE" and words in report["reason"]
+
+
+# --- the fingerprint: what a check compares on each platform ----------------------------------
+
+
+def _env(platform, **changes):
+    """A synthetic env.json of `platform` with some fields changed."""
+    env = {"packages": {"jax": "0.10.2"}, "xla_flags": "--xla_gpu_deterministic_ops=true",
+           "platform": platform, "device_kinds": {"NVIDIA H100 80GB HBM3": 1},
+           "device_count": 1, "local_device_count": 1, "process_count": 1,
+           "cpu": {"model": "AMD EPYC 9654", "isa": ["avx2"], "cores": 192},
+           "gpu_stack": {"driver": "570.124.06", "cuda_runtime": 12080, "cublas": 120804,
+                         "cudnn": 90800, "nccl": 22603},
+           "backend_version": "PJRT C API\ncuda 12080", "compiled_step_sha256": "a" * 64}
+    for name, value in changes.items():
+        env[name] = dict(env[name], **value) if isinstance(value, dict) else value
+    return env
+
+
+def test_a_changed_cuda_library_is_inconclusive_and_named():
+    # Another cuBLAS may compute other bits with the same program text: a check must say it
+    # cannot tell (the field and both versions, and to re-record), never FAIL the node.
+    golden, observed = _env("gpu"), _env("gpu", gpu_stack={"cublas": 120900})
+    differences = GC.env_differences(golden, observed)
+    assert differences == [{"field": "gpu_stack.cublas", "golden": 120804,
+                            "observed": 120900}]
+    sentence = GC.env_sentence(differences)
+    assert "gpu_stack.cublas 120804 -> 120900" in sentence and "record a golden run" in sentence
+
+
+def test_the_host_cpu_matters_on_cpu_only():
+    # On a GPU node the host CPU computes none of the GPU's bits: another CPU model must not
+    # make a check INCONCLUSIVE. On CPU it is what computes the bits, so it must.
+    other_cpu = {"cpu": {"model": "Intel Xeon 8480", "isa": ["avx512f"]}}
+    assert GC.env_differences(_env("gpu"), _env("gpu", **other_cpu)) == []
+    assert {d["field"] for d in GC.env_differences(_env("cpu"), _env("cpu", **other_cpu))} == {
+        "cpu.model", "cpu.isa"}
+    # ... and the GPU stack of a CPU record is not compared (a CPU's bits do not use it).
+    assert GC.env_differences(_env("cpu"), _env("cpu", gpu_stack={"driver": "1"})) == []
+
+
+def test_pinned_kernel_choices_are_compared_by_content(tmp_path):
+    # The autotuning results a node loads decide its kernels: the same file in another place
+    # is the same stack; another file's content is not.
+    results, copy, other = (tmp_path / n for n in ("a.txt", "b.txt", "c.txt"))
+    results.write_text("gemm tiles 128x128\n")
+    copy.write_text("gemm tiles 128x128\n")
+    other.write_text("gemm tiles 64x128\n")
+
+    def env(path):
+        flags = f"--xla_gpu_deterministic_ops=true {determinism.AUTOTUNE_FLAG}={path}"
+        return _env("gpu", xla_flags=flags, gpu_stack=determinism.autotune_results(flags))
+
+    assert len(env(results)["gpu_stack"]["autotune_results_sha256"]) == 64
+    assert GC.env_differences(env(results), env(copy)) == []
+    assert [d["field"] for d in GC.env_differences(env(results), env(other))] == [
+        "gpu_stack.autotune_results_sha256"]
+
+
+def test_driver_version_is_read_from_the_kernel_module(tmp_path, monkeypatch):
+    # The driver file's two spellings (proprietary and open kernel module); no file, no driver.
+    path = tmp_path / "version"
+    monkeypatch.setattr(determinism, "NVIDIA_DRIVER_FILE", path)
+    assert determinism.nvidia_driver() is None
+    path.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.124.06  Thu Feb 20\n")
+    assert determinism.nvidia_driver() == "570.124.06"
+    path.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  575.51.03  "
+                    "Release Build\n")
+    assert determinism.nvidia_driver() == "575.51.03"
+
+
+# --- the full workload: sizing, coverage report, record and check -------------------------------
+
+
+GPUS = [GS.DeviceDescription("gpu", "NVIDIA H100 80GB HBM3", 132, 80 * 2**30,
+                             ("bfloat16", "tf32", "float32")),
+        GS.DeviceDescription("gpu", "NVIDIA H200", 132, 141 * 10**9,
+                             ("bfloat16", "tf32", "float32"))]
+
+
+@pytest.mark.parametrize("device", GPUS, ids=lambda d: d.kind)
+def test_full_workload_fills_every_sm_and_most_memory(device):
+    # Each main product must launch at least 4 waves of 128x128 thread blocks over all SMs
+    # (else some SMs do little or nothing), the buffer must be 70-75% of the device's memory
+    # (the default share), and the model must run in bfloat16 where the device has it.
+    sizing = GS.size_full(device)
+    for name, tiles in sizing.tiles().items():
+        assert tiles >= GS.WAVES * device.sms, name
+    assert 0.70 <= sizing.buffer_bytes / device.memory_bytes <= GS.MEMORY_SHARE
+    assert sizing.dtype == "bfloat16" and sizing.min_seconds >= 60
+    assert sizing.d_model % GS.TILE == 0 and sizing.tokens % GS.TILE == 0
+    assert GS.size_full(device, 0.5).buffer_bytes < sizing.buffer_bytes
+    with pytest.raises(UserError, match="--memory-share"):
+        GS.size_full(device, 0.95)
+
+
+def test_full_workload_on_a_simulated_cpu_device_is_small():
+    # CPU tests must stay in seconds: a one-layer model of width 128 and a 24 MiB buffer.
+    sizing = GS.size_full(GS.CPU_DESCRIPTION)
+    assert (sizing.d_model, sizing.n_layers, sizing.min_seconds) == (128, 1, 0.0)
+    assert sizing.buffer_bytes == 24 * 2**20 and sizing.tokens == 512
+
+
+def test_kernel_grids_measure_sm_reach_and_nothing_else():
+    # SM reach comes from the launch grids of tensor-core kernels in a trace; a trace without
+    # them leaves it unmeasured (never an estimate shown as a measurement).
+    assert GT.grid_blocks("regs:128 grid:66,8,1 block:256,1,1") == 528
+    assert GT.grid_blocks("grid_x:12 grid_y:11 grid_z:1 block_x:128") == 132
+    assert GT.grid_blocks("regs:32 block:128,1,1") is None
+    launches = [("sm90_xmma_gemm_bf16bf16_bf16f32", 544, 2.0),
+                ("cutlass_80_tensorop_s1688gemm", 64, 1.0), ("loop_add_fusion", 9000, 5.0)]
+    reach = GT.sm_reach(launches, 132)
+    assert (reach["measured"], reach["reached"], reach["widest_grid_ctas"]) == (True, 132, 544)
+    assert reach["time_share_of_grids_filling_every_sm"] == pytest.approx(2 / 3)
+    assert GT.sm_reach(launches[:2], 1000)["reached"] == 544
+    assert GT.sm_reach(launches[2:], 132) == {"measured": False, "sms": 132, "reached": None,
+                                              "why": "the trace has no tensor-core kernel "
+                                                     "with a launch grid"}
+
+
+def test_clock_samples_and_smi_lines():
+    # nvidia-smi's '[N/A]' is None, not 0; full clocks means >= 90% of the maximum SM clock.
+    values = GT.parse_smi_csv("1980, 1980, 2619, 690.5, 61, 0, [N/A], 0, No")
+    assert values["power_w"] == 690.5 and values["ecc_uncorrected_volatile"] is None
+    samples = [{"sm_clock_mhz": c, "max_sm_clock_mhz": 1980} for c in (345, 1785, 1980)]
+    assert GT.seconds_at_full_clocks(samples, 1.0) == 2.0
+
+
+def test_memory_digest_localizes_a_flipped_bit():
+    # One flipped bit in the buffer must change both lanes of exactly its chunk's digest, so a
+    # check names the chunk (and its bytes) where memory went wrong.
+    buffer = np.asarray(jax.jit(GCov._mix)(np.arange(4 * 1024, dtype=np.uint32))).reshape(4, 1024)
+    clean = np.asarray(jax.jit(GCov.chunk_digest)(buffer))
+    flipped = buffer.copy()
+    flipped[2, 777] ^= np.uint32(1 << 19)
+    differ = np.asarray(jax.jit(GCov.chunk_digest)(flipped)) != clean
+    assert differ.any(-1).tolist() == [False, False, True, False] and differ[2].all()
+
+
+@pytest.fixture(scope="module")
+def full_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("golden") / "full"
+    assert cli.main(["golden", "record", "--workload", "full", "--out", str(out),
+                     "--no-progress"]) == 0
+    return out
+
+
+def test_full_workload_checks_bitwise_and_reports_its_coverage(full_dir, tmp_path, capsys):
+    # The full workload (model in bfloat16, float32 products, memory buffer) must be as
+    # deterministic as the tiny one, and its report must say what it covered: the buffer's
+    # share of the (simulated) device, the units, and on CPU that SM reach and clocks are not
+    # available rather than numbers.
+    code = cli.main(["golden", "check", str(full_dir), "--json", str(tmp_path / "r.json"),
+                     "--no-progress"])
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0 and report["verdict"] == "PASS", report["reason"]
+    _, _, meta, arrays = G.load(full_dir)
+    assert meta["workload"] == "full" and arrays["coverage/memory"].shape == (3, 6, 2)
+    coverage = report["coverage"]
+    assert coverage["memory"]["bytes"] == 24 * 2**20 and coverage["memory"]["share"] == 0.75
+    assert coverage["sms"]["measured"] is False and "not available on cpu" in \
+        coverage["sms"]["why"]
+    assert coverage["device"]["before"] == "not available on cpu"
+    assert "float32 products at HIGHEST precision" in coverage["units"]
+    line = [ln for ln in capsys.readouterr().out.splitlines() if "coverage (full)" in ln]
+    assert len(line) == 1 and "75% of 32 MiB memory written and verified" in line[0]
+
+
+def test_full_workload_fails_where_a_flip_landed(full_dir):
+    # A bit flipped in the bfloat16 model must FAIL at its step, microstep, layer and site.
+    report = G.check(full_dir, inject="flip:step=2,site=fwd/attn,layer=1,bit=14")
+    assert report["verdict"] == "FAIL", report["reason"]
+    first = report["first_difference"]
+    assert (first["step"], first["microstep"], first["layer"], first["site"]) == (
+        2, 0, 1, "fwd/attn_out")
+
+
+def test_a_memory_difference_is_named_by_chunk(full_dir):
+    # A wrong word read back from the buffer is reported by chunk and byte range, after the
+    # model's sites and before the loss.
+    _, _, meta, arrays = G.load(full_dir)
+    step = 2
+    out = {d: {k: arrays[f"{d}/{k}"][step - 1] for k in meta["site_order"]}
+           for d in ("fwd", "bwd")}
+    out["coverage"] = {n: arrays[f"coverage/{n}"][step - 1].copy()
+                       for n in meta["coverage_digests"]}
+    out["params"] = {p: arrays[f"params/{p}"][step] for p in meta["params"]}
+    out["loss"], out["grad_norm"] = arrays["loss"][step - 1], arrays["grad_norm"][step - 1]
+    out["coverage"]["memory"][4] += np.uint32(1)
+    (found,) = GC.step_differences(step, out, arrays, meta)
+    entry = GC.describe(found, step, meta, arrays, None)
+    assert (entry["kind"], entry["chunk"], entry["of"]) == ("memory", 4, 6)
+    assert entry["byte_start"] == 4 * 4 * GS.CHUNK_WORDS
+    assert "chunk 4 of 6" in GRep._sentence(entry)

@@ -116,3 +116,26 @@ def test_quorum_needs_three_devices(monkeypatch, capsys):
     monkeypatch.setattr(jax, "local_devices", lambda: jax.devices()[:2])
     assert cli.main(["golden", "quorum"]) == 2
     assert "at least 3 local devices" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["golden", "check", "NOWHERE", "--device", "all"],
+    ["golden", "check", "NOWHERE"],
+    ["golden", "check", "DAMAGED", "--device", "all"],
+    ["golden", "quorum", "NOWHERE.yaml"],
+], ids=["check-all", "check-one", "check-all-damaged", "quorum"])
+def test_an_unusable_record_is_refused_once_before_jax(argv, tmp_path):
+    # A typo in the golden path must cost one sentence and exit 2, not a line, a table row and
+    # a reason per device: refused before JAX is imported and any device touched.
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "MANIFEST.json").write_text("{}")
+    argv = [str(tmp_path / "nowhere") if a == "NOWHERE" else
+            str(tmp_path / "damaged") if a == "DAMAGED" else
+            str(tmp_path / "nowhere.yaml") if a == "NOWHERE.yaml" else a for a in argv]
+    code = ("import sys; from sdcstudy import cli; "
+            f"rc = cli.main({argv!r}); print(rc, 'jax' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("sdcstudy: error: ")
+    assert ("does not exist" in done.stderr) or ("damaged" in done.stderr)

@@ -8,17 +8,22 @@ backend's flags on every platform, so they are harmless on CPU.
 
 The fingerprint records what the bits of a run depend on: package versions, XLA flags, device
 kind and count, process count, CPU model and instruction set (XLA's CPU code generation and
-its thread partitioning differ between them), and the hash of the compiled step.
+its thread partitioning differ between them), the hash of the compiled step, and the GPU stack
+wherever its parts exist (`gpu_stack`: NVIDIA driver, CUDA runtime, cuBLAS, cuDNN, NCCL, the
+nvidia-* wheels, SHA-256 of the pinned autotuning results). Each part is looked up without
+requiring a GPU: a part that cannot be found is left out, never guessed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
 import re
 import sys
 from importlib import metadata
+from pathlib import Path
 
 DETERMINISM_XLA_FLAGS = (
     "--xla_gpu_deterministic_ops=true",
@@ -94,6 +99,107 @@ def package_versions() -> dict:
     return versions
 
 
+AUTOTUNE_FLAG = "--xla_gpu_load_autotune_results_from"
+# jaxlib's CUDA plugin reports these (functions of `jax._src.lib.cuda_versions`).
+CUDA_LIBRARIES = {"cuda_runtime": "cuda_runtime_get_version", "cublas": "cublas_get_version",
+                  "cudnn": "cudnn_get_version", "cufft": "cufft_get_version",
+                  "cusolver": "cusolver_get_version", "cusparse": "cusparse_get_version"}
+NVIDIA_DRIVER_FILE = Path("/proc/driver/nvidia/version")
+
+
+def flag_value(flags: str, name: str) -> str | None:
+    """The value of `--name=value` in an XLA_FLAGS string (the last one wins), or None."""
+    value = None
+    for flag in flags.split():
+        key, _, text = flag.partition("=")
+        if key == name:
+            value = text
+    return value
+
+
+def autotune_results(flags: str) -> dict:
+    """The pinned kernel choices named by XLA_FLAGS: their file's SHA-256 (or that it is
+    missing); {} when no autotuning results are loaded."""
+    path = flag_value(flags, AUTOTUNE_FLAG)
+    if not path:
+        return {}
+    try:
+        return {"autotune_results_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
+    except OSError as e:
+        return {"autotune_results_sha256": f"unreadable: {e.strerror}"}
+
+
+def nvidia_driver() -> str | None:
+    """The NVIDIA kernel driver's version (e.g. 570.124.06), or None without one."""
+    try:
+        text = NVIDIA_DRIVER_FILE.read_text()
+    except OSError:
+        return None
+    match = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9][0-9.]+)", text)
+    return match.group(1) if match else None
+
+
+def _cuda_library_versions() -> dict:
+    """Versions the CUDA plugin of jaxlib loaded, where it is installed and answers."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:
+        return {}
+    found = {}
+    for name, function in CUDA_LIBRARIES.items():
+        try:
+            found[name] = int(getattr(cuda_versions, function)())
+        except Exception:  # no plugin, no GPU, another jaxlib: leave it out
+            continue
+    return found
+
+
+def _nccl_version() -> int | None:
+    """ncclGetVersion() of the NCCL library this process can load, or None."""
+    names = ["libnccl.so.2"]
+    try:
+        import nvidia.nccl
+
+        names.append(str(Path(next(iter(nvidia.nccl.__path__))) / "lib" / "libnccl.so.2"))
+    except (ImportError, StopIteration):
+        pass
+    for name in names:
+        try:
+            version = ctypes.c_int()
+            if ctypes.CDLL(name).ncclGetVersion(ctypes.byref(version)) == 0:
+                return version.value
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def nvidia_wheels() -> dict:
+    """Versions of the installed nvidia-* wheels (cuBLAS, cuDNN, NCCL, ptxas ...)."""
+    found = {}
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name.startswith("nvidia-"):
+            found[name] = dist.version
+    return dict(sorted(found.items()))
+
+
+def gpu_stack(flags: str) -> dict:
+    """What a GPU's bits depend on beyond the Python packages, where each part exists."""
+    stack = {}
+    driver = nvidia_driver()
+    if driver is not None:
+        stack["driver"] = driver
+    stack.update(_cuda_library_versions())
+    nccl = _nccl_version()
+    if nccl is not None:
+        stack["nccl"] = nccl
+    wheels = nvidia_wheels()
+    if wheels:
+        stack["wheels"] = wheels
+    stack.update(autotune_results(flags))
+    return stack
+
+
 def fingerprint(compiled_text: str | None = None) -> dict:
     """Environment fingerprint for `env.json`; pass the compiled step's `program_text` to hash it
     (without op metadata, so a program loaded from JAX's compilation cache hashes the same)."""
@@ -112,7 +218,19 @@ def fingerprint(compiled_text: str | None = None) -> dict:
         "local_device_count": jax.local_device_count(),
         "process_count": jax.process_count(),
         "cpu": cpu_info(),
+        "gpu_stack": gpu_stack(os.environ.get("XLA_FLAGS", "")),
+        "backend_version": _backend_version(),
         "os": platform.platform(),
         "compiled_step_sha256": (hashlib.sha256(compiled_text.encode()).hexdigest()
                                  if compiled_text is not None else None),
     }
+
+
+def _backend_version() -> str | None:
+    """The backend's own version string (on GPU it names the CUDA version it runs)."""
+    try:
+        from jax.extend import backend
+
+        return str(backend.get_backend().platform_version)
+    except Exception:
+        return None

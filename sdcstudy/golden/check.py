@@ -29,22 +29,15 @@ from sdcstudy.core import determinism
 from sdcstudy.faults import specs as FS
 from sdcstudy.core.config import UserError
 from sdcstudy.golden.compare import (
-    EXIT_CODES, FAIL, INCONCLUSIVE, PASS, _check_layout, env_differences, run_once)
+    EXIT_CODES, FAIL, INCONCLUSIVE, PASS, _check_layout, compared_fields, env_differences,
+    env_sentence, run_once)
 from sdcstudy.golden.digest import block_digest, site_key
 from sdcstudy.golden.record import GoldenError, load, record, verify
-from sdcstudy.golden.report import _sentence, junit_xml, report_json
+from sdcstudy.golden.report import _sentence, check_report, junit_xml, report_json
+from sdcstudy.golden import telemetry
+from sdcstudy.golden.sizing import TINY as DEFAULT
+from sdcstudy.golden.sizing import FullSizing, sizing_from_dict
 from sdcstudy.golden.workload import Workload, device_info, parse_injection, pick_device, workload
-
-REPORT_SCHEMA = "sdcstudy-golden-check/1"
-
-# The default workload: tiny Llama, 6 steps of 2 microsteps of 4 sequences of 64 tokens.
-DEFAULT = {
-    "experiment": {"mode": "train", "steps": 6, "microsteps": 2, "batch_size": 4, "seed": 0,
-                   "checkpoint_every": 0, "name": "golden"},
-    "model": {"preset": "tiny", "dtype": "float32"},
-    "optim": {"warmup_steps": 2},
-    "data": {"source": "synthetic", "seq_len": 64},
-}
 
 
 def check(golden_dir: Path, *, inject: str | None = None, allow_env_drift: bool = False,
@@ -53,13 +46,7 @@ def check(golden_dir: Path, *, inject: str | None = None, allow_env_drift: bool 
     """Verify, re-run and compare; the report (see docs/golden.md). Never raises for a
     problem with the golden record, the environment or the run: those are INCONCLUSIVE."""
     started = time.perf_counter()
-    report = {"schema": REPORT_SCHEMA, "verdict": INCONCLUSIVE, "exit_code": 2, "reason": None,
-              "golden": {"dir": str(golden_dir)}, "host": socket.gethostname(),
-              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": {"index": device_index},
-              "inject": inject, "env": {"compared": False, "differences": [],
-                                        "allowed_drift": allow_env_drift},
-              "failed_stage": None, "repetitions": [], "first_difference": None, "injected": None,
-              "timing": {}}
+    report = check_report(golden_dir, device_index, inject, allow_env_drift)
 
     def finish(verdict: str, reason: str | None = None, stage: str | None = None) -> dict:
         report.update(verdict=verdict, exit_code=EXIT_CODES[verdict], reason=reason,
@@ -73,7 +60,9 @@ def check(golden_dir: Path, *, inject: str | None = None, allow_env_drift: bool 
         cfg, golden_env, meta, arrays = load(golden_dir)
         report["golden"].update(steps=meta.get("steps"), microsteps=meta.get("microsteps"),
                                 preset=cfg.model.preset, created=meta.get("created"),
-                                recorded_on=meta.get("host"))
+                                recorded_on=meta.get("host"),
+                                workload=meta.get("workload", "tiny"))
+        sizing = sizing_from_dict(meta["sizing"]) if meta.get("sizing") else None
         injection = parse_injection(inject) if inject else None
         device = pick_device(device_index)
         report["device"] = device_info(device, device_index)
@@ -93,19 +82,17 @@ def check(golden_dir: Path, *, inject: str | None = None, allow_env_drift: bool 
     def env_verdict(differences):
         env["differences"] += differences
         if differences and not allow_env_drift:
-            fields = ", ".join(d["field"] for d in differences)
-            return finish(INCONCLUSIVE, f"the environment differs from the golden record's in "
-                                        f"{fields}; record a golden run for this stack, or "
-                                        f"pass --allow-env-drift.", "environment")
+            return finish(INCONCLUSIVE, env_sentence(differences), "environment")
         return None
 
     observed_env = determinism.fingerprint(None)
     env.update(compared=True, skipped=[],
+               fields=list(compared_fields(golden_env.get("platform"))),
                os={"golden": golden_env.get("os"), "observed": observed_env.get("os")})
     if env_verdict(env_differences(golden_env, observed_env, skip=("compiled_step_sha256",))):
         return report
     try:
-        work, cached = workload(cfg, arrays["tokens"], device, injection)
+        work, cached = workload(cfg, arrays["tokens"], device, injection, sizing)
         report["timing"].update(compile_s=0.0 if cached else work.compile_s,
                                 compiled_earlier_in_process=cached)
         _check_layout(work, meta, arrays)
@@ -124,24 +111,12 @@ def check(golden_dir: Path, *, inject: str | None = None, allow_env_drift: bool 
                 {"field": "compiled_step_sha256", "golden": expected, "observed": observed}]):
             return report
 
-    deadline = None if duration_min is None else started + 60.0 * duration_min
-    landed = []
-    while True:
-        index = len(report["repetitions"]) + 1
-        try:
-            result = run_once(work, meta, arrays, progress)
-        except Exception as e:
-            result = {"verdict": INCONCLUSIVE, "steps_compared": None, "first_difference": None,
-                      "injected": [], "reason": f"the run failed: {type(e).__name__}: {e}"}
-        result["repetition"] = index
-        landed += [dict(r, repetition=index) for r in result.pop("injected")]
-        report["repetitions"].append(result)
-        if result["verdict"] != PASS:
-            break
-        if deadline is None and index >= repeat:
-            break
-        if deadline is not None and time.perf_counter() >= deadline:
-            break
+    with telemetry.Watch(device.platform, device_index) as watch:
+        landed = _repetitions(report, work, meta, arrays, progress,
+                              _deadline(started, duration_min, repeat, sizing), repeat)
+    index = len(report["repetitions"])
+    if report["repetitions"][-1]["verdict"] != INCONCLUSIVE:
+        report["coverage"] = telemetry.coverage(work, device_index, watch)
     if work.injector is not None:
         report["injected"] = {"label": injection.label, "landed": len(landed),
                               "first": landed[:20]}
@@ -154,6 +129,40 @@ def check(golden_dir: Path, *, inject: str | None = None, allow_env_drift: bool 
         return finish(INCONCLUSIVE, last.get("reason"), "run")
     return finish(PASS, f"{len(report['repetitions'])} repetition(s) of {meta['steps']} steps "
                         f"bitwise equal to the golden record.")
+
+
+def _deadline(started: float, duration_min: float | None, repeat: int,
+              sizing: FullSizing | None) -> float | None:
+    """When repetitions stop starting: `--duration` from the check's start; for the full
+    workload without --repeat or --duration, its `min_seconds` from now; else None."""
+    if duration_min is not None:
+        return started + 60.0 * duration_min
+    if sizing is not None and sizing.min_seconds and repeat == 1:
+        return time.perf_counter() + sizing.min_seconds
+    return None
+
+
+def _repetitions(report: dict, work: Workload, meta: dict, arrays: dict, progress: bool,
+                 deadline: float | None, repeat: int) -> list[dict]:
+    """Run and compare repetitions into the report until one is not PASS, `repeat` ran, or
+    the deadline passed; what the injection landed, over all of them."""
+    landed = []
+    while True:
+        index = len(report["repetitions"]) + 1
+        try:
+            result = run_once(work, meta, arrays, progress)
+        except Exception as e:
+            result = {"verdict": INCONCLUSIVE, "steps_compared": None, "first_difference": None,
+                      "injected": [], "reason": f"the run failed: {type(e).__name__}: {e}"}
+        result["repetition"] = index
+        landed += [dict(r, repetition=index) for r in result.pop("injected")]
+        report["repetitions"].append(result)
+        if result["verdict"] != PASS:
+            return landed
+        if deadline is None and index >= repeat:
+            return landed
+        if deadline is not None and time.perf_counter() >= deadline:
+            return landed
 
 
 def _check_flip(flip: dict, meta: dict) -> None:

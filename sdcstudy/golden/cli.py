@@ -1,18 +1,25 @@
-"""`sdcstudy golden record | check | quorum`: the command line of the golden checks."""
+"""`sdcstudy golden record | check | quorum`: the command line of the golden checks.
+
+Input that cannot work (a bad option, a folder that is no usable golden record, a config that
+does not load) is refused here in one sentence, before JAX is imported or a device touched.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from sdcstudy.core import config as C
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import UserError
-from sdcstudy.golden import devices
-from sdcstudy.golden.check import DEFAULT, check
-from sdcstudy.golden.record import record
-from sdcstudy.golden.report import junit_xml, report_json
+from sdcstudy.golden import manifest
+from sdcstudy.golden.report import junit_xml, node_junit_xml, refused_report, report_json
+from sdcstudy.golden.sizing import MAX_MEMORY_SHARE, TINY
 
 ALL = "all"
+# The full workload's buffer needs most of the GPU's memory; JAX's allocator takes 75% of it
+# unless told otherwise (XLA_PYTHON_CLIENT_MEM_FRACTION, read when the backend starts).
+FULL_MEMORY_FRACTION = "0.95"
 
 
 def device_arg(text: str) -> int | str:
@@ -27,7 +34,7 @@ def device_arg(text: str) -> int | str:
 
 def _config(args):
     return (C.load(args.config, args.overrides) if args.config is not None
-            else C.from_dict(DEFAULT, args.overrides))
+            else C.from_dict(TINY, args.overrides))
 
 
 def _write(args, report: dict, junit) -> None:
@@ -36,14 +43,51 @@ def _write(args, report: dict, junit) -> None:
             RF.atomic_write_text(Path(path), text(report))
 
 
+def _full_workload_memory() -> None:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", FULL_MEMORY_FRACTION)
+
+
+def main_record(args) -> int:
+    full = args.workload == "full"
+    if full and (args.config is not None or args.overrides):
+        raise UserError("golden record --workload full sizes its own config for the device; "
+                        "give no CONFIG and no --set.")
+    if args.memory_share is not None and not full:
+        raise UserError("--memory-share sizes the full workload's buffer: add --workload full.")
+    if args.memory_share is not None and not 0 < args.memory_share <= MAX_MEMORY_SHARE:
+        raise UserError(f"--memory-share must be above 0 and at most {MAX_MEMORY_SHARE}, not "
+                        f"{args.memory_share}.")
+    cfg = None if full else _config(args)
+    if full:
+        _full_workload_memory()
+    from sdcstudy.golden.record import record
+    from sdcstudy.golden.telemetry import coverage_line
+
+    meta = record(cfg, args.out, device_index=args.device, progress=not args.no_progress,
+                  memory_share=args.memory_share)
+    print(f"golden record: {meta['golden_dir']} ({meta['workload']} workload, {meta['steps']} "
+          f"steps x {meta['microsteps']} microsteps, {len(meta['site_order'])} sites, "
+          f"{meta['bytes'] / 1e6:.2f} MB, manifest sha256 {meta['manifest_sha256'][:16]}...)")
+    print(f"  {coverage_line(meta['coverage'])}")
+    return 0
+
+
+def refuse_unusable(args, device) -> None:
+    """A folder that is no usable golden record: its reports (when asked for) and one
+    sentence, before any device is touched."""
+    reason = manifest.unusable(args.golden_dir)
+    if reason is None:
+        if manifest.load_meta(args.golden_dir).get("workload") == "full":
+            _full_workload_memory()
+        return
+    report = refused_report(args.golden_dir, reason, device, args.inject, args.allow_env_drift)
+    _write(args, report, node_junit_xml if device == ALL else junit_xml)
+    raise UserError(reason)
+
+
 def main(args) -> int:
     if args.golden_command == "record":
-        meta = record(_config(args), args.out, device_index=args.device,
-                      progress=not args.no_progress)
-        print(f"golden record: {meta['golden_dir']} ({meta['steps']} steps x "
-              f"{meta['microsteps']} microsteps, {len(meta['site_order'])} sites, "
-              f"{meta['bytes'] / 1e6:.2f} MB, manifest sha256 {meta['manifest_sha256'][:16]}...)")
-        return 0
+        return main_record(args)
     device = device_arg(args.device)
     if args.inject_device is not None and device != ALL:
         raise UserError("--inject-device chooses among the devices of --device all; with one "
@@ -54,13 +98,21 @@ def main(args) -> int:
         if device != ALL:
             raise UserError("golden quorum compares the devices with each other: give "
                             "--device all.")
-        report = devices.quorum(_config(args), inject=args.inject,
-                                inject_device=args.inject_device, workers=args.workers)
+        cfg = _config(args)
+        from sdcstudy.golden import devices
+
+        report = devices.quorum(cfg, inject=args.inject, inject_device=args.inject_device,
+                                workers=args.workers)
         return _finish(args, report)
     if args.repeat is not None and args.repeat < 1:
         raise UserError("--repeat must be at least 1.")
     if args.duration is not None and args.duration <= 0:
         raise UserError("--duration must be a positive number of minutes.")
+    refuse_unusable(args, device)
+    from sdcstudy.golden import devices
+    from sdcstudy.golden.check import check
+    from sdcstudy.golden.telemetry import coverage_line
+
     options = dict(allow_env_drift=args.allow_env_drift, repeat=args.repeat or 1,
                    duration_min=args.duration)
     if device == ALL:
@@ -80,6 +132,8 @@ def main(args) -> int:
         print(f"  device {report['device'].get('index')} ({report['device'].get('kind')}), "
               f"{reps} repetition(s), compile {t.get('compile_s', 0):.1f} s, run "
               f"{t.get('run_s', 0):.1f} s, total {t.get('total_s', 0):.1f} s")
+    if report["coverage"] is not None:
+        print(f"  {coverage_line(report['coverage'])}")
     if report["injected"] is not None:
         print(f"  injected {report['injected']['label']}: {report['injected']['landed']} "
               f"corruption(s) landed")
@@ -88,11 +142,17 @@ def main(args) -> int:
 
 def _finish(args, report: dict) -> int:
     """Print the per-device table and the node's verdict; write the files asked for."""
-    _write(args, report, devices.junit_xml)
-    print(devices.table(report), end="")
+    from sdcstudy.golden.report import node_table
+    from sdcstudy.golden.telemetry import coverage_line
+
+    _write(args, report, node_junit_xml)
+    print(node_table(report), end="")
     failing = [r for r in report["devices"] if r["verdict"] != "PASS"]
     print(f"golden {report['command']} {report['verdict']}: {len(report['devices'])} device(s), "
           f"{len(failing)} not PASS, {report['seconds']:.1f} s")
     for row in failing:
         print(f"  device {row['device']} {row['verdict']}: {row['reason']}")
+    for row in report["devices"]:
+        if row.get("coverage") is not None:
+            print(f"  device {row['device']} {coverage_line(row['coverage'])}")
     return report["exit_code"]

@@ -22,39 +22,82 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sdcstudy.core.determinism import AUTOTUNE_FLAG
 from sdcstudy.faults import specs as FS
 from sdcstudy.core.digest import tensor_digests
 from sdcstudy.golden.digest import block_range, n_blocks
+from sdcstudy.golden.sizing import CHUNK_WORDS
 from sdcstudy.golden.record import ARRAYS, GoldenError, _bar
+from sdcstudy.golden.report import EXIT_CODES, FAIL, INCONCLUSIVE, PASS  # noqa: F401
 from sdcstudy.golden.workload import Workload, _bits, _param_leaves
 
-PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
-EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
 
-# Environment fields a golden record depends on; "os" (kernel version) is reported, not compared.
-ENV_FIELDS = ("packages", "xla_flags", "platform", "device_kinds", "device_count",
-              "local_device_count", "process_count", "cpu", "compiled_step_sha256")
+# Environment fields a golden record's bits depend on, by platform: on CPU the host CPU (XLA's
+# code generation and threads), on a GPU the GPU stack (driver, CUDA libraries, pinned kernel
+# choices) and not the host CPU, which computes none of the GPU's bits. "os" (the kernel
+# version) is reported, not compared.
+COMMON_FIELDS = ("packages", "xla_flags", "platform", "device_kinds", "device_count",
+                 "local_device_count", "process_count", "compiled_step_sha256")
+PLATFORM_FIELDS = {"cpu": ("cpu",), "gpu": ("gpu_stack", "backend_version")}
+ENV_FIELDS = COMMON_FIELDS + ("cpu", "gpu_stack", "backend_version")
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
-def _flatten_env(env: dict) -> dict:
+def compared_fields(platform: str | None) -> tuple[str, ...]:
+    """What a check compares on `platform` (the golden record's)."""
+    key = "gpu" if platform in GPU_PLATFORMS else platform
+    return COMMON_FIELDS + PLATFORM_FIELDS.get(key, ("cpu", "gpu_stack", "backend_version"))
+
+
+def _xla_flags(value) -> str:
+    """The flags, sorted, without the autotuning results' path (their SHA-256 is compared in
+    gpu_stack, so a copy of the same file elsewhere is the same stack)."""
+    return " ".join(sorted(f for f in str(value or "").split()
+                           if f.partition("=")[0] != AUTOTUNE_FLAG))
+
+
+def _flatten_env(env: dict, fields: tuple[str, ...]) -> dict:
     flat = {}
-    for name in ENV_FIELDS:
-        value = env.get(name)
-        if name == "xla_flags":
-            value = " ".join(sorted(str(value or "").split()))
+
+    def put(prefix: str, value):
         if isinstance(value, dict):
             for key in sorted(value):
-                flat[f"{name}.{key}"] = value[key]
+                put(f"{prefix}.{key}", value[key])
         else:
-            flat[name] = value
+            flat[prefix] = value
+
+    for name in fields:
+        value = env.get(name)
+        put(name, _xla_flags(value) if name == "xla_flags" else value)
     return flat
 
 
 def env_differences(golden: dict, observed: dict, skip: tuple[str, ...] = ()) -> list[dict]:
-    a, b = _flatten_env(golden), _flatten_env(observed)
+    """The fields that differ among those compared on the golden record's platform."""
+    fields = compared_fields(golden.get("platform"))
+    a, b = _flatten_env(golden, fields), _flatten_env(observed, fields)
     return [{"field": k, "golden": a.get(k), "observed": b.get(k)}
             for k in sorted(a.keys() | b.keys())
             if a.get(k) != b.get(k) and k.split(".")[0] not in skip]
+
+
+def env_sentence(differences: list[dict]) -> str:
+    """One sentence: what differs (the first three with their values) and to re-record."""
+    shown = "; ".join(f"{d['field']} {d['golden']} -> {d['observed']}"
+                      for d in differences[:3])
+    more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
+    return (f"the environment differs from the golden record's in {shown}{more}; record a "
+            f"golden run for this stack, or pass --allow-env-drift.")
+
+
+def _blocks(diff: dict, shape: tuple) -> dict:
+    """Where a tensor's digests first differ: the block and how many blocks differ."""
+    block, blocks = _first_block(diff["expected"], diff["observed"])
+    size = int(np.prod(shape))
+    start, stop = block_range(block, size)
+    return {"block": {"index": block, "of": n_blocks(size), "flat_start": start,
+                      "flat_stop": stop, "start": [int(i) for i in np.unravel_index(start, shape)]},
+            "differing_blocks": blocks}
 
 
 def _first_block(expected: np.ndarray, observed: np.ndarray) -> tuple[int, int]:
@@ -84,6 +127,11 @@ def step_differences(step: int, out: dict, arrays: dict, meta: dict) -> list[dic
                     if not np.array_equal(expected, observed):
                         found.append({"kind": "site", "direction": direction, "key": key,
                                       "microstep": m, "expected": expected, "observed": observed})
+        for name in meta.get("coverage_digests", []):
+            expected, observed = arrays[f"coverage/{name}"][step - 1], out["coverage"][name]
+            if not np.array_equal(expected, observed):
+                found.append({"kind": "coverage", "name": name, "expected": expected,
+                              "observed": observed})
         for name in ("loss", "grad_norm"):
             if arrays[name][step - 1] != out[name]:
                 found.append({"kind": name, "expected": arrays[name][step - 1],
@@ -112,17 +160,14 @@ def describe(diff: dict, step: int, meta: dict, arrays: dict, state) -> dict:
         site, layer = diff["key"].rsplit("/", 1)
         info = meta["sites"][diff["key"]]
         shape = tuple(info["shape"])
-        block, blocks = _first_block(diff["expected"], diff["observed"])
-        start, stop = block_range(block, int(np.prod(shape)))
         return {**where, "kind": "activation" if diff["direction"] == "fwd" else "gradient",
                 "microstep": diff["microstep"], "layer": int(layer),
                 "site": f"{diff['direction']}/{site}",
                 "paper_site": _site_name(diff["direction"], site),
                 "shape": list(shape), "dtype": info["dtype"], "exact": False,
-                "block": {"index": block, "of": n_blocks(int(np.prod(shape))),
-                          "flat_start": start, "flat_stop": stop,
-                          "start": [int(i) for i in np.unravel_index(start, shape)]},
-                "differing_blocks": blocks}
+                **_blocks(diff, shape)}
+    if diff["kind"] == "coverage":
+        return {**where, **_coverage_entry(diff, meta)}
     path = diff["path"]
     info = meta["params"][path]
     shape = tuple(info["shape"])
@@ -146,17 +191,28 @@ def describe(diff: dict, step: int, meta: dict, arrays: dict, state) -> dict:
                     "expected": value(e), "observed": value(o),
                     "differing_bits": [b for b in range(width) if (e ^ o) >> b & 1],
                     "differing_elements": int(np.sum(differ))}
-    block, blocks = _first_block(diff["expected"], diff["observed"])
-    start, stop = block_range(block, int(np.prod(shape)))
-    return {**entry, "exact": False,
-            "block": {"index": block, "of": n_blocks(int(np.prod(shape))), "flat_start": start,
-                      "flat_stop": stop, "start": [int(i) for i in np.unravel_index(start, shape)]},
-            "differing_blocks": blocks}
+    return {**entry, "exact": False, **_blocks(diff, shape)}
+
+
+def _coverage_entry(diff: dict, meta: dict) -> dict:
+    """A full workload's memory buffer (the 4 MiB chunk read back wrong) or float32 product
+    (the first differing block of its output)."""
+    if diff["name"] == "memory":
+        chunk, chunks = _first_block(diff["expected"], diff["observed"])
+        chunk_bytes = 4 * CHUNK_WORDS
+        return {"kind": "memory", "exact": False, "chunk": chunk, "of": len(diff["expected"]),
+                "byte_start": chunk * chunk_bytes, "byte_stop": (chunk + 1) * chunk_bytes,
+                "differing_chunks": chunks}
+    n = meta["sizing"]["gemm_size"]
+    return {"kind": "product", "unit": diff["name"], "shape": [n, n], "exact": False,
+            **_blocks(diff, (n, n))}
 
 
 def _short(diff: dict) -> str:
     if diff["kind"] == "site":
         return f"m{diff['microstep']} {diff['direction']}/{diff['key']}"
+    if diff["kind"] == "coverage":
+        return f"coverage/{diff['name']}"
     return diff.get("path", diff["kind"])
 
 
@@ -172,6 +228,7 @@ def _check_layout(work: Workload, meta: dict, arrays: dict) -> None:
         raise GoldenError("the golden record's parameter tensors differ from this program's.")
     wanted = {f"{d}/{k}" for d in ("fwd", "bwd") for k in work.site_order}
     wanted |= {f"params/{p}" for p in leaves} | {"loss", "grad_norm"}
+    wanted |= {f"coverage/{name}" for name in meta.get("coverage_digests", [])}
     missing = sorted(wanted - set(arrays))
     if missing:
         raise GoldenError(f"{ARRAYS} lacks {len(missing)} arrays (first: {missing[0]}).")

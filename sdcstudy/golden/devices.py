@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import time
-import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,19 +31,13 @@ import numpy as np
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.digest import tensor_digests
 from sdcstudy.golden.check import _check_flip, check
-from sdcstudy.golden.compare import EXIT_CODES, FAIL, INCONCLUSIVE, PASS, describe, step_differences
+from sdcstudy.golden.compare import FAIL, INCONCLUSIVE, PASS, describe, step_differences
 from sdcstudy.golden.record import load_tokens, store_digests
-from sdcstudy.golden.report import _sentence
+from sdcstudy.golden.report import (  # noqa: F401  (the node's report, importable here)
+    _sentence, node_junit_xml as junit_xml, node_report, node_table as table, node_verdict)
 from sdcstudy.golden.workload import (
     _param_leaves, check_config, device_info, parse_injection, workload)
 
-SCHEMA = "sdcstudy-golden-devices/1"
-
-
-def node_verdict(verdicts: list[str]) -> str:
-    if FAIL in verdicts:
-        return FAIL
-    return PASS if verdicts and all(v == PASS for v in verdicts) else INCONCLUSIVE
 
 
 def _where(first: dict | None) -> dict | None:
@@ -54,15 +46,6 @@ def _where(first: dict | None) -> dict | None:
         return None
     keep = ("step", "microstep", "layer", "site", "kind", "tensor")
     return {k: first[k] for k in keep if k in first}
-
-
-def _report(command: str, rows: list[dict], started: float, **extra) -> dict:
-    """`started`: `time.time()` when the command began."""
-    verdict = node_verdict([r["verdict"] for r in rows])
-    return {"schema": SCHEMA, "command": command, "verdict": verdict,
-            "exit_code": EXIT_CODES[verdict], "host": socket.gethostname(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-            "seconds": time.time() - started, **extra, "devices": rows}
 
 
 def local_devices(inject: str | None, inject_device: int | None, least: int = 1) -> list:
@@ -102,10 +85,11 @@ def check_all(golden_dir: Path, *, inject: str | None = None, inject_device: int
                 "verdict": report["verdict"], "reason": report["reason"],
                 "first_difference": _where(report["first_difference"]),
                 "injected": report["inject"],
-                "seconds": report["timing"].get("total_s", 0.0), "report": report}
+                "seconds": report["timing"].get("total_s", 0.0),
+                "coverage": report.get("coverage"), "report": report}
 
     rows = in_threads(one, len(devices), workers)
-    return _report("check", rows, started, workers=_workers(workers, len(devices)),
+    return node_report("check", rows, started, workers=_workers(workers, len(devices)),
                    golden={"dir": str(golden_dir)})
 
 
@@ -203,7 +187,7 @@ def quorum(cfg: Config, *, inject: str | None = None, inject_device: int | None 
         for run in runs:
             rows.append(_row(run, INCONCLUSIVE, f"no strict majority: the {len(runs)} devices "
                                                 f"split into groups of {sizes}"))
-        return _report("quorum", rows, started, groups=groups, reference=None,
+        return node_report("quorum", rows, started, groups=groups, reference=None,
                        workers=_workers(workers, len(runs)))
     arrays: dict = {}
     for step, out in enumerate(runs[majority[0]]["outs"]):
@@ -217,7 +201,7 @@ def quorum(cfg: Config, *, inject: str | None = None, inject_device: int | None 
         reason = (_sentence(first) if first is not None else
                   "the final parameters' SHA-256 differs from the majority's")
         rows.append(_row(run, FAIL, reason, first))
-    return _report("quorum", rows, started, groups=groups,
+    return node_report("quorum", rows, started, groups=groups,
                    reference=majority[0], workers=_workers(workers, len(runs)))
 
 
@@ -225,40 +209,3 @@ def _row(run: dict, verdict: str, reason: str, first: dict | None = None) -> dic
     return {"device": run["device"], "kind": run["kind"], "verdict": verdict, "reason": reason,
             "first_difference": _where(first), "injected": run["injected"],
             "seconds": run["seconds"]}
-
-
-# --- output -----------------------------------------------------------------------------------
-
-
-def table(report: dict) -> str:
-    """One line per device: verdict, where it first differed, seconds."""
-    lines = [f"{'device':<8}{'kind':<10}{'verdict':<14}{'first difference':<52}seconds"]
-    for row in report["devices"]:
-        first = row["first_difference"]
-        where = "-" if first is None else ", ".join(
-            f"{k} {first[k]}" for k in ("step", "microstep", "layer", "site", "tensor")
-            if k in first)
-        lines.append(f"{row['device']:<8}{str(row['kind'])[:9]:<10}{row['verdict']:<14}"
-                     f"{where[:51]:<52}{row['seconds']:.1f}")
-    return "\n".join(lines) + "\n"
-
-
-def junit_xml(report: dict) -> str:
-    """JUnit XML with one test case per device: FAIL a <failure>, INCONCLUSIVE an <error>."""
-    name = f"sdcstudy.golden.{report['command']}"
-    rows = report["devices"]
-    suite = ET.Element("testsuite", name=name, hostname=report["host"],
-                       timestamp=report["started"], tests=str(len(rows)),
-                       failures=str(sum(r["verdict"] == FAIL for r in rows)),
-                       errors=str(sum(r["verdict"] == INCONCLUSIVE for r in rows)),
-                       time=f"{report['seconds']:.3f}")
-    for row in rows:
-        case = ET.SubElement(suite, "testcase", classname=name, name=f"device {row['device']}",
-                             time=f"{row['seconds']:.3f}")
-        tag = {FAIL: "failure", INCONCLUSIVE: "error"}.get(row["verdict"])
-        if tag:
-            node = ET.SubElement(case, tag, message=row["reason"] or "", type=row["verdict"])
-            node.text = row["reason"]
-    root = ET.Element("testsuites", name=f"sdcstudy golden {report['command']}")
-    root.append(suite)
-    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

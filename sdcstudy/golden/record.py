@@ -14,9 +14,7 @@ The final parameters also get SHA-256 on the host (the `param_digest` of run fol
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import os
 import socket
 import time
@@ -24,7 +22,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import yaml
 
 from sdcstudy.core import config as C
 from sdcstudy.core import data as D
@@ -33,19 +30,17 @@ from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.digest import tensor_digests, tree_digest
+from sdcstudy.golden import coverage, telemetry
 from sdcstudy.golden.digest import BLOCKS
+from sdcstudy.golden.manifest import (  # noqa: F401  (the record's files, importable here)
+    ARRAYS, CONFIG, ENV, FILES, FORMAT, MANIFEST, META, GoldenError, load_config, load_meta,
+    verify, write_manifest)
+from sdcstudy.golden.sizing import MEMORY_SHARE, FullSizing, size_full
 from sdcstudy.golden.workload import (
     _bits, _param_leaves, check_config, device_info, pick_device, workload)
 
-FORMAT = "sdcstudy-golden/1"
 FULL_PARAMS_BUDGET = 3 * 2**20  # bytes of full parameter values kept for all steps
-MANIFEST, META, ARRAYS, CONFIG, ENV = ("MANIFEST.json", "golden.json", "golden.npz",
-                                       "config.yaml", "env.json")
-FILES = (CONFIG, ENV, META, ARRAYS)
-
-
-class GoldenError(Exception):
-    """The check cannot be completed (INCONCLUSIVE): damaged golden, other environment, ..."""
+LAST_PARAMS_BUDGET = 64 * 2**20  # ... else of the last step, up to this many bytes
 
 
 # --- record -------------------------------------------------------------------------------------
@@ -58,69 +53,44 @@ def load_tokens(cfg: Config) -> np.ndarray:
     return np.stack([batches.batch(step) for step in range(e.steps)]).astype(np.int32)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _canonical(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
-def write_manifest(folder: Path) -> dict:
-    body = {"format": FORMAT,
-            "files": {name: {"sha256": _sha256(folder / name),
-                             "bytes": (folder / name).stat().st_size} for name in FILES}}
-    manifest = {"body": body, "sha256": hashlib.sha256(_canonical(body)).hexdigest()}
-    RF.atomic_write_json(folder / MANIFEST, manifest)
-    return manifest
-
-
-def record(cfg: Config, out_dir: Path, *, device_index: int = 0, progress: bool = True) -> dict:
+def record(cfg: Config | None, out_dir: Path, *, device_index: int = 0, progress: bool = True,
+           memory_share: float | None = None) -> dict:
     """Run the golden workload and write GOLDEN_DIR, its manifest last; returns its metadata.
+    `cfg` None: the full workload, sized for the device (`golden.sizing`, `memory_share`).
 
     The folder is held (core.runlock) from the start: a second recorder is refused at once.
     """
-    check_config(cfg)
+    if cfg is not None:
+        check_config(cfg)
     with runlock.hold(out_dir, create=True, what="golden folder",
                       hint="a golden record is never overwritten: choose another --out"):
-        return _record(cfg, Path(out_dir), device_index, progress)
+        return _record(cfg, Path(out_dir), device_index, progress, memory_share)
 
 
-def _record(cfg: Config, out_dir: Path, device_index: int, progress: bool) -> dict:
+def full_sizing(device, device_index: int, memory_share: float | None) -> FullSizing:
+    """The full workload sized for `device` (its memory from nvidia-smi where there is one)."""
+    description = coverage.describe(device, telemetry.smi_memory_bytes(device_index))
+    return size_full(description, MEMORY_SHARE if memory_share is None else memory_share)
+
+
+def _record(cfg: Config | None, out_dir: Path, device_index: int, progress: bool,
+            memory_share: float | None) -> dict:
     started = time.perf_counter()
-    tokens = load_tokens(cfg)
     device = pick_device(device_index)
-    work, _ = workload(cfg, tokens, device)
+    sizing = None
+    if cfg is None:
+        sizing = full_sizing(device, device_index, memory_share)
+        cfg = C.from_dict(sizing.config())
+    tokens = load_tokens(cfg)
+    work, _ = workload(cfg, tokens, device, sizing=sizing)
     steps, micro = work.steps, work.microsteps
     arrays = {"tokens": tokens, "loss": np.zeros(steps, np.uint32),
               "grad_norm": np.zeros(steps, np.uint32)}
     param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(work.initial["params"]))
     full_steps = (list(range(1, steps + 1)) if param_bytes * steps <= FULL_PARAMS_BUDGET
-                  else [steps])
-    losses, final = [], None
-    bar = _bar(progress, steps, "golden record")
-    for step, out, state in work.run():
-        store_digests(arrays, step, out, steps)
-        if step == 0:
-            continue
-        loss = float(np.uint32(out["loss"]).view(np.float32))
-        if not np.isfinite(loss):
-            raise UserError(f"the golden run's loss became {loss} at step {step}; a golden "
-                            f"record needs a finite run (lower optim.lr).")
-        losses.append(loss)
-        if step in full_steps or step == steps:
-            params = jax.device_get(state["params"])
-            for path, leaf in _param_leaves(params).items():
-                if step in full_steps:
-                    arrays[f"full/{step}/{path}"] = _bits(leaf)
-            if step == steps:
-                final = params
-        bar.update(1)
-    bar.close()
+                  else [steps] if param_bytes <= LAST_PARAMS_BUDGET else [])
+    with telemetry.Watch(device.platform, device_index) as watch:
+        losses, final = _run(work, arrays, full_steps, progress)
     leaves = _param_leaves(work.initial["params"])
     meta = {
         "format": FORMAT,
@@ -138,6 +108,10 @@ def _record(cfg: Config, out_dir: Path, device_index: int, progress: bool) -> di
         "loss": losses,
         "compile_s": work.compile_s,
         "record_s": time.perf_counter() - started,
+        "workload": "tiny" if sizing is None else "full",
+        "sizing": None if sizing is None else sizing.as_dict(),
+        "coverage_digests": [] if sizing is None else list(coverage.digest_names()),
+        "coverage": telemetry.coverage(work, device_index, watch),
     }
     env = determinism.fingerprint(determinism.program_text(work.hlo))
     # Each file is written atomically and the manifest last, so a folder is a golden record
@@ -171,6 +145,33 @@ def _record(cfg: Config, out_dir: Path, device_index: int, progress: bool) -> di
     return meta
 
 
+def _run(work, arrays: dict, full_steps: list[int], progress: bool) -> tuple[list, dict]:
+    """Run the workload once, storing its digests and full parameters into `arrays`; (the
+    losses, the final parameters)."""
+    steps = work.steps
+    losses, final = [], None
+    bar = _bar(progress, steps, "golden record")
+    for step, out, state in work.run():
+        store_digests(arrays, step, out, steps)
+        if step == 0:
+            continue
+        loss = float(np.uint32(out["loss"]).view(np.float32))
+        if not np.isfinite(loss):
+            raise UserError(f"the golden run's loss became {loss} at step {step}; a golden "
+                            f"record needs a finite run (lower optim.lr).")
+        losses.append(loss)
+        if step in full_steps or step == steps:
+            params = jax.device_get(state["params"])
+            for path, leaf in _param_leaves(params).items():
+                if step in full_steps:
+                    arrays[f"full/{step}/{path}"] = _bits(leaf)
+            if step == steps:
+                final = params
+        bar.update(1)
+    bar.close()
+    return losses, final
+
+
 def store_digests(arrays: dict, step: int, out: dict, steps: int) -> None:
     """Put one step's digests (what `Workload.run` yields) into a record's arrays."""
     for path, digest in out["params"].items():
@@ -183,6 +184,9 @@ def store_digests(arrays: dict, step: int, out: dict, steps: int) -> None:
             name = f"{direction}/{key}"
             arrays.setdefault(name, np.zeros((steps,) + digest.shape, np.uint32))
             arrays[name][step - 1] = digest
+    for name, digest in out.get("coverage", {}).items():
+        arrays.setdefault(f"coverage/{name}", np.zeros((steps,) + digest.shape, np.uint32))
+        arrays[f"coverage/{name}"][step - 1] = digest
     for name in ("loss", "grad_norm"):
         arrays.setdefault(name, np.zeros(steps, np.uint32))[step - 1] = out[name]
 
@@ -193,50 +197,15 @@ def _bar(progress: bool, total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="step", disable=not progress, dynamic_ncols=True)
 
 
-# --- loading and verifying a golden record -------------------------------------------------------
-
-
-def verify(golden_dir: Path) -> dict:
-    """The manifest, after checking its own checksum and every file's; GoldenError otherwise."""
-    golden_dir = Path(golden_dir)
-    if not golden_dir.is_dir():
-        raise GoldenError(f"golden folder {str(golden_dir)!r} does not exist.")
-    try:
-        manifest = json.loads((golden_dir / MANIFEST).read_text())
-        body, claimed = manifest["body"], manifest["sha256"]
-        files = body["files"]
-    except FileNotFoundError:
-        raise GoldenError(f"{MANIFEST} is missing from {str(golden_dir)!r}.") from None
-    except (ValueError, KeyError, TypeError):
-        raise GoldenError(f"{MANIFEST} in {str(golden_dir)!r} is damaged (not a golden "
-                          f"manifest).") from None
-    if hashlib.sha256(_canonical(body)).hexdigest() != claimed:
-        raise GoldenError(f"{MANIFEST} in {str(golden_dir)!r} is damaged (its checksum does "
-                          f"not match its contents).")
-    if body.get("format") != FORMAT:
-        raise GoldenError(f"golden record format {body.get('format')!r} is not {FORMAT!r}; "
-                          f"record it again with this version.")
-    for name in FILES:
-        path = golden_dir / name
-        if name not in files:
-            raise GoldenError(f"{MANIFEST} does not list {name}.")
-        if not path.is_file():
-            raise GoldenError(f"golden file {name} is missing from {str(golden_dir)!r}.")
-        if _sha256(path) != files[name]["sha256"]:
-            raise GoldenError(f"golden file {name} in {str(golden_dir)!r} is damaged (SHA-256 "
-                              f"differs from the manifest).")
-    return manifest
+# --- loading a golden record --------------------------------------------------------------------
 
 
 def load(golden_dir: Path) -> tuple[Config, dict, dict, dict]:
     """(config, env, meta, arrays) of a verified golden folder."""
     golden_dir = Path(golden_dir)
-    try:
-        cfg = C.from_dict(yaml.safe_load((golden_dir / CONFIG).read_text()))
-    except UserError as e:
-        raise GoldenError(f"the golden config is not valid here: {e}") from None
+    cfg = load_config(golden_dir)
     env = RF.json_load(golden_dir / ENV)
-    meta = RF.json_load(golden_dir / META)
+    meta = load_meta(golden_dir)
     with np.load(golden_dir / ARRAYS, allow_pickle=False) as npz:
         arrays = {name: npz[name] for name in npz.files}
     return cfg, env, meta, arrays

@@ -1,13 +1,44 @@
-"""A golden check report as one sentence, as JUnit XML and as strict JSON."""
+"""A golden check report as one sentence, as JUnit XML and as strict JSON; the verdicts; a
+node's table of devices. Imports no JAX (a refused record is reported before JAX starts)."""
 
 from __future__ import annotations
 
 import json
+import socket
+import time
 import xml.etree.ElementTree as ET
 
 import numpy as np
 
-from sdcstudy.golden.compare import FAIL, INCONCLUSIVE
+PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
+EXIT_CODES = {PASS: 0, FAIL: 1, INCONCLUSIVE: 2}
+CHECK_SCHEMA = "sdcstudy-golden-check/1"
+NODE_SCHEMA = "sdcstudy-golden-devices/1"
+
+
+def check_report(golden_dir, device_index, inject: str | None, allow_env_drift: bool) -> dict:
+    """A one-device check report before anything is known (INCONCLUSIVE until decided)."""
+    return {"schema": CHECK_SCHEMA, "verdict": INCONCLUSIVE, "exit_code": 2, "reason": None,
+            "golden": {"dir": str(golden_dir)}, "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": {"index": device_index},
+            "inject": inject, "env": {"compared": False, "differences": [],
+                                      "allowed_drift": allow_env_drift},
+            "failed_stage": None, "repetitions": [], "first_difference": None,
+            "injected": None, "coverage": None, "timing": {}}
+
+
+def refused_report(golden_dir, reason: str, device_index, inject: str | None,
+                   allow_env_drift: bool) -> dict:
+    """The report of a record refused before any device ran: one device's (`golden check`) or
+    a node's, with no device rows (`--device all`)."""
+    if device_index == "all":
+        report = node_report("check", [], time.time(), golden={"dir": str(golden_dir)})
+        report.update(verdict=INCONCLUSIVE, exit_code=EXIT_CODES[INCONCLUSIVE], reason=reason,
+                      failed_stage="golden")
+        return report
+    report = check_report(golden_dir, device_index, inject, allow_env_drift)
+    report.update(reason=reason, failed_stage="golden", timing={"total_s": 0.0})
+    return report
 
 
 def _sentence(d: dict) -> str:
@@ -21,6 +52,15 @@ def _sentence(d: dict) -> str:
                 f"in block {b['index']} of {b['of']} (elements {b['flat_start']}-"
                 f"{b['flat_stop'] - 1} of shape {tuple(d['shape'])}), {d['differing_blocks']} "
                 f"block(s) differ")
+    if d["kind"] == "memory":
+        return (f"{where}: the memory buffer read back differs in chunk {d['chunk']} of "
+                f"{d['of']} (bytes {d['byte_start']}-{d['byte_stop'] - 1} of the buffer), "
+                f"{d['differing_chunks']} chunk(s) differ")
+    if d["kind"] == "product":
+        b = d["block"]
+        return (f"{where}: the {d['unit']} float32 product differs first in block {b['index']} "
+                f"of {b['of']} (elements {b['flat_start']}-{b['flat_stop'] - 1} of shape "
+                f"{tuple(d['shape'])}), {d['differing_blocks']} block(s) differ")
     if d["kind"] == "parameter":
         if d.get("sha256_only"):
             return (f"{where}: SHA-256 of the final parameters {', '.join(d['differing_tensors'])} "
@@ -95,3 +135,59 @@ def _strict(value):
 
 def report_json(report: dict) -> str:
     return json.dumps(_strict(report), indent=2, allow_nan=False) + "\n"
+
+
+# --- a node: every device ---------------------------------------------------------------------
+
+
+def node_verdict(verdicts: list[str]) -> str:
+    if FAIL in verdicts:
+        return FAIL
+    return PASS if verdicts and all(v == PASS for v in verdicts) else INCONCLUSIVE
+
+
+def node_report(command: str, rows: list[dict], started: float, **extra) -> dict:
+    """`started`: `time.time()` when the command began."""
+    verdict = node_verdict([r["verdict"] for r in rows])
+    return {"schema": NODE_SCHEMA, "command": command, "verdict": verdict,
+            "exit_code": EXIT_CODES[verdict], "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "seconds": time.time() - started, **extra, "devices": rows}
+
+
+def node_table(report: dict) -> str:
+    """One line per device: verdict, where it first differed, seconds."""
+    lines = [f"{'device':<8}{'kind':<10}{'verdict':<14}{'first difference':<52}seconds"]
+    for row in report["devices"]:
+        first = row["first_difference"]
+        where = "-" if first is None else ", ".join(
+            f"{k} {first[k]}" for k in ("step", "microstep", "layer", "site", "tensor")
+            if k in first)
+        lines.append(f"{row['device']:<8}{str(row['kind'])[:9]:<10}{row['verdict']:<14}"
+                     f"{where[:51]:<52}{row['seconds']:.1f}")
+    return "\n".join(lines) + "\n"
+
+
+def node_junit_xml(report: dict) -> str:
+    """JUnit XML with one test case per device: FAIL a <failure>, INCONCLUSIVE an <error>; a
+    record refused before any device ran is one `golden record` case with an <error>."""
+    name = f"sdcstudy.golden.{report['command']}"
+    cases = [(f"device {row['device']}", row["verdict"], row["reason"], row["seconds"])
+             for row in report["devices"]]
+    if report.get("failed_stage") == "golden":
+        cases.append(("golden record", report["verdict"], report["reason"], 0.0))
+    suite = ET.Element("testsuite", name=name, hostname=report["host"],
+                       timestamp=report["started"], tests=str(len(cases)),
+                       failures=str(sum(c[1] == FAIL for c in cases)),
+                       errors=str(sum(c[1] == INCONCLUSIVE for c in cases)),
+                       time=f"{report['seconds']:.3f}")
+    for case_name, verdict, reason, seconds in cases:
+        case = ET.SubElement(suite, "testcase", classname=name, name=case_name,
+                             time=f"{seconds:.3f}")
+        tag = {FAIL: "failure", INCONCLUSIVE: "error"}.get(verdict)
+        if tag:
+            node = ET.SubElement(case, tag, message=reason or "", type=verdict)
+            node.text = reason
+    root = ET.Element("testsuites", name=f"sdcstudy golden {report['command']}")
+    root.append(suite)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

@@ -28,7 +28,9 @@ from sdcstudy.core import sites as S
 from sdcstudy.core import train as T
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.digest import path_name
+from sdcstudy.golden import coverage
 from sdcstudy.golden.digest import DigestHook, _to_uint, block_digest, site_key, sink_shape
+from sdcstudy.golden.sizing import FullSizing
 
 
 # --- injection ----------------------------------------------------------------------------------
@@ -123,11 +125,14 @@ def device_info(device, index: int) -> dict:
 
 
 class Workload:
-    """The golden training on one device, compiled once and run as often as needed."""
+    """The golden training on one device, compiled once and run as often as needed; with a
+    `sizing`, the full workload (`golden.coverage`'s buffer and products beside the model)."""
 
-    def __init__(self, cfg: Config, tokens: np.ndarray, device, injection: Injection | None = None):
+    def __init__(self, cfg: Config, tokens: np.ndarray, device, injection: Injection | None = None,
+                 sizing: FullSizing | None = None):
         check_config(cfg)
         self.cfg, self.tokens, self.device, self.injection = cfg, tokens, device, injection
+        self.sizing = sizing
         self.steps, self.microsteps = tokens.shape[0], tokens.shape[1]
         self.trainer = T.Trainer.from_config(cfg)
         self.initial = _initial_state(self.trainer, device)
@@ -137,7 +142,12 @@ class Workload:
             self.injector = F.Injector(injection.profile, self.trainer.dims.n_layers,
                                        cfg.suspect.log_limit)
             self.inject_fwd, self.inject_bwd = (_split(self.injector, d) for d in ("fwd", "bwd"))
-        state = self.initial_state()
+        state = jax.device_put(self.initial, device)
+        if sizing is not None:
+            state["coverage"] = coverage.abstract_state(sizing, device)
+            self._coverage_init = jax.jit(
+                partial(coverage.init_state, sizing),
+                out_shardings=jax.sharding.SingleDeviceSharding(device))
         self.compiled, self.hlo, self.compile_s = T.compile_step(self._step, state,
                                                                  self._batch(1))
         self._param_digests = jax.jit(lambda p: _digest_tree(p)).lower(state["params"]).compile()
@@ -161,7 +171,10 @@ class Workload:
         return order, shapes
 
     def initial_state(self):
-        return jax.device_put(self.initial, self.device)
+        state = jax.device_put(self.initial, self.device)
+        if self.sizing is not None:
+            state["coverage"] = self._coverage_init()
+        return state
 
     def _batch(self, step: int) -> dict:
         return {"tokens": jax.device_put(self.tokens[step - 1], self.device)}
@@ -215,6 +228,8 @@ class Workload:
                "bwd": {k: _to_uint(v) for k, v in sinks_M["sites"].items()},
                "params": _digest_tree(new_state["params"]),
                "faults": faults}
+        if self.sizing is not None:
+            new_state["coverage"], out["coverage"] = coverage.step(state["coverage"], step)
         return new_state, out
 
     def run(self):
@@ -262,18 +277,18 @@ def _initial_state(trainer: T.Trainer, device):
     return initial
 
 
-def workload(cfg: Config, tokens: np.ndarray, device, injection: Injection | None = None
-             ) -> tuple[Workload, bool]:
+def workload(cfg: Config, tokens: np.ndarray, device, injection: Injection | None = None,
+             sizing: FullSizing | None = None) -> tuple[Workload, bool]:
     """(a Workload for these arguments, whether it was already compiled in this process)."""
     faults = None if injection is None else (injection.profile, injection.microstep,
                                              injection.seed)
     key = (C.dump(cfg), hashlib.sha256(tokens.tobytes()).hexdigest(), tokens.shape, device.id,
-           faults)
+           faults, sizing)
     with _LOCK:
         work = _WORKLOADS.get(key)
     if work is not None:
         return work, True
-    work = Workload(cfg, tokens, device, injection)
+    work = Workload(cfg, tokens, device, injection, sizing)
     with _LOCK:
         _WORKLOADS[key] = work
         while len(_WORKLOADS) > 2:
