@@ -243,6 +243,22 @@ def test_inconclusive_drains_when_asked(fakes):
         "sdcstudy golden INCONCLUSIVE: device 0: the environment differs: packages.jax")]
 
 
+REFUSED = {"verdict": "INCONCLUSIVE", "devices": [], "failed_stage": "golden",
+           "reason": "no golden record in golden: run sdcstudy golden record first."}
+
+
+@pytest.mark.parametrize("reader", ["jq", "python3"])
+def test_refused_record_drains_with_its_sentence(fakes, reader):
+    """A record refused before any device ran (a node report with no device rows) must drain
+    with the record's sentence, not with "no readable report"."""
+    if reader == "python3":
+        fakes.write("jq", FAILING)
+    result = run_slurm(fakes, 2, report=REFUSED, SDC_DRAIN_ON_INCONCLUSIVE="1")
+    assert result.returncode == 2
+    assert fakes.calls("scontrol") == [drain_call(
+        "sdcstudy golden INCONCLUSIVE: golden record: " + REFUSED["reason"])]
+
+
 def test_timeout_is_inconclusive(fakes):
     """A check that hangs is stopped by SDC_TIMEOUT (exit 124) and is INCONCLUSIVE, not FAIL."""
     result = run_slurm(fakes, 0, FAKE_SLEEP="20", SDC_TIMEOUT="0.3")

@@ -64,11 +64,13 @@ log() {  # PRIORITY MESSAGE: to syslog when logger exists, else to stderr
 JQ_DESCRIBE='
 def where: [("step", "microstep", "layer", "site", "tensor") as $k
             | select(has($k)) | "\($k) \(.[$k])"] | join(", ");
-[(.devices // [.])[] | select(.verdict == $v)] as $rows
+[(if ((.devices // []) | length) > 0 then .devices else [.] end)[] | select(.verdict == $v)]
+  as $rows
 | $rows[0] // empty
 | (if (.device | type) == "object" then .device.index else .device end) as $device
 | (if (.first_difference | type) == "object" then (.first_difference | where) else "" end) as $at
-| "device \($device): " + (if $at != "" then $at else (.reason // "no reason given" | tostring) end)
+| (if $device == null then "golden record: " else "device \($device): " end)
+  + (if $at != "" then $at else (.reason // "no reason given" | tostring) end)
   + (if ($rows | length) > 1 then " (+\(($rows | length) - 1) more)" else "" end)'
 
 describe() {  # VERDICT
@@ -81,7 +83,7 @@ describe() {  # VERDICT
 import json, sys
 
 report, verdict = json.load(open(sys.argv[1])), sys.argv[2]
-rows = [r for r in report.get("devices", [report]) if r.get("verdict") == verdict]
+rows = [r for r in report.get("devices") or [report] if r.get("verdict") == verdict]
 if rows:
     row, device = rows[0], rows[0].get("device")
     device = device.get("index") if isinstance(device, dict) else device
@@ -89,7 +91,8 @@ if rows:
     at = ", ".join(f"{k} {first[k]}" for k in ("step", "microstep", "layer", "site", "tensor")
                    if k in first) if isinstance(first, dict) else ""
     more = f" (+{len(rows) - 1} more)" if len(rows) > 1 else ""
-    print(f"device {device}: {at or row.get('reason') or 'no reason given'}{more}")
+    what = "golden record" if device is None else f"device {device}"
+    print(f"{what}: {at or row.get('reason') or 'no reason given'}{more}")
 EOF
         ) || text=""
     fi
