@@ -31,7 +31,7 @@ _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _TRIP_COUNT = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(\d+)')
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 
-TRITON_GEMM_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion")
+TRITON_KIND = "__triton"  # __triton_gemm, __triton_nested_gemm_fusion and later spellings
 CUDNN_FUSION_KIND = "__cudnn$fusion"
 BACKENDS = ("cublas", "cublaslt", "triton", "cudnn", "xla")
 TILE_KEYS = ("block_m", "block_n", "block_k", "split_k", "num_stages", "num_warps")
@@ -217,8 +217,8 @@ def _library_gemm(op: Op) -> str | None:
 
 def _fusion_backend(op: Op) -> str:
     """The library of a fusion that holds a dot: Triton, cuDNN, or XLA's own emitter."""
-    kind = op.config("kind")
-    if kind in TRITON_GEMM_KINDS:
+    kind = op.config("kind") or ""
+    if kind.startswith(TRITON_KIND):
         return "triton"
     return "cudnn" if kind == CUDNN_FUSION_KIND else "xla"
 
