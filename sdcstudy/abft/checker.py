@@ -16,21 +16,18 @@ Thresholds (`abft.threshold`):
   (bfloat16 inputs, float32 accumulation) it raises false alarms: rounding C to bfloat16 moves
   a row sum by up to 2**-8 (|C| w)_i, and (|C| w)_i can be as large as ||A|| ||B||, so the
   bound is only safe for k >= 2**15.
-- `rounding` (ours): a first-order bound, row by row, on everything rounding can do to the
-  residual. C = fl_out(fl32(A B)) differs from A B by at most u_out |C| + k u |A| |B|
-  elementwise (u_out = 2**-8 when C is stored in bfloat16, 0 in float32; u = 2**-24, float32
-  accumulation); the float32 sums C w (n terms), B w (n terms) and A (B w) (k terms) add at
-  most n u |C| w + (n + k) u |A| |B| w. So, with a 1.01 margin for second-order terms,
-
-      |C w - A (B w)|_i <= 1.01 [(u_out + n u) (|C| w)_i + (2k + n) u (|A| (|B| w))_i]
-
-  and the same for columns with m for n. No rounding pattern can exceed it, so a healthy run
-  never flags, in bfloat16 as in float32; being per row rather than through the norms it is
-  about sqrt(k) tighter than the norm form, so it still catches corruptions larger than the
-  bfloat16 rounding of their own row. It assumes float32 accumulation: a backend that
-  accumulates in TF32 or bfloat16 breaks it (and the paper's).
+- `rounding` (ours): a bound, row by row and column by column, on everything rounding can do
+  to the residual, for the arithmetic the product runs in (`abft/bound.py` derives it and
+  states what it assumes: operand rounding, float32 accumulation, output rounding, split-K).
+  On the CPU it is 1.01 [(u_out + n u) (|C| w)_i + (2k + n) u (|A| (|B| w))_i]. No rounding
+  pattern of that arithmetic can exceed it, so a healthy run never flags; being per row
+  rather than through the norms it is about sqrt(k) tighter than the norm form, so it still
+  catches corruptions larger than the bfloat16 rounding of their own row. The checksums
+  reproduce the operands the GEMM multiplies (`abft.operand_rounding`: TF32 on a GPU at
+  DEFAULT precision; reduced-precision operands re-rounded to their own format).
 - `paper-dtype` (host side only, for the evaluation): tau = k times the input dtype's epsilon
   (2**-7 for bfloat16), the paper's formula read with the bfloat16 epsilon.
+Every rule's residuals come from the operands as the GEMM multiplies them (`bound.py`).
 
 Three matmuls per linear layer are checked: `fwd` (C = A B), `bwd_input` (dA = dC B^T) and
 `bwd_weight` (dB = A^T dC). Forward faults at a projection's output site (`fwd/attn_q`, ...)
@@ -51,34 +48,27 @@ from jax import lax
 
 from sdcstudy.core import mesh as M
 from sdcstudy.core import sites as S
+from sdcstudy.abft import bound as B
 from sdcstudy.abft.tables import (
-    COLUMNS, DIRECTIONS, EPS, EPS32, HOST_THRESHOLDS, MATMUL_OF_SITE, counters, detection_summary, host_flags, host_ratios, tau)
+    COLUMNS, DIRECTIONS, EPS, EPS32, HOST_THRESHOLDS, MATMUL_OF_SITE, counters, detection_summary,
+    host_flags, host_ratios, tau)
 
 MATMULS = MATMUL_OF_SITE  # model site of each protected matmul's output -> matmul name
 MATMUL_SITES = {name: site for site, name in MATMULS.items()}
 THRESHOLDS = ("paper", "rounding")
 PREFIX = "abft|"
-UNIT_ROUNDOFF = {32: 0.0, 16: 2.0 ** -8}  # rounding of a float32 accumulator to the output
 
 # One check's record: float32 values (integers below 2**24 are exact). Largest residuals
 # and norm products (the paper's rules), largest residual-to-bound ratios (ours), then the
-# device rule's reported residual, threshold and flag, and the located row and column.
+# device rule's reported residual, threshold and flag, the located row and column, and the
+# arithmetic the bound assumed (`bound.ROUNDINGS` index, -log2 u_acc, output partials).
 (ROW_MAX, COL_MAX, NORM_INF, NORM_ONE, ROW_RATIO, COL_RATIO, ROW_RESIDUAL, ROW_THRESHOLD,
  COL_RESIDUAL, COL_THRESHOLD, FLAGGED, ROW, COL, RECOMPUTED, K, M_ROWS, N_COLS, OUT_BITS,
- IN_BITS) = range(19)
-RECORD_LEN = 19
-MARGIN = 1.01  # second-order rounding terms (Golub and Van Loan, eq. 2.7.11)
-U32 = 2.0 ** -24  # float32 unit roundoff
+ IN_BITS, OPERAND_ROUNDING, ACC_BITS, OUTPUT_PARTIALS) = range(22)
+RECORD_LEN = 22
 
 def _bits(dtype) -> int:
     return jnp.dtype(dtype).itemsize * 8
-
-
-def _bound(abs_c_sum, abs_a, abs_b_sum, out_bits: int, k: int, other: int):
-    """Our rounding bound per row (or column): see the module docstring."""
-    u_out = UNIT_ROUNDOFF[out_bits]
-    spread = jnp.dot(abs_a, abs_b_sum, precision=lax.Precision.HIGHEST)
-    return MARGIN * ((u_out + other * U32) * abs_c_sum + (2 * k + other) * U32 * spread)
 
 
 def _ratio(residual, bound):
@@ -86,15 +76,27 @@ def _ratio(residual, bound):
     return jnp.where(residual == 0, 0.0, residual / bound)
 
 
-def check(a_MK, b_KN, c_MN, rule: str):
+def check(a_MK, b_KN, c_MN, rule: str, arithmetic: B.Arithmetic = B.CPU):
     """The record of one checksummed product: row and column residuals, the paper's norms,
     the configured rule's flag, and the located row and column. Under `rounding` the record
     also holds our bound's ratios (so both rules can be read from one run); under `paper` they
     are left out (NaN), which keeps the check cheaper."""
+    f32 = jnp.float32
+    return check_values(a_MK.astype(f32), b_KN.astype(f32), c_MN.astype(f32),
+                        (a_MK.dtype, b_KN.dtype, c_MN.dtype), rule, arithmetic)
+
+
+def check_values(a32, b32, c32, dtypes, rule: str, arithmetic: B.Arithmetic):
+    """`check` of float32 copies of the operands and product, whose dtypes in the GEMM were
+    `dtypes` (A's, B's, C's): each copy is re-rounded to its dtype (`bound.as_stored`)."""
     hi = lax.Precision.HIGHEST  # the checksums themselves in full float32 on every backend
-    a, b, c = (x.astype(jnp.float32) for x in (a_MK, b_KN, c_MN))
+    a_dtype, b_dtype, c_dtype = dtypes
+    compute = jnp.promote_types(a_dtype, b_dtype)
+    a, rho_a = B.checksum_operand(a32, a_dtype, compute, arithmetic)
+    b, rho_b = B.checksum_operand(b32, b_dtype, compute, arithmetic)
+    c = B.as_stored(c32, c_dtype)
     (m, k), n = a.shape, b.shape[1]
-    out_bits, in_bits = _bits(c_MN.dtype), _bits(a_MK.dtype)
+    out_bits, in_bits = _bits(c_dtype), _bits(a_dtype)
     row_M = jnp.abs(jnp.sum(c, axis=1) - jnp.dot(a, jnp.sum(b, axis=1), precision=hi))
     col_N = jnp.abs(jnp.sum(c, axis=0) - jnp.dot(jnp.sum(a, axis=0), b, precision=hi))
     # A NaN residual compares false with every threshold: count it as infinitely large.
@@ -108,10 +110,13 @@ def check(a_MK, b_KN, c_MN, rule: str):
         # A non-finite product element has no rounding to allow for: left out of the bound,
         # it makes its residual (and the flag) infinite. Non-finite inputs make the bound so.
         abs_c = jnp.where(jnp.isfinite(c), jnp.abs(c), 0.0)
-        row_bound_M = _bound(jnp.sum(abs_c, axis=1), abs_a, jnp.sum(abs_b, axis=1), out_bits,
-                             k, n)
-        col_bound_N = _bound(jnp.sum(abs_c, axis=0), abs_b.T, jnp.sum(abs_a, axis=0), out_bits,
-                             k, m)
+        same = dict(out_bits=out_bits, arithmetic=arithmetic)
+        rows = None if rho_a is None else (rho_a, jnp.sum(rho_b, axis=1))
+        cols = None if rho_a is None else (rho_b.T, jnp.sum(rho_a, axis=0))
+        row_bound_M = B.bound(jnp.sum(abs_c, axis=1), abs_a, jnp.sum(abs_b, axis=1),
+                              *(rows or (None, None)), k=k, other=n, **same)
+        col_bound_N = B.bound(jnp.sum(abs_c, axis=0), abs_b.T, jnp.sum(abs_a, axis=0),
+                              *(cols or (None, None)), k=k, other=m, **same)
         row_ratio_M, col_ratio_N = _ratio(row_M, row_bound_M), _ratio(col_N, col_bound_N)
         row, col = jnp.argmax(row_ratio_M), jnp.argmax(col_ratio_N)
         row_thr, col_thr = row_bound_M[row], col_bound_N[col]
@@ -126,7 +131,8 @@ def check(a_MK, b_KN, c_MN, rule: str):
     return jnp.stack([jnp.max(row_M), jnp.max(col_N), norm_inf, norm_one, row_ratio, col_ratio,
                       row_M[row], row_thr, col_N[col], col_thr, flagged.astype(f),
                       row.astype(f), col.astype(f), f(0), f(k), f(m), f(n), f(out_bits),
-                      f(in_bits)])
+                      f(in_bits), f(B.ROUNDINGS.index(arithmetic.operand_rounding)),
+                      f(arithmetic.acc_bits), f(arithmetic.output_partials)])
 
 
 def _flagged(record):
@@ -134,7 +140,9 @@ def _flagged(record):
 
 
 def _product(a, b, out_dtype):
-    return jnp.einsum("...k,kn->...n", a, b, preferred_element_type=out_dtype)
+    """a @ b with a float32 result rounded once to `out_dtype` (float32 split-K partials)."""
+    return jnp.einsum("...k,kn->...n", a, b, preferred_element_type=jnp.float32
+                      ).astype(out_dtype)
 
 
 def _mark_recomputed(record, recompute: bool):
@@ -144,20 +152,20 @@ def _mark_recomputed(record, recompute: bool):
 # --- the forward check: product in, checked (and maybe recomputed) product out ----------------
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _verify(a, b, c, rule, recompute):
-    record = check(a.reshape(-1, a.shape[-1]), b, c.reshape(-1, c.shape[-1]), rule)
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _verify(a, b, c, rule, arithmetic, recompute):
+    record = check(a.reshape(-1, a.shape[-1]), b, c.reshape(-1, c.shape[-1]), rule, arithmetic)
     if recompute:
         c = lax.cond(_flagged(record), lambda: _product(a, b, c.dtype), lambda: c)
     return c, _mark_recomputed(record, recompute)
 
 
-def _verify_fwd(a, b, c, rule, recompute):
-    return _verify(a, b, c, rule, recompute), None
+def _verify_fwd(a, b, c, rule, arithmetic, recompute):
+    return _verify(a, b, c, rule, arithmetic, recompute), None
 
 
-def _verify_bwd(rule, recompute, residuals, cts):
-    del rule, recompute, residuals
+def _verify_bwd(rule, arithmetic, recompute, residuals, cts):
+    del rule, arithmetic, recompute, residuals
     ct_c, _ = cts  # the gradient flows through the product's own (checked) backward
     return None, None, ct_c
 
@@ -168,18 +176,19 @@ _verify.defvjp(_verify_fwd, _verify_bwd)
 # --- the product, whose backward checks both of its matmuls ------------------------------------
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _checked_product(a, b, sink, out_dtype, rule, recompute, corrupt_backward):
-    del sink, rule, recompute, corrupt_backward
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _checked_product(a, b, sink, out_dtype, rule, arithmetic, recompute, corrupt_backward):
+    del sink, rule, arithmetic, recompute, corrupt_backward
     return _product(a, b, out_dtype)
 
 
-def _checked_product_fwd(a, b, sink, out_dtype, rule, recompute, corrupt_backward):
+def _checked_product_fwd(a, b, sink, out_dtype, rule, arithmetic, recompute, corrupt_backward):
     del sink
     return _product(a, b, out_dtype), (a, b)
 
 
-def _checked_product_bwd(out_dtype, rule, recompute, corrupt_backward, residuals, ct_c):
+def _checked_product_bwd(out_dtype, rule, arithmetic, recompute, corrupt_backward, residuals,
+                         ct_c):
     del out_dtype
     a, b = residuals
     ct_MN = ct_c.reshape(-1, ct_c.shape[-1])
@@ -200,7 +209,7 @@ def _checked_product_bwd(out_dtype, rule, recompute, corrupt_backward, residuals
         grad = compute()
         if corrupt_backward is not None:  # a test's stand-in for a fault inside the matmul
             grad = corrupt_backward(direction, grad)
-        record = check(lhs, rhs, grad, rule)
+        record = check(lhs, rhs, grad, rule, arithmetic)
         if recompute:
             grad = lax.cond(_flagged(record), compute, lambda g=grad: g)
         records.append(_mark_recomputed(record, recompute))
@@ -212,11 +221,13 @@ def _checked_product_bwd(out_dtype, rule, recompute, corrupt_backward, residuals
 _checked_product.defvjp(_checked_product_fwd, _checked_product_bwd)
 
 
-def checked_matmul(a, b, sink, *, out_dtype=None, rule: str = "paper", recompute: bool = False,
-                   fault=None, corrupt_backward=None):
+def checked_matmul(a, b, sink, *, out_dtype=None, rule: str = "paper",
+                   arithmetic: B.Arithmetic = B.CPU, recompute: bool = False, fault=None,
+                   corrupt_backward=None):
     """(a @ b, forward record); the backward records of dA and dB become `sink`'s cotangent.
 
     `fault(c) -> c` corrupts the product before its check (a fault inside the matmul).
+    `arithmetic`: what the products do, as the rounding bound assumes (`bound.resolve`).
     """
     out_dtype = jnp.dtype(out_dtype or a.dtype)
     # Inside shard_map, a weight replicated over some axes enters a product that varies over
@@ -225,10 +236,11 @@ def checked_matmul(a, b, sink, *, out_dtype=None, rule: str = "paper", recompute
     axes = M.varying_axes(a) | M.varying_axes(b) | M.varying_axes(sink)
     a, b, sink = (M.vary(x, axes) for x in (a, b, sink))
     with jax.named_scope("abft"):
-        c = _checked_product(a, b, sink, out_dtype, rule, recompute, corrupt_backward)
+        c = _checked_product(a, b, sink, out_dtype, rule, arithmetic, recompute,
+                             corrupt_backward)
         if fault is not None:
             c = fault(c)
-        return _verify(a, b, c, rule, recompute)
+        return _verify(a, b, c, rule, arithmetic, recompute)
 
 
 # --- the hook ---------------------------------------------------------------------------------
@@ -276,7 +288,8 @@ class AbftHook:
         corrupt = self.checker.corrupt_backward
         c, self.records[key] = checked_matmul(
             x, w, self.sinks[key], out_dtype=out_dtype, rule=self.checker.rule,
-            recompute=self.checker.recompute, fault=lambda y: self.fault(site, y, layer),
+            arithmetic=self.checker.arithmetic(), recompute=self.checker.recompute,
+            fault=lambda y: self.fault(site, y, layer),
             corrupt_backward=None if corrupt is None else partial(corrupt, matmul, layer))
         return self.after(site, c, layer)
 
@@ -285,19 +298,27 @@ class Checker:
     """Static ABFT settings of a model: which records exist, their sinks, and the host rows."""
 
     def __init__(self, n_layers: int, rule: str = "paper", recompute: bool = False,
-                 corrupt_backward=None):
+                 corrupt_backward=None, operand_rounding: str = "auto",
+                 output_partials: int = 1):
         """`corrupt_backward(matmul, layer, direction, grad) -> grad`, for tests only, stands
-        in for a fault inside a backward matmul (before its check)."""
+        in for a fault inside a backward matmul (before its check). `operand_rounding` and
+        `output_partials`: the arithmetic the rounding bound assumes (`bound.resolve`)."""
         if rule not in THRESHOLDS:
             raise ValueError(f"abft.threshold must be one of {', '.join(THRESHOLDS)}.")
         self.n_layers, self.rule, self.recompute = n_layers, rule, recompute
         self.corrupt_backward = corrupt_backward
+        self.operand_rounding, self.output_partials = operand_rounding, output_partials
 
     @classmethod
     def from_config(cls, cfg, n_layers: int) -> "Checker | None":
         a = cfg.abft
         on = a.enabled or cfg.experiment.mode == "abft"  # the evaluation mode implies ABFT
-        return cls(n_layers, a.threshold, a.recompute) if on else None
+        return cls(n_layers, a.threshold, a.recompute, operand_rounding=a.operand_rounding,
+                   output_partials=a.output_partials) if on else None
+
+    def arithmetic(self) -> B.Arithmetic:
+        """The products' arithmetic on the platform and matmul precision of the trace."""
+        return B.resolve(self.operand_rounding, self.output_partials)
 
     def keys(self) -> list[str]:
         block = [n for n in MATMULS.values() if n != "head"]
@@ -337,7 +358,9 @@ class Checker:
                     "out_bits": int(r[OUT_BITS]), "in_bits": int(r[IN_BITS]),
                     "max_residual": r[ROW_MAX], "max_col_residual": r[COL_MAX],
                     "norm_inf": r[NORM_INF], "norm_one": r[NORM_ONE],
-                    "row_ratio": r[ROW_RATIO], "col_ratio": r[COL_RATIO]})
+                    "row_ratio": r[ROW_RATIO], "col_ratio": r[COL_RATIO],
+                    "operand_rounding": B.ROUNDINGS[int(r[OPERAND_ROUNDING])],
+                    "acc_bits": int(r[ACC_BITS]), "output_partials": int(r[OUTPUT_PARTIALS])})
         return rows
 
 

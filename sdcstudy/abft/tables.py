@@ -17,11 +17,13 @@ EPS32 = 2.0 ** -23  # float32 machine epsilon (torch.finfo(float32).eps)
 EPS = {32: EPS32, 16: 2.0 ** -7}  # machine epsilon by bit width (float32, bfloat16)
 
 # abft.parquet: the first columns (`residual`, `threshold`: the row check under the
-# configured rule), then the column check, the location, the node, and what any rule needs.
+# configured rule), then the column check, the location, the node, what any rule needs, and
+# the arithmetic the rounding bound assumed (operand rounding, -log2 u_acc, output partials).
 COLUMNS = ("step", "microstep", "layer", "matmul", "direction", "tp_rank", "residual",
            "threshold", "flagged", "col_residual", "col_threshold", "row", "col", "recomputed",
            "node", "dp_rank", "k", "m", "n", "out_bits", "in_bits", "max_residual",
-           "max_col_residual", "norm_inf", "norm_one", "row_ratio", "col_ratio")
+           "max_col_residual", "norm_inf", "norm_one", "row_ratio", "col_ratio",
+           "operand_rounding", "acc_bits", "output_partials")
 
 
 def tau(rule: str, k, in_bits, xp=np):

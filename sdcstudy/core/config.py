@@ -75,6 +75,11 @@ class AbftConfig:
     enabled: bool = False  # checksummed matmuls on every linear layer (abft/checker.py)
     recompute: bool = False  # recompute a flagged product, so training goes on correct values
     threshold: str = "paper"  # "paper" (tau = k u, float32 u) or "rounding" (safe for bfloat16)
+    # What the GEMM does to float32 operands, which the checksums reproduce: auto (tf32 on a GPU
+    # at DEFAULT or HIGH matmul precision, none on the CPU), none, tf32 (to nearest) or
+    # tf32_truncate (toward zero); abft/bound.py derives the bound for each
+    operand_rounding: str = "auto"
+    output_partials: int = 1  # split-K partial sums stored in the output dtype (1: rounded once)
 
 
 @dataclass
@@ -343,6 +348,13 @@ def validate(cfg: Config) -> None:
     if cfg.abft.threshold not in ("paper", "rounding"):
         raise ConfigError(f"abft.threshold {cfg.abft.threshold!r} is not one of paper, rounding"
                           f"{did_you_mean(cfg.abft.threshold, ('paper', 'rounding'))}.")
+    roundings = ("auto", "none", "tf32", "tf32_truncate")
+    if cfg.abft.operand_rounding not in roundings:
+        raise ConfigError(f"abft.operand_rounding {cfg.abft.operand_rounding!r} is not one of "
+                          f"{', '.join(roundings)}"
+                          f"{did_you_mean(cfg.abft.operand_rounding, roundings)}.")
+    if cfg.abft.output_partials < 1:
+        raise ConfigError("abft.output_partials must be at least 1.")
     kinds = ("profile", "transient", "repeatable")
     if cfg.suspect.fault_kind not in kinds:
         raise ConfigError(f"suspect.fault_kind {cfg.suspect.fault_kind!r} is not one of "
