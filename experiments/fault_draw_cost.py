@@ -1,11 +1,10 @@
 """What one firing fault site costs: the draws, against the matmul that made the tensor.
 
-`sdcstudy bench faults` times whole steps: a profile whose specs fire at every step costs
-1.4x a plain step on tiny (RESULTS.md, "The fault engine's speed"). This times the parts at
-one site of the model, jitted alone: the site's matmul (tokens x d_model by d_model x
-d_model), the random draws of an additive spec (`faults.corrupt._draws`: hit, magnitude and
-sign, one of each per element), and drawing, applying and recording together
-(`corrupt_and_record`, as a firing site runs it).
+`sdcstudy bench faults` times whole steps, idle and firing (RESULTS.md, "The fault engine's
+speed"). This times the parts at one site of the model, jitted alone: the site's matmul
+(tokens x d_model by d_model x d_model), the random draws of an additive spec
+(`faults.corrupt._draws`: the hit positions, then a magnitude and a sign for each hit), and
+drawing, applying and recording together (`corrupt_and_record`, as a firing site runs it).
 
     python experiments/fault_draw_cost.py [--preset tiny] [--tokens 1024] [--calls 300]
 """
@@ -50,7 +49,7 @@ def main(argv=None) -> None:
     parts = {
         f"matmul {args.tokens} x {width} @ {width} x {width}": (jax.jit(lambda x, w: x @ w),
                                                                 (x, w)),
-        "draws (hit, magnitude, sign)": (jax.jit(lambda kd: FC._draws(
+        "draws (hits, magnitude, sign)": (jax.jit(lambda kd: FC._draws(
             jax.random.wrap_key_data(kd), spec, args.rate, shape, 32)), (key_data,)),
         "draw, apply and record": (jax.jit(lambda x, kd: FC.corrupt_and_record(
             x, kd, args.rate, spec, 64, skip_idle=True)), (x, key_data)),

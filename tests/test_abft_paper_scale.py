@@ -87,6 +87,27 @@ def test_flagged_share_at_tiny_matches_the_jax_checker():
     assert abs(np.mean(ours) - 0.652) <= 3 * math.sqrt(0.652 * 0.348 / 40)
 
 
+def test_rare_faults_are_drawn_given_one_and_weighed_by_its_probability():
+    """A node with under one fault a check is drawn given one fault at least: every draw holds
+    one or more, distinct and spread over the tensor, as many on average as the binomial given
+    one (N p / (1 - (1 - p)^N)), and its checks are weighed by that probability. Were either
+    wrong, the rare nodes' shares of flagged checks would be wrong by as much."""
+    rng = np.random.default_rng(5)
+    size, rate, draws = 10_000, 5e-5, 4000
+    where = [A.draw_faults(rng, size, rate, (0.5, 1.0), at_least_one=True)[0]
+             for _ in range(draws)]
+    counts = np.array([len(w) for w in where])
+    positions = np.concatenate(where)
+    share = -math.expm1(size * math.log1p(-rate))
+    assert counts.min() >= 1 and all(len(set(w)) == len(w) for w in where)
+    assert positions.min() >= 0 and positions.max() < size
+    assert abs(counts.mean() - size * rate / share) <= 4 * counts.std() / math.sqrt(draws)
+    spread = size / math.sqrt(12 * len(positions))
+    assert abs(positions.mean() - (size - 1) / 2) <= 4 * spread
+    faults = A.AttentionFaults(4, rate, 0.0, (0.5, 1.0), 1.0)
+    assert A.fault_share(faults, A.Shape("t", 100, 8, 100)) == pytest.approx(share, rel=1e-12)
+
+
 def test_a_single_faults_ratio_falls_as_k_to_the_minus_1_5():
     """R = residual / threshold of one fault ~ k^-1.5 at fixed m and n (module docstring);
     the norms' maxima over rows, larger at small k, flatten the measured slope to about -1.44

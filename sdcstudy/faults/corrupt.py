@@ -69,34 +69,120 @@ def _draw_bits(key, spec: FaultSpec, width: int, shape):
     return jnp.asarray(allowed, jnp.int32)[jax.random.randint(key, shape, 0, len(allowed))]
 
 
-def _draws(key, spec: FaultSpec, rate, shape, width):
-    """The random decisions of one corruption, which do not depend on the tensor's values:
-    (hit, aux) where aux is the flipped bit (bitflip), the factor 1 +/- r (scale), the signed
-    error in units of the row's RMS (additive), the replacement value (random, inf) or nothing
-    (zero, nan)."""
-    k_hit, k_bit, k_value, k_sign = jax.random.split(key, 4)
-    if spec.count is not None:  # exactly `count` distinct elements, when the rate is on
-        size = math.prod(shape)
-        chosen = jax.random.choice(k_hit, size, (min(spec.count, size),), replace=False)
-        hit = jnp.zeros(size, bool).at[chosen].set(rate > 0).reshape(shape)
-    else:
-        hit = jax.random.bernoulli(k_hit, rate, shape)
-    if spec.lanes is not None:
-        lane = lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
-        hit &= jnp.isin(lane, jnp.asarray(spec.lanes))
+# --- which elements are hit -------------------------------------------------------------------
+# A rate is exact at any size: the hit elements of a flat tensor are the points of a Bernoulli
+# process, drawn as geometric gaps between consecutive hits (`hit_positions`), so a draw costs
+# the hits it makes, not the tensor's size. Uniforms on float32's 2^-23 grid cannot draw a
+# gap of probability below 2^-23 (a float32 Bernoulli fires at 1.19e-7 for every smaller rate);
+# `fine_uniform` keeps 72 random bits, and each gap is a whole number of BLOCK elements plus a
+# remainder, both drawn exactly, so every integer gap up to 2^31 can occur.
+HIT_CAP = 1024  # hits drawn one by one per draw; past the cap-th, the rest is drawn densely
+BLOCK = 256
+MAX_ELEMENTS = 2 ** 31 - 2 * BLOCK  # the positions' uint32 sums stay below 2^32
+
+
+def fine_uniform(key, shape, words: int = 3):
+    """Uniform on [0, 1) from `words` x 24 random bits: P(u < t) = t to float32's relative
+    precision for every t down to 2^(-24 words) (72 bits: 2e-22)."""
+    parts = (jax.random.bits(key, (words, *shape), jnp.uint32) >> 8).astype(jnp.float32)
+    u = parts[-1]
+    for part in parts[-2::-1]:
+        u = part + u * 2.0 ** -24
+    return jnp.minimum(u * 2.0 ** -24, 1 - 2.0 ** -24)  # float32 rounding may reach 1
+
+
+def hit_positions(key, rate, size: int, cap: int):
+    """The flat positions (uint32, increasing) of the first `cap` elements hit when each of
+    `size` elements is hit independently with probability `rate`; `size` where fewer are hit.
+
+    A gap of G unhit elements before a hit is geometric, P(G >= g) = (1 - rate)^g; it is drawn
+    as G = BLOCK * A + B, A and B independent (a geometric's quotient and remainder by BLOCK
+    are): A = floor(E / (BLOCK lam)) with E exponential and lam = -log(1 - rate), B the
+    geometric truncated to [0, BLOCK) by inversion.
+    """
+    if size > MAX_ELEMENTS:
+        raise FaultSpecError(f"a fault site holds {size:,} elements; rates are drawn for at "
+                             f"most {MAX_ELEMENTS:,} per tensor.")
+    k_blocks, k_rest = jax.random.split(key)
+    rate = jnp.asarray(rate, jnp.float32)
+    lam = -jnp.log1p(-rate)  # inf at rate 1: every gap is 0
+    on = lam > 0
+    safe = jnp.where(on, lam, 1.0)
+    exponential = -jnp.log1p(-fine_uniform(k_blocks, (cap,)))
+    most = math.ceil(size / BLOCK)  # this many blocks already pass the last element
+    blocks = jnp.where(on, jnp.minimum(jnp.floor(exponential / (safe * BLOCK)), most), most)
+    in_block = -jnp.expm1(-safe * BLOCK)  # P(G < BLOCK)
+    v = jax.random.uniform(k_rest, (cap,), jnp.float32)
+    rest = jnp.minimum(jnp.floor(-jnp.log1p(-v * in_block) / safe), BLOCK - 1)
+    gaps = blocks.astype(jnp.uint32) * BLOCK + jnp.where(on, rest, 0).astype(jnp.uint32)
+    steps = gaps + (jnp.arange(cap) > 0).astype(jnp.uint32)  # each hit moves past the last
+    return lax.associative_scan(lambda a, b: jnp.minimum(a + b, size), steps)
+
+
+def _aux(key, spec: FaultSpec, width: int, shape):
+    """The per-element value of a hit: the flipped bit (bitflip), the factor 1 +/- r (scale),
+    the signed error in units of the row's RMS (additive), the replacement value (random, inf)
+    or nothing (zero, nan)."""
+    k_bit, k_value, k_sign = jax.random.split(key, 3)
     if spec.kind == "bitflip":
-        return hit, _draw_bits(k_bit, spec, width, shape)
+        return _draw_bits(k_bit, spec, width, shape)
     if spec.kind in ("scale", "additive"):
         lo, hi = spec.scale
         log_r = jax.random.uniform(k_value, shape, jnp.float32, math.log(lo), math.log(hi))
         sign = jnp.where(jax.random.bernoulli(k_sign, 0.5, shape), 1.0, -1.0)
         error = sign * jnp.exp(log_r)
-        return hit, 1 + error if spec.kind == "scale" else error
+        return 1 + error if spec.kind == "scale" else error
     if spec.kind == "random":
-        return hit, spec.value_std * jax.random.normal(k_value, shape, jnp.float32)
+        return spec.value_std * jax.random.normal(k_value, shape, jnp.float32)
     if spec.kind == "inf":
-        return hit, jnp.where(jax.random.bernoulli(k_sign, 0.5, shape), jnp.inf, -jnp.inf)
-    return hit, None
+        return jnp.where(jax.random.bernoulli(k_sign, 0.5, shape), jnp.inf, -jnp.inf)
+    return None
+
+
+def _scatter(size: int, positions, values, fill):
+    """A flat array of `size` holding `values` at `positions` (those >= size dropped)."""
+    return jnp.full(size, fill, values.dtype).at[positions].set(values, mode="drop")
+
+
+def _sparse_draws(key, spec: FaultSpec, rate, size: int, width: int):
+    """(hit, aux), flat: the first HIT_CAP hits one by one, then, if the cap-th hit lands,
+    every element after it drawn densely (exact: the elements after a hit are independent of
+    the ones before)."""
+    k_hit, k_aux, k_dense = jax.random.split(key, 3)
+    cap = min(size, HIT_CAP)
+    positions = hit_positions(k_hit, rate, size, cap)
+    aux = _aux(k_aux, spec, width, (cap,))
+    hit = _scatter(size, positions, jnp.ones(cap, bool), False)
+    aux = None if aux is None else _scatter(size, positions, aux, 0)
+
+    def dense():
+        k_u, k_a = jax.random.split(k_dense)
+        after = jnp.arange(size, dtype=jnp.uint32) > positions[-1]
+        more = after & (fine_uniform(k_u, (size,), words=2) < rate)
+        more_aux = _aux(k_a, spec, width, (size,))
+        return hit | more, None if aux is None else jnp.where(more, more_aux, aux)
+
+    axes = _varying(key, rate)
+    return lax.cond(positions[-1] < size, lambda: vary(dense(), axes),
+                    lambda: vary((hit, aux), axes))
+
+
+def _draws(key, spec: FaultSpec, rate, shape, width):
+    """The random decisions of one corruption, which do not depend on the tensor's values:
+    (hit, aux), `aux` as `_aux` draws it for every hit element (0 elsewhere)."""
+    size = math.prod(shape)
+    if spec.count is not None:  # exactly `count` distinct elements, when the rate is on
+        k_hit, k_aux = jax.random.split(key)
+        chosen = jax.random.choice(k_hit, size, (min(spec.count, size),), replace=False)
+        hit = jnp.zeros(size, bool).at[chosen].set(rate > 0).reshape(shape)
+        aux = _aux(k_aux, spec, width, shape)
+    else:
+        hit, aux = _sparse_draws(key, spec, rate, size, width)
+        hit, aux = hit.reshape(shape), None if aux is None else aux.reshape(shape)
+    if spec.lanes is not None:
+        lane = lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+        hit &= jnp.isin(lane, jnp.asarray(spec.lanes))
+    return hit, aux
 
 
 def _varying(*values) -> frozenset:

@@ -104,6 +104,43 @@ def bounds(band: str) -> tuple[float, float] | None:
     return num(lo), num(rest.partition("]")[0])
 
 
+def _poisson_terms(k: int, mean: float, step: int) -> float:
+    """The sum of Poisson(mean) probabilities from k onward in direction `step` (-1 or +1), on
+    the side of the mode where they fall off."""
+    log_mean, total, j = math.log(mean), 0.0, k
+    while j >= 0:
+        term = math.exp(j * log_mean - mean - math.lgamma(j + 1))
+        total += term
+        if term <= total * 1e-17:
+            break
+        j += step
+    return total
+
+
+def poisson_below(k: int, mean: float) -> float:
+    """P(X <= k) for X ~ Poisson(mean), exact to float64's precision."""
+    if k < 0:
+        return 0.0
+    if mean <= 0:
+        return 1.0
+    return _poisson_terms(k, mean, -1) if k <= mean else 1 - poisson_above(k + 1, mean)
+
+
+def poisson_above(k: int, mean: float) -> float:
+    """P(X >= k) for X ~ Poisson(mean)."""
+    if k <= 0:
+        return 1.0
+    if mean <= 0:
+        return 0.0
+    return _poisson_terms(k, mean, +1) if k > mean else 1 - poisson_below(k - 1, mean)
+
+
+def poisson_p_value(observed: int, mean: float) -> float:
+    """The two-sided p-value of an observed count against a Poisson mean: twice the smaller
+    tail, at most 1."""
+    return min(1.0, 2 * min(poisson_below(observed, mean), poisson_above(observed, mean)))
+
+
 def faults_landed(run) -> int:
     """Corruptions the injector made over the run (summary.json, else the metrics)."""
     landed = run.summary.get("faults/landed")
