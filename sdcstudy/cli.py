@@ -93,6 +93,12 @@ def cmd_report(args) -> int:
     return report.main(reproduce.report_dirs(args.run_dirs), args.out)
 
 
+def cmd_plan(args) -> int:
+    from sdcstudy.plan import cli as plan
+
+    return plan.main(args)
+
+
 def cmd_bench(args) -> int:
     from sdcstudy.bench import cli as bench
 
@@ -227,6 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
     from sdcstudy.reproduce.cli import add_parser as add_reproduce_parser
 
     add_reproduce_parser(sub)
+
+    p = sub.add_parser("plan", help="per-device memory, FLOPs, bytes between the nodes and "
+                                     "step time of a setup, from its step compiled ahead of "
+                                     "time (docs/plan.md)")
+    from sdcstudy.plan.cli import add_arguments as add_plan_arguments
+
+    add_plan_arguments(p)
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("profiles", help="list the fault profiles (node zoo)")
     p.set_defaults(func=cmd_profiles)
