@@ -84,7 +84,7 @@ def test_zero_frequency_layers_are_zero_severity_layers():
 
 # --- verdicts on hand-made runs -----------------------------------------------------------------
 
-ELEMENTS = 10**7
+ELEMENTS = 10**9
 
 
 def lockstep_run(freq: dict, severity: dict, steps=10, layers=2, landed=1) -> Run:
@@ -97,10 +97,20 @@ def lockstep_run(freq: dict, severity: dict, steps=10, layers=2, landed=1) -> Ru
                mismatch=pd.DataFrame(rows), faults=pd.DataFrame(), abft=pd.DataFrame())
 
 
-def entry(node=1, mode="lockstep", expected=1e4, scale=1.0, steps=10, **extra) -> dict:
+def entry(node=1, mode="lockstep", expected=0.0, scale=1.0, steps=10, **extra) -> dict:
+    """A planned run; `expected`: the mismatches (or faults) per site over the run, one number
+    for every site or {site: number}."""
+    per_site = expected if isinstance(expected, dict) else dict.fromkeys(PB.SITES, expected)
     return {"name": "n", "node": node, "mode": mode, "steps": steps, "layers": 2,
-            "sites": {site: {"mismatches": expected, "scale": scale} for site in PB.SITES},
+            "sites": {site: {"mismatches": per_site.get(site, 0.0), "scale": scale}
+                      for site in PB.SITES},
             "active_steps": None, "onset_step": None, **extra}
+
+
+def made(freq: dict, steps=10, layers=2) -> dict:
+    """The mismatches per site `lockstep_run(freq)` holds: what its plan would expect from an
+    engine that fires at the rates `freq`."""
+    return {site: round(f * ELEMENTS) * steps * layers for site, f in freq.items()}
 
 
 def verdicts(rows, source, quantity=None) -> list[str]:
@@ -110,25 +120,26 @@ def verdicts(rows, source, quantity=None) -> list[str]:
 
 NODE1_FREQ = dict(zip(PB.SITES, PB.TABLE1_FREQUENCY[1]))
 NODE1_SEVERITY = dict(zip(PB.SITES, PB.TABLE2_MAX_SEVERITY[1]))
+NODE1_ENTRY = entry(expected=made(NODE1_FREQ))
 
 
 def test_table1_frequency_band_passes_fails_and_too_rare():
     """Within 25% of Table 1 (times the time pattern) passes, 40% off fails, and a run that
     expects fewer than 100 mismatches, or 30 bursts, is not judged."""
-    good = M.site_rows(1, "n", lockstep_run({"bwd/attn": 1.6e-4}, NODE1_SEVERITY), entry())
-    assert verdicts(good, "Table 1", "bwd/attn") == ["pass"]
-    off = M.site_rows(1, "n", lockstep_run({"bwd/attn": 2.2e-4}, NODE1_SEVERITY), entry())
-    assert verdicts(off, "Table 1", "bwd/attn") == ["fail"]
-    scaled = M.site_rows(1, "n", lockstep_run({"bwd/attn": 3.1e-4}, NODE1_SEVERITY),
-                         entry(scale=2.0))
-    assert verdicts(scaled, "Table 1", "bwd/attn") == ["pass"]
-    rare = M.site_rows(1, "n", lockstep_run({"bwd/attn": 2.2e-4}, NODE1_SEVERITY),
+    def rows(freq, **kw):
+        run = lockstep_run({"bwd/attn": freq}, NODE1_SEVERITY)
+        return M.site_rows(1, "n", run, entry(expected=made({"bwd/attn": freq}), **kw))
+
+    assert verdicts(rows(1.6e-4), "Table 1", "bwd/attn") == ["pass"]
+    (off,) = [r for r in rows(2.2e-4) if r.source == "Table 1" and r.quantity == "bwd/attn"]
+    assert off.verdict == "fail" and not B.count_failed(off)  # the engine made what it should
+    assert verdicts(rows(3.1e-4, scale=2.0), "Table 1", "bwd/attn") == ["pass"]
+    rare = M.site_rows(1, "n", lockstep_run({"bwd/attn": 3e-9}, NODE1_SEVERITY),
                        entry(expected=50))
     (row,) = [r for r in rare if r.source == "Table 1" and r.quantity == "bwd/attn"]
-    assert row.verdict == B.TOO_RARE and "expected 50 mismatches" in row.reason
-    bursty = M.site_rows(1, "n", lockstep_run({"bwd/attn": 1.6e-4}, NODE1_SEVERITY),
-                         entry(active_steps=5.0))
-    assert verdicts(bursty, "Table 1", "bwd/attn") == [B.TOO_RARE]
+    assert row.verdict == B.TOO_RARE and "60 mismatches over the run, as the 50 expected" \
+        in row.reason
+    assert verdicts(rows(1.6e-4, active_steps=5.0), "Table 1", "bwd/attn") == [B.TOO_RARE]
 
 
 def test_table1_zero_sites_must_stay_zero():
@@ -144,9 +155,9 @@ def test_table1_zero_sites_must_stay_zero():
 def test_table2_severity_band_and_no_events():
     """A factor 3 of Table 2 passes, a factor 4 fails, a site without mismatches has no
     events."""
-    ok = M.site_rows(1, "n", lockstep_run(NODE1_FREQ, {"fwd/attn": 99 * 2.9}), entry())
+    ok = M.site_rows(1, "n", lockstep_run(NODE1_FREQ, {"fwd/attn": 99 * 2.9}), NODE1_ENTRY)
     assert verdicts(ok, "Table 2", "fwd/attn") == ["pass"]
-    off = M.site_rows(1, "n", lockstep_run(NODE1_FREQ, {"fwd/attn": 99 / 4}), entry())
+    off = M.site_rows(1, "n", lockstep_run(NODE1_FREQ, {"fwd/attn": 99 / 4}), NODE1_ENTRY)
     assert verdicts(off, "Table 2", "fwd/attn") == ["fail"]
     none = M.site_rows(1, "n", lockstep_run({}, {}), entry())
     assert verdicts(none, "Table 2", "fwd/attn") == ["no events"]
@@ -158,15 +169,94 @@ def test_layer_rows_judge_each_layer_against_the_papers_range():
     assert PL.layer_range("Table 8", 1, "fwd/ffn") == (18.38, 312)
     assert PL.layer_range("Table 6", 1, "fwd/ffn") == (2.86e-7, 6.52e-7)
     run = lockstep_run({"fwd/ffn": 4e-7}, {"fwd/ffn": 10.0})
-    rows = M.layer_rows(1, "n", run, entry())
+    rows = M.layer_rows(1, "n", run, entry(expected=made({"fwd/ffn": 4e-7})))
     assert verdicts(rows, "Table 8", "fwd/ffn layer 1") == ["pass"]
     assert verdicts(rows, "Table 6", "fwd/ffn layer 2") == ["pass"]
-    low = M.layer_rows(1, "n", lockstep_run({"fwd/ffn": 1e-6}, {"fwd/ffn": 5.0}), entry())
+    low = M.layer_rows(1, "n", lockstep_run({"fwd/ffn": 1e-6}, {"fwd/ffn": 5.0}),
+                       entry(expected=made({"fwd/ffn": 1e-6})))
     assert verdicts(low, "Table 8", "fwd/ffn layer 1") == ["fail"]
     assert verdicts(low, "Table 6", "fwd/ffn layer 1") == ["fail"]
     # Node 14 has no fwd/ffn mismatch in any layer of Table 6: ours must have none.
     assert verdicts(M.layer_rows(14, "n", run, entry(node=14)), "Table 6",
                     "fwd/ffn layer 1") == ["fail"]
+
+
+def _row(rows, source, quantity):
+    (row,) = [r for r in rows if r.source == source and r.quantity == quantity]
+    return row
+
+
+def test_counts_inconsistent_with_the_expectation_fail_whatever_a_finding_says():
+    """8 mismatches where the profile expects 7.8e-8 (a sampler that fires at a floor) fail
+    as excess events, in Tables 1, 2, 6 and 8, and no finding explains them (the Table 2 row
+    would otherwise get 5.3's why); 0 where 50 are expected fail as missing events. Before
+    the count check the first were "too rare" and the second "no events"."""
+    plan = [entry(steps=4, expected={"fwd/attn": 7.8e-8})]
+    floor = lockstep_run({"fwd/attn": 1e-9}, {"fwd/attn": 99 * 4}, steps=4)
+    rows = S.build(plan, {"n": floor})
+    for source, quantity in (("Table 1", "fwd/attn"), ("Table 2", "fwd/attn"),
+                             ("Table 6", "fwd/attn layer 1"), ("Table 8", "fwd/attn layer 2")):
+        row = _row(rows, source, quantity)
+        assert row.verdict == "fail" and row.reason.startswith(B.EXCESS), (source, row.reason)
+        assert row.why == "" and B.count_failed(row)
+    assert "8 mismatches where the profile expects 7.8e-08" in _row(rows, "Table 1",
+                                                                     "fwd/attn").reason
+    assert S.unexplained(rows) == S.engine_failures(rows) == 2 + 2 * 2  # sites, 2 layers
+    silent = S.build([entry(expected={"fwd/attn": 50.0})], {"n": lockstep_run({}, {})})
+    for source in ("Table 1", "Table 2"):
+        assert _row(silent, source, "fwd/attn").reason.startswith(B.MISSING), source
+    # A Poisson count of mean 50 is 0 with probability 2e-22; 35 or 70 are within reach of a
+    # mean within 25% of 50 and stay too rare.
+    assert B.count_check(0, 50.0, entry()).startswith(B.MISSING)
+    assert B.count_check(35, 50.0, entry()) is None and B.count_check(70, 50.0, entry()) is None
+    assert B.count_check(8, 7.8e-8, entry()).startswith(B.EXCESS)
+
+
+def test_bursty_counts_are_judged_with_their_bursts():
+    """In 10 steps with a burst expected in 0.5 of them (p = 0.05), no burst at all is likely
+    (0.6), so 0 of 50 expected events is consistent; with a constant pattern it is not. A
+    burst's worth of events (100) is consistent too, eight bursts' worth (800) is not."""
+    bursty = entry(active_steps=0.5)
+    assert B.count_check(0, 50.0, bursty) is None
+    assert B.count_check(100, 50.0, bursty) is None
+    assert B.count_check(0, 50.0, entry()).startswith(B.MISSING)
+    assert B.count_check(800, 50.0, bursty).startswith(B.EXCESS)
+
+
+def test_calibration_rows_are_tallied_apart():
+    """Tables 1, 6 and 7 are calibration rows (the profiles' rates are set from Table 1), as is
+    Figure 5 where the weight-gradient rate is set from the node's WCNTS; their passes and
+    failures are counted apart from the held-out rows'."""
+    run = lockstep_run({"bwd/attn": 2.2e-4}, NODE1_SEVERITY)
+    rows = S.build([entry(expected=made({"bwd/attn": 2.2e-4}))], {"n": run})
+    roles = {r.source: r.role for r in rows}
+    assert roles == {"Table 1": B.CALIBRATION, "Table 2": B.HELD_OUT, "Table 6": B.CALIBRATION,
+                     "Table 7": B.CALIBRATION, "Table 8": B.HELD_OUT, "Table 9": B.HELD_OUT}
+    tally = S.counts_by_role(rows)
+    calibration = [r for r in rows if r.role == B.CALIBRATION]
+    assert tally[B.CALIBRATION]["fail"] == sum(r.verdict == "fail" for r in calibration) > 0
+    assert tally[B.HELD_OUT]["pass"] == sum(r.verdict == "pass" for r in rows
+                                             if r.role == B.HELD_OUT) > 0
+    assert {v: tally[B.CALIBRATION][v] + tally[B.HELD_OUT][v] for v in B.VERDICTS} == \
+        S.counts(rows)
+    text = S.markdown(rows, {"preset": "tiny", "steps": 10, "modes": list(P.MODES)})
+    assert "| node | calibration pass | calibration fail | held-out pass | held-out fail |" in text
+    assert text.index("## Node 1, calibration rows") < text.index("## Node 1, held-out rows")
+    assert B.role(1, "Figure 5") == B.CALIBRATION and B.role(11, "Figure 5") == B.HELD_OUT
+
+
+def test_figure5_calibration_follows_the_profiles():
+    """Figure 5 is a calibration row exactly for the nodes whose weight-gradient rate the zoo
+    sets from WCNTS (faults/profiles.py); if a profile changes, `bands.FIGURE5_NOT_FITTED`
+    must follow it."""
+    from sdcstudy.faults import profiles
+
+    for node in P.NODES:
+        grad = [s for s in profiles.paper_node(node).specs if s.site == "grad"]
+        fitted = bool(grad) and grad[0].kind == "additive" and math.isclose(
+            math.sqrt(grad[0].rate * profiles.MAGNITUDE_MEAN_SQUARE), PB.WCNTS[node],
+            rel_tol=1e-6)
+        assert (B.role(node, "Figure 5") == B.CALIBRATION) == fitted, node
 
 
 def paired_run(mode, metrics: dict, landed=5, abft=None) -> Run:
@@ -265,14 +355,15 @@ def test_findings_explain_severity_rows_by_the_units_their_maximum_spans():
     """A failing Table 2 row names the units its maximum spans and on which side of the band it
     lies; a passing row gets no why."""
     run = lockstep_run(NODE1_FREQ, {"fwd/attn": 99 / 4, "bwd/attn": 7392 * 2.5})
-    rows = F.explain(M.site_rows(1, "n", run, entry()), entry(), run)
+    rows = F.explain(M.site_rows(1, "n", run, NODE1_ENTRY), NODE1_ENTRY, run)
     (low,) = [r for r in rows if r.source == "Table 2" and r.quantity == "fwd/attn"]
     assert low.verdict == "fail" and "5.3" in low.why and "below" in low.why
     assert "largest of 20 (step, microstep, layer, rank) units" in low.why  # 10 steps x 2 layers
     (ok,) = [r for r in rows if r.source == "Table 2" and r.quantity == "bwd/attn"]
     assert ok.verdict == "pass" and ok.why == ""
     high = lockstep_run(NODE1_FREQ, {"fwd/attn": 99 * 4})
-    (row,) = [r for r in F.explain(M.site_rows(1, "n", high, entry()), entry(), high)
+    (row,) = [r for r in F.explain(M.site_rows(1, "n", high, NODE1_ENTRY), NODE1_ENTRY,
+                                   high)
               if r.source == "Table 2" and r.quantity == "fwd/attn"]
     assert "5.3" in row.why and "above" in row.why
 
@@ -334,7 +425,7 @@ def test_findings_count_the_abft_flags_that_held_an_attention_fault():
                        matmul == "o" and direction == "fwd" and step in (2, 3, 9))
     run = with_faults(paired_run("abft", {"loss": [3.0] * steps}, abft=checks),
                       fault_rows([2, 3, 5], site="fwd/attn"))
-    e = entry(mode="abft", steps=steps)
+    e = entry(mode="abft", steps=steps, expected=3.0)
     (row,) = F.explain([TR.figure10_row(1, "n", run, e)], e, run)
     assert row.verdict == "fail"
     assert "flagged 2 of the 3 steps with an attention-output fault" in row.why

@@ -47,7 +47,16 @@ MIN_ACTIVE_STEPS = 30.0  # the count of bursts is binomial: 30 put one deviation
 ABFT_FREQUENT = 0.10
 ABFT_LITTLE = 0.01
 PAPER_ONSET = 450  # section 6.2
+COUNT_LEVEL = 1e-3  # two-sided level of the event-count check
+EXCESS, MISSING = "excess events", "missing events"
 TOO_RARE = "too rare for this run"
+CALIBRATION, HELD_OUT = "calibration", "held-out"
+# The sources the profiles' rates are set from (faults/profiles.py): Table 1 per site, and so
+# Tables 6-7, its per-layer split (uniform over layers). Figure 5 too, for every node whose
+# weight-gradient rate is set from its WCNTS: not node 3 (a last-bit flip at a chosen rate) nor
+# nodes 10 and 11 (no weight-gradient faults: WEIGHT_GRAD_SHARE 0).
+CALIBRATION_SOURCES = ("Table 1", "Table 6", "Table 7")
+FIGURE5_NOT_FITTED = (3, 10, 11)
 VERDICTS = ("pass", "fail", "no events", TOO_RARE, "not applicable", "not run")
 NO_SITE = {"mismatches": 0.0, "scale": 1.0}  # a site the profile does not corrupt
 
@@ -68,6 +77,19 @@ class Row:
     expected: float | None = None  # what the band centres on: the published number, times the
     # time pattern over this run for a frequency (`plan.expectations`)
     why: str = ""  # for a failing row, the measured finding that explains it (`findings`)
+    role: str = HELD_OUT  # CALIBRATION: a quantity the profile was fitted to (`role`)
+
+
+def role(node: int, source: str) -> str:
+    """Whether a row of `source` for `node` is a calibration row or a held-out one."""
+    fitted = source in CALIBRATION_SOURCES or (source == "Figure 5"
+                                                and node not in FIGURE5_NOT_FITTED)
+    return CALIBRATION if fitted else HELD_OUT
+
+
+def count_failed(row: Row) -> bool:
+    """A row failed by its event count: the engine's doing, which no finding explains."""
+    return row.verdict == "fail" and row.reason.startswith((EXCESS, MISSING))
 
 
 def num(value) -> float | None:
@@ -141,6 +163,43 @@ def poisson_p_value(observed: int, mean: float) -> float:
     return min(1.0, 2 * min(poisson_below(observed, mean), poisson_above(observed, mean)))
 
 
+def _count_tail(k: int, mean: float, entry: dict, below: bool) -> float:
+    """P(X <= k) (`below`) or P(X >= k) of the run's event count X of the given mean: Poisson,
+    or for a bursty profile Poisson given its bursts, which are binomial over the steps."""
+    tail = poisson_below if below else poisson_above
+    active, steps = entry.get("active_steps"), entry.get("steps") or 0
+    if active is None or not 0 < active < steps:
+        return tail(k, mean)
+    p, per_burst = active / steps, mean / active
+    total = 0.0
+    for bursts in range(steps + 1):
+        log_pmf = (math.lgamma(steps + 1) - math.lgamma(bursts + 1)
+                   - math.lgamma(steps - bursts + 1) + bursts * math.log(p)
+                   + (steps - bursts) * math.log1p(-p))
+        if log_pmf > -50:
+            total += math.exp(log_pmf) * tail(k, bursts * per_burst)
+    return total
+
+
+def count_check(observed: int, expected: float, entry: dict, what: str = "mismatches",
+                at_least: bool = False) -> str | None:
+    """"excess events: ..." or "missing events: ..." when `observed` events are inconsistent
+    with every mean within FREQ_TOLERANCE of `expected` at COUNT_LEVEL; else None.
+    `at_least`: `observed` is a lower bound (some events went unlogged), so only an excess
+    is judged."""
+    lo, hi = expected * (1 - FREQ_TOLERANCE), expected * (1 + FREQ_TOLERANCE)
+    side = COUNT_LEVEL / 2
+    if _count_tail(observed, hi, entry, below=False) < side:
+        word = EXCESS
+    elif not at_least and _count_tail(observed, lo, entry, below=True) < side:
+        word = MISSING
+    else:
+        return None
+    return (f"{word}: {observed} {what} where the profile expects {g(expected)} (no mean "
+            f"within {FREQ_TOLERANCE:.0%} of it gives this count at a two-sided level of "
+            f"{COUNT_LEVEL:g})")
+
+
 def faults_landed(run) -> int:
     """Corruptions the injector made over the run (summary.json, else the metrics)."""
     landed = run.summary.get("faults/landed")
@@ -149,10 +208,13 @@ def faults_landed(run) -> int:
     return int(landed or 0)
 
 
-def too_rare(entry: dict, expected: float, where: str = "over the run") -> str | None:
-    """Why a frequency can not be measured in this run, or None when it can."""
+def too_rare(entry: dict, expected: float, observed: int,
+             where: str = "over the run") -> str | None:
+    """Why a frequency can not be measured in this run, or None when it can; asked only of a
+    count that `count_check` found consistent with its expectation."""
     if expected < MIN_EXPECTED:
-        return f"expected {g(expected)} mismatches {where} (fewer than {MIN_EXPECTED:g})"
+        return (f"{observed} mismatches {where}, as the {g(expected)} expected (fewer than "
+                f"{MIN_EXPECTED:g}) allow")
     active = entry.get("active_steps")
     if active is not None and active < MIN_ACTIVE_STEPS:
         return f"expected {g(active)} steps with bursts (fewer than {MIN_ACTIVE_STEPS:g})"

@@ -43,7 +43,10 @@ def site_rows(node: int, name: str, run, entry: dict) -> list[Row]:
             rows.append(B.as_zero(node, "Table 2", site, 0.0, n, ours_s, note))
             continue
         lo, hi = pub_s / B.SEVERITY_FACTOR, pub_s * B.SEVERITY_FACTOR
-        if n == 0:
+        if wrong := B.count_check(n, expected["mismatches"], entry):
+            rows.append(Row(node, "Table 2", site, pub_s, ours_s, B.ratio(ours_s, pub_s),
+                            B.interval(lo, hi), "fail", wrong, pub_s))
+        elif n == 0:
             rows.append(Row(node, "Table 2", site, pub_s, None, None, B.interval(lo, hi),
                             "no events", f"no mismatch at this site (expected "
                                          f"{B.g(expected['mismatches'])} over the run)"))
@@ -61,10 +64,14 @@ def _frequency_row(node, site, published, ours, n, expected, entry) -> Row:
     band = B.interval(lo, hi)
     if abs(scale - 1) > 1e-3:
         band += f" (Table 1 x {B.g(scale)}, the time pattern over this run)"
-    rare = B.too_rare(entry, expected["mismatches"])
-    if rare:
+    verdict, reason = "", B.count_check(n, expected["mismatches"], entry)
+    if reason:
+        verdict = "fail"
+    elif reason := B.too_rare(entry, expected["mismatches"], n):
+        verdict = B.TOO_RARE
+    if verdict:
         return Row(node, "Table 1", site, published, ours, B.ratio(ours, published), band,
-                   B.TOO_RARE, rare, target)
+                   verdict, reason, target)
     return Row(node, "Table 1", site, published, ours, B.ratio(ours, published), band,
                "pass" if B.within(ours, lo, hi) else "fail",
                f"{n} mismatches, {B.g(ours / target)}x the expected frequency", target)
@@ -102,18 +109,21 @@ def _layer_row(node, source, site, layer, stat, paper, ours, n, expected, layers
     published = f"{B.interval(*paper)} over {PL.PAPER_LAYERS} layers"
     if paper[1] == 0:
         return B.as_zero(node, source, quantity, published, n, ours)
+    per_layer = expected["mismatches"] / max(layers, 1)
     if stat == "freq":
         scale = expected["scale"]
         lo = paper[0] * scale * (1 - B.FREQ_TOLERANCE)
         hi = paper[1] * scale * (1 + B.FREQ_TOLERANCE)
-        rare = B.too_rare(entry, expected["mismatches"] / max(layers, 1), "in this layer")
-        if rare:
-            return Row(node, source, quantity, published, ours, None, B.interval(lo, hi),
-                       B.TOO_RARE, rare)
     else:
         lo, hi = paper[0] / B.SEVERITY_FACTOR, paper[1] * B.SEVERITY_FACTOR
-        if n == 0:
-            return Row(node, source, quantity, published, None, None, B.interval(lo, hi),
-                       "no events", "no mismatch in this layer")
+    if wrong := B.count_check(n, per_layer, entry):
+        return Row(node, source, quantity, published, ours, None, B.interval(lo, hi), "fail",
+                   f"{wrong} in this layer")
+    if stat == "freq" and (rare := B.too_rare(entry, per_layer, n, "in this layer")):
+        return Row(node, source, quantity, published, ours, None, B.interval(lo, hi),
+                   B.TOO_RARE, rare)
+    if stat != "freq" and n == 0:
+        return Row(node, source, quantity, published, None, None, B.interval(lo, hi),
+                   "no events", "no mismatch in this layer")
     return Row(node, source, quantity, published, ours, None, B.interval(lo, hi),
                "pass" if B.within(ours, lo, hi) else "fail", f"{n} mismatches in this layer")

@@ -4,7 +4,10 @@
 folders that finished; `write` puts them in `scorecard.md`, `scorecard.csv` and
 `scorecard.json`. The bands and verdicts are `bands`'; the rows of each source come from
 `mismatch_rows` (Tables 1, 2, 6-9) and `training_rows` (Figures 5, 6, 10); a failing row that
-a measured finding explains names it (`findings`). Imports no JAX.
+a measured finding explains names it (`findings`), except a row failed by its event count
+(excess or missing events: the engine's doing, whatever a finding says). Calibration rows
+(the quantities the profiles are fitted to) are tallied and listed apart from the held-out
+ones. Imports no JAX.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ SOURCES = {"lockstep": ("Table 1", "Table 2", "Table 6", "Table 7", "Table 8", "
            "paramsync": ("Figure 5",), "free": ("Figure 6",), "abft": ("Figure 10",)}
 ORDER = [source for sources in SOURCES.values() for source in sources]
 COLUMNS = ("node", "source", "quantity", "published", "ours", "ratio", "band", "verdict",
-           "reason", "expected", "why")
+           "reason", "expected", "why", "role")
+ROLES = (B.CALIBRATION, B.HELD_OUT)
 
 
 def _rows_of(entry: dict, run) -> list[Row]:
@@ -39,6 +43,16 @@ def _rows_of(entry: dict, run) -> list[Row]:
     return [TR.figure10_row(node, name, run, entry)]
 
 
+def _judged(entry: dict, run) -> list[Row]:
+    """The run's rows with their roles, and the findings' whys on the failing rows that their
+    event counts did not fail."""
+    rows = _rows_of(entry, run)
+    for row in rows:
+        row.role = B.role(row.node, row.source)
+    F.explain([r for r in rows if not B.count_failed(r)], entry, run)
+    return rows
+
+
 def build(plan: list[dict], runs: dict, stopped: dict | None = None) -> list[Row]:
     """Rows for every planned run: judged from `runs` ({name: report.runs.Run} of the finished
     runs), "fail" for a run in `stopped` ({name: why it stopped}), else "not run"."""
@@ -48,12 +62,14 @@ def build(plan: list[dict], runs: dict, stopped: dict | None = None) -> list[Row
         name, node = entry["name"], entry["node"]
         if name in stopped:
             rows += [Row(node, source, "-", None, None, None, "-", "fail",
-                         f"the run stopped: {stopped[name]}") for source in SOURCES[entry["mode"]]]
+                         f"the run stopped: {stopped[name]}", role=B.role(node, source))
+                     for source in SOURCES[entry["mode"]]]
         elif runs.get(name) is None:
             rows += [Row(node, source, "-", None, None, None, "-", "not run",
-                         f"{name} has not finished") for source in SOURCES[entry["mode"]]]
+                         f"{name} has not finished", role=B.role(node, source))
+                     for source in SOURCES[entry["mode"]]]
         else:
-            rows += F.explain(_rows_of(entry, runs[name]), entry, runs[name])
+            rows += _judged(entry, runs[name])
     return sorted(rows, key=lambda r: (r.node, ORDER.index(r.source)))
 
 
@@ -62,9 +78,19 @@ def counts(rows: list[Row]) -> dict:
     return {v: sum(r.verdict == v for r in rows) for v in B.VERDICTS}
 
 
+def counts_by_role(rows: list[Row]) -> dict:
+    """{role: {verdict: rows}}: calibration and held-out rows tallied apart."""
+    return {role: counts([r for r in rows if r.role == role]) for role in ROLES}
+
+
 def unexplained(rows: list[Row]) -> int:
     """Failing rows that no measured finding explains."""
     return sum(r.verdict == "fail" and not r.why for r in rows)
+
+
+def engine_failures(rows: list[Row]) -> int:
+    """Rows failed by their event count (excess or missing events)."""
+    return sum(B.count_failed(r) for r in rows)
 
 
 def _cell(value) -> str:
@@ -73,8 +99,30 @@ def _cell(value) -> str:
     return value if isinstance(value, str) else B.g(value)
 
 
+TALLY = [(role, verdict) for role in ROLES for verdict in ("pass", "fail")] + [
+    (None, verdict) for verdict in B.VERDICTS if verdict not in ("pass", "fail")]
+
+
+def _tally_line(label: str, rows: list[Row], bold: bool = False) -> str:
+    by_role, total = counts_by_role(rows), counts(rows)
+    cells = [by_role[role][v] if role else total[v] for role, v in TALLY]
+    return f"| {label} | " + " | ".join(f"**{c}**" if bold else str(c) for c in cells) + " |"
+
+
+def _row_table(rows: list[Row]) -> list[str]:
+    lines = ["| source | quantity | published | ours | ratio | band | verdict | reason |",
+             "|---|---|---:|---:|---:|---|---|---|"]
+    for r in rows:
+        verdict = f"**{r.verdict}**" if r.verdict == "fail" else r.verdict
+        reason = f"{r.reason}. Why: {r.why}" if r.why else r.reason
+        lines.append(f"| {r.source} | {r.quantity} | {_cell(r.published)} | {_cell(r.ours)} "
+                     f"| {_cell(r.ratio)} | {r.band} | {verdict} | {reason} |")
+    return lines
+
+
 def markdown(rows: list[Row], request: dict) -> str:
-    """A verdict count per node, then each node's rows."""
+    """A verdict count per node (calibration and held-out passes and failures apart), then each
+    node's calibration rows and held-out rows."""
     nodes = sorted({r.node for r in rows})
     lines = ["# Reproduction scorecard", "",
              f"Ma et al., *Understanding Silent Data Corruption in LLM Training*, measured on "
@@ -84,27 +132,22 @@ def markdown(rows: list[Row], request: dict) -> str:
              + (f", {request['dtype']}" if request.get("dtype") else "")
              + (f", `--set {' '.join(request['overrides'])}`" if request.get("overrides")
                 else "") + " (bands: docs/reproduction.md).", "",
-             "| node | " + " | ".join(B.VERDICTS) + " |",
-             "|---:|" + "---:|" * len(B.VERDICTS)]
+             "| node | " + " | ".join(f"{role} {v}" if role else v for role, v in TALLY) + " |",
+             "|---:|" + "---:|" * len(TALLY)]
+    lines += [_tally_line(str(node), [r for r in rows if r.node == node]) for node in nodes]
+    lines.append(_tally_line("all", rows, bold=True))
+    failing = counts(rows)["fail"]
+    lines += ["", f"Calibration rows are the quantities the profiles are fitted to (Tables 1, 6 "
+                  f"and 7; Figure 5 where the weight-gradient rate is set from it): their "
+                  f"passes test the engine, not the model. Of the {failing} failing rows, "
+                  f"{engine_failures(rows)} fail on their event count (excess or missing "
+                  f"events), {failing - unexplained(rows)} name the measurement that explains "
+                  f"them (docs/faults.md, section 5) and {unexplained(rows)} do not."]
     for node in nodes:
-        tally = counts([r for r in rows if r.node == node])
-        lines.append(f"| {node} | " + " | ".join(str(tally[v]) for v in B.VERDICTS) + " |")
-    total = counts(rows)
-    lines.append("| all | " + " | ".join(f"**{total[v]}**" for v in B.VERDICTS) + " |")
-    lines += ["", f"Of the {total['fail']} failing rows, {total['fail'] - unexplained(rows)} "
-                  f"name the measurement that explains them (docs/faults.md, section 5) and "
-                  f"{unexplained(rows)} do not."]
-    for node in nodes:
-        lines += ["", f"## Node {node}", "",
-                  "| source | quantity | published | ours | ratio | band | verdict | reason |",
-                  "|---|---|---:|---:|---:|---|---|---|"]
-        for r in rows:
-            if r.node == node:
-                verdict = f"**{r.verdict}**" if r.verdict == "fail" else r.verdict
-                reason = f"{r.reason}. Why: {r.why}" if r.why else r.reason
-                lines.append(f"| {r.source} | {r.quantity} | {_cell(r.published)} "
-                             f"| {_cell(r.ours)} | {_cell(r.ratio)} | {r.band} | {verdict} "
-                             f"| {reason} |")
+        for role in ROLES:
+            mine = [r for r in rows if r.node == node and r.role == role]
+            if mine:
+                lines += ["", f"## Node {node}, {role} rows", "", *_row_table(mine)]
     return "\n".join(lines) + "\n"
 
 
@@ -117,6 +160,8 @@ def write(root: Path, rows: list[Row], request: dict) -> dict:
     frame = pd.DataFrame([asdict(r) for r in rows], columns=list(COLUMNS))
     RF.atomic_write_text(root / CSV, frame.to_csv(index=False, float_format="%.6g"))
     RF.atomic_write_json(root / JSON, {"request": request, "counts": counts(rows),
+                                       "counts_by_role": counts_by_role(rows),
+                                       "engine_failures": engine_failures(rows),
                                        "unexplained": unexplained(rows),
                                        "rows": [asdict(r) for r in rows]})
     return {"markdown": text, "counts": counts(rows)}
