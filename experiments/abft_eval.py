@@ -1,4 +1,5 @@
 """python experiments/abft_eval.py [--repeats 3] [--healthy 48] [--preset tiny] [--out DIR]
+   python experiments/abft_eval.py --bounds [--seeds 4] [--trials 32] --out DIR
 
 When does ABFT catch a silent data corruption, and why does it miss? Ma et al., appendix D,
 give three explanations for ABFT's misses; this experiment turns each into numbers:
@@ -8,8 +9,8 @@ give three explanations for ABFT's misses; this experiment turns each into numbe
 2. faults outside the matmuls (softmax, SwiGLU activation, attention context, RMS norms):
    the rate at which any ABFT check of the step flags at all;
 3. dtype: the same for float32 and bfloat16, with the paper's threshold (tau = k u, float32 u),
-   the paper's formula with the bfloat16 epsilon, and our rounding bound (abft/checker.py), including
-   the false-alarm rate on healthy steps.
+   the paper's formula with the bfloat16 epsilon, and our rounding bound (abft/bound.py),
+   including the false-alarm rate on healthy steps.
 
 Each trial is one forward and backward pass of the model (random tokens, the seed's initial
 weights) with ABFT on every matmul and exactly one flipped bit of one random element at one
@@ -25,6 +26,15 @@ Definitions, per (dtype, threshold, site, bit class):
 
 Results: DIR/abft_eval.md (the tables, also printed), DIR/abft_eval.json (the same numbers),
 DIR/abft_eval_checks.parquet (every check of every trial) and DIR/abft_eval_ratios.png. About 5 minutes on 2 CPU cores.
+
+`--bounds` asks instead whether the rounding bound holds for the arithmetic a GPU uses, and
+what it costs in recall: the products of tiny's four linear shapes (q, up, down, head at 4 x
+64 tokens; `abft/emulate.py`), computed as the CPU does, with TF32 operands (to nearest,
+toward zero) and with a bfloat16 weight whose checksum is handed the unrounded float32 copy;
+each checked by the rounding rule before it modelled the platform ("today") and as it is
+("new"), healthy and with one element moved by 2^-16 to 2^4 times its row's RMS.
+DIR/abft_bounds.md (also printed) and DIR/abft_bounds.json. About 5 minutes on 2 CPU cores,
+most of it compiling.
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from sdcstudy.abft import checker as A  # noqa: E402
+from sdcstudy.abft import emulate as E  # noqa: E402
 from sdcstudy.core import config as C  # noqa: E402
 from sdcstudy.faults import corrupt as FC  # noqa: E402
 from sdcstudy.core import model  # noqa: E402
@@ -272,6 +283,34 @@ def plot_ratios(frame: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+def bound_table(seeds: int, trials: int) -> pd.DataFrame:
+    """One row per (scenario, rule): false alarms, then recall per error size."""
+    rows = []
+    for scenario in E.SCENARIOS:
+        for r in E.recall_rows(scenario, range(seeds), trials):
+            row = {"scenario": scenario, "rule": r["rule"],
+                   "false alarms": f"{r['false_alarms']} of {r['healthy']}"}
+            row.update({f"2^{int(np.log2(size))}": r[size] / r["corrupted"]
+                        for size in E.ERROR_SIZES})
+            rows.append(row)
+        print(f"{scenario}: done", file=sys.stderr, flush=True)
+    return pd.DataFrame(rows)
+
+
+def write_bounds(args) -> None:
+    table = bound_table(args.seeds, args.trials)
+    text = "\n".join([
+        "## The rounding bound under emulated GPU arithmetic (tiny's shapes)", "",
+        f"{args.seeds} draws of each shape; {args.trials} corrupted copies per draw and error "
+        "size; recall per error size in row RMS.", "", markdown(table), ""])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "abft_bounds.md").write_text(text)
+    with open(args.out / "abft_bounds.json", "w") as f:
+        json.dump({"args": {k: str(v) for k, v in vars(args).items()},
+                   "rows": table.to_dict("records")}, f, indent=1)
+    print(text)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     p.add_argument("--repeats", type=int, default=3, help="trials per (site, bit)")
@@ -282,6 +321,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/abft_eval"))
+    p.add_argument("--bounds", action="store_true",
+                   help="the rounding bound under emulated GPU arithmetic instead")
+    p.add_argument("--seeds", type=int, default=4, help="--bounds: draws of each shape")
+    p.add_argument("--trials", type=int, default=32,
+                   help="--bounds: corrupted copies per draw and error size")
     p.add_argument("--plot", type=Path, default=None, metavar="CHECKS_PARQUET",
                    help="only draw the figure from an earlier run's abft_eval_checks.parquet")
     args = p.parse_args(argv)
@@ -293,6 +337,9 @@ def main(argv=None) -> int:
     if args.out.exists() and any(args.out.iterdir()):
         print(f"abft_eval: {str(args.out)!r} is not empty; give a new --out.", file=sys.stderr)
         return 2
+    if args.bounds:
+        write_bounds(args)
+        return 0
     frame = pd.concat([run_dtype(d, args) for d in args.dtypes.split(",")], ignore_index=True)
     args.out.mkdir(parents=True, exist_ok=True)
     frame.to_parquet(args.out / "abft_eval_checks.parquet", index=False)

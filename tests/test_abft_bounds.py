@@ -46,7 +46,8 @@ def _old_formula(a, b, c, u_out):
     a, b, c = (np.asarray(x, np.float64) for x in (a, b, c))
     (_, k), n = a.shape, b.shape[1]
     u = 2.0 ** -24
-    return 1.01 * ((u_out + n * u) * np.abs(c).sum(1) + (2 * k + n) * u * (np.abs(a) @ np.abs(b).sum(1)))
+    spread = np.abs(a) @ np.abs(b).sum(1)
+    return 1.01 * ((u_out + n * u) * np.abs(c).sum(1) + (2 * k + n) * u * spread)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
