@@ -6,17 +6,20 @@ pure functions of (seed, step), so the step number is enough; the record also ke
 of the configuration so a checkpoint is never restored into a different experiment.
 
 A save that fails (disk full, no permission, the folder gone) raises `CheckpointWriteError`
-at the next save, wait or close, in the caller's thread. orbax's own error reports of the
-failed background save, and the asyncio noise of its abandoned writes, are not printed: the
-caller turns the error into one sentence.
+at the next save, wait or close, in the caller's thread; the caller turns it into one
+sentence. orbax runs each save in an event loop of its own and closes that loop as soon as the
+save has failed, while the save's other writes are still under way: the loops here finish
+those writes and collect their errors before closing (`_SettlingLoop`), so none is reported
+later as an exception "never retrieved". orbax's own error report of the failed save (the
+same error, with its traceback) is not printed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -60,37 +63,47 @@ class _OrbaxFailureReports(logging.Filter):
         return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
-def _quiet_closed_loop(previous):
-    """An unraisable-exception hook that skips 'Event loop is closed': the callbacks of the
-    writes a failed save abandoned, arriving after orbax closed their loop."""
+class _SettlingLoop(asyncio.SelectorEventLoop):
+    """An event loop that, before it closes, cancels the tasks still under way and waits for
+    them, collecting every outcome, as `asyncio.run` does; orbax closes its loops without that.
+    """
 
-    def hook(unraisable):
-        error = unraisable.exc_value
-        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
-            return
-        previous(unraisable)
-
-    hook.quiets_orbax = True
-    return hook
+    def close(self) -> None:
+        if not (self.is_closed() or self.is_running() or asyncio._get_running_loop()):
+            self.run_until_complete(_settle(asyncio.all_tasks(self)))
+        super().close()
 
 
-def _quiet_orbax_failures() -> None:
+async def _settle(tasks) -> None:
+    """Cancel `tasks` and wait for them, retrieving what each raised; the callbacks of tasks
+    that finished just before the loop stopped run too, and retrieve what those raised."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _SettlingPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _SettlingLoop()
+
+
+def _orbax_failures_reach_the_caller_only() -> None:
     absl = logging.getLogger("absl")
     if not any(isinstance(f, _OrbaxFailureReports) for f in absl.filters):
         absl.addFilter(_OrbaxFailureReports())
-    if not getattr(sys.unraisablehook, "quiets_orbax", False):
-        sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
+    if type(asyncio.get_event_loop_policy()) is asyncio.DefaultEventLoopPolicy:
+        asyncio.set_event_loop_policy(_SettlingPolicy())
 
 
 class Checkpointer:
     def __init__(self, directory: Path, keep: int = 2, asynchronous: bool = True):
         self.directory = Path(directory).resolve()
-        _quiet_orbax_failures()
+        _orbax_failures_reach_the_caller_only()
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max(keep, 1),
                                                  enable_async_checkpointing=asynchronous,
-                                                 create=True))
+                                                 create=True, cleanup_tmp_directories=True))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
