@@ -107,6 +107,15 @@ class Monitor:
 # --- the trainer ------------------------------------------------------------------------------
 
 
+def _abft_checker(cfg: Config, n_layers: int, detectors) -> "A.Checker | None":
+    """The ABFT detector's checker, as `abft.*` configures it (docs/config.md)."""
+    if "abft" not in detectors:
+        return None
+    a = cfg.abft
+    return A.Checker(n_layers, a.threshold, a.recompute, operand_rounding=a.operand_rounding,
+                     output_partials=a.output_partials)
+
+
 @dataclass
 class DetectTrainer(NodeTrainer):
     """`NodeTrainer` whose step runs the detectors' executions and returns their comparisons."""
@@ -123,8 +132,7 @@ class DetectTrainer(NodeTrainer):
         d = cfg.detect
         trainer.detectors = parse_detectors(d.detectors)
         trainer.plan = tuple(executions(trainer.detectors, cfg.mesh.dp, d.replicas, d.advance))
-        trainer.abft = A.Checker(trainer.dims.n_layers, cfg.abft.threshold) \
-            if "abft" in trainer.detectors else None
+        trainer.abft = _abft_checker(cfg, trainer.dims.n_layers, trainer.detectors)
         trainer.monitor = Monitor(d.spike_window, d.spike_loss, d.spike_grad)
         return trainer
 
@@ -134,8 +142,7 @@ class DetectTrainer(NodeTrainer):
         return dataclasses.replace(
             self, detectors=detectors,
             plan=tuple(executions(detectors, self.cfg.mesh.dp, d.replicas, d.advance)),
-            abft=A.Checker(self.dims.n_layers, self.cfg.abft.threshold)
-            if "abft" in detectors else None,
+            abft=_abft_checker(self.cfg, self.dims.n_layers, detectors),
             monitor=Monitor(d.spike_window, d.spike_loss, d.spike_grad))
 
     def fault_context(self, step, microstep, sinks=None) -> F.FaultContext:
