@@ -5,6 +5,8 @@
 - `bands`: the band and verdict of every kind of published number, and the scorecard row;
 - `mismatch_rows`: Tables 1, 2 and 6-9 from the lock-step runs;
 - `training_rows`: Figures 5, 6 and 10 from the parameter-sync, free and ABFT runs;
+- `abft_paper_scale`: Figure 10 at the paper's sizes, the profiles' attention faults in
+  float32 products of the paper's shapes checked as ABFT does (numpy, no run);
 - `scorecard`: the rows of a folder of runs, as Markdown, CSV and JSON;
 - `figures`: ours against the published numbers, and the free runs over their steps;
 - `cli`: the command, `--resume`, `--shard` and `--merge`.
