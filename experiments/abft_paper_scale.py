@@ -9,7 +9,7 @@ tiny and small scorecards' o checks (k = n = 64, 512) flag faults the paper's (k
 n = 4096) mostly do not, and that faults inside the attention are never flagged by o's check.
 Prints Markdown tables (docs/faults.md, section 5.4) and writes DIR/abft_paper_scale.json
 (`reproduce.abft_paper_scale.measure`'s entries, which `figure10_paper_rows` scores).
-About 10 minutes on two CPU cores.
+About 11 minutes on two busy CPU cores.
 """
 
 from __future__ import annotations
