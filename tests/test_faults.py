@@ -131,6 +131,28 @@ def test_records_match_the_corruption_exactly(dtype):
     assert count == len(changed) and len(rows) == 5
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spec", [
+    FS.FaultSpec("fwd/attn", "additive", rate=1e-3, scale=(2.0 ** -8, 1.0)),
+    FS.FaultSpec("fwd/attn", "bitflip", rate=0.3),  # past the cap: the rest drawn densely
+    FS.FaultSpec("fwd/attn", "zero", rate=0.01, lanes=(3, 7)),
+    FS.FaultSpec("fwd/attn", "bitflip", count=5, bits=(2,)),
+], ids=["sparse", "dense", "lanes", "count"])
+def test_records_of_the_listed_hits_equal_a_search_of_the_whole_tensor(dtype, spec):
+    """A model site searches only the positions its draw lists for landed elements (and the
+    whole tensor when the draw went past its cap); the record must be bit for bit the one a
+    search of the whole tensor gives, as the pytree sites make it. If this fails, a record
+    lists other elements, or counts differently, than the corruption applied."""
+    x = _x(dtype)
+    key_data = jax.random.key_data(jax.random.key(8))
+    listed = FC.corrupt_and_record(x, key_data, spec.base_rate, spec, 16, skip_idle=True)
+    searched = FC.corrupt_and_record(x, key_data, spec.base_rate, spec, 16)
+    (y, record), (y_all, record_all) = jax.device_get((listed, searched))
+    assert _bits(y, dtype).tobytes() == _bits(y_all, dtype).tobytes()
+    assert np.asarray(record).tobytes() == np.asarray(record_all).tobytes()
+    assert FC.decode_record(np.asarray(record))[0] > 0
+
+
 @functools.lru_cache(maxsize=None)
 def _site(profile, fault_seed=None):
     """The profile's forward hook at layer 1's attn_out, jitted as a step runs it: one

@@ -145,9 +145,9 @@ def _scatter(size: int, positions, values, fill):
 
 
 def _sparse_draws(key, spec: FaultSpec, rate, size: int, width: int):
-    """(hit, aux), flat: the first HIT_CAP hits one by one, then, if the cap-th hit lands,
-    every element after it drawn densely (exact: the elements after a hit are independent of
-    the ones before)."""
+    """(hit, aux, positions, complete), flat: the first HIT_CAP hits one by one, then, if the
+    cap-th hit lands, every element after it drawn densely (exact: the elements after a hit
+    are independent of the ones before); `complete`: the positions hold every hit."""
     k_hit, k_aux, k_dense = jax.random.split(key, 3)
     cap = min(size, HIT_CAP)
     positions = hit_positions(k_hit, rate, size, cap)
@@ -163,26 +163,35 @@ def _sparse_draws(key, spec: FaultSpec, rate, size: int, width: int):
         return hit | more, None if aux is None else jnp.where(more, more_aux, aux)
 
     axes = _varying(key, rate)
-    return lax.cond(positions[-1] < size, lambda: vary(dense(), axes),
-                    lambda: vary((hit, aux), axes))
+    hit, aux = lax.cond(positions[-1] < size, lambda: vary(dense(), axes),
+                        lambda: vary((hit, aux), axes))
+    return hit, aux, positions, positions[-1] >= size
+
+
+def _cap(spec: FaultSpec, size: int) -> int:
+    """How many hit positions a draw of `spec` lists."""
+    return min(size, HIT_CAP if spec.count is None else spec.count)
 
 
 def _draws(key, spec: FaultSpec, rate, shape, width):
     """The random decisions of one corruption, which do not depend on the tensor's values:
-    (hit, aux), `aux` as `_aux` draws it for every hit element (0 elsewhere)."""
+    (hit, aux, positions, complete). `aux` as `_aux` draws it for every hit element (0
+    elsewhere); `positions` (uint32, increasing, the size past the last) the flat positions of
+    the first `_cap` hits, and every hit when `complete`."""
     size = math.prod(shape)
     if spec.count is not None:  # exactly `count` distinct elements, when the rate is on
         k_hit, k_aux = jax.random.split(key)
-        chosen = jax.random.choice(k_hit, size, (min(spec.count, size),), replace=False)
-        hit = jnp.zeros(size, bool).at[chosen].set(rate > 0).reshape(shape)
-        aux = _aux(k_aux, spec, width, shape)
+        chosen = jax.random.choice(k_hit, size, (_cap(spec, size),), replace=False)
+        hit = jnp.zeros(size, bool).at[chosen].set(rate > 0)
+        positions = jnp.where(rate > 0, jnp.sort(chosen), size).astype(jnp.uint32)
+        aux, complete = _aux(k_aux, spec, width, (size,)), jnp.bool_(True)
     else:
-        hit, aux = _sparse_draws(key, spec, rate, size, width)
-        hit, aux = hit.reshape(shape), None if aux is None else aux.reshape(shape)
+        hit, aux, positions, complete = _sparse_draws(key, spec, rate, size, width)
+    hit, aux = hit.reshape(shape), None if aux is None else aux.reshape(shape)
     if spec.lanes is not None:
         lane = lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
         hit &= jnp.isin(lane, jnp.asarray(spec.lanes))
-    return hit, aux
+    return hit, aux, positions, complete
 
 
 def _varying(*values) -> frozenset:
@@ -195,11 +204,14 @@ def _no_draws(spec: FaultSpec, shape):
     """What `_draws` gives when the rate is 0, without drawing: nothing is hit."""
     aux = {"bitflip": jnp.int32, "scale": jnp.float32, "additive": jnp.float32,
            "random": jnp.float32, "inf": jnp.float32}.get(spec.kind)
-    return jnp.zeros(shape, bool), None if aux is None else jnp.zeros(shape, aux)
+    size = math.prod(shape)
+    return (jnp.zeros(shape, bool), None if aux is None else jnp.zeros(shape, aux),
+            jnp.full(_cap(spec, size), size, jnp.uint32), jnp.bool_(True))
 
 
 def _corrupt(x, key, spec: FaultSpec, rate, skip_idle: bool = False):
-    """(y, bit): `x` with the hit elements replaced, and the drawn bit (-1 for other kinds).
+    """(y, bit, positions, complete): `x` with the hit elements replaced, the drawn bit (-1 for
+    other kinds), and where the hits are (`_draws`).
 
     The random draws depend only on the key, the rate and the shape. With `skip_idle` they run
     under a `lax.cond` that skips them when the rate is 0 (an idle spec costs a select, not a
@@ -208,11 +220,11 @@ def _corrupt(x, key, spec: FaultSpec, rate, skip_idle: bool = False):
     width = bit_width(x.dtype)
     if skip_idle:
         axes = _varying(key, rate)
-        hit, aux = lax.cond(jnp.asarray(rate) > 0,
-                            lambda: vary(_draws(key, spec, rate, x.shape, width), axes),
-                            lambda: vary(_no_draws(spec, x.shape), axes))
+        hit, aux, positions, complete = lax.cond(
+            jnp.asarray(rate) > 0, lambda: vary(_draws(key, spec, rate, x.shape, width), axes),
+            lambda: vary(_no_draws(spec, x.shape), axes))
     else:
-        hit, aux = _draws(key, spec, rate, x.shape, width)
+        hit, aux, positions, complete = _draws(key, spec, rate, x.shape, width)
     x_bits = to_bits(x)
     bit = jnp.full(x.shape, -1, jnp.int32)
     if spec.kind == "bitflip":
@@ -230,7 +242,7 @@ def _corrupt(x, key, spec: FaultSpec, rate, skip_idle: bool = False):
         bad_bits = to_bits(jnp.full(x.shape, fill, jnp.float32).astype(x.dtype))
     # Select in the integer domain: a float select may quieten a signalling NaN and so change
     # bits other than the ones the fault names.
-    return from_bits(jnp.where(hit, bad_bits, x_bits), x.dtype), bit
+    return from_bits(jnp.where(hit, bad_bits, x_bits), x.dtype), bit, positions, complete
 
 
 def row_rms(x):
@@ -251,7 +263,7 @@ def corrupt(x, key, spec: FaultSpec, rate):
 
     `landed` marks elements whose bits changed; `bit` is the flipped bit (-1 for other kinds).
     """
-    y, bit = _corrupt(x, key, spec, rate)
+    y, bit, _, _ = _corrupt(x, key, spec, rate)
     return (y, *_landed(x, y, bit))
 
 
@@ -270,9 +282,28 @@ def _split16(v):
 
 
 def make_record(x, y, landed, bit, limit: int):
+    """The record of the `landed` elements of `x` (`bit`: -1 where none landed), searched over
+    the whole tensor."""
     flat = landed.reshape(-1)
-    count = jnp.sum(flat, dtype=jnp.int32)
     (index,) = jnp.nonzero(flat, size=limit, fill_value=0)
+    return _record(x, y, bit, index, jnp.sum(flat, dtype=jnp.int32), limit)
+
+
+def _record_at(x, y, bit, positions, limit: int):
+    """`make_record`'s record, bit for bit, where every changed element is at one of
+    `positions` (increasing; the size past the last): only those are searched, which costs the
+    hits, where a search of the whole tensor costs more than drawing them."""
+    size = x.size
+    at = jnp.minimum(positions, size - 1).astype(jnp.int32)
+    landed = (positions < size) & (to_bits(x).reshape(-1)[at] != to_bits(y).reshape(-1)[at])
+    (pick,) = jnp.nonzero(landed, size=limit, fill_value=0)
+    count = jnp.sum(landed, dtype=jnp.int32)
+    return _record(x, y, bit, jnp.where(jnp.arange(limit) < count, at[pick], 0), count, limit)
+
+
+def _record(x, y, bit, index, count, limit: int):
+    """The record of `count` landed elements, the first `limit` of them at flat `index` (0 in
+    the unused rows)."""
     valid = jnp.arange(limit) < count
     orig = to_bits(x).reshape(-1)[index].astype(jnp.uint32)
     corr = to_bits(y).reshape(-1)[index].astype(jnp.uint32)
@@ -297,18 +328,24 @@ def corrupt_and_record(x, key_data, rate, spec: FaultSpec, limit: int,
     """(y, record): `corrupt` with the key's raw data, and the record of what landed.
 
     `skip_idle`: at a rate of 0 neither the draws nor the search for landed elements run (the
-    record is the empty one). The model's sites use it: their results are bitwise those of the
+    record is the empty one), and where the draw lists every hit only those are searched. The model's sites use it: their results are bitwise those of the
     unconditional draws (tests/test_faults.py pins it). The pytree sites (`grad`, `update`)
     draw unconditionally: there the conditional moved the last bits of the gradient norm of a
     corrupted node in a tensor-parallel program, as XLA fused the norm differently (RESULTS.md,
     "Performance goals", faults).
     """
-    y, bit = _corrupt(x, jax.random.wrap_key_data(key_data), spec, rate, skip_idle)
+    y, bit, positions, complete = _corrupt(x, jax.random.wrap_key_data(key_data), spec, rate,
+                                           skip_idle)
+    landed, bit = _landed(x, y, bit)
     if not skip_idle:
-        return y, make_record(x, y, *_landed(x, y, bit), limit)
-    axes = _varying(x, y, bit, rate)
-    record = lax.cond(jnp.asarray(rate) > 0,
-                      lambda: vary(make_record(x, y, *_landed(x, y, bit), limit), axes),
+        return y, make_record(x, y, landed, bit, limit)
+    axes = _varying(x, y, bit, rate, positions, complete)
+
+    def record():
+        return lax.cond(complete, lambda: vary(_record_at(x, y, bit, positions, limit), axes),
+                        lambda: vary(make_record(x, y, landed, bit, limit), axes))
+
+    record = lax.cond(jnp.asarray(rate) > 0, record,
                       lambda: vary(empty_record(x.dtype, limit), axes))
     return y, record
 
