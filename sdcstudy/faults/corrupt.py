@@ -49,9 +49,15 @@ def flip_bits(x, bit):
 
 
 def bits_of_class(bit_class: str, width: int) -> tuple[int, ...]:
+    """The bits of `bit_class` in a `width`-bit float. "bf16-mantissa" and "bf16-result" are
+    the bits a bfloat16 result keeps, however wide the value at the site: its 7 mantissa bits
+    (bits 16-22 of a float32, 0-6 of a bfloat16), and with them its exponent's lowest bit and
+    its sign (23 and 31; 7 and 15)."""
     sign, exponent, mantissa = _LAYOUT[width]
+    kept = tuple(mantissa)[-7:]
     return {"sign": (sign,), "exponent": tuple(exponent), "mantissa": tuple(mantissa),
-            "any": tuple(range(width))}[bit_class]
+            "any": tuple(range(width)), "bf16-mantissa": kept,
+            "bf16-result": (*kept, exponent[0], sign)}[bit_class]
 
 
 # --- corrupting one tensor --------------------------------------------------------------------

@@ -22,7 +22,11 @@ Paper nodes (`paper-node-1` ... `paper-node-15`) take their numbers from Ma et a
 - where the attention's faults arise (`attn_placement`): by default every fwd/attn fault lands
   in the output projection's product, between it and its ABFT check; `inside` puts them in the
   attention's context (the input of that projection), `split` shares them by multiply-adds
-  (docs/faults.md, section 5.4).
+  (docs/faults.md, section 5.4);
+- which error model (`fault_model`): `additive` (the above, the default) or `flip`, flips of
+  the stored bfloat16 result's mantissa bits with a fitted fraction of accumulator errors
+  (`faults/flip_model.py`; zoo names `paper-node-N-flip`, docs/faults.md section 6), and the
+  initial spike's height (`spike_amplitude`, nodes 10 and 11).
 The tables were measured in bfloat16 on a 16-layer (Tables 1-2) and a 32-layer (Figure 5)
 Llama3-8B-style model at tp=8; rates are per element, so they transfer to other sizes, but rare
 nodes (rates below ~1e-8) produce no submodule event at all in a short run of a small model, as
@@ -38,6 +42,7 @@ from pathlib import Path
 import yaml
 
 from sdcstudy.core.errors import UserError
+from sdcstudy.faults import flip_model
 from sdcstudy.faults.specs import FaultSpec, FaultSpecError, Profile, TimePattern, profile_from_dict
 from sdcstudy.faults.published import SITES, TABLE1_FREQUENCY, TABLE2_MAX_SEVERITY, WCNTS
 from sdcstudy.faults.published import published
@@ -85,6 +90,40 @@ CONTEXT_SITE = "fwd/attn_context"
 # d / (d + 2s) = 1/3 at the paper's s = d = 4096. The q, k and v projections have checks of
 # their own and are left out.
 O_SHARE = 1 / 3
+FAULT_MODELS = ("additive", "flip")
+FLIP_SUFFIX = "-flip"
+
+
+def site_specs(node: int, site: str, rate: float, pattern: TimePattern, note: str,
+               fault_model: str) -> list[FaultSpec]:
+    """The specs of one Table 1 site under `fault_model`: one accumulator-error spec, or the
+    bulk of bfloat16 mantissa flips and the fitted accumulator-error tail (`flip_model`)."""
+    if fault_model == "additive":
+        return [FaultSpec(site, "additive", rate=rate, scale=MAGNITUDE, pattern=pattern,
+                          note=note)]
+    p_tail = flip_model.tail_fraction(node, site)
+    bulk = FaultSpec(site, "bitflip", rate=rate * (1 - p_tail),
+                     bit_class=flip_model.BULK_BIT_CLASS, pattern=pattern,
+                     note=f"{note}; bfloat16 mantissa flips, {1 - p_tail:.4g} of it")
+    if p_tail == 0:
+        return [bulk]
+    return [bulk, FaultSpec(site, "additive", rate=rate * p_tail, scale=MAGNITUDE,
+                            pattern=pattern, note=f"{note}; accumulator errors, {p_tail:.3g} "
+                                                  f"of it (Tables 8-9 per-layer maxima)")]
+
+
+def node_pattern(node: int, spike_amplitude: float | None) -> TimePattern:
+    """The node's time pattern, its initial spike `spike_amplitude` high where given."""
+    pattern = PATTERNS.get(node, TimePattern())
+    if spike_amplitude is None:
+        return pattern
+    if pattern.kind != "decay":
+        raise UserError(f"spike_amplitude applies to the nodes with an initial spike "
+                        f"({', '.join(str(n) for n, p in PATTERNS.items() if p.kind == 'decay')}"
+                        f"), not node {node}.")
+    if spike_amplitude < 0:
+        raise UserError(f"spike_amplitude must be at least 0, not {spike_amplitude}.")
+    return dataclasses.replace(pattern, amplitude=float(spike_amplitude))
 
 
 def weight_grad_spec(node: int, pattern: TimePattern) -> FaultSpec | None:
@@ -129,22 +168,27 @@ def attention_specs(spec: FaultSpec, placement: str, context_width: int | None,
 
 
 def paper_node(node: int, attn_placement: str = "o_proj", context_width: int | None = None,
-               o_share: float = O_SHARE) -> Profile:
+               o_share: float = O_SHARE, fault_model: str = "additive",
+               spike_amplitude: float | None = None) -> Profile:
     """Ma et al.'s node `node`; `attn_placement` (with `context_width` and `o_share`) moves its
-    fwd/attn faults (`attention_specs`); the default keeps them in the output projection."""
-    pattern = PATTERNS.get(node, TimePattern())
+    fwd/attn faults (`attention_specs`); the default keeps them in the output projection.
+    `fault_model` "flip" makes the Table 1 faults bfloat16 mantissa flips with a fitted tail
+    of accumulator errors (`site_specs`); `spike_amplitude` sets nodes 10 and 11's spike."""
+    if fault_model not in FAULT_MODELS:
+        raise UserError(f"fault_model must be one of {', '.join(FAULT_MODELS)}, "
+                        f"not {fault_model!r}.")
+    pattern = node_pattern(node, spike_amplitude)
     mean = pattern.mean_multiplier(PAPER_STEPS)
     specs = []
     if node in TABLE1_FREQUENCY:
         for site, freq, severity in zip(SITES, TABLE1_FREQUENCY[node], TABLE2_MAX_SEVERITY[node]):
             if freq == 0:
                 continue
-            spec = FaultSpec(site, "additive", rate=min(freq / mean, 1.0), scale=MAGNITUDE,
-                             pattern=pattern,
-                             note=f"Table 1 frequency {freq:g} (Table 2 max severity "
-                                  f"{severity:g})")
-            specs += (attention_specs(spec, attn_placement, context_width, o_share)
-                      if site == "fwd/attn" else [spec])
+            note = f"Table 1 frequency {freq:g} (Table 2 max severity {severity:g})"
+            for spec in site_specs(node, site, min(freq / mean, 1.0), pattern, note,
+                                   fault_model):
+                specs += (attention_specs(spec, attn_placement, context_width, o_share)
+                          if site == "fwd/attn" else [spec])
     if (grad := weight_grad_spec(node, GRAD_PATTERNS.get(node, TimePattern()))) is not None:
         specs.append(grad)
     kind = {"burst": "rare bursts", "decay": "initial spike", "onset": f"onset at step "
@@ -152,8 +196,15 @@ def paper_node(node: int, attn_placement: str = "o_proj", context_width: int | N
     busiest = max(TABLE1_FREQUENCY.get(node, (0,)))
     what = (f"submodule mismatches up to {busiest:.2g} per element, {kind}"
             if busiest else "no submodule mismatch; weight-gradient noise only")
-    return Profile(f"paper-node-{node}", tuple(specs),
-                   f"Ma et al. node {node}: {what}; WCNTS {WCNTS[node]:g}")
+    name = f"paper-node-{node}" + (FLIP_SUFFIX if fault_model == "flip" else "")
+    if spike_amplitude is not None:
+        name += f"-spike{spike_amplitude:g}"
+    model = ""
+    if fault_model == "flip":
+        model = (", bfloat16 mantissa flips with an accumulator-error tail" if busiest else
+                 f", as paper-node-{node} (no submodule faults to model)")
+    return Profile(name, tuple(specs),
+                   f"Ma et al. node {node}: {what}{model}; WCNTS {WCNTS[node]:g}")
 
 
 def synthetic() -> list[Profile]:
@@ -186,6 +237,13 @@ def zoo() -> dict[str, Profile]:
     return profiles
 
 
+def flip_variants() -> dict[str, Profile]:
+    """The paper nodes under the flip model (`paper-node-N-flip`): named like the zoo's, listed
+    by `sdcstudy profiles`, outside `zoo()` so that a sweep of the whole zoo stays as it was."""
+    return {f"paper-node-{node}{FLIP_SUFFIX}": paper_node(node, fault_model="flip")
+            for node in range(1, 16)}
+
+
 def with_fault_kind(profile: Profile, fault_kind: str = "profile") -> Profile:
     """`profile` with every spec made transient or repeatable ("profile" leaves it as is)."""
     if fault_kind == "profile":
@@ -203,7 +261,7 @@ def load(name_or_path: str, fault_kind: str = "profile") -> Profile:
 def _load(name_or_path: str) -> Profile:
     from sdcstudy.core.errors import first_line
 
-    profiles = zoo()
+    profiles = {**zoo(), **flip_variants()}
     if name_or_path in profiles:
         return profiles[name_or_path]
     path = Path(name_or_path)
@@ -226,6 +284,6 @@ def _load(name_or_path: str) -> Profile:
 
 
 def listing() -> str:
-    rows = [(name, p.description) for name, p in zoo().items()]
+    rows = [(name, p.description) for name, p in {**zoo(), **flip_variants()}.items()]
     width = max(len(n) for n, _ in rows)
     return "\n".join(f"{name:<{width}}  {desc}" for name, desc in rows)

@@ -19,7 +19,7 @@ from sdcstudy.core.errors import UserError
 
 KINDS = ("bitflip", "scale", "additive", "random", "zero", "nan", "inf")
 PATTERNS = ("constant", "burst", "onset", "steps", "decay", "periodic")
-BIT_CLASSES = ("any", "sign", "exponent", "mantissa")
+BIT_CLASSES = ("any", "sign", "exponent", "mantissa", "bf16-mantissa", "bf16-result")
 
 # The paper's four site names (docs/metrics.md) -> (direction, model site). Any model site can
 # also be named directly as "fwd/<site>" (its value) or "bwd/<site>" (the gradient arriving at
