@@ -6,11 +6,12 @@
 `profiles` writes into DIR `paramsync.yaml` (200 steps) and `lockstep.yaml` (40 steps), the
 configs `sdcstudy reproduce --preset tiny` gives node 10's runs, and
 `paper-node-N-flip-spikeA.yaml` (A = 0, 3, 10) for nodes 10 and 11, for
-`sdcstudy run DIR/paramsync.yaml --set suspect.profile=DIR/...yaml`. `table` prints, per run folder, the
-Figure 5 WCNTS (the maximum of `grad/nts`) and the mean of `grad/nts` over the steps of a
-paramsync run, and for a lock-step run Table 2's maximum per site, the units (step,
-microstep, layer, tp rank) it spans, and the tail constant fitted to those units' severities
-(`flip_model.tail_constant`), extrapolated to the paper's units.
+`sdcstudy run DIR/paramsync.yaml --set suspect.profile=DIR/...yaml`. `table` prints, per run
+folder, the Figure 5 WCNTS (the maximum of `grad/nts`) and the mean of `grad/nts` over the
+steps of a paramsync run, and for a lock-step run Table 2's maximum per site, the units (step,
+microstep, layer, tp rank) it spans, the tail constant fitted to those units' severities
+(`flip_model.tail_constant`) extrapolated to the paper's units, and its layers within the
+scorecard's Tables 8-9 band.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def paramsync_row(run) -> dict:
             "mean nts": float(nts.mean()), "median nts": float(nts.median())}
 
 
-def lockstep_rows(run_dir: Path, run) -> dict:
+def lockstep_rows(run_dir: Path, run, node: int) -> dict:
     """Per site: Table 2's maximum, the units with a mismatch, the tail constant fitted to
     those units' severities, extrapolated to the paper's units of the site, and how many of
     our layers' maxima lie in the scorecard's Tables 8-9 band ([min / 3, max x 3] of the
@@ -78,8 +79,8 @@ def lockstep_rows(run_dir: Path, run) -> dict:
         rows = table[table["site"] == site]
         severities = rows["severity"].to_numpy(float)
         c = F.tail_constant(list(severities), [1.0] * len(severities))
-        paper = F.layer_fit(NODE[0], site)["units"]
-        lo, hi = PL.layer_range(PL.tables_for(site)[1], NODE[0], site)
+        paper = F.layer_fit(node, site)["units"]
+        lo, hi = PL.layer_range(PL.tables_for(site)[1], node, site)
         ours = layers.xs(site, level="site")
         out[site] = {"max": float(severities.max()) if len(severities) else math.nan,
                      "units": len(severities), "c": c,
@@ -89,20 +90,16 @@ def lockstep_rows(run_dir: Path, run) -> dict:
     return out
 
 
-NODE = [0]
-
-
 def table(run_dirs: list[str]) -> None:
     for name in run_dirs:
         run_dir = Path(name)
         run = load_run(run_dir)
         mode = run.config["experiment"]["mode"]
-        NODE[0] = int(str(run.config["suspect"]["profile"]).split("paper-node-")[1]
-                      .split("-")[0])
+        node = int(str(run.config["suspect"]["profile"]).split("paper-node-")[1].split("-")[0])
         if mode == "paramsync":
             print(run_dir.name, paramsync_row(run))
         else:
-            for site, row in lockstep_rows(run_dir, run).items():
+            for site, row in lockstep_rows(run_dir, run, node).items():
                 print(run_dir.name, site, {k: f"{v:.3g}" for k, v in row.items()})
 
 
