@@ -1,7 +1,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# pytest-xdist workers; each test module compiles its own tiny models.
+# pytest-xdist workers; they and the subprocesses they start share the session's compilation
+# cache (tests/conftest.py).
 WORKERS ?= 2
 
 .PHONY: demo test test-fast install install-test clean

@@ -1,7 +1,12 @@
-"""Test set-up: 8 simulated CPU devices, set before JAX is imported anywhere."""
+"""Test set-up: 8 simulated CPU devices and a compilation cache for the session, set before JAX
+is imported anywhere."""
 
+import contextlib
 import os
+import shutil
 import tempfile
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
@@ -11,6 +16,32 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Prepared datasets are cached per test session, never in the user's home.
 os.environ.setdefault("SDCSTUDY_CACHE", tempfile.mkdtemp(prefix="sdcstudy-test-cache-"))
+
+# Compiled programs are shared through JAX's persistent compilation cache: a folder made fresh
+# for each test session (never the user's own cache), passed on in the environment, so the
+# xdist workers and every `sdcstudy` subprocess they start read and write the same one. Many
+# tests and subprocesses compile a program another one already compiled (the tiny step of a
+# mode, a bench's contenders); they load it instead. Programs of any compile time are kept.
+SESSION_CACHE = "SDCSTUDY_TEST_COMPILATION_CACHE"
+CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": None, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+MADE_CACHE = SESSION_CACHE not in os.environ  # in the session's first process only
+if MADE_CACHE:
+    os.environ[SESSION_CACHE] = tempfile.mkdtemp(prefix="sdcstudy-test-xla-cache-")
+os.environ.update({name: value or os.environ[SESSION_CACHE] for name, value in CACHE_ENV.items()})
+
+# Modules whose claim is that running the same program again, in this process or another,
+# gives the same bits (doctor, golden record then check, resume against the uninterrupted run,
+# a rollback or a snapshot against the clean run) run without the session's cache: with it,
+# the second run would load the first one's executable instead of compiling its own, and a
+# compiler that is not deterministic would go unseen. Their subprocesses get no cache
+# settings, and the cache is off in the worker while they run. (test_distributed and
+# test_runlock give their subprocesses caches of their own; test_doctor checks in one test
+# that a program loaded from a cache hashes as the compiled one.) A test named as
+# "module::test" runs without it too, its module's fixtures with it: the one whose premise is
+# that two compiles of one program differ in the source lines they name.
+UNCACHED = ("test_doctor", "test_golden", "test_golden_devices", "test_train", "test_detect",
+            "test_bench::test_program_text_ignores_only_source_locations")
 
 
 # Test modules by their measured share of `make test` (`pytest --durations=0`, 2026-11-26),
@@ -28,3 +59,53 @@ HEAVIEST_FIRST = ("test_bench", "test_paired", "test_reproduce", "test_faults", 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: tests keep order
+
+
+def _use_compilation_cache(on: bool) -> bool:
+    """Turn the cache on or off in this process; whether it was on."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", on)
+    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used
+    return was
+
+
+@contextlib.contextmanager
+def _without_compilation_cache(uncached: bool):
+    """No cache settings in the environment (for subprocesses) and none in this process, while
+    the block runs, if `uncached`."""
+    if not uncached:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as env:
+        for name in CACHE_ENV:
+            env.delenv(name)
+        was = _use_compilation_cache(False)
+        try:
+            yield
+        finally:
+            _use_compilation_cache(was)
+
+
+def _module(request) -> str:
+    return request.module.__name__.rpartition(".")[2]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _uncached_module(request):
+    with _without_compilation_cache(_module(request) in UNCACHED):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _uncached_test(request):
+    with _without_compilation_cache(f"{_module(request)}::{request.node.originalname}"
+                                    in UNCACHED):
+        yield
+
+
+def pytest_sessionfinish(session):
+    if MADE_CACHE:  # the process that made the folder ends last (xdist's controller)
+        shutil.rmtree(os.environ[SESSION_CACHE], ignore_errors=True)
