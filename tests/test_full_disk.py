@@ -63,6 +63,10 @@ def _sdcstudy(*args) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_full_disk_ends_with_one_sentence_and_resume_completes(full_disk):
+    """Checkpoint 10 fits, 20 does not: exit 1 and the one sentence alone on stderr (no
+    traceback of orbax's unfinished writes); once the ballast is deleted, the printed command
+    runs steps 11-30 and leaves checkpoints 20 and 30, with no temporary folder of the failed
+    save."""
     out = full_disk / "run"
     failed = _sdcstudy("run", *RUN, "--out", str(out))
     assert failed.returncode == 1, failed.stderr[-3000:]
