@@ -6,6 +6,7 @@ every final parameter, and in the compiled program; 1 when they differ; 2 when a
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -22,9 +23,19 @@ DOCTOR = {
 }
 
 
+def _uncached_env() -> dict:
+    """This environment with JAX's compilation cache off: each run compiles its own program, so
+    a compiler that is not deterministic shows (a user's cache would hand the second run the
+    first one's executable)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    return env
+
+
 def _run(config_path: Path, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sdcstudy", "run", str(config_path), "--out",
-                           str(out), "--no-progress"], capture_output=True, text=True)
+                           str(out), "--no-progress"], capture_output=True, text=True,
+                          env=_uncached_env())
 
 
 def deterministic_view(run_dir: Path) -> dict:

@@ -53,3 +53,16 @@ def test_a_program_loaded_from_the_compilation_cache_hashes_as_compiled(tmp_path
         assert any(cache.iterdir()), "the premise: the first process filled the cache"
         hashes.append(RF.json_load(tmp_path / name / RF.ENV)["compiled_step_sha256"])
     assert hashes[0] == hashes[1]
+
+
+def test_doctor_runs_never_use_a_compilation_cache(monkeypatch):
+    # A user's compilation cache must not reach doctor's two runs: the second would load the
+    # first one's executable, and a compiler that is not deterministic would go unseen.
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/a/users/cache")
+    env = doctor._uncached_env()
+    assert not any(name.startswith("JAX_COMPILATION_CACHE") for name in env)
+    assert env["JAX_ENABLE_COMPILATION_CACHE"] == "false"
+    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.config."
+                            "jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)"],
+                           env=env, capture_output=True, text=True, check=True)
+    assert probe.stdout.split() == ["False", "None"]
