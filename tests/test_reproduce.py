@@ -2,6 +2,7 @@
 band can fail), shards that partition the runs, a merge that equals the unsharded scorecard,
 bad input in one sentence, and one node end to end."""
 
+import dataclasses
 import json
 import math
 import shutil
@@ -365,7 +366,10 @@ def test_findings_explain_severity_rows_by_the_units_their_maximum_spans():
     (row,) = [r for r in F.explain(M.site_rows(1, "n", high, NODE1_ENTRY), NODE1_ENTRY,
                                    high)
               if r.source == "Table 2" and r.quantity == "fwd/attn"]
-    assert "5.3" in row.why and "above" in row.why
+    assert "5.3" in row.why and "above" in row.why and "modelling choice" in row.why
+    assert "flip model" in row.why and "Figure 5's WCNTS" not in row.why
+    node10 = F.severity_tail(dataclasses.replace(row, node=10), NODE1_ENTRY, high)
+    assert "lower Figure 5's WCNTS" in node10  # only where Table 1's faults set the WCNTS
 
 
 def test_findings_tell_the_wcnts_overshoots_apart_and_leave_others_unexplained():
@@ -379,6 +383,8 @@ def test_findings_tell_the_wcnts_overshoots_apart_and_leave_others_unexplained()
 
     table1 = row(fault_rows([1, 2], site="fwd/attn"), landed=10)
     assert table1.verdict == "fail" and "5.1" in table1.why and "Table 1" in table1.why
+    assert "modelling choices" in table1.why and "flip model" in table1.why
+    assert "disagree" not in table1.why  # measured under one model: no contradiction claimed
     few = row(fault_rows([1, 2]), landed=10)
     assert "small gradient" in few.why and "5 corruptions a step" in few.why
     flips = row(fault_rows([1], kind="bitflip", bit=0), landed=1)
@@ -414,6 +420,7 @@ def test_findings_tell_one_batchs_scatter_from_a_lasting_loss_gap():
     assert "4,096 tokens" in row(scatter, grad, microsteps=4)  # a step's tokens, every microstep
     assert "within 0.0% of each other" in row(scatter, grad)
     assert "5.5" in row(lasting, table1) and "at 100% of the steps" in row(lasting, table1)
+    assert "a modelling choice and a regime" in row(lasting, table1)
     assert row(lasting, grad) == ""
 
 
@@ -425,11 +432,91 @@ def test_findings_count_the_abft_flags_that_held_an_attention_fault():
                        matmul == "o" and direction == "fwd" and step in (2, 3, 9))
     run = with_faults(paired_run("abft", {"loss": [3.0] * steps}, abft=checks),
                       fault_rows([2, 3, 5], site="fwd/attn"))
+    run.config.update(model={"preset": "tiny"}, data={"seq_len": 64},
+                      experiment={"mode": "abft", "batch_size": 16})
     e = entry(mode="abft", steps=steps, expected=3.0)
     (row,) = F.explain([TR.figure10_row(1, "n", run, e)], e, run)
     assert row.verdict == "fail"
     assert "flagged 2 of the 3 steps with an attention-output fault" in row.why
     assert "and 1 step without one" in row.why
+    # tiny's o check (k = n = 64, 1,024 tokens) as docs/faults.md 5.4 measures it
+    assert "247 times eq. 6's threshold in this run's o check (k = 64, n = 64)" in row.why
+    assert "tests the check's size, not Table 1 against Figure 10" in row.why
+    assert "9.4e-05" not in row.why
+    quiet = with_faults(paired_run("abft", {"loss": [3.0] * steps},
+                                   abft=abft_rows(steps, 1, 1, lambda *key: False)),
+                        fault_rows([2], site="fwd/attn"))
+    quiet.config["model"] = {"preset": "no-such-preset"}
+    e14 = entry(node=14, mode="abft", steps=steps, expected=1.0)
+    (row14,) = F.explain([TR.figure10_row(14, "n", quiet, e14)], e14, quiet)
+    assert row14.verdict == "fail" and "needs a rate of its own under ABFT" in row14.why
+    assert "this run's o check is smaller than the paper's" in row14.why  # no such model
+
+
+def paper_entry(node, tp, flagged, faults=1.0, shape=None, placement="o_proj") -> dict:
+    """One entry of `abft_paper_scale.measure` at the paper's k = 4096 / tp."""
+    return {"shape": shape or f"paper tp {tp}", "m": 4096, "k": 4096 // tp, "n": 4096,
+            "node": node, "placement": placement, "checks": 16, "active": 1.0,
+            "fault_share": 1.0, "o_faults": faults, "context_faults": 0.0,
+            "single_fault_ratio": 0.5, "flagged_active_paper": flagged,
+            "flagged_paper": flagged}
+
+
+def test_figure10_at_the_papers_sizes_scores_the_abft_nodes_as_held_out(tmp_path):
+    """The measurement's entries are Figure 10 rows of the planned ABFT runs' nodes only (o_proj
+    at the paper's shapes), judged by their share of checks flagged (node 14 at least 10%, the
+    others at most 1%), held-out; a failing row names section 5.4's finding. If this failed,
+    the scorecard would judge Figure 10 on entries or nodes it does not hold, or claim a
+    contradiction its measurement did not make."""
+    entries = [paper_entry(1, 1, 0.0), paper_entry(1, 32, 0.5),
+               paper_entry(1, 32, 0.0, placement="inside"), paper_entry(1, 1, 1.0, shape="tiny"),
+               paper_entry(14, 8, 0.2), paper_entry(14, 32, 1e-4), paper_entry(4, 32, 0.5),
+               paper_entry(2, 1, 0.0, faults=0.0)]
+    path = tmp_path / "abft_paper_scale.json"
+    path.write_text(json.dumps(entries))
+    plan = [entry(node=n, mode="abft") for n in (1, 2, 14)] + [entry(node=4)]
+    rows = S.paper_scale_rows(plan, path)
+    got = {(r.node, r.quantity.partition(" (")[0]): r.verdict for r in rows}
+    assert got == {(1, "fwd o flagged checks, paper tp 1"): "pass",
+                   (1, "fwd o flagged checks, paper tp 32"): "fail",
+                   (2, "fwd o flagged checks, paper tp 1"): "no events",
+                   (14, "fwd o flagged checks, paper tp 8"): "pass",
+                   (14, "fwd o flagged checks, paper tp 32"): "fail"}
+    assert {r.role for r in rows} == {B.HELD_OUT}
+    whys = {(r.node, r.verdict): r.why for r in rows}
+    assert "5.4, where the faults arise" in whys[1, "fail"] and "modelling choice" in whys[
+        1, "fail"]
+    assert "9.4e-05 of the checks at every tp and placement" in whys[14, "fail"]
+    assert whys[1, "pass"] == whys[14, "pass"] == ""
+    assert S.paper_scale_rows([entry(node=1)], path) == []  # no ABFT run planned
+    tally = S.counts_by_role(S.build(plan[:1], {}, paper_scale=path))
+    assert tally[B.HELD_OUT]["pass"] == tally[B.HELD_OUT]["fail"] == 1
+
+
+def test_figure10_at_the_papers_sizes_without_its_measurement_is_not_run(tmp_path):
+    """Without the measurement's file the scorecard still scores, with one "not run" row per
+    ABFT node that says which command makes the file; if this failed, a missing file would
+    stop the scorecard or drop the rows without a word."""
+    rows = S.paper_scale_rows([entry(node=n, mode="abft") for n in (1, 14)],
+                              tmp_path / "missing.json")
+    assert [(r.node, r.verdict) for r in rows] == [(1, "not run"), (14, "not run")]
+    assert all("missing.json is missing" in r.reason and S.PAPER_SCALE_COMMAND in r.reason
+               for r in rows)
+
+
+def test_the_committed_figure10_measurement_is_the_one_docs_describe():
+    """docs/scorecards/abft_paper_scale.json holds docs/faults.md 5.4's table: no node flags at
+    tp 1, node 14 flags at most 9.4e-5 of the checks (fails at every tp), nodes 10 and 11 flag
+    every check at tp 8. If this failed, the committed file and the docs' table disagree."""
+    plan = [entry(node=n, mode="abft") for n in range(1, 16)]
+    rows = S.paper_scale_rows(plan)
+    tp = {(r.node, r.quantity.partition(" (")[0].rsplit(" ", 1)[1]): r for r in rows}
+    assert len(rows) == 45
+    assert all(tp[n, "1"].verdict in ("pass", "no events") for n in range(1, 16) if n != 14)
+    assert [tp[14, t].verdict for t in ("1", "8", "32")] == ["fail"] * 3
+    assert max(tp[14, t].ours for t in ("1", "8", "32")) == pytest.approx(F.NODE14_MOST_FLAGGED,
+                                                                         rel=0.01)
+    assert tp[10, "8"].ours == tp[11, "8"].ours == 1.0
 
 
 # --- plan and shards ------------------------------------------------------------------------------
@@ -515,6 +602,8 @@ def test_merge_of_shards_equals_the_unsharded_scorecard(fake, tmp_path, capsys):
     assert cli.main(["reproduce", "--merge", str(tmp_path / "s0"), str(tmp_path / "s1"),
                      "--out", str(tmp_path / "merged"), "--no-progress"]) == 0
     assert scorecard(tmp_path / "merged") == scorecard(tmp_path / "whole")
+    paper = [r for r in scorecard(tmp_path / "merged") if "paper tp" in r["quantity"]]
+    assert sorted({(r["node"], r["role"]) for r in paper}) == [(1, B.HELD_OUT), (14, B.HELD_OUT)]
     for name in ("scorecard.md", "scorecard.csv", "figures/wcnts.png", "figures/sites.png"):
         assert (tmp_path / "merged" / name).is_file(), name
     assert not list((tmp_path / "merged" / "runs").glob("*/checkpoints"))

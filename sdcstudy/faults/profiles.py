@@ -28,9 +28,9 @@ Paper nodes (`paper-node-1` ... `paper-node-15`) take their numbers from Ma et a
   (`faults/flip_model.py`; zoo names `paper-node-N-flip`, docs/faults.md section 6), and the
   initial spike's height (`spike_amplitude`, nodes 10 and 11).
 The tables were measured in bfloat16 on a 16-layer (Tables 1-2) and a 32-layer (Figure 5)
-Llama3-8B-style model at tp=8; rates are per element, so they transfer to other sizes, but rare
-nodes (rates below ~1e-8) produce no submodule event at all in a short run of a small model, as
-they would not on real hardware either.
+Llama3-8B-style model (the tensor-parallel degree is not stated); rates are per element, so
+they transfer to other sizes, but rare nodes (rates below ~1e-8) produce no submodule event at
+all in a short run of a small model, as they would not on real hardware either.
 """
 
 from __future__ import annotations

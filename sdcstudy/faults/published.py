@@ -3,8 +3,9 @@
 Ma et al., "Understanding Silent Data Corruption in LLM Training": Table 1 (average mismatch
 frequency over microsteps), Table 2 (maximum mismatch severity over microsteps) and the WCNTS
 table of Figure 5 (eq. 5), measured in bfloat16 on a 16-layer (Tables 1-2) and a 32-layer
-(Figure 5) Llama3-8B-style model at tp=8. `sdcstudy report` prints them beside measured values;
-`profiles` builds the paper node profiles from the same numbers.
+(Figure 5) Llama3-8B-style model (the tensor-parallel degree is not stated). `sdcstudy report`
+prints them beside measured values; `profiles` builds the paper node profiles from the same
+numbers.
 """
 
 from __future__ import annotations

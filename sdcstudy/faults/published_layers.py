@@ -1,7 +1,7 @@
 """Ma et al.'s per-decoder-layer measurements (Appendix C, Tables 6-9), without JAX.
 
 Ma et al., "Understanding Silent Data Corruption in LLM Training", measured on the 16-layer
-Llama3-8B-style model of section 4 in bfloat16 at tp=8:
+Llama3-8B-style model of section 4 in bfloat16 (its tensor-parallel degree is not stated):
 - Table 6: mismatch frequency of the forward sites per layer, averaged over microsteps;
 - Table 7: the same for the backward sites (rows from layer 16 down, as the backward pass
   meets them);

@@ -7,7 +7,9 @@ folders that finished; `write` puts them in `scorecard.md`, `scorecard.csv` and
 a measured finding explains names it (`findings`), except a row failed by its event count
 (excess or missing events: the engine's doing, whatever a finding says). Calibration rows
 (the quantities the profiles are fitted to) are tallied and listed apart from the held-out
-ones. Imports no JAX.
+ones. Figure 10 at the paper's sizes (`abft_paper_scale.figure10_paper_rows`) joins the rows
+of the planned ABFT runs' nodes, from the measurement committed in `PAPER_SCALE`. Imports no
+JAX.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from sdcstudy.core import runfolder as RF
+from sdcstudy.reproduce import abft_paper_scale as A
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import findings as F
 from sdcstudy.reproduce import mismatch_rows as M
@@ -30,6 +33,12 @@ ORDER = [source for sources in SOURCES.values() for source in sources]
 COLUMNS = ("node", "source", "quantity", "published", "ours", "ratio", "band", "verdict",
            "reason", "expected", "why", "role")
 ROLES = (B.CALIBRATION, B.HELD_OUT)
+# Figure 10 at the paper's sizes: `measure`'s entries, as experiments/abft_paper_scale.py writes
+# them (docs/faults.md 5.4).
+PAPER_SCALE = (Path(__file__).resolve().parents[2] / "docs" / "scorecards" /
+               "abft_paper_scale.json")
+PAPER_ROWS = "fwd o flagged checks"  # the quantity of every row of Figure 10 at the paper's sizes
+PAPER_SCALE_COMMAND = "python experiments/abft_paper_scale.py --out docs/scorecards"
 
 
 def _rows_of(entry: dict, run) -> list[Row]:
@@ -53,9 +62,29 @@ def _judged(entry: dict, run) -> list[Row]:
     return rows
 
 
-def build(plan: list[dict], runs: dict, stopped: dict | None = None) -> list[Row]:
+def paper_scale_rows(plan: list[dict], path: Path | None = None) -> list[Row]:
+    """Figure 10 at the paper's sizes for the nodes of the planned ABFT runs, from the entries
+    at `path` (default `PAPER_SCALE`), failing rows explained (`findings.explain_paper_scale`);
+    where the file is missing, one "not run" row a node that says how to measure it."""
+    path = Path(path or PAPER_SCALE)
+    nodes = sorted({e["node"] for e in plan if e["mode"] == "abft"})
+    if not nodes:
+        return []
+    if not path.is_file():
+        return [Row(node, "Figure 10", f"{PAPER_ROWS}, the paper's sizes", None, None,
+                    None, "-", "not run", f"{path} is missing; `{PAPER_SCALE_COMMAND}` "
+                    f"measures it (about 11 minutes)") for node in nodes]
+    rows = [r for r in A.figure10_paper_rows(RF.json_load(path)) if r.node in nodes]
+    for row in rows:
+        row.role = B.role(row.node, row.source)
+    return F.explain_paper_scale(rows)
+
+
+def build(plan: list[dict], runs: dict, stopped: dict | None = None,
+          paper_scale: Path | None = None) -> list[Row]:
     """Rows for every planned run: judged from `runs` ({name: report.runs.Run} of the finished
-    runs), "fail" for a run in `stopped` ({name: why it stopped}), else "not run"."""
+    runs), "fail" for a run in `stopped` ({name: why it stopped}), else "not run"; then
+    `paper_scale_rows` from `paper_scale`."""
     stopped = stopped or {}
     rows = []
     for entry in plan:
@@ -70,6 +99,7 @@ def build(plan: list[dict], runs: dict, stopped: dict | None = None) -> list[Row
                      for source in SOURCES[entry["mode"]]]
         else:
             rows += _judged(entry, runs[name])
+    rows += paper_scale_rows(plan, paper_scale)
     return sorted(rows, key=lambda r: (r.node, ORDER.index(r.source)))
 
 
@@ -143,6 +173,10 @@ def markdown(rows: list[Row], request: dict) -> str:
                   f"{engine_failures(rows)} fail on their event count (excess or missing "
                   f"events), {failing - unexplained(rows)} name the measurement that explains "
                   f"them (docs/faults.md, section 5) and {unexplained(rows)} do not."]
+    if any(r.quantity.startswith(PAPER_ROWS) for r in rows):
+        lines[-1] += (f" The Figure 10 rows of \"{PAPER_ROWS}\" at the paper's sizes are not "
+                      f"from these runs: they score these nodes in the measurement of "
+                      f"docs/faults.md 5.4 (docs/scorecards/{PAPER_SCALE.name}).")
     for node in nodes:
         for role in ROLES:
             mine = [r for r in rows if r.node == node and r.role == role]
