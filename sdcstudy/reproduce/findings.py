@@ -208,7 +208,8 @@ def _o_check(run) -> A.Shape | None:
 
 @functools.lru_cache(maxsize=8)
 def _single_fault_ratio(shape: A.Shape) -> float:
-    """`abft_paper_scale.single_fault_ratio` of `shape`, seeded as its measurement is."""
+    """`abft_paper_scale.single_fault_ratio` of `shape`, seeded as `measure` seeds its first
+    shape (tiny's o check: 247, as docs/faults.md 5.4 tabulates)."""
     return A.single_fault_ratio(shape, np.random.default_rng([0, 0, 0, 1]))
 
 

@@ -73,7 +73,7 @@ def paper_scale_rows(plan: list[dict], path: Path | None = None) -> list[Row]:
     if not path.is_file():
         return [Row(node, "Figure 10", f"{PAPER_ROWS}, the paper's sizes", None, None,
                     None, "-", "not run", f"{path} is missing; `{PAPER_SCALE_COMMAND}` "
-                    f"measures it (about 11 minutes)") for node in nodes]
+                    f"measures it (5 to 11 minutes)") for node in nodes]
     rows = [r for r in A.figure10_paper_rows(RF.json_load(path)) if r.node in nodes]
     for row in rows:
         row.role = B.role(row.node, row.source)
