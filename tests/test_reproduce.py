@@ -638,6 +638,7 @@ def test_a_partial_merge_marks_missing_runs_not_run(fake, tmp_path):
     (["--dtype", "float16"], "--dtype 'float16'"),
     (["--modes", "free,sync"], "--modes 'free,sync' names 'sync'"),
     (["--modes", "free,free"], "more than once"),
+    (["--fault-model", "flips"], "--fault-model 'flips' is not one of additive, flip"),
 ])
 def test_bad_input_is_one_sentence(fake, tmp_path, capsys, argv, message):
     assert cli.main(["reproduce", "--out", str(tmp_path / "r"), *argv]) == 2
@@ -691,13 +692,50 @@ def test_modes_keep_some_of_each_nodes_runs(fake, tmp_path, capsys):
     assert "steps per run, the paramsync and free runs" in capsys.readouterr().out
 
 
-def test_manifests_from_before_modes_ran_every_mode(fake, tmp_path):
+def test_the_flip_model_runs_the_flip_profiles_and_calibrates_tables_2_8_9(fake, tmp_path,
+                                                                           capsys):
+    """--fault-model flip gives each node's suspect `paper-node-N-flip`; Tables 2, 8 and 9 are
+    then calibration rows (its tail is fitted to them), Figure 10 at the paper's sizes is not
+    run (measured for the additive model), and --resume or --merge with the additive command's
+    folders refuses."""
+    from sdcstudy.faults import profiles
+
+    assert P.FAULT_MODELS == profiles.FAULT_MODELS
+    profiles_run = []
+    fake_call = FakeRunner.__call__
+
+    def record(self, cfg, out_dir, **kwargs):
+        profiles_run.append(cfg.suspect.profile)
+        return fake_call(self, cfg, out_dir, **kwargs)
+
+    FakeRunner.__call__ = record
+    try:
+        assert reproduce(tmp_path / "f", "--fault-model", "flip") == 0
+    finally:
+        FakeRunner.__call__ = fake_call
+    assert set(profiles_run) == {"paper-node-1-flip", "paper-node-14-flip"}
+    assert "the flip model (`paper-node-N-flip`)" in capsys.readouterr().out
+    rows = scorecard(tmp_path / "f")
+    roles = {(r["source"], r["role"]) for r in rows if r["source"].startswith("Table")}
+    assert roles == {(f"Table {t}", B.CALIBRATION) for t in (1, 2, 6, 7, 8, 9)}
+    paper = [r for r in rows if "paper's sizes" in r["quantity"]]
+    assert paper and {r["verdict"] for r in paper} == {"not run"}
+    assert B.role(1, "Table 2") == B.HELD_OUT == B.role(1, "Table 9", "additive")
+    assert reproduce(tmp_path / "a", "--shard", "0/2") == 0
+    assert reproduce(tmp_path / "a", "--shard", "0/2", "--resume", "--fault-model", "flip") == 2
+    assert "other fault_model" in capsys.readouterr().err
+    assert cli.main(["reproduce", "--merge", str(tmp_path / "a"), str(tmp_path / "f"),
+                     "--out", str(tmp_path / "m")]) == 2
+    assert "other fault_model" in capsys.readouterr().err
+
+
+def test_manifests_from_before_modes_and_models_ran_every_mode_additive(fake, tmp_path):
     """A reproduce.json without `modes` reads as every mode, so its folder resumes and merges
     with the shards of the same command."""
     assert reproduce(tmp_path / "r", "--shard", "0/2") == 0
     path = tmp_path / "r" / "reproduce.json"
     manifest = json.loads(path.read_text())
-    del manifest["request"]["modes"]
+    del manifest["request"]["modes"], manifest["request"]["fault_model"]
     path.write_text(json.dumps(manifest))
     assert reproduce(tmp_path / "r", "--shard", "0/2", "--resume") == 0
     assert reproduce(tmp_path / "s1", "--shard", "1/2") == 0

@@ -45,7 +45,7 @@ from sdcstudy.core.errors import UserError
 from sdcstudy.faults import flip_model
 from sdcstudy.faults.specs import FaultSpec, FaultSpecError, Profile, TimePattern, profile_from_dict
 from sdcstudy.faults.published import SITES, TABLE1_FREQUENCY, TABLE2_MAX_SEVERITY, WCNTS
-from sdcstudy.faults.published import published
+from sdcstudy.faults.published import FLIP_SUFFIX, published
 
 # An accumulator fault's error in units of its row's RMS: log-uniform over the top 8 bits of a
 # float32 accumulator's mantissa, the ones a bfloat16 result keeps (docs/faults.md, section 2).
@@ -91,7 +91,6 @@ CONTEXT_SITE = "fwd/attn_context"
 # their own and are left out.
 O_SHARE = 1 / 3
 FAULT_MODELS = ("additive", "flip")
-FLIP_SUFFIX = "-flip"
 
 
 def site_specs(node: int, site: str, rate: float, pattern: TimePattern, note: str,

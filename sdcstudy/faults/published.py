@@ -50,13 +50,16 @@ WCNTS = {1: 0.037, 2: 0.002, 3: 1.34e-15, 4: 0.019, 5: 0.011, 6: 0.004, 7: 0.008
          9: 0.017, 10: 0.010, 11: 0.051, 12: 0.002, 13: 0.004, 14: 0.037, 15: 4.16e-4}
 
 PAPER_PREFIX = "paper-node-"
+FLIP_SUFFIX = "-flip"  # the flip model's profiles (faults.profiles takes it)
 
 
 def paper_node_number(profile: str) -> int | None:
-    """15 for "paper-node-15"; None for a profile that is not one of Ma et al.'s nodes."""
-    if not profile.startswith(PAPER_PREFIX) or not profile[len(PAPER_PREFIX):].isdigit():
+    """15 for "paper-node-15" and its flip model "paper-node-15-flip"; None for a profile that
+    is not one of Ma et al.'s nodes."""
+    number = profile.removeprefix(PAPER_PREFIX).removesuffix(FLIP_SUFFIX)
+    if not profile.startswith(PAPER_PREFIX) or not number.isdigit():
         return None
-    node = int(profile[len(PAPER_PREFIX):])
+    node = int(number)
     return node if node in WCNTS else None
 
 

@@ -57,6 +57,9 @@ CALIBRATION, HELD_OUT = "calibration", "held-out"
 # nodes 10 and 11 (no weight-gradient faults: WEIGHT_GRAD_SHARE 0).
 CALIBRATION_SOURCES = ("Table 1", "Table 6", "Table 7")
 FIGURE5_NOT_FITTED = (3, 10, 11)
+# The flip model's tail fraction is fitted to Tables 8-9's per-layer maxima, which set Table
+# 2's maximum too (faults/flip_model.py, docs/faults.md 6.3).
+FLIP_CALIBRATION_SOURCES = ("Table 2", "Table 8", "Table 9")
 VERDICTS = ("pass", "fail", "no events", TOO_RARE, "not applicable", "not run")
 NO_SITE = {"mismatches": 0.0, "scale": 1.0}  # a site the profile does not corrupt
 
@@ -80,10 +83,12 @@ class Row:
     role: str = HELD_OUT  # CALIBRATION: a quantity the profile was fitted to (`role`)
 
 
-def role(node: int, source: str) -> str:
-    """Whether a row of `source` for `node` is a calibration row or a held-out one."""
+def role(node: int, source: str, fault_model: str = "additive") -> str:
+    """Whether a row of `source` for `node` is a calibration row or a held-out one, under the
+    profiles' `fault_model` (reproduce.plan.FAULT_MODELS)."""
     fitted = source in CALIBRATION_SOURCES or (source == "Figure 5"
                                                 and node not in FIGURE5_NOT_FITTED)
+    fitted |= fault_model == "flip" and source in FLIP_CALIBRATION_SOURCES
     return CALIBRATION if fitted else HELD_OUT
 
 

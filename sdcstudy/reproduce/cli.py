@@ -2,7 +2,7 @@
 
     sdcstudy reproduce [--preset tiny|small|medium] [--steps N] [--nodes 1,4,...|all]
         [--modes lockstep,paramsync,free,abft|all] [--dtype float32|bfloat16]
-        [--set key=value ...] --out DIR [--resume] [--shard I/N]
+        [--fault-model additive|flip] [--set key=value ...] --out DIR [--resume] [--shard I/N]
     sdcstudy reproduce --merge DIR ... --out DIR
 
 leaves DIR/reproduce.json (what was asked, the shard, the plan: `plan`), one run folder per
@@ -26,7 +26,7 @@ STOPPED = "stopped.json"  # {run: why it stopped} for runs whose loss became non
 RUNS, FIGURES = "runs", "figures"
 SCHEMA = "sdcstudy-reproduce/1"
 DEFAULT_PRESET, DEFAULT_NODES, DEFAULT_MODES = "tiny", P.ALL, P.ALL
-RUN_ARGUMENTS = ("preset", "steps", "nodes", "modes", "dtype", "shard")
+RUN_ARGUMENTS = ("preset", "steps", "nodes", "modes", "dtype", "shard", "fault_model")
 
 
 def add_parser(sub) -> None:
@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default=None, metavar="D",
                    help="model.dtype of the paired runs: float32 or bfloat16 (ABFT runs "
                         "float32 always)")
+    p.add_argument("--fault-model", default=None, metavar="M",
+                   help="the paper nodes' error model: additive (default, `paper-node-N`) or "
+                        "flip (`paper-node-N-flip`, docs/faults.md section 6)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key of every run (repeatable)")
     p.add_argument("--out", type=Path, default=None,
@@ -74,7 +77,8 @@ def main(args) -> int:
     else:
         req = P.request(args.preset or DEFAULT_PRESET, args.steps,
                         P.parse_nodes(args.nodes or DEFAULT_NODES), args.dtype, args.overrides,
-                        P.parse_modes(args.modes or DEFAULT_MODES))
+                        P.parse_modes(args.modes or DEFAULT_MODES),
+                        args.fault_model or P.DEFAULT_FAULT_MODEL)
         result = reproduce(req, P.parse_shard(args.shard), args.out, resume=args.resume,
                            progress=not args.no_progress)
     print(result["markdown"].split("\n## ")[0].rstrip())

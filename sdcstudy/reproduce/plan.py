@@ -1,7 +1,8 @@
 """What `sdcstudy reproduce` runs: four runs per paper node, in a fixed order, split in shards.
 
 For each chosen node of Ma et al. ("Understanding Silent Data Corruption in LLM Training") the
-suspect runs the zoo profile `paper-node-N` beside a healthy node in
+suspect runs the zoo profile `paper-node-N` (`paper-node-N-flip` with `--fault-model flip`)
+beside a healthy node in
 - `lockstep` (RQ1, section 4: Tables 1, 2 and 6-9),
 - `paramsync` (RQ2, section 5: the WCNTS table of Figure 5),
 - `free` (RQ3, section 6.2: Figure 6),
@@ -26,6 +27,8 @@ MODES = ("lockstep", "paramsync", "free", "abft")
 NODES = tuple(sorted(PB.WCNTS))  # Ma et al.'s nodes 1-15
 ALL = "all"
 DTYPES = ("float32", "bfloat16")
+FAULT_MODELS = ("additive", "flip")  # faults.profiles.FAULT_MODELS: the zoo's two error models
+DEFAULT_FAULT_MODEL = "additive"
 PAPER_STEPS = 4500  # section 4: the lock-step runs' 4500 optimizer steps (faults.profiles)
 
 # The built-in configs: tiny is configs/demo.yaml's model; small and medium take batches that
@@ -93,8 +96,12 @@ def in_shard(position: int, shard: tuple[int, int]) -> bool:
 
 
 def request(preset: str, steps: int | None, nodes: list[int], dtype: str | None,
-            overrides: list[str], modes: list[str] = MODES) -> dict:
+            overrides: list[str], modes: list[str] = MODES,
+            fault_model: str = DEFAULT_FAULT_MODEL) -> dict:
     """What a reproduce command asks for, checked; shards of one command share it."""
+    if fault_model not in FAULT_MODELS:
+        raise UserError(f"--fault-model {fault_model!r} is not one of "
+                        f"{', '.join(FAULT_MODELS)}.")
     if preset not in PRESETS:
         raise UserError(f"--preset {preset!r} is not one of {', '.join(PRESETS)}.")
     if dtype is not None and dtype not in DTYPES:
@@ -102,12 +109,22 @@ def request(preset: str, steps: int | None, nodes: list[int], dtype: str | None,
     if steps is not None and steps < 1:
         raise UserError(f"--steps {steps} must be at least 1.")
     return {"preset": preset, "steps": steps or PRESETS[preset]["steps"], "nodes": list(nodes),
-            "modes": list(modes), "dtype": dtype, "overrides": list(overrides)}
+            "modes": list(modes), "dtype": dtype, "overrides": list(overrides),
+            "fault_model": fault_model}
 
 
 def with_defaults(req: dict) -> dict:
-    """A request as read from a manifest; one without `modes` ran every mode."""
-    return {**req, "modes": list(req.get("modes", MODES))}
+    """A request as read from a manifest; one without `modes` ran every mode, one without
+    `fault_model` the additive model."""
+    return {**req, "modes": list(req.get("modes", MODES)),
+            "fault_model": req.get("fault_model", DEFAULT_FAULT_MODEL)}
+
+
+def profile_name(req: dict, node: int) -> str:
+    """The zoo profile a node's suspect runs: `paper-node-N`, or `paper-node-N-flip` under the
+    flip model (docs/faults.md section 6)."""
+    flip = req.get("fault_model", DEFAULT_FAULT_MODEL) == "flip"
+    return f"{PB.PAPER_PREFIX}{node}" + (PB.FLIP_SUFFIX if flip else "")
 
 
 def base_config(req: dict) -> dict:
@@ -128,7 +145,7 @@ def base_config(req: dict) -> dict:
 
 def run_config(req: dict, node: int, mode: str) -> C.Config:
     """The config of one run: the base, the user's --set, then what the run itself needs."""
-    own = [f"suspect.profile={PB.PAPER_PREFIX}{node}", f"experiment.mode={mode}",
+    own = [f"suspect.profile={profile_name(req, node)}", f"experiment.mode={mode}",
            f"experiment.name={run_name(node, mode)}"]
     if mode == "abft":
         own += ABFT_FORCED
@@ -178,7 +195,7 @@ def build(req: dict) -> tuple[list[dict], dict]:
 
     entries, configs = [], {}
     for node in req["nodes"]:
-        profile = profiles.load(f"{PB.PAPER_PREFIX}{node}")
+        profile = profiles.load(profile_name(req, node))
         for mode in req["modes"]:
             cfg = run_config(req, node, mode)
             modes.check(cfg)
@@ -186,6 +203,8 @@ def build(req: dict) -> tuple[list[dict], dict]:
             entry = {"name": name, "node": node, "mode": mode, "steps": cfg.experiment.steps,
                      "layers": C.model_dims(cfg.model).n_layers, "dtype": cfg.model.dtype,
                      **expectations(profile, cfg)}
+            if req.get("fault_model", DEFAULT_FAULT_MODEL) != DEFAULT_FAULT_MODEL:
+                entry["fault_model"] = req["fault_model"]  # absent: additive, as before
             entries.append(_finite(entry))
             configs[name] = cfg
     return entries, configs

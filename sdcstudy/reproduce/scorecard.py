@@ -52,12 +52,17 @@ def _rows_of(entry: dict, run) -> list[Row]:
     return [TR.figure10_row(node, name, run, entry)]
 
 
+def _model(entry: dict) -> str:
+    """The error model of a planned run's profile (`plan.FAULT_MODELS`)."""
+    return entry.get("fault_model", "additive")
+
+
 def _judged(entry: dict, run) -> list[Row]:
     """The run's rows with their roles, and the findings' whys on the failing rows that their
     event counts did not fail."""
     rows = _rows_of(entry, run)
     for row in rows:
-        row.role = B.role(row.node, row.source)
+        row.role = B.role(row.node, row.source, _model(entry))
     F.explain([r for r in rows if not B.count_failed(r)], entry, run)
     return rows
 
@@ -70,6 +75,10 @@ def paper_scale_rows(plan: list[dict], path: Path | None = None) -> list[Row]:
     nodes = sorted({e["node"] for e in plan if e["mode"] == "abft"})
     if not nodes:
         return []
+    if any(_model(e) != "additive" for e in plan):
+        return [Row(node, "Figure 10", f"{PAPER_ROWS}, the paper's sizes", None, None, None,
+                    "-", "not run", "measured for the additive model only (its faults are "
+                    "additive errors in the product)") for node in nodes]
     if not path.is_file():
         return [Row(node, "Figure 10", f"{PAPER_ROWS}, the paper's sizes", None, None,
                     None, "-", "not run", f"{path} is missing; `{PAPER_SCALE_COMMAND}` "
@@ -91,11 +100,13 @@ def build(plan: list[dict], runs: dict, stopped: dict | None = None,
         name, node = entry["name"], entry["node"]
         if name in stopped:
             rows += [Row(node, source, "-", None, None, None, "-", "fail",
-                         f"the run stopped: {stopped[name]}", role=B.role(node, source))
+                         f"the run stopped: {stopped[name]}",
+                         role=B.role(node, source, _model(entry)))
                      for source in SOURCES[entry["mode"]]]
         elif runs.get(name) is None:
             rows += [Row(node, source, "-", None, None, None, "-", "not run",
-                         f"{name} has not finished", role=B.role(node, source))
+                         f"{name} has not finished",
+                         role=B.role(node, source, _model(entry)))
                      for source in SOURCES[entry["mode"]]]
         else:
             rows += _judged(entry, runs[name])
@@ -160,6 +171,8 @@ def markdown(rows: list[Row], request: dict) -> str:
              + (f", the {' and '.join(request['modes'])} runs"
                 if len(request["modes"]) < len(SOURCES) else "")
              + (f", {request['dtype']}" if request.get("dtype") else "")
+             + (", the flip model (`paper-node-N-flip`)"
+                if request.get("fault_model") == "flip" else "")
              + (f", `--set {' '.join(request['overrides'])}`" if request.get("overrides")
                 else "") + " (bands: docs/reproduction.md).", "",
              "| node | " + " | ".join(f"{role} {v}" if role else v for role, v in TALLY) + " |",
@@ -167,8 +180,10 @@ def markdown(rows: list[Row], request: dict) -> str:
     lines += [_tally_line(str(node), [r for r in rows if r.node == node]) for node in nodes]
     lines.append(_tally_line("all", rows, bold=True))
     failing = counts(rows)["fail"]
-    lines += ["", f"Calibration rows are the quantities the profiles are fitted to (Tables 1, 6 "
-                  f"and 7; Figure 5 where the weight-gradient rate is set from it): their "
+    fitted = ("Tables 1, 2 and 6-9 (the flip model's tail is fitted to Tables 8-9)"
+              if request.get("fault_model") == "flip" else "Tables 1, 6 and 7")
+    lines += ["", f"Calibration rows are the quantities the profiles are fitted to ({fitted}; "
+                  f"Figure 5 where the weight-gradient rate is set from it): their "
                   f"passes test the engine, not the model. Of the {failing} failing rows, "
                   f"{engine_failures(rows)} fail on their event count (excess or missing "
                   f"events), {failing - unexplained(rows)} name the measurement that explains "
