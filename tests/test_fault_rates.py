@@ -93,3 +93,18 @@ def test_hit_positions_are_distinct_and_uniform_past_float32s_integers():
     for values, mean, var in ((found / HUGE, 0.5, 1 / 12), (found % 2, 0.5, 0.25),
                               (found % 256, 127.5, (256 ** 2 - 1) / 12)):
         assert abs(values.mean() - mean) < 5 * math.sqrt(var / n)
+
+
+@pytest.mark.parametrize("size", [1, 7, 65_536, FC.MAX_ELEMENTS])
+def test_positions_saturate_at_the_size_without_overflow(size):
+    """The running sum of the gaps is min(cumsum, size), exactly, for gaps as large as
+    `hit_positions` makes them (a block past the last element), where uint32 sums of two such
+    gaps near 2^31 would wrap."""
+    rng = np.random.default_rng(size)
+    biggest = size + 2 * FC.BLOCK - 1
+    for high in (2, 50, biggest + 1):
+        steps = rng.integers(0, high, 1024).astype(np.uint32)
+        steps[rng.integers(0, 1024, 8)] = biggest
+        got = np.asarray(jax.jit(FC.saturating_cumsum, static_argnums=1)(steps, size))
+        want = np.minimum(np.cumsum(steps.astype(np.uint64)), size).astype(np.uint32)
+        np.testing.assert_array_equal(got, want)

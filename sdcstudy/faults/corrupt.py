@@ -122,7 +122,18 @@ def hit_positions(key, rate, size: int, cap: int):
     rest = jnp.minimum(jnp.floor(-jnp.log1p(-v * in_block) / safe), BLOCK - 1)
     gaps = blocks.astype(jnp.uint32) * BLOCK + jnp.where(on, rest, 0).astype(jnp.uint32)
     steps = gaps + (jnp.arange(cap) > 0).astype(jnp.uint32)  # each hit moves past the last
-    return lax.associative_scan(lambda a, b: jnp.minimum(a + b, size), steps)
+    return saturating_cumsum(steps, size)
+
+
+def saturating_cumsum(steps, size: int):
+    """min(cumsum(steps), size) of uint32 `steps`, without overflow: each step is clipped to
+    `size` < 2^31, so the running sum cannot wrap before it first reaches `size`, and from
+    there on the running maximum of "reached" holds it at `size`. Two native cumulative
+    reductions, which compile in a fraction of a saturating associative scan's time."""
+    clipped = jnp.minimum(steps, jnp.uint32(size))
+    total = jnp.cumsum(clipped, dtype=jnp.uint32)
+    reached = lax.cummax((total >= size).astype(jnp.uint32))
+    return jnp.where(reached > 0, jnp.uint32(size), total)
 
 
 def _aux(key, spec: FaultSpec, width: int, shape):
