@@ -8,6 +8,8 @@ is imported only by the commands that need it, after the determinism flags are s
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -262,13 +264,18 @@ def main(argv: list[str] | None = None) -> int:
     # count; a GPU or TPU backend ignores it.
     determinism.configure(device_count=SIMULATED_CPU_DEVICES)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe raises here, not at exit
+        return code
     except UserError as e:
         print(f"sdcstudy: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         print(f"sdcstudy: {e or 'interrupted'}", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `sdcstudy profiles | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 128 + signal.SIGPIPE
     except Exception as e:
         from sdcstudy.detect.trainer import DetectionError
         from sdcstudy.core.train import NonFiniteError

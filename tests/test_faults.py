@@ -253,11 +253,17 @@ def test_yaml_profile_loads_and_errors_name_the_field(tmp_path):
                     "     pattern: {kind: steps, steps: [3]}}\n")
     profile = profiles.load(str(good))
     assert profile.specs[0].bits == (30,) and profile.specs[0].pattern.steps == (3,)
+    plain = tmp_path / "plain.yaml"  # YAML 1.1 reads 5e-7 and 1e-2 (no dot) as strings
+    plain.write_text("name: p\nspecs:\n  - {site: fwd/ffn, kind: additive, rate: 5e-7, "
+                     "scale: [1e-2, 1]}\n")
+    spec = profiles.load(str(plain)).specs[0]
+    assert spec.rate == 5e-7 and spec.scale == (0.01, 1.0)
     cases = {"site: fwd/attn\n    kidn: bitflip": "unknown field 'kidn' (did you mean 'kind'?)",
              "site: fwd/attn\n    kind: melt": "kind must be one of",
              "site: fwd/atn": "unknown site 'fwd/atn'",
              "kind: bitflip": "the field 'site' is required",
              "site: fwd/attn\n    rate: 2.0": "rate must be a probability",
+             "site: fwd/attn\n    rate: often": "rate must be a number, not 'often'",
              "site: fwd/attn\n    pattern: {kind: burst, p: 1}": "pattern has unknown fields"}
     for i, (body, message) in enumerate(cases.items()):
         bad = tmp_path / f"bad{i}.yaml"
@@ -267,6 +273,21 @@ def test_yaml_profile_loads_and_errors_name_the_field(tmp_path):
         assert message in str(info.value) and "specs[0]" in str(info.value)
     with pytest.raises(UserError, match="did you mean 'paper-node-1'"):
         profiles.load("paper-node1")
+
+
+def test_a_listing_into_a_closed_pipe_ends_quietly():
+    """`sdcstudy profiles | head -1`: the reader leaves early; no traceback, SIGPIPE's code."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "sdcstudy", "profiles"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    try:
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 141 and err == "", err
+    finally:
+        proc.kill()
 
 
 # --- on a mesh: faults land only on the chosen node and tp ranks --------------------------------

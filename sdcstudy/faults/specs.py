@@ -186,6 +186,22 @@ class Profile:
 # --- loading profiles from YAML -------------------------------------------------------------
 
 
+REAL_FIELDS = ("rate", "value_std", "scale")  # numbers a YAML file may write as 5e-7
+
+
+def _real(value, what: str):
+    """A number, or a tuple of them, as given; a string that reads as one (YAML 1.1 reads
+    `5e-7`, without a dot, as a string) becomes that float; another string is bad input."""
+    if isinstance(value, tuple):
+        return tuple(_real(v, what) for v in value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise FaultSpecError(f"{what} must be a number, not {value!r}.") from None
+    return value
+
+
 def spec_from_dict(data: dict, where: str) -> FaultSpec:
     if not isinstance(data, dict):
         raise FaultSpecError(f"{where} must be a mapping of fault-spec fields.")
@@ -209,6 +225,8 @@ def spec_from_dict(data: dict, where: str) -> FaultSpec:
             value = TimePattern(**value)
         elif key in ("bits", "layers", "tp_ranks", "scale", "lanes") and value is not None:
             value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+        if key in REAL_FIELDS:
+            value = _real(value, f"{where}: {key}")
         kwargs[key] = value
     if "site" not in kwargs:
         raise FaultSpecError(f"{where}: the field 'site' is required.")
