@@ -280,6 +280,21 @@ def test_figure5_wcnts_within_a_factor_three():
     assert row(0.1, landed=0).verdict == "no events"
 
 
+def test_figure5_mean_of_grad_nts_is_judged_beside_its_maximum():
+    """The second Figure 5 row is the mean of grad/nts over the steps, in the same band: a
+    maximum of 0.2 fails while the mean of 0.1 passes; the role is Figure 5's."""
+    run = paired_run("paramsync", {"grad/nts": [0.0, 0.2, 0.1]})
+    e = entry(mode="paramsync", steps=3)
+    wcnts, mean = TR.figure5_row(1, "n", run, e), TR.figure5_mean_row(1, "n", run, e)
+    assert (wcnts.verdict, mean.verdict) == ("fail", "pass")
+    assert mean.quantity == TR.MEAN_NTS and mean.ours == pytest.approx(0.1)
+    rows = S.build([e], {"n": run})
+    assert [r.quantity for r in rows] == ["WCNTS", TR.MEAN_NTS]
+    assert {r.role for r in rows} == {B.role(1, "Figure 5")}
+    big = paired_run("paramsync", {"grad/nts": [0.5, 0.5, 0.5]})
+    assert TR.figure5_mean_row(1, "n", big, e).verdict == "fail"
+
+
 def free_rows(healthy, suspect, diff, node=1, landed=5, onset=None):
     run = paired_run("free", {"loss/healthy": healthy, "loss/suspect": suspect,
                               "param/diff_l2": diff}, landed)

@@ -12,7 +12,8 @@ when ours lies in its band:
 - Tables 6-9 (per decoder layer; the paper has 16, our models fewer): each of our layers within
   the paper's [min, max] over its 16 layers, widened by the same 25% (frequency, times the time
   pattern; judged where the layer expects `MIN_EXPECTED` mismatches) or factor 3 (severity);
-- Figure 5 (WCNTS, eq. 5, the parameter-synchronized run): within a factor `WCNTS_FACTOR` (3);
+- Figure 5 (WCNTS, eq. 5, the parameter-synchronized run): within a factor `WCNTS_FACTOR` (3),
+  and so the mean of `grad/nts` over the run's steps, whose maximum WCNTS is;
 - Figure 6 (the free run): `loss/suspect` within `LOSS_GAP` (2%) of `loss/healthy` at every
   step ("the loss curves on all unhealthy nodes are plotted but identical to that on the
   healthy node"), and `param/diff_l2` grows ("model weights on unhealthy nodes incrementally

@@ -84,7 +84,8 @@ def wcnts_from_table1(row: Row, entry: dict, run) -> str | None:
     if row.source != "Figure 5" or not _above(row) or _weight_gradient_faults(run):
         return None
     return (f"{DOC} 5.1, Figure 5 from Table 1's rates: the run made no weight-gradient fault, "
-            f"so its WCNTS of {B.g(row.ours)} comes from the node's Table 1 rates alone, under "
+            f"so its {row.quantity} of {B.g(row.ours)} comes from the node's Table 1 rates "
+            f"alone, under "
             f"three modelling choices: the one-component additive error's power, Figure 4's "
             f"initial spike at amplitude 10 (a guess: the paper gives none) and a maximum "
             f"taken in this run's late steps; the alternative tried, section 6's flip model, "
@@ -95,7 +96,8 @@ def wcnts_from_table1(row: Row, entry: dict, run) -> str | None:
 def wcnts_few_faults(row: Row, entry: dict, run) -> str | None:
     """Figure 5 above its band with few corruptions a step: the maximum over steps of a sum of
     a few heavy-tailed errors overshoots its mean."""
-    if row.source != "Figure 5" or not _above(row) or not _weight_gradient_faults(run):
+    if row.source != "Figure 5" or row.quantity != "WCNTS" or not _above(row) \
+            or not _weight_gradient_faults(run):
         return None
     per_step = _landed_per_step(run)
     if per_step is None or per_step >= FEW_FAULTS:
