@@ -15,6 +15,7 @@ import pytest
 from report_runs import abft_rows, grid_rows, write_run
 
 from sdcstudy import cli, runner
+from sdcstudy.core import config as C
 from sdcstudy.core import runfolder as RF
 from sdcstudy.faults import published as PB
 from sdcstudy.faults import published_layers as PL
@@ -586,7 +587,7 @@ class FakeRunner:
         if mode == "abft":
             kwargs["abft"] = abft_rows(steps, 2, 1, lambda st, *key: node == 14 and st % 2)
         write_run(Path(out_dir), mode=mode, profile=profile, metrics=metrics,
-                  summary={"faults/landed": steps}, **kwargs)
+                  summary={"faults/landed": steps}, config=C.to_dict(cfg), **kwargs)
         return {"run_dir": str(out_dir)}
 
 
@@ -742,6 +743,48 @@ def test_the_flip_model_runs_the_flip_profiles_and_calibrates_tables_2_8_9(fake,
     assert cli.main(["reproduce", "--merge", str(tmp_path / "a"), str(tmp_path / "f"),
                      "--out", str(tmp_path / "m")]) == 2
     assert "other fault_model" in capsys.readouterr().err
+
+
+def test_chosen_models_take_each_nodes_own_and_reuse_copies_the_same_runs(
+        fake, tmp_path, capsys, monkeypatch):
+    """--fault-model chosen runs each node's model (flip_model.MODEL_OF_NODE); --reuse of the
+    additive and flip folders copies every run without running one, and the scorecard equals
+    one run for real; a run of other settings, or made by other software, is run again."""
+    from sdcstudy.faults import flip_model
+
+    monkeypatch.setattr(flip_model, "MODEL_OF_NODE", {14: "flip"})
+    monkeypatch.setattr(RC, "_environment", lambda: {"packages": {"jax": "1"}})
+    env = json.dumps({"packages": {"jax": "1"}})
+    assert reproduce(tmp_path / "a") == 0 and reproduce(tmp_path / "f", "--fault-model",
+                                                        "flip") == 0
+    for run in (tmp_path / "a" / "runs").iterdir():
+        (run / RF.ENV).write_text(env)
+    for run in (tmp_path / "f" / "runs").iterdir():
+        (run / RF.ENV).write_text(env)
+    ran = len(fake.calls)
+    assert reproduce(tmp_path / "c", "--fault-model", "chosen", "--reuse", str(tmp_path / "a"),
+                     str(tmp_path / "f")) == 0
+    assert len(fake.calls) == ran and "reused" in capsys.readouterr().out
+    assert reproduce(tmp_path / "real", "--fault-model", "chosen") == 0
+    assert len(fake.calls) == ran + 8
+    assert scorecard(tmp_path / "c") == scorecard(tmp_path / "real")
+    plan = json.loads((tmp_path / "c" / "reproduce.json").read_text())["plan"]
+    assert {e["node"]: e.get("fault_model") for e in plan} == {1: None, 14: "flip"}
+    roles = {(r["node"], r["source"], r["role"]) for r in scorecard(tmp_path / "c")}
+    assert (1, "Table 2", B.HELD_OUT) in roles and (14, "Table 2", B.CALIBRATION) in roles
+    (tmp_path / "a" / "runs" / "paper-node-1-free" / RF.ENV).write_text(
+        json.dumps({"packages": {"jax": "2"}}))
+    assert reproduce(tmp_path / "d", "--fault-model", "chosen", "--steps", "7", "--reuse",
+                     str(tmp_path / "a")) == 0
+    assert len(fake.calls) == ran + 16  # other steps: nothing is the same run
+    assert reproduce(tmp_path / "e", "--fault-model", "chosen", "--reuse",
+                     str(tmp_path / "a")) == 0
+    assert len(fake.calls) == ran + 16 + 5  # node 1's free (other jax) and node 14's runs
+    for bad, message in (([str(tmp_path / "a"), str(tmp_path / "a")], "more than once"),
+                         ([str(tmp_path / "g")], "the --out folder")):
+        capsys.readouterr()
+        assert reproduce(tmp_path / "g", "--reuse", *bad) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_manifests_from_before_modes_and_models_ran_every_mode_additive(fake, tmp_path):

@@ -2,14 +2,16 @@
 
     sdcstudy reproduce [--preset tiny|small|medium] [--steps N] [--nodes 1,4,...|all]
         [--modes lockstep,paramsync,free,abft|all] [--dtype float32|bfloat16]
-        [--fault-model additive|flip] [--set key=value ...] --out DIR [--resume] [--shard I/N]
+        [--fault-model additive|flip|chosen] [--set key=value ...] --out DIR [--resume]
+        [--shard I/N] [--reuse DIR ...]
     sdcstudy reproduce --merge DIR ... --out DIR
 
 leaves DIR/reproduce.json (what was asked, the shard, the plan: `plan`), one run folder per
 planned run of the shard under DIR/runs/<node>-<mode>/, DIR/scorecard.md, .csv and .json
 (`scorecard`) and DIR/figures/ (`figures`). `--resume` keeps finished runs and continues the
 others; `--merge` copies the finished runs of the shards of one command (without their
-checkpoints) into a new folder and scores them together. docs/reproduction.md has the bands.
+checkpoints) into a new folder and scores them together; `--reuse` copies the runs other
+folders already ran the same way (`reuse`). docs/reproduction.md has the bands.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ def add_parser(sub) -> None:
                    help="model.dtype of the paired runs: float32 or bfloat16 (ABFT runs "
                         "float32 always)")
     p.add_argument("--fault-model", default=None, metavar="M",
-                   help="the paper nodes' error model: additive (default, `paper-node-N`) or "
-                        "flip (`paper-node-N-flip`, docs/faults.md section 6)")
+                   help="the paper nodes' error model: additive (default, `paper-node-N`), "
+                        "flip (`paper-node-N-flip`) or chosen (each node's own, docs/faults.md "
+                        "6.5)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key of every run (repeatable)")
     p.add_argument("--out", type=Path, default=None,
@@ -57,6 +60,10 @@ def add_parser(sub) -> None:
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="run only every N-th run, from the I-th (0 <= I < N), e.g. "
                         "$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT")
+    p.add_argument("--reuse", type=Path, nargs="+", default=None, metavar="DIR",
+                   help="other reproduce folders: copy a planned run from them where they ran "
+                        "the same run (config, expectations, software and machine) instead of "
+                        "running it")
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
                    help="join the finished runs of these shard folders into --out and score "
                         "them together")
@@ -68,6 +75,7 @@ def main(args) -> int:
     if args.merge:
         given = [f"--{a}" for a in RUN_ARGUMENTS if getattr(args, a) is not None]
         given += ["--set"] * bool(args.overrides) + ["--resume"] * args.resume
+        given += ["--reuse"] * bool(args.reuse)
         if given:
             raise UserError(f"--merge takes only --out; {', '.join(given)} belong to the "
                             f"shards' own commands.")
@@ -80,7 +88,7 @@ def main(args) -> int:
                         P.parse_modes(args.modes or DEFAULT_MODES),
                         args.fault_model or P.DEFAULT_FAULT_MODEL)
         result = reproduce(req, P.parse_shard(args.shard), args.out, resume=args.resume,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, reuse=args.reuse or ())
     print(result["markdown"].split("\n## ")[0].rstrip())
     print(f"\nscorecard: {result['root'] / 'scorecard.md'} (figures in "
           f"{result['root'] / FIGURES})")
@@ -129,10 +137,14 @@ def _check_resume(root: Path, manifest: dict) -> None:
 
 
 def reproduce(req: dict, shard: tuple[int, int], out: Path | None, *, resume: bool = False,
-              progress: bool = True) -> dict:
-    """Run this shard's part of the plan of `req` into `out`, then score the folder."""
+              progress: bool = True, reuse=()) -> dict:
+    """Run this shard's part of the plan of `req` into `out`, then score the folder; a run
+    that a `reuse` folder already ran is copied from there (`reuse.find`)."""
+    from sdcstudy.reproduce import reuse as U
+
     if out is not None:  # said before the imports below (JAX), which take seconds
         _hold(out, create=not resume, early=True)
+    found = U.sources(list(reuse), out, read_manifest)
     from tqdm import tqdm
 
     from sdcstudy import runner
@@ -151,6 +163,7 @@ def reproduce(req: dict, shard: tuple[int, int], out: Path | None, *, resume: bo
         else:
             RF.atomic_write_json(root / MANIFEST, manifest)
         mine = [entry for i, entry in enumerate(plan) if P.in_shard(i, shard)]
+        env = _environment() if found else {}
         stopped = _stopped(root)
         bar = tqdm(mine, desc="reproduce", unit="run", disable=not progress, position=0,
                    dynamic_ncols=True)
@@ -160,6 +173,12 @@ def reproduce(req: dict, shard: tuple[int, int], out: Path | None, *, resume: bo
             bar.set_postfix_str(name)
             if resume and RF.finished(run_dir):
                 tqdm.write(f"{name}: finished earlier, kept")
+                continue
+            if found and (same := U.find(entry, configs[name], found, env)):
+                U.copy(same, run_dir)
+                tqdm.write(f"{name}: the same run as {same}, reused")
+                stopped.pop(name, None)
+                RF.atomic_write_json(root / STOPPED, stopped)
                 continue
             try:
                 runner.run(configs[name], run_dir, progress=progress, echo=tqdm.write,
@@ -174,6 +193,13 @@ def reproduce(req: dict, shard: tuple[int, int], out: Path | None, *, resume: bo
             RF.atomic_write_json(root / STOPPED, stopped)
         bar.close()
         return write_scorecard(root)
+
+
+def _environment() -> dict:
+    """This process's `determinism.fingerprint`, which reused runs must share."""
+    from sdcstudy.core import determinism
+
+    return determinism.fingerprint()
 
 
 def write_scorecard(root: Path) -> dict:

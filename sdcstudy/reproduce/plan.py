@@ -21,6 +21,7 @@ import math
 
 from sdcstudy.core import config as C
 from sdcstudy.core.config import UserError
+from sdcstudy.faults import flip_model
 from sdcstudy.faults import published as PB
 
 MODES = ("lockstep", "paramsync", "free", "abft")
@@ -28,6 +29,7 @@ NODES = tuple(sorted(PB.WCNTS))  # Ma et al.'s nodes 1-15
 ALL = "all"
 DTYPES = ("float32", "bfloat16")
 FAULT_MODELS = ("additive", "flip")  # faults.profiles.FAULT_MODELS: the zoo's two error models
+CHOSEN = "chosen"  # each node the model it keeps (faults.flip_model.MODEL_OF_NODE)
 DEFAULT_FAULT_MODEL = "additive"
 PAPER_STEPS = 4500  # section 4: the lock-step runs' 4500 optimizer steps (faults.profiles)
 
@@ -99,9 +101,9 @@ def request(preset: str, steps: int | None, nodes: list[int], dtype: str | None,
             overrides: list[str], modes: list[str] = MODES,
             fault_model: str = DEFAULT_FAULT_MODEL) -> dict:
     """What a reproduce command asks for, checked; shards of one command share it."""
-    if fault_model not in FAULT_MODELS:
+    if fault_model not in (*FAULT_MODELS, CHOSEN):
         raise UserError(f"--fault-model {fault_model!r} is not one of "
-                        f"{', '.join(FAULT_MODELS)}.")
+                        f"{', '.join((*FAULT_MODELS, CHOSEN))}.")
     if preset not in PRESETS:
         raise UserError(f"--preset {preset!r} is not one of {', '.join(PRESETS)}.")
     if dtype is not None and dtype not in DTYPES:
@@ -120,10 +122,16 @@ def with_defaults(req: dict) -> dict:
             "fault_model": req.get("fault_model", DEFAULT_FAULT_MODEL)}
 
 
+def node_model(req: dict, node: int) -> str:
+    """The error model of `node`'s profile under the request's --fault-model."""
+    model = req.get("fault_model", DEFAULT_FAULT_MODEL)
+    return flip_model.MODEL_OF_NODE.get(node, DEFAULT_FAULT_MODEL) if model == CHOSEN else model
+
+
 def profile_name(req: dict, node: int) -> str:
     """The zoo profile a node's suspect runs: `paper-node-N`, or `paper-node-N-flip` under the
     flip model (docs/faults.md section 6)."""
-    flip = req.get("fault_model", DEFAULT_FAULT_MODEL) == "flip"
+    flip = node_model(req, node) == "flip"
     return f"{PB.PAPER_PREFIX}{node}" + (PB.FLIP_SUFFIX if flip else "")
 
 
@@ -203,8 +211,8 @@ def build(req: dict) -> tuple[list[dict], dict]:
             entry = {"name": name, "node": node, "mode": mode, "steps": cfg.experiment.steps,
                      "layers": C.model_dims(cfg.model).n_layers, "dtype": cfg.model.dtype,
                      **expectations(profile, cfg)}
-            if req.get("fault_model", DEFAULT_FAULT_MODEL) != DEFAULT_FAULT_MODEL:
-                entry["fault_model"] = req["fault_model"]  # absent: additive, as before
+            if node_model(req, node) != DEFAULT_FAULT_MODEL:
+                entry["fault_model"] = node_model(req, node)  # absent: additive, as before
             entries.append(_finite(entry))
             configs[name] = cfg
     return entries, configs

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from sdcstudy.core import runfolder as RF
+from sdcstudy.faults import flip_model
 from sdcstudy.reproduce import abft_paper_scale as A
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import findings as F
@@ -71,23 +72,25 @@ def _judged(entry: dict, run) -> list[Row]:
 def paper_scale_rows(plan: list[dict], path: Path | None = None) -> list[Row]:
     """Figure 10 at the paper's sizes for the nodes of the planned ABFT runs, from the entries
     at `path` (default `PAPER_SCALE`), failing rows explained (`findings.explain_paper_scale`);
-    where the file is missing, one "not run" row a node that says how to measure it."""
+    where the file is missing, one "not run" row a node that says how to measure it. A node
+    under the flip model has one "not run" row: the measurement injects additive errors."""
     path = Path(path or PAPER_SCALE)
-    nodes = sorted({e["node"] for e in plan if e["mode"] == "abft"})
+    abft = [e for e in plan if e["mode"] == "abft"]
+    flips = sorted(e["node"] for e in abft if _model(e) != "additive")
+    unmeasured = [Row(node, "Figure 10", f"{PAPER_ROWS}, the paper's sizes", None, None, None,
+                      "-", "not run", "measured for the additive model only (its faults are "
+                      "additive errors in the product)", role=B.HELD_OUT) for node in flips]
+    nodes = sorted(e["node"] for e in abft if _model(e) == "additive")
     if not nodes:
-        return []
-    if any(_model(e) != "additive" for e in plan):
-        return [Row(node, "Figure 10", f"{PAPER_ROWS}, the paper's sizes", None, None, None,
-                    "-", "not run", "measured for the additive model only (its faults are "
-                    "additive errors in the product)") for node in nodes]
+        return unmeasured
     if not path.is_file():
         return [Row(node, "Figure 10", f"{PAPER_ROWS}, the paper's sizes", None, None,
                     None, "-", "not run", f"{path} is missing; `{PAPER_SCALE_COMMAND}` "
-                    f"measures it (5 to 11 minutes)") for node in nodes]
+                    f"measures it (5 to 11 minutes)") for node in nodes] + unmeasured
     rows = [r for r in A.figure10_paper_rows(RF.json_load(path)) if r.node in nodes]
     for row in rows:
         row.role = B.role(row.node, row.source)
-    return F.explain_paper_scale(rows)
+    return F.explain_paper_scale(rows) + unmeasured
 
 
 def build(plan: list[dict], runs: dict, stopped: dict | None = None,
@@ -162,6 +165,23 @@ def _row_table(rows: list[Row]) -> list[str]:
     return lines
 
 
+def _model_words(request: dict) -> tuple[str, str]:
+    """(the title's words for the request's --fault-model, the calibration sources' words)."""
+    model = request.get("fault_model", "additive")
+    flips = [n for n in request.get("nodes", []) if flip_model.MODEL_OF_NODE.get(n) == "flip"]
+    if model == "flip":
+        return (", the flip model (`paper-node-N-flip`)",
+                "Tables 1, 2 and 6-9 (the flip model's tail is fitted to Tables 8-9)")
+    if model == "chosen" and flips:
+        names = ", ".join(map(str, flips))
+        return (f", each node's chosen model (docs/faults.md 6.5: the flip model for node(s) "
+                f"{names}, the additive one for the others)", f"Tables 1, 6 and 7; Tables 2, 8 "
+                f"and 9 too for node(s) {names}, whose flip model's tail is fitted to them")
+    if model == "chosen":
+        return ", each node's chosen model (the additive one for these)", "Tables 1, 6 and 7"
+    return "", "Tables 1, 6 and 7"
+
+
 def markdown(rows: list[Row], request: dict) -> str:
     """A verdict count per node (calibration and held-out passes and failures apart), then each
     node's calibration rows and held-out rows."""
@@ -172,8 +192,7 @@ def markdown(rows: list[Row], request: dict) -> str:
              + (f", the {' and '.join(request['modes'])} runs"
                 if len(request["modes"]) < len(SOURCES) else "")
              + (f", {request['dtype']}" if request.get("dtype") else "")
-             + (", the flip model (`paper-node-N-flip`)"
-                if request.get("fault_model") == "flip" else "")
+             + _model_words(request)[0]
              + (f", `--set {' '.join(request['overrides'])}`" if request.get("overrides")
                 else "") + " (bands: docs/reproduction.md).", "",
              "| node | " + " | ".join(f"{role} {v}" if role else v for role, v in TALLY) + " |",
@@ -181,14 +200,14 @@ def markdown(rows: list[Row], request: dict) -> str:
     lines += [_tally_line(str(node), [r for r in rows if r.node == node]) for node in nodes]
     lines.append(_tally_line("all", rows, bold=True))
     failing = counts(rows)["fail"]
-    fitted = ("Tables 1, 2 and 6-9 (the flip model's tail is fitted to Tables 8-9)"
-              if request.get("fault_model") == "flip" else "Tables 1, 6 and 7")
+    fitted = _model_words(request)[1]
     lines += ["", f"Calibration rows are the quantities the profiles are fitted to ({fitted}; "
                   f"Figure 5 where the weight-gradient rate is set from it): their "
                   f"passes test the engine, not the model. Of the {failing} failing rows, "
                   f"{engine_failures(rows)} fail on their event count (excess or missing "
                   f"events), {failing - unexplained(rows)} name the measurement that explains "
-                  f"them (docs/faults.md, section 5) and {unexplained(rows)} do not."]
+                  f"them (docs/faults.md, section 5) and "
+                  f"{unexplained(rows) - engine_failures(rows)} do neither."]
     if any(r.quantity.startswith(PAPER_ROWS) for r in rows):
         lines[-1] += (f" The Figure 10 rows of \"{PAPER_ROWS}\" at the paper's sizes are not "
                       f"from these runs: they score these nodes in the measurement of "
