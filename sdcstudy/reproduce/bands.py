@@ -13,7 +13,7 @@ when ours lies in its band:
   the paper's [min, max] over its 16 layers, widened by the same 25% (frequency, times the time
   pattern; judged where the layer expects `MIN_EXPECTED` mismatches) or factor 3 (severity);
 - Figure 5 (WCNTS, eq. 5, the parameter-synchronized run): within a factor `WCNTS_FACTOR` (3),
-  and so the mean of `grad/nts` over the run's steps, whose maximum WCNTS is;
+  and so the root mean square of `grad/nts` over the run's steps, whose maximum WCNTS is;
 - Figure 6 (the free run): `loss/suspect` within `LOSS_GAP` (2%) of `loss/healthy` at every
   step ("the loss curves on all unhealthy nodes are plotted but identical to that on the
   healthy node"), and `param/diff_l2` grows ("model weights on unhealthy nodes incrementally

@@ -48,7 +48,7 @@ def _rows_of(entry: dict, run) -> list[Row]:
         return M.site_rows(node, name, run, entry) + M.layer_rows(node, name, run, entry)
     if mode == "paramsync":
         return [TR.figure5_row(node, name, run, entry),
-                TR.figure5_mean_row(node, name, run, entry)]
+                TR.figure5_rms_row(node, name, run, entry)]
     if mode == "free":
         return TR.figure6_rows(node, name, run, entry)
     return [TR.figure10_row(node, name, run, entry)]

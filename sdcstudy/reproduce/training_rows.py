@@ -14,7 +14,10 @@ from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce.bands import Row
 
 ABFT_NODE = 14  # appendix D.2: the one node on which ABFT flags frequently
-MEAN_NTS = "mean grad/nts"  # Figure 5's second row: the mean where WCNTS is the maximum
+# Figure 5's second row: the root mean square of grad/nts over the steps, where WCNTS is its
+# maximum. The weight-gradient rates set E[nts^2] (faults.profiles: r E[m^2] = WCNTS^2); a
+# mean would fall below it wherever most steps have no fault (node 15: 161 of 200 on tiny).
+RMS_NTS = "rms grad/nts"
 
 
 def _series(run, key: str) -> pd.Series:
@@ -44,23 +47,24 @@ def figure5_row(node: int, name: str, run, entry: dict) -> Row:
                f"the worst step is {B.g(step)} of {entry['steps']}", published)
 
 
-def figure5_mean_row(node: int, name: str, run, entry: dict) -> Row:
-    """Figure 5 by the mean of `grad/nts` over the steps: the statistic the weight-gradient
-    rates are set from (`faults.profiles`), where WCNTS, eq. (5), is its maximum."""
+def figure5_rms_row(node: int, name: str, run, entry: dict) -> Row:
+    """Figure 5 by the root mean square of `grad/nts` over the steps (`RMS_NTS`): the
+    statistic the weight-gradient rates are set from, where WCNTS, eq. (5), is its maximum."""
     published = PB.WCNTS[node]
     nts = _series(run, "grad/nts").dropna()
     lo, hi = published / B.WCNTS_FACTOR, published * B.WCNTS_FACTOR
-    band, quantity = B.interval(lo, hi), MEAN_NTS
+    band, quantity = B.interval(lo, hi), RMS_NTS
     if not len(nts):
         return Row(node, "Figure 5", quantity, published, None, None, band, "fail",
                    "the run has no grad/nts")
-    ours = float(nts.mean())
+    ours = float((nts ** 2).mean() ** 0.5)
     if B.faults_landed(run) == 0:
         return Row(node, "Figure 5", quantity, published, ours, B.ratio(ours, published), band,
                    "no events", "no corruption landed in the run", published)
     return Row(node, "Figure 5", quantity, published, ours, B.ratio(ours, published), band,
                "pass" if B.within(ours, lo, hi) else "fail",
-               f"the mean over {len(nts)} steps", published)
+               f"over {len(nts)} steps, {int((nts == 0).sum())} of them without noise",
+               published)
 
 
 def figure6_rows(node: int, name: str, run, entry: dict) -> list[Row]:
