@@ -11,6 +11,7 @@ Every subprocess has a deadline; the tmpfs is unmounted whatever happens.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,8 +74,11 @@ def test_a_full_disk_ends_with_one_sentence_and_resume_completes(full_disk):
     assert "Traceback" not in failed.stderr, failed.stderr[-3000:]
     assert "never retrieved" not in failed.stderr, failed.stderr[-3000:]
     [sentence] = failed.stderr.splitlines()
-    assert sentence.startswith(f"sdcstudy: error: could not write run folder {str(out)!r} "
-                               f"(saving a checkpoint: No space left on device)"), sentence
+    # Which write meets the full disk first, checkpoint 20's or the metrics' beside its
+    # background save, depends on the machine's load; either is the one sentence.
+    assert re.match(rf"sdcstudy: error: could not write run folder {re.escape(repr(str(out)))} "
+                    rf"\((saving a checkpoint|writing its files): No space left on device\)",
+                    sentence), sentence
     assert "its last good checkpoint is step 10" in sentence, sentence
     command = f"sdcstudy run {out / RF.CONFIG} --out {out} --resume"
     assert sentence.endswith(f"continue with: {command}"), sentence
