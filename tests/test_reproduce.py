@@ -826,7 +826,7 @@ def test_reproduce_one_node_end_to_end(tmp_path, capsys):
     assert {r["source"] for r in rows} == set(S.ORDER)
     assert not [r for r in rows if r["verdict"] == "not run"]
     summary = RF.json_load(out / "runs" / "paper-node-11-paramsync" / RF.SUMMARY)
-    (wcnts,) = [r for r in rows if r["source"] == "Figure 5"]
+    (wcnts,) = [r for r in rows if r["source"] == "Figure 5" and r["quantity"] == "WCNTS"]
     assert wcnts["ours"] == pytest.approx(summary["wcnts"]) and math.isfinite(wcnts["ours"])
     frame = pd.read_csv(out / S.CSV)
     assert list(frame.columns) == list(S.COLUMNS) and len(frame) == len(rows)
@@ -859,3 +859,38 @@ def test_each_node_keeps_the_model_that_passes_more_compared_rows():
                                  "by_source": {"Figure 6": "1/1"}}
     assert MC.kept(choice) == {1: "flip"}
     assert "| 1 | 0/1 / 1/1 |" in MC.markdown(choice)
+
+
+# --- Table 2 at the paper's exposure ---------------------------------------------------------
+
+
+def _tail_run(c: float, steps=200, layers=2, seed=0) -> Run:
+    """A lock-step Run whose bwd/attn unit severities follow P(S > t) = c / t (S = c / u)."""
+    rng = np.random.default_rng(seed)
+    draws = iter(c / rng.uniform(size=steps * layers))
+    rows = grid_rows(steps, layers, 1, ELEMENTS, lambda step, micro, layer, site, rank: (
+        (1, next(draws)) if site == "bwd/attn" else (0, 0.0)))
+    return Run(path=Path("n"), config={"experiment": {"mode": "lockstep"},
+                                       "suspect": {"profile": "paper-node-1"}},
+               summary={"faults/landed": 1}, metrics=pd.DataFrame({"step": [1]}),
+               mismatch=pd.DataFrame(rows), faults=pd.DataFrame(), abft=pd.DataFrame())
+
+
+def test_table2_at_the_papers_exposure_carries_the_fitted_tail_to_its_units(monkeypatch):
+    """c is recovered from 400 units (within 25%), carried to the paper's units of the site as
+    c U / ln 2 and judged in the measured spread; too few units above 0.5 are too rare."""
+    from sdcstudy.faults import flip_model as FM
+    from sdcstudy.reproduce import exposure_rows as X
+
+    (row,) = [r for r in X.rows(1, _tail_run(0.2)) if "bwd/attn" in r.quantity]
+    c, above, units = X.tail_fit(_tail_run(0.2), "bwd/attn")
+    assert units == 400 and above > 100 and c == pytest.approx(0.2, rel=0.25)
+    paper_units = FM.layer_fit(1, "bwd/attn")["units"]
+    assert row.ours == pytest.approx(c * paper_units / math.log(2))
+    assert row.verdict == "fail" and row.ratio > 100  # the additive model's case on tiny
+    monkeypatch.setattr(X, "EXPOSURE_SPREAD", 2 * row.ratio)
+    assert [r.verdict for r in X.rows(1, _tail_run(0.2)) if "bwd/attn" in r.quantity] == \
+        ["pass"]
+    (rare,) = [r for r in X.rows(1, _tail_run(1e-4)) if "bwd/attn" in r.quantity]
+    assert rare.verdict == B.TOO_RARE and rare.ours is None
+    assert X.spread([1.0, 2.0, 4.0]) == 2.0 and X.spread([1.0, 4.0]) == 2.0
