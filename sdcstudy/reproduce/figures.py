@@ -73,7 +73,8 @@ def sites(rows, path: Path) -> Path | None:
     """Ours against the published value, log-log, per node (colour) and site (marker): Table
     1's frequency (times the time pattern over the run, which the band centres on) and Table
     2's maximum severity, with the line of equality and the band."""
-    panels = [(source, [r for r in _numbers(rows, source) if r.expected > 0 and r.ours > 0])
+    panels = [(source, [r for r in _numbers(rows, source) if r.expected > 0 and r.ours > 0
+                        and r.quantity in MARKERS])  # not Table 2 at the paper's exposure
               for source in ("Table 1", "Table 2")]
     if not any(chosen for _, chosen in panels):
         return None

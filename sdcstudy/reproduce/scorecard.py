@@ -21,6 +21,7 @@ from sdcstudy.core import runfolder as RF
 from sdcstudy.faults import flip_model
 from sdcstudy.reproduce import abft_paper_scale as A
 from sdcstudy.reproduce import bands as B
+from sdcstudy.reproduce import exposure_rows as X
 from sdcstudy.reproduce import findings as F
 from sdcstudy.reproduce import mismatch_rows as M
 from sdcstudy.reproduce import training_rows as TR
@@ -45,7 +46,8 @@ PAPER_SCALE_COMMAND = "python experiments/abft_paper_scale.py --out docs/scoreca
 def _rows_of(entry: dict, run) -> list[Row]:
     node, name, mode = entry["node"], entry["name"], entry["mode"]
     if mode == "lockstep":
-        return M.site_rows(node, name, run, entry) + M.layer_rows(node, name, run, entry)
+        return (M.site_rows(node, name, run, entry) + X.rows(node, run)
+                + M.layer_rows(node, name, run, entry))
     if mode == "paramsync":
         return [TR.figure5_row(node, name, run, entry),
                 TR.figure5_rms_row(node, name, run, entry)]

@@ -1,0 +1,51 @@
+"""The seed-to-seed spread of Table 2 at the paper's exposure (`reproduce.exposure_rows`).
+
+    python experiments/exposure_spread.py DIR DIR ...
+
+Each DIR is a reproduce folder of lock-step runs of the same nodes, preset and steps under
+another fault seed, e.g.
+
+    sdcstudy reproduce --modes lockstep --nodes 1,7,9,10,11 --set suspect.fault_seed=1 --out DIR
+
+For every node and site with at least `MIN_TAIL_UNITS` units above 0.5 in every folder it
+prints c U / ln 2 per folder and the largest ratio, either way, between one folder's value and
+their median; the largest over nodes and sites is what `EXPOSURE_SPREAD` must cover.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from sdcstudy.faults import flip_model as FM
+from sdcstudy.faults import published as PB
+from sdcstudy.report.runs import load_run
+from sdcstudy.reproduce import exposure_rows as X
+
+
+def main(dirs: list[Path]) -> int:
+    if len(dirs) < 2:
+        raise SystemExit("give two or more reproduce folders, one per fault seed.")
+    runs = sorted({p.name for d in dirs for p in (d / "runs").glob("*-lockstep")})
+    worst = 1.0
+    print("| run | site | c U / ln 2, per folder | spread |\n|---|---|---|---:|")
+    for name in runs:
+        node = PB.paper_node_number(name.removesuffix("-lockstep"))
+        loaded = [load_run(d / "runs" / name) for d in dirs if (d / "runs" / name).is_dir()]
+        if len(loaded) < 2:
+            continue
+        for site in PB.SITES:
+            units = FM.layer_fit(node, site)["units"]
+            fits = [X.tail_fit(run, site) for run in loaded]
+            if units == 0 or min(above for _, above, _ in fits) < X.MIN_TAIL_UNITS:
+                continue
+            values = [FM.predicted_maximum(c, units) for c, _, _ in fits]
+            s = X.spread(values)
+            worst = max(worst, s)
+            print(f"| {name} | {site} | {', '.join(f'{v:.3g}' for v in values)} | {s:.2f} |")
+    print(f"\nlargest spread: {worst:.2f} (EXPOSURE_SPREAD = {X.EXPOSURE_SPREAD:g})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main([Path(a) for a in sys.argv[1:]]))

@@ -1,0 +1,90 @@
+"""Table 2 at the paper's exposure: the severity tail a lock-step run measured, carried to as
+many units as the paper's run had (docs/reproduction.md, "At the paper's exposure").
+
+Table 2 is the largest severity over every unit of the paper's run with a mismatch, a unit
+being one (microstep, layer, tp rank), eq. 3's mean relative error over its mismatching
+elements. Our runs span a few hundred units a site, the paper's about 10^5 to 10^7, so a
+maximum over ours says little about Table 2 unless it is carried over. Both fault models give
+a unit severity a tail P(S > t) = c / t for t well above the bulk (docs/faults.md 6.3), whose
+maximum over U units has the median c U / ln 2. So:
+- c is fitted to this run's units by `flip_model.tail_constant` (maximum likelihood, each
+  (step, microstep) group's maximum over its units, maxima at or below 0.5 read as "at most
+  0.5");
+- U is the paper's units of the site: per layer 72,000 microsteps x tp ranks, each hit with
+  the probability Table 6 or 7's layer frequency gives (`flip_model.paper_units`: one
+  mismatching element over the run is Table 7's 2.39e-14, tp = 8 assumed: the paper does not
+  state it);
+- the row passes when c U / ln 2 is within `EXPOSURE_SPREAD` of Table 2 either way: the
+  seed-to-seed spread of this very statistic, measured (`EXPOSURE_SPREAD`'s comment).
+Fewer than `MIN_TAIL_UNITS` units above 0.5 fit no tail: "too rare for this run". Imports no
+JAX.
+"""
+
+from __future__ import annotations
+
+import math
+
+from sdcstudy.faults import flip_model as FM
+from sdcstudy.faults import published as PB
+from sdcstudy.reproduce import bands as B
+from sdcstudy.reproduce.bands import Row
+
+QUANTITY = "{site}, at the paper's exposure"
+MIN_TAIL_UNITS = 5
+# The largest ratio, either way, between one fault seed's c U / ln 2 and the median over
+# seeds (python experiments/exposure_spread.py, docs/reproduction.md).
+EXPOSURE_SPREAD = 3.0
+
+
+def tail_fit(run, site: str) -> tuple[float, int, int]:
+    """(c, units above the floor, units) of `site` in a lock-step run's mismatch rollup."""
+    micro = run.mismatch_rollup.by_microstep
+    if not len(micro) or site not in micro.index.get_level_values("site"):
+        return 0.0, 0, 0
+    at = micro.xs(site, level="site")
+    at = at[at["units"] > 0]
+    maxima, units = list(at["severity"].astype(float)), list(at["units"].astype(float))
+    above = sum(m > FM.BULK_MAX for m in maxima)
+    return FM.tail_constant(maxima, units), above, int(sum(units))
+
+
+def rows(node: int, run) -> list[Row]:
+    """One row a site with a Table 2 value: c U / ln 2 against it (module docstring)."""
+    paper = PB.published(f"{PB.PAPER_PREFIX}{node}")
+    out = []
+    for site in PB.SITES:
+        published = float(paper["max_severity"][site])
+        units = FM.layer_fit(node, site)["units"]
+        if published == 0 or units == 0:
+            continue
+        c, above, ours_units = tail_fit(run, site)
+        quantity = QUANTITY.format(site=site)
+        band = B.interval(published / EXPOSURE_SPREAD, published * EXPOSURE_SPREAD)
+        if above < MIN_TAIL_UNITS:
+            out.append(Row(node, "Table 2", quantity, published, None, None, band, B.TOO_RARE,
+                           f"{above} of {ours_units} units above {FM.BULK_MAX:g}: too few to "
+                           f"fit a tail (at least {MIN_TAIL_UNITS})", published))
+            continue
+        ours = FM.predicted_maximum(c, units)
+        verdict = "pass" if B.within(ours, published / EXPOSURE_SPREAD,
+                                     published * EXPOSURE_SPREAD) else "fail"
+        out.append(Row(node, "Table 2", quantity, published, ours, B.ratio(ours, published),
+                       band, verdict, f"c = {B.g(c)} from {above} of {ours_units} units above "
+                       f"{FM.BULK_MAX:g}, over the paper's {_units(units)} units", published))
+    return out
+
+
+def _units(units: float) -> str:
+    return f"{units:,.0f}" if units < 1e6 else f"{units:.3g}"
+
+
+def is_exposure_row(row: Row) -> bool:
+    return row.source == "Table 2" and row.quantity.endswith(", at the paper's exposure")
+
+
+def spread(values: list[float]) -> float:
+    """The largest ratio, either way, between one of `values` (> 0) and their median."""
+    ordered = sorted(values)
+    n = len(ordered)
+    median = (ordered[n // 2] if n % 2 else math.sqrt(ordered[n // 2 - 1] * ordered[n // 2]))
+    return max(max(v / median, median / v) for v in ordered)
