@@ -44,7 +44,7 @@ def main() -> int:
         request = {k: requests["additive"].get(k) for k in same}
         RF.atomic_write_text(args.out / "fault_models.md", text)
         RF.atomic_write_json(args.out / "fault_models.json", {
-            "request": request, "sources": {m: str(getattr(args, m)) for m in MC.MODELS},
+            "request": request, "sources": {m: getattr(args, m).name for m in MC.MODELS},
             "kept": {str(k): v for k, v in MC.kept(choice).items()},
             "nodes": {str(k): v for k, v in choice.items()}})
     return 0

@@ -847,7 +847,7 @@ def test_each_node_keeps_the_model_that_passes_more_compared_rows():
     additive = rows(1, [("Table 2", "fwd/attn", "fail"), ("Figure 5", "WCNTS", "pass"),
                         ("Table 1", "fwd/attn", "pass"), ("Table 1", "fwd/ffn", "pass")]) + \
         rows(2, [("Figure 6", "loss gap", "pass"),
-                 ("Figure 10", "fwd o flagged checks, the paper's sizes", "pass")])
+                 ("Figure 10", "fwd o flagged checks, paper tp 8 (k 512)", "pass")])
     flip = rows(1, [("Table 2", "fwd/attn", "pass"), ("Figure 5", "WCNTS", "pass"),
                     ("Table 1", "fwd/attn", "fail"), ("Table 1", "fwd/ffn", "fail")]) + \
         rows(2, [("Figure 6", "loss gap", "pass"),
@@ -894,3 +894,19 @@ def test_table2_at_the_papers_exposure_carries_the_fitted_tail_to_its_units(monk
     (rare,) = [r for r in X.rows(1, _tail_run(1e-4)) if "bwd/attn" in r.quantity]
     assert rare.verdict == B.TOO_RARE and rare.ours is None
     assert X.spread([1.0, 2.0, 4.0]) == 2.0 and X.spread([1.0, 4.0]) == 2.0
+
+
+def test_the_kept_models_are_the_committed_comparisons():
+    """flip_model.MODEL_OF_NODE is what the committed comparison of the two tiny scorecards
+    keeps (docs/scorecards/fault_models.json, experiments/compare_fault_models.py), and that
+    comparison follows from its own tallies by the rule."""
+    from sdcstudy.faults import flip_model
+    from sdcstudy.reproduce import model_choice as MC
+
+    committed = json.loads((Path(S.PAPER_SCALE).parent / "fault_models.json").read_text())
+    assert {int(k): v for k, v in committed["kept"].items()} == flip_model.MODEL_OF_NODE
+    for node, c in committed["nodes"].items():
+        flip_wins = c["flip"]["pass"] > c["additive"]["pass"]
+        assert c["model"] == ("flip" if flip_wins else "additive"), node
+    assert sorted(map(int, committed["nodes"])) == list(P.NODES)
+    assert set(MC.MODELS) == set(P.FAULT_MODELS)

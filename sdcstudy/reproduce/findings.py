@@ -60,8 +60,9 @@ def _severity_units(row: Row, run) -> int:
 
 
 def tail_at_exposure(row: Row, entry: dict, run) -> str | None:
-    """Table 2 at the paper's exposure, the additive model: every hit carries the 1/t tail."""
-    if not X.is_exposure_row(row) or entry.get("fault_model", "additive") != "additive":
+    """Table 2 at the paper's exposure: out of reach of additive errors below the band; above
+    it, under the additive model, every hit carries the 1/t tail."""
+    if not X.is_exposure_row(row):
         return None
     band = B.bounds(row.band)
     if row.ours is not None and band is not None and row.ours < band[0]:
@@ -69,6 +70,8 @@ def tail_at_exposure(row: Row, entry: dict, run) -> str | None:
                 f"out of reach of any additive error (its tail carried to the paper's units "
                 f"gives {B.g(row.ours)}); it needs healthy values of exactly or nearly zero, "
                 f"which neither fault model makes")
+    if entry.get("fault_model", "additive") != "additive":
+        return None
     c = X.tail_fit(run, row.quantity.split(",")[0])[0]
     return (f"{DOC} 6.3, the additive model's tail at the paper's exposure: the model gives "
             f"every hit a relative error with a 1/t tail (c = 0.14 a unit on values of normal "
@@ -86,6 +89,9 @@ def severity_tail(row: Row, entry: dict, run) -> str | None:
     band = B.bounds(row.band)
     if row.ours is not None and band is not None and row.ours < band[0]:
         side = "below: the maximum of a 1/t tail grows with the units it spans"
+        if entry.get("fault_model", "additive") == "flip":
+            side += (" (under the flip model only its fitted fraction of accumulator errors "
+                     "has that tail; its bulk of flips gives at most 0.5, section 6)")
     else:
         side = ("above: the one-component additive error (a modelling choice) has a 1/t tail "
                 "10^3 to 10^5 times heavier than the paper's maxima need; section 6's flip "
@@ -103,14 +109,19 @@ def wcnts_from_table1(row: Row, entry: dict, run) -> str | None:
     """Figure 5 above its band with no weight-gradient fault: Table 1's rates alone exceed it."""
     if row.source != "Figure 5" or not _above(row) or _weight_gradient_faults(run):
         return None
-    return (f"{DOC} 5.1, Figure 5 from Table 1's rates: the run made no weight-gradient fault, "
+    head = (f"{DOC} 5.1, Figure 5 from Table 1's rates: the run made no weight-gradient fault, "
             f"so its {row.quantity} of {B.g(row.ours)} comes from the node's Table 1 rates "
-            f"alone, under "
-            f"three modelling choices: the one-component additive error's power, Figure 4's "
-            f"initial spike at amplitude 10 (a guess: the paper gives none) and a maximum "
-            f"taken in this run's late steps; the alternative tried, section 6's flip model, "
-            f"halves the noise and passes node 10's mean grad/nts (its maximum stays about 4x) "
-            f"and node 11's maximum")
+            f"alone, under three modelling choices: ")
+    if entry.get("fault_model", "additive") == "flip":
+        return head + ("the flip model's bit-place noise (0.535 times the additive model's, "
+                       "section 6.2), Figure 4's initial spike at amplitude 10 (a guess: the "
+                       "paper gives none) and a maximum taken in this run's late steps; the "
+                       "additive model, the alternative, gives about twice the noise")
+    return head + ("the one-component additive error's power, Figure 4's initial spike at "
+                   "amplitude 10 (a guess: the paper gives none) and a maximum taken in this "
+                   "run's late steps; the alternative tried, section 6's flip model, halves the "
+                   "noise and passes node 10's rms of grad/nts (its maximum stays about 4x) and "
+                   "node 11's maximum")
 
 
 def wcnts_few_faults(row: Row, entry: dict, run) -> str | None:

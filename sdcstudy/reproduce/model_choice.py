@@ -15,15 +15,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from sdcstudy.reproduce import scorecard as S
+
 MODELS = ("additive", "flip")
 COMPARED = ("Table 2", "Table 8", "Table 9", "Figure 5", "Figure 6", "Figure 10")
-PAPER_SIZES = "the paper's sizes"  # the quantity of Figure 10's rows measured apart
 
 
 def compared(rows: list[dict], node: int) -> list[dict]:
     """The rows of `node` that the comparison counts, from a scorecard.json's rows."""
     return [r for r in rows if r["node"] == node and r["source"] in COMPARED
-            and PAPER_SIZES not in r["quantity"]]
+            and not r["quantity"].startswith(S.PAPER_ROWS)]
 
 
 def tally(rows: list[dict]) -> dict:
