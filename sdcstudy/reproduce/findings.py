@@ -267,9 +267,8 @@ def explain_paper_scale(rows: list[Row]) -> list[Row]:
 
 
 FINDINGS: tuple[Callable[[Row, dict, object], str | None], ...] = (
-    tail_at_exposure, severity_tail, last_bit, wcnts_from_table1, wcnts_few_faults, loss_gap_of_one_batch,
-    loss_gap_from_table1,
-    abft_checks_our_faults)
+    tail_at_exposure, severity_tail, last_bit, wcnts_from_table1, wcnts_few_faults,
+    loss_gap_of_one_batch, loss_gap_from_table1, abft_checks_our_faults)
 
 
 def explain(rows: list[Row], entry: dict, run) -> list[Row]:
