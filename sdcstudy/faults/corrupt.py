@@ -346,8 +346,9 @@ def corrupt_and_record(x, key_data, rate, spec: FaultSpec, limit: int,
 
     `skip_idle`: at a rate of 0 neither the draws nor the search for landed elements run (the
     record is the empty one), and where the draw lists every hit only those are searched. The
-    model's sites use it: their results are bitwise those of the unconditional draws (tests/test_faults.py pins it). The pytree sites (`grad`, `update`)
-    draw unconditionally: there the conditional moved the last bits of the gradient norm of a
+    model's sites use it: their results are bitwise those of the unconditional draws
+    (tests/test_faults.py pins it). The pytree sites (`grad`, `update`) draw unconditionally:
+    there the conditional moved the last bits of the gradient norm of a
     corrupted node in a tensor-parallel program, as XLA fused the norm differently (RESULTS.md,
     "Performance goals", faults).
     """
