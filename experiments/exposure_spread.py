@@ -9,7 +9,8 @@ another fault seed, e.g.
 
 For every node and site with at least `MIN_TAIL_UNITS` units above 0.5 in every folder it
 prints c U / ln 2 per folder and the largest ratio, either way, between one folder's value and
-their median; the largest over nodes and sites is what `EXPOSURE_SPREAD` must cover.
+their median; the largest over nodes and sites is what `EXPOSURE_SPREAD` must cover. Then the
+same per decoder layer, for `LAYER_EXPOSURE_SPREAD` (Tables 8-9).
 """
 
 from __future__ import annotations
@@ -44,7 +45,30 @@ def main(dirs: list[Path]) -> int:
             worst = max(worst, s)
             print(f"| {name} | {site} | {', '.join(f'{v:.3g}' for v in values)} | {s:.2f} |")
     print(f"\nlargest spread: {worst:.2f} (EXPOSURE_SPREAD = {X.EXPOSURE_SPREAD:g})")
+    worst = layer_spreads(dirs, runs)
+    print(f"\nlargest spread: {worst:.2f} (LAYER_EXPOSURE_SPREAD = "
+          f"{X.LAYER_EXPOSURE_SPREAD:g})")
     return 0
+
+
+def layer_spreads(dirs: list[Path], runs: list[str]) -> float:
+    """The same per layer (`exposure_rows.layer_rows`), each folder's value its row's `ours`."""
+    worst = 1.0
+    print("\n| run | Table, site and layer | c U / ln 2, per folder | spread |\n|---|---|---|---:|")
+    for name in runs:
+        node = PB.paper_node_number(name.removesuffix("-lockstep"))
+        tables = [{(r.source, r.quantity): r for r in X.layer_rows(node, load_run(d / "runs" /
+                                                                                  name))}
+                  for d in dirs if (d / "runs" / name).is_dir()]
+        for key in tables[0]:
+            values = [t[key].ours for t in tables if key in t]
+            if len(values) < len(dirs) or None in values:
+                continue
+            s = X.spread(values)
+            worst = max(worst, s)
+            print(f"| {name} | {key[0]} {key[1].removesuffix(X.SUFFIX)} | "
+                  f"{', '.join(f'{v:.3g}' for v in values)} | {s:.2f} |")
+    return worst
 
 
 if __name__ == "__main__":

@@ -910,3 +910,26 @@ def test_the_kept_models_are_the_committed_comparisons():
         assert c["model"] == ("flip" if flip_wins else "additive"), node
     assert sorted(map(int, committed["nodes"])) == list(P.NODES)
     assert set(MC.MODELS) == set(P.FAULT_MODELS)
+
+
+def test_tables_8_9_at_the_papers_exposure_fit_each_layers_tail():
+    """Per layer, the rollup's tail sums give the tail constant `tail_constant` gives on that
+    layer's (step, microstep) maxima, carried to the paper's median units a layer; the tail
+    floor is the flip model's largest bulk error."""
+    from sdcstudy.faults import flip_model as FM
+    from sdcstudy.report import rollups as R
+    from sdcstudy.reproduce import exposure_rows as X
+
+    assert R.TAIL_FLOOR == FM.BULK_MAX
+    run = _tail_run(0.2)
+    rows = {r.quantity: r for r in X.layer_rows(1, run)}
+    frame = run.mismatch
+    for layer in (1, 2):
+        at = frame[(frame["site"] == "bwd/attn") & (frame["layer"] == layer)]
+        c = FM.tail_constant(list(at["severity"]), [1.0] * len(at))
+        units = sorted(FM.paper_units(f) for f in PL.layer_values("Table 7", 1, "bwd/attn"))
+        median = (units[7] + units[8]) / 2
+        row = rows[f"bwd/attn layer {layer}" + X.SUFFIX]
+        assert row.source == "Table 9" and row.ours == pytest.approx(c * median / math.log(2))
+        assert row.verdict == "fail" and X.is_exposure_row(row)
+    assert {r.verdict for q, r in rows.items() if "bwd/attn" not in q} == {B.TOO_RARE}

@@ -12,7 +12,11 @@ into these rollups, in the memory of one part:
   layers), `severity` (eqs. 3-4, the max over tp ranks and layers), `mismatches`, and
   `units` (the (layer, tp rank) rows with a mismatch).
   `by_layer`, one row per (layer, site): `freq` (eq. 1's mean over all microsteps of the
-  run), `severity` (the max over tp ranks and microsteps), `mismatches`, `units`.
+  run), `severity` (the max over tp ranks and microsteps), `mismatches`, `units`, and what a
+  fit of the severity tail over its (step, microstep) groups needs (`flip_model.
+  tail_constant`, floor `TAIL_FLOOR`): `tail_n` (groups whose maximum is above the floor),
+  `tail_inv` (their units over their maximum, summed) and `tail_below` (the units of the
+  other groups with a mismatch).
 - `abft_rollup`: one row per (step, matmul, direction): `checks` and `flagged`.
 - `fault_rollup`: one row per (step, site, kind, last_bit): `faults` (last_bit: a flip of
   bit 0).
@@ -38,6 +42,8 @@ FAULT_READ = ["step", "site", "kind", "bit"]
 LAYER_KEYS = ["site", "step", "microstep", "layer"]
 MICRO_KEYS = ["site", "step", "microstep"]
 ABFT_KEYS = ["step", "matmul", "direction"]
+TAIL_FLOOR = 0.5  # flip_model.BULK_MAX: the largest relative error of one bulk flip
+TAIL_COLUMNS = ["tail_n", "tail_inv", "tail_below"]
 FAULT_KEYS = ["step", "site", "kind", "last_bit"]
 
 
@@ -60,7 +66,7 @@ def _empty(keys: list[str], columns: list[str]) -> pd.DataFrame:
 
 EMPTY_MISMATCH = MismatchRollup(
     _empty(MICRO_KEYS, ["freq", "severity", "mismatches", "units"]),
-    _empty(["layer", "site"], ["freq", "severity", "mismatches", "units"]))
+    _empty(["layer", "site"], ["freq", "severity", "mismatches", "units", *TAIL_COLUMNS]))
 
 
 def mismatch_rollup(parts: Iterable[pd.DataFrame]) -> MismatchRollup:
@@ -77,17 +83,28 @@ def mismatch_rollup(parts: Iterable[pd.DataFrame]) -> MismatchRollup:
         micro.append(per_layer.groupby(level=MICRO_KEYS).agg(
             freq=("freq", "mean"), severity=("severity", "max"),
             mismatches=("mismatches", "sum"), units=("units", "sum")))
-        layer.append(per_layer.groupby(level=["layer", "site"]).agg(
+        layer.append(_tail_sums(per_layer).groupby(level=["layer", "site"]).agg(
             freq_sum=("freq", "sum"), microsteps=("freq", "count"),
             severity=("severity", "max"), mismatches=("mismatches", "sum"),
-            units=("units", "sum")))
+            units=("units", "sum"), tail_n=("tail_n", "sum"), tail_inv=("tail_inv", "sum"),
+            tail_below=("tail_below", "sum")))
     if not micro:
         return EMPTY_MISMATCH
     by_layer = pd.concat(layer).groupby(level=["layer", "site"]).agg(
         {"freq_sum": "sum", "microsteps": "sum", "severity": "max", "mismatches": "sum",
-         "units": "sum"})
+         "units": "sum", **dict.fromkeys(TAIL_COLUMNS, "sum")})
     by_layer.insert(0, "freq", by_layer.pop("freq_sum") / by_layer.pop("microsteps"))
     return MismatchRollup(pd.concat(micro).sort_index(), by_layer.sort_index())
+
+
+def _tail_sums(per_layer: pd.DataFrame) -> pd.DataFrame:
+    """`per_layer` with each group's share of `TAIL_COLUMNS` (module docstring)."""
+    hit = per_layer["units"] > 0
+    above = hit & (per_layer["severity"] > TAIL_FLOOR)
+    return per_layer.assign(
+        tail_n=above.astype("int64"),
+        tail_inv=(per_layer["units"] / per_layer["severity"]).where(above, 0.0),
+        tail_below=per_layer["units"].where(hit & ~above, 0))
 
 
 def abft_rollup(parts: Iterable[pd.DataFrame]) -> pd.DataFrame:

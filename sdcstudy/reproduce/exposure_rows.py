@@ -23,18 +23,24 @@ JAX.
 from __future__ import annotations
 
 import math
+import statistics
 
 from sdcstudy.faults import flip_model as FM
 from sdcstudy.faults import published as PB
+from sdcstudy.faults import published_layers as PL
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce.bands import Row
 
-QUANTITY = "{site}, at the paper's exposure"
+SUFFIX = ", at the paper's exposure"
+QUANTITY = "{site}" + SUFFIX
 MIN_TAIL_UNITS = 5
 # The largest ratio, either way, between one fault seed's c U / ln 2 and the median over
 # seeds: 1.68, over 14 sites of nodes 1, 7, 9, 10 and 11 and 4 fault seeds, tiny, 200 steps
 # (python experiments/exposure_spread.py; docs/faults.md 5.3), rounded up.
 EXPOSURE_SPREAD = 1.7
+# The same for one layer's tail at the paper's median units a layer (`layer_rows`): 1.35
+# over 27 layers and sites of the same runs, rounded up.
+LAYER_EXPOSURE_SPREAD = 1.4
 
 
 def tail_fit(run, site: str) -> tuple[float, int, int]:
@@ -75,12 +81,44 @@ def rows(node: int, run) -> list[Row]:
     return out
 
 
+def layer_rows(node: int, run) -> list[Row]:
+    """Tables 8-9 at the paper's exposure: each of our layers' tail, fitted to its (step,
+    microstep) groups (the rollup's `tail_*` sums), carried to the median of the paper's
+    per-layer units at the site, against the paper's range over its 16 layers widened by
+    `LAYER_EXPOSURE_SPREAD` either way."""
+    by_layer = run.mismatch_rollup.by_layer
+    out = []
+    for (layer, site), at in by_layer.iterrows():
+        source = PL.tables_for(site)[1]
+        maxima, freqs = PL.layer_values(source, node, site), PL.layer_values(
+            PL.tables_for(site)[0], node, site)
+        if not maxima or not freqs or max(maxima) == 0:
+            continue
+        units = statistics.median(FM.paper_units(f) for f in freqs)
+        lo, hi = min(maxima) / LAYER_EXPOSURE_SPREAD, max(maxima) * LAYER_EXPOSURE_SPREAD
+        quantity = f"{site} layer {layer}" + SUFFIX
+        published = f"{B.interval(min(maxima), max(maxima))} over {PL.PAPER_LAYERS} layers"
+        above = int(at["tail_n"])
+        if above < MIN_TAIL_UNITS:
+            out.append(Row(node, source, quantity, published, None, None, B.interval(lo, hi),
+                           B.TOO_RARE, f"{above} groups above {FM.BULK_MAX:g}: too few to fit "
+                           f"a tail (at least {MIN_TAIL_UNITS})"))
+            continue
+        c = above / (at["tail_inv"] + at["tail_below"] / FM.BULK_MAX)
+        ours = FM.predicted_maximum(c, units)
+        out.append(Row(node, source, quantity, published, ours, None, B.interval(lo, hi),
+                       "pass" if B.within(ours, lo, hi) else "fail",
+                       f"c = {B.g(c)} from {above} groups above {FM.BULK_MAX:g}, over the "
+                       f"paper's median {_units(units)} units a layer"))
+    return out
+
+
 def _units(units: float) -> str:
     return f"{units:,.0f}" if units < 1e6 else f"{units:.3g}"
 
 
 def is_exposure_row(row: Row) -> bool:
-    return row.source == "Table 2" and row.quantity.endswith(", at the paper's exposure")
+    return row.source in ("Table 2", "Table 8", "Table 9") and row.quantity.endswith(SUFFIX)
 
 
 def spread(values: list[float]) -> float:

@@ -60,23 +60,26 @@ def _severity_units(row: Row, run) -> int:
 
 
 def tail_at_exposure(row: Row, entry: dict, run) -> str | None:
-    """Table 2 at the paper's exposure: out of reach of additive errors below the band; above
-    it, under the additive model, every hit carries the 1/t tail."""
+    """Tables 2, 8 and 9 at the paper's exposure: out of reach of additive errors below the
+    band; above it, under the additive model, every hit carries the 1/t tail."""
     if not X.is_exposure_row(row):
         return None
     band = B.bounds(row.band)
     if row.ours is not None and band is not None and row.ours < band[0]:
-        return (f"{DOC} 6.3, below at the paper's exposure: Table 2's {B.g(row.published)} is "
+        published = row.published if isinstance(row.published, str) else B.g(row.published)
+        return (f"{DOC} 6.3, below at the paper's exposure: {row.source}'s {published} is "
                 f"out of reach of any additive error (its tail carried to the paper's units "
                 f"gives {B.g(row.ours)}); it needs healthy values of exactly or nearly zero, "
                 f"which neither fault model makes")
     if entry.get("fault_model", "additive") != "additive":
         return None
-    c = X.tail_fit(run, row.quantity.split(",")[0])[0]
+    fitted = row.reason.split(", over the paper's")[0]
+    times = (f"{B.g(row.ratio)}x Table 2" if row.ratio is not None else
+             f"{B.g(row.ours / band[1])}x the top of the band" if band else "above the band")
     return (f"{DOC} 6.3, the additive model's tail at the paper's exposure: the model gives "
             f"every hit a relative error with a 1/t tail (c = 0.14 a unit on values of normal "
-            f"density at zero; this run's units {B.g(c)}), which the paper's units carry to "
-            f"{B.g(row.ratio)}x Table 2 (a modelling choice); the "
+            f"density at zero; this run's {fitted}), which the paper's units carry to "
+            f"{times} (a modelling choice); the "
             f"alternative tried, section 6's flip model, gives that tail to a fraction of the "
             f"hits fitted to Tables 8-9 (calibration rows under it)")
 

@@ -47,7 +47,7 @@ def _rows_of(entry: dict, run) -> list[Row]:
     node, name, mode = entry["node"], entry["name"], entry["mode"]
     if mode == "lockstep":
         return (M.site_rows(node, name, run, entry) + X.rows(node, run)
-                + M.layer_rows(node, name, run, entry))
+                + M.layer_rows(node, name, run, entry) + X.layer_rows(node, run))
     if mode == "paramsync":
         return [TR.figure5_row(node, name, run, entry),
                 TR.figure5_rms_row(node, name, run, entry)]
