@@ -84,8 +84,15 @@ def tail_constant(maxima: list[float], units: list[float], floor: float = BULK_M
     c = n_above / (sum_above U / max + sum_below U / floor). Layers without units drop out."""
     above = [(m, u) for m, u in zip(maxima, units) if u > 0 and m > floor]
     below = sum(u for m, u in zip(maxima, units) if u > 0 and m <= floor)
-    weight = sum(u / m for m, u in above) + below / floor
-    return len(above) / weight if weight > 0 else 0.0
+    return tail_constant_of_sums(len(above), sum(u / m for m, u in above), below, floor)
+
+
+def tail_constant_of_sums(n_above: int, inverse_above: float, units_below: float,
+                          floor: float = BULK_MAX) -> float:
+    """`tail_constant` from its sums: the maxima above `floor`, their units over their maximum
+    summed, and the units of the groups at or below it (what a run's rollup keeps)."""
+    weight = inverse_above + units_below / floor
+    return n_above / weight if weight > 0 else 0.0
 
 
 def predicted_maximum(c: float, units: float) -> float:

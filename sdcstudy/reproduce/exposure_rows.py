@@ -104,7 +104,7 @@ def layer_rows(node: int, run) -> list[Row]:
                            B.TOO_RARE, f"{above} groups above {FM.BULK_MAX:g}: too few to fit "
                            f"a tail (at least {MIN_TAIL_UNITS})"))
             continue
-        c = above / (at["tail_inv"] + at["tail_below"] / FM.BULK_MAX)
+        c = FM.tail_constant_of_sums(above, at["tail_inv"], at["tail_below"])
         ours = FM.predicted_maximum(c, units)
         out.append(Row(node, source, quantity, published, ours, None, B.interval(lo, hi),
                        "pass" if B.within(ours, lo, hi) else "fail",
