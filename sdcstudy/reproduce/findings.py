@@ -67,7 +67,7 @@ def tail_at_exposure(row: Row, entry: dict, run) -> str | None:
     band = B.bounds(row.band)
     if row.ours is not None and band is not None and row.ours < band[0]:
         published = row.published if isinstance(row.published, str) else B.g(row.published)
-        return (f"{DOC} 6.3, below at the paper's exposure: {row.source}'s {published} is "
+        return (f"{DOC} 5.3, below at the paper's exposure: {row.source}'s {published} is "
                 f"out of reach of any additive error (its tail carried to the paper's units "
                 f"gives {B.g(row.ours)}); it needs healthy values of exactly or nearly zero, "
                 f"which neither fault model makes")
@@ -76,7 +76,7 @@ def tail_at_exposure(row: Row, entry: dict, run) -> str | None:
     fitted = row.reason.split(", over the paper's")[0]
     times = (f"{B.g(row.ratio)}x Table 2" if row.ratio is not None else
              f"{B.g(row.ours / band[1])}x the top of the band" if band else "above the band")
-    return (f"{DOC} 6.3, the additive model's tail at the paper's exposure: the model gives "
+    return (f"{DOC} 5.3, the additive model's tail at the paper's exposure: the model gives "
             f"every hit a relative error with a 1/t tail (c = 0.14 a unit on values of normal "
             f"density at zero; this run's {fitted}), which the paper's units carry to "
             f"{times} (a modelling choice); the "
