@@ -66,15 +66,15 @@ def rows(node: int, run) -> list[Row]:
             continue
         c, above, ours_units = tail_fit(run, site)
         quantity = QUANTITY.format(site=site)
-        band = B.interval(published / EXPOSURE_SPREAD, published * EXPOSURE_SPREAD)
+        lo, hi = published / EXPOSURE_SPREAD, published * EXPOSURE_SPREAD
+        band = B.interval(lo, hi)
         if above < MIN_TAIL_UNITS:
             out.append(Row(node, "Table 2", quantity, published, None, None, band, B.TOO_RARE,
                            f"{above} of {ours_units} units above {FM.BULK_MAX:g}: too few to "
                            f"fit a tail (at least {MIN_TAIL_UNITS})", published))
             continue
         ours = FM.predicted_maximum(c, units)
-        verdict = "pass" if B.within(ours, published / EXPOSURE_SPREAD,
-                                     published * EXPOSURE_SPREAD) else "fail"
+        verdict = "pass" if B.within(ours, lo, hi) else "fail"
         out.append(Row(node, "Table 2", quantity, published, ours, B.ratio(ours, published),
                        band, verdict, f"c = {B.g(c)} from {above} of {ours_units} units above "
                        f"{FM.BULK_MAX:g}, over the paper's {_units(units)} units", published))
@@ -122,7 +122,8 @@ def is_exposure_row(row: Row) -> bool:
 
 
 def spread(values: list[float]) -> float:
-    """The largest ratio, either way, between one of `values` (> 0) and their median."""
+    """The largest ratio, either way, between one of `values` (> 0) and their median (for an
+    even count, the geometric mean of the middle two)."""
     ordered = sorted(values)
     n = len(ordered)
     median = (ordered[n // 2] if n % 2 else math.sqrt(ordered[n // 2 - 1] * ordered[n // 2]))
