@@ -360,6 +360,37 @@ def test_figure10_frequently_on_node_14_little_elsewhere():
 # --- findings: why a failing row fails ----------------------------------------------------------
 
 
+def test_figures_5_and_6_fail_on_site_fault_counts_the_profile_cannot_give():
+    """The parameter-synchronized and free runs count their faults at Table 1's sites against
+    the plan: 40 at fwd/ffn where 2 are expected fails every row as excess events, none where
+    50 are expected as missing events; with corruptions unlogged only an excess is judged; the
+    weight-gradient faults are not counted."""
+    steps, expected = 3, {"fwd/attn": 3.0, "fwd/ffn": 2.0}
+    metrics = {"grad/nts": [0.0, 0.05, 0.02], "loss/healthy": [3.0, 2.9, 2.8],
+               "loss/suspect": [3.0, 2.9, 2.8], "param/diff_l2": [0.0, 1e-3, 2e-3]}
+
+    def rows(faults, expected=expected, unlogged=0):
+        out = []
+        for mode, make in (("paramsync", lambda r, e: [TR.figure5_row(1, "n", r, e),
+                                                       TR.figure5_rms_row(1, "n", r, e)]),
+                           ("free", lambda r, e: TR.figure6_rows(1, "n", r, e))):
+            run = with_faults(paired_run(mode, metrics), faults)
+            run.summary["faults/unlogged"] = unlogged
+            out += make(run, entry(mode=mode, steps=steps, expected=expected))
+        return out
+
+    consistent = pd.concat([fault_rows([1, 2, 3], site="fwd/attn"),
+                            fault_rows([1, 3], site="fwd/ffn"), fault_rows(range(500))])
+    assert [r.verdict for r in rows(consistent)] == ["pass"] * 4
+    excess = pd.concat([consistent, fault_rows([2] * 38, site="fwd/ffn")])
+    assert {r.reason.split(":")[0] for r in rows(excess)} == {B.EXCESS}
+    assert all(B.count_failed(r) and "40 fwd/ffn faults" in r.reason for r in rows(excess))
+    assert all(r.reason.startswith(B.MISSING) and "0 bwd/attn faults" in r.reason
+               for r in rows(consistent, {**expected, "bwd/attn": 50.0}))
+    assert [r.verdict for r in rows(consistent, {**expected, "bwd/attn": 50.0},
+                                    unlogged=10)] == ["pass"] * 4
+
+
 def fault_rows(steps, site="grad/layers/0/attn/wq", kind="additive", bit=-1) -> pd.DataFrame:
     return pd.DataFrame({"step": list(steps), "site": site, "kind": kind, "bit": bit})
 

@@ -1,5 +1,6 @@
 """Scorecard rows of the runs that train on: Figure 5 (RQ2, parameter sync), Figure 6 (RQ3,
-free running) and Figure 10 (appendix D, ABFT). Bands in `bands`; imports no JAX.
+free running) and Figure 10 (appendix D, ABFT). Bands in `bands`; imports no JAX. Each row
+fails first on an event count inconsistent with the profile (`site_fault_count`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def figure5_row(node: int, name: str, run, entry: dict) -> Row:
     if ours is None:
         return Row(node, "Figure 5", "WCNTS", published, None, None, band, "fail",
                    "the run has no grad/nts")
+    if wrong := site_fault_count(run, entry):
+        return Row(node, "Figure 5", "WCNTS", published, ours, B.ratio(ours, published), band,
+                   "fail", wrong, published)
     if B.faults_landed(run) == 0:
         return Row(node, "Figure 5", "WCNTS", published, ours, B.ratio(ours, published), band,
                    "no events", "no corruption landed in the run", published)
@@ -58,6 +62,9 @@ def figure5_rms_row(node: int, name: str, run, entry: dict) -> Row:
         return Row(node, "Figure 5", quantity, published, None, None, band, "fail",
                    "the run has no grad/nts")
     ours = float((nts ** 2).mean() ** 0.5)
+    if wrong := site_fault_count(run, entry):
+        return Row(node, "Figure 5", quantity, published, ours, B.ratio(ours, published), band,
+                   "fail", wrong, published)
     if B.faults_landed(run) == 0:
         return Row(node, "Figure 5", quantity, published, ours, B.ratio(ours, published), band,
                    "no events", "no corruption landed in the run", published)
@@ -72,7 +79,7 @@ def figure6_rows(node: int, name: str, run, entry: dict) -> list[Row]:
     its onset)."""
     healthy, suspect = _series(run, "loss/healthy"), _series(run, "loss/suspect")
     diff = _series(run, "param/diff_l2")
-    events = B.faults_landed(run)
+    events, wrong = B.faults_landed(run), site_fault_count(run, entry)
     rows = []
     gap = ((suspect - healthy).abs() / healthy.abs()) if len(healthy) else pd.Series(dtype=float)
     worst = B.num(gap.max()) if len(gap) else None
@@ -80,6 +87,8 @@ def figure6_rows(node: int, name: str, run, entry: dict) -> list[Row]:
     if worst is None or gap.isna().any() or not all(map(math.isfinite, gap)):
         rows.append(Row(node, "Figure 6", "loss gap", 0.0, worst, None, loss_band, "fail",
                         "a loss is missing or not finite"))
+    elif wrong:
+        rows.append(Row(node, "Figure 6", "loss gap", 0.0, worst, None, loss_band, "fail", wrong))
     elif events == 0:
         rows.append(Row(node, "Figure 6", "loss gap", 0.0, worst, None, loss_band, "no events",
                         "no corruption landed in the run"))
@@ -107,6 +116,9 @@ def figure6_rows(node: int, name: str, run, entry: dict) -> list[Row]:
                         None, growth_band, "not applicable",
                         f"the onset (step {onset}) is not before the run's last step "
                         f"({last_step})"))
+    elif wrong:
+        rows.append(Row(node, "Figure 6", "param/diff_l2 grows", "grows", B.num(diff.iloc[-1]),
+                        None, growth_band, "fail", wrong))
     elif events == 0:
         rows.append(Row(node, "Figure 6", "param/diff_l2 grows", "grows", B.num(diff.iloc[-1]),
                         None, growth_band, "no events", "no corruption landed in the run"))
@@ -144,15 +156,33 @@ def figure10_row(node: int, name: str, run, entry: dict) -> Row:
                f"{B.g(per_step.mean())} of the checks flagged")
 
 
-def _attention_fault_count(run, entry: dict) -> str | None:
-    """`bands.count_check` of the run's attention-output faults, the ones whose products ABFT
-    checks, against the profile's expectation; faults.parquet holds them all unless some went
-    unlogged, and then only an excess is judged."""
-    counts = run.fault_counts["faults"]
-    observed = int(counts[counts.index.get_level_values("site") == "fwd/attn"].sum())
-    expected = entry["sites"].get("fwd/attn", B.NO_SITE)["mismatches"]
+def _unlogged(run) -> bool:
+    """Whether some corruptions went unlogged (faults.parquet then holds a lower bound)."""
     unlogged = run.summary.get("faults/unlogged")
     if unlogged is None and "faults/unlogged" in run.metrics:
         unlogged = pd.to_numeric(run.metrics["faults/unlogged"], errors="coerce").sum()
-    return B.count_check(observed, expected, entry, "attention-output faults",
-                         at_least=bool(unlogged))
+    return bool(unlogged)
+
+
+def site_fault_count(run, entry: dict, sites=PB.SITES, what: str | None = None) -> str | None:
+    """`bands.count_check` of the run's faults at each of Table 1's `sites` against the
+    profile's expectation (the lock-step run's mismatches: one per landed corruption); the
+    first inconsistent one, or None. The weight-gradient faults are not counted: a landed one
+    is not a drawn one (an additive error on a zero row of the embedding's gradient changes
+    nothing), and a leaf replicated over tp records its faults once per rank."""
+    counts = run.fault_counts["faults"]
+    by_site = counts.groupby(level="site").sum() if len(counts) else pd.Series(dtype=float)
+    at_least = _unlogged(run)
+    for site in sites:
+        observed = int(by_site.get(site, 0))
+        expected = entry["sites"].get(site, B.NO_SITE)["mismatches"]
+        if wrong := B.count_check(observed, expected, entry, what or f"{site} faults",
+                                  at_least):
+            return wrong
+    return None
+
+
+def _attention_fault_count(run, entry: dict) -> str | None:
+    """The count check of the run's attention-output faults, the ones whose products ABFT
+    checks."""
+    return site_fault_count(run, entry, ("fwd/attn",), "attention-output faults")
