@@ -44,7 +44,8 @@ PRESETS = {
                "lr": 1e-3},
 }
 CHECKPOINT_EVERY = 50  # an interrupted run continues from here with --resume
-ABFT_FORCED = ("mesh.tp=1", "model.dtype=float32", "abft.enabled=true")  # appendix D.1
+# Appendix D.1: float32 (tp 1 is our choice: D.1 records flags across tp ranks, their number unsaid)
+ABFT_FORCED = ("mesh.tp=1", "model.dtype=float32", "abft.enabled=true")
 
 
 def run_name(node: int, mode: str) -> str:
