@@ -322,6 +322,45 @@ def test_figure6_loss_gap_and_parameter_drift():
         ["no events", "no events"]
 
 
+def drifting_run(exponent: float, steps=100, begins=1) -> Run:
+    """A free run whose parameter difference is 1e-3 t^exponent from step `begins` on."""
+    t = np.arange(1, steps + 1) - begins + 1
+    diff = np.where(t > 0, 1e-3 * np.clip(t, 1, None).astype(float) ** exponent, 0.0)
+    return paired_run("free", {"param/diff_l2": list(diff), "loss/healthy": [3.0] * steps,
+                               "loss/suspect": [3.0] * steps})
+
+
+def test_figure6_drift_rates_similar_on_most_nodes_is_one_row_for_all():
+    """Each free run's growth exponent is the slope of ln diff against ln(steps since the drift
+    began); the one row passes when more than half of the nodes lie within 2x of the median,
+    and is not applicable with fewer than three drifting nodes."""
+    from sdcstudy.reproduce import drift_rows as D
+
+    assert D.growth_exponent(drifting_run(0.5, begins=40)) == pytest.approx(0.5)
+    assert D.growth_exponent(drifting_run(0.5, begins=100)) is None  # one step of drift
+
+    def row(exponents):
+        plan = [entry(node=n, mode="free", steps=100) | {"name": f"f{n}"}
+                for n in range(1, len(exponents) + 1)]
+        runs = {f"f{n}": drifting_run(a) for n, a in enumerate(exponents, 1)}
+        (only,) = D.rows(plan + [entry(node=1, mode="lockstep")], runs)
+        assert (only.node, only.source, only.role) == (B.ACROSS_NODES, "Figure 6", B.HELD_OUT)
+        return only
+
+    similar = row([0.5, 0.6, 0.4, 2.0])
+    assert similar.verdict == "pass" and similar.ours == 0.75
+    assert "3 of 4 drifting nodes within 2x of the median exponent 0.55" in similar.reason
+    assert similar.reason.endswith("outside: 4")
+    assert row([0.1, 0.5, 2.0, 3.0]).verdict == "fail"  # median 1.25: only 2.0 within 2x
+    assert row([0.5, 0.5]).verdict == "not applicable"
+    assert D.rows([entry(mode="lockstep")], {}) == []
+    text = S.markdown(S.build([entry(node=n, mode="free", steps=100) | {"name": f"f{n}"}
+                               for n in (1, 2, 3)],
+                              {f"f{n}": drifting_run(0.5) for n in (1, 2, 3)}),
+                      {"preset": "tiny", "steps": 100, "modes": ["free"]})
+    assert "| across nodes |" in text and "## Across nodes, held-out rows" in text
+
+
 def test_figure6_node13_is_zero_before_its_onset():
     """Node 13: exactly zero before the onset passes, a tiny drift before it fails; with the
     onset after the run the growth is not applicable."""

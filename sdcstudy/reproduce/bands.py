@@ -19,7 +19,10 @@ when ours lies in its band:
   healthy node"), and `param/diff_l2` grows ("model weights on unhealthy nodes incrementally
   drift away"): above 0 and above its value at `GROWTH_FROM` (10%) of the run. Node 13 "shows
   no parameter difference before step 450": `param/diff_l2` is exactly 0 before the onset
-  step of its profile;
+  step of its profile. Across the free runs, "the rates at which the parameter differences
+  increase are similar on most unhealthy nodes": more than half of the drifting nodes' growth
+  exponents within a factor `DRIFT_SIMILAR` (2, our reading of "similar") of their median, one
+  row for all nodes (`drift_rows`), judged where at least `MIN_DRIFT_NODES` (3) drift;
 - Figure 10 (ABFT in float32, the forward product of the attention output projection `o`):
   appendix D.2, "ABFT only frequently flags SDCs on Node 14 while flagging little to no errors
   on other unhealthy nodes". We count the share of optimizer steps in which at least one
@@ -48,6 +51,9 @@ MIN_ACTIVE_STEPS = 30.0  # the count of bursts is binomial: 30 put one deviation
 ABFT_FREQUENT = 0.10
 ABFT_LITTLE = 0.01
 PAPER_ONSET = 450  # section 6.2
+DRIFT_SIMILAR = 2.0
+MIN_DRIFT_NODES = 3
+ACROSS_NODES = 0  # the node of a row about all the scorecard's nodes
 COUNT_LEVEL = 1e-3  # two-sided level of the event-count check
 EXCESS, MISSING = "excess events", "missing events"
 TOO_RARE = "too rare for this run"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import scorecard as S
 
 MODELS = ("additive", "flip")
@@ -43,7 +44,7 @@ def tally(rows: list[dict]) -> dict:
 
 def choose(scorecards: dict[str, list[dict]]) -> dict:
     """{node: {"model", model: tally}} from {model: scorecard rows} of the same nodes."""
-    nodes = sorted({r["node"] for rows in scorecards.values() for r in rows})
+    nodes = sorted({r["node"] for rows in scorecards.values() for r in rows} - {B.ACROSS_NODES})
     choice = {}
     for node in nodes:
         tallies = {m: tally(compared(scorecards[m], node)) for m in MODELS}

@@ -3,7 +3,8 @@
 `build(plan, runs, stopped)` makes the rows (`bands.Row`) from the planned runs and the run
 folders that finished; `write` puts them in `scorecard.md`, `scorecard.csv` and
 `scorecard.json`. The bands and verdicts are `bands`'; the rows of each source come from
-`mismatch_rows` (Tables 1, 2, 6-9) and `training_rows` (Figures 5, 6, 10); a failing row that
+`mismatch_rows` (Tables 1, 2, 6-9) and `training_rows` (Figures 5, 6, 10), with one row about
+all the nodes' free runs (`drift_rows`, listed under "across nodes"); a failing row that
 a measured finding explains names it (`findings`), except a row failed by its event count
 (excess or missing events: the engine's doing, whatever a finding says). Calibration rows
 (the quantities the profiles are fitted to) are tallied and listed apart from the held-out
@@ -21,6 +22,7 @@ from sdcstudy.core import runfolder as RF
 from sdcstudy.faults import flip_model
 from sdcstudy.reproduce import abft_paper_scale as A
 from sdcstudy.reproduce import bands as B
+from sdcstudy.reproduce import drift_rows as D
 from sdcstudy.reproduce import exposure_rows as X
 from sdcstudy.reproduce import findings as F
 from sdcstudy.reproduce import mismatch_rows as M
@@ -116,8 +118,9 @@ def build(plan: list[dict], runs: dict, stopped: dict | None = None,
                      for source in SOURCES[entry["mode"]]]
         else:
             rows += _judged(entry, runs[name])
-    rows += paper_scale_rows(plan, paper_scale)
-    return sorted(rows, key=lambda r: (r.node, ORDER.index(r.source)))
+    rows += paper_scale_rows(plan, paper_scale) + D.rows(plan, runs)
+    return sorted(rows, key=lambda r: (r.node == B.ACROSS_NODES, r.node,
+                                       ORDER.index(r.source)))
 
 
 def counts(rows: list[Row]) -> dict:
@@ -156,6 +159,10 @@ def _tally_line(label: str, rows: list[Row], bold: bool = False) -> str:
     return f"| {label} | " + " | ".join(f"**{c}**" if bold else str(c) for c in cells) + " |"
 
 
+def _node_label(node: int) -> str:
+    return "across nodes" if node == B.ACROSS_NODES else str(node)
+
+
 def _row_table(rows: list[Row]) -> list[str]:
     lines = ["| source | quantity | published | ours | ratio | band | verdict | reason |",
              "|---|---|---:|---:|---:|---|---|---|"]
@@ -187,7 +194,7 @@ def _model_words(request: dict) -> tuple[str, str]:
 def markdown(rows: list[Row], request: dict) -> str:
     """A verdict count per node (calibration and held-out passes and failures apart), then each
     node's calibration rows and held-out rows."""
-    nodes = sorted({r.node for r in rows})
+    nodes = sorted({r.node for r in rows}, key=lambda n: (n == B.ACROSS_NODES, n))
     lines = ["# Reproduction scorecard", "",
              f"Ma et al., *Understanding Silent Data Corruption in LLM Training*, measured on "
              f"the {request['preset']} model, {request['steps']} steps per run"
@@ -199,7 +206,8 @@ def markdown(rows: list[Row], request: dict) -> str:
                 else "") + " (bands: docs/reproduction.md).", "",
              "| node | " + " | ".join(f"{role} {v}" if role else v for role, v in TALLY) + " |",
              "|---:|" + "---:|" * len(TALLY)]
-    lines += [_tally_line(str(node), [r for r in rows if r.node == node]) for node in nodes]
+    lines += [_tally_line(_node_label(node), [r for r in rows if r.node == node])
+              for node in nodes]
     lines.append(_tally_line("all", rows, bold=True))
     failing = counts(rows)["fail"]
     fitted = _model_words(request)[1]
@@ -218,7 +226,8 @@ def markdown(rows: list[Row], request: dict) -> str:
         for role in ROLES:
             mine = [r for r in rows if r.node == node and r.role == role]
             if mine:
-                lines += ["", f"## Node {node}, {role} rows", "", *_row_table(mine)]
+                title = "Across nodes" if node == B.ACROSS_NODES else f"Node {node}"
+                lines += ["", f"## {title}, {role} rows", "", *_row_table(mine)]
     return "\n".join(lines) + "\n"
 
 
