@@ -35,8 +35,8 @@ os.environ.update({name: value or os.environ[SESSION_CACHE] for name, value in C
 # a rollback or a snapshot against the clean run) run without the session's cache: with it,
 # the second run would load the first one's executable instead of compiling its own, and a
 # compiler that is not deterministic would go unseen. Their subprocesses get no cache
-# settings, and the cache is off in the worker while they run. (test_distributed and
-# test_runlock give their subprocesses caches of their own; test_doctor checks in one test
+# settings, and the cache is off in the worker while they run. (test_distributed gives its
+# subprocesses a cache of their own; test_doctor checks in one test
 # that a program loaded from a cache hashes as the compiled one.) A test named as
 # "module::test" runs without it too, its module's fixtures with it: the one whose premise is
 # that two compiles of one program differ in the source lines they name.
