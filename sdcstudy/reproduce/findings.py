@@ -182,12 +182,14 @@ def loss_gap_from_table1(row: Row, entry: dict, run) -> str | None:
     """Figure 6's loss gap on a node whose Table 1 rates give its WCNTS on their own."""
     if row.source != "Figure 6" or row.quantity != "loss gap" or _weight_gradient_faults(run):
         return None
+    error = ("the flip model's bit-place errors (0.535 times the additive model's noise)"
+             if entry.get("fault_model", "additive") == "flip" else
+             "the one-component additive error whose size gives Figure 5's WCNTS")
     return (f"{DOC} 5.5, Figure 6 from Table 1's rates: the run made no weight-gradient fault; "
-            f"the node's Table 1 rates alone, under the one-component additive error whose size "
-            f"gives Figure 5's WCNTS, with Figure 4's initial spike at amplitude 10 (a guess) on "
-            f"a model of this size, move the loss by up to {B.g(row.ours)} "
-            f"({_suspect_above(*_losses(run))}): a modelling choice and a regime, not Table 1 "
-            f"against Figure 6")
+            f"the node's Table 1 rates alone, under {error}, with Figure 4's initial spike at "
+            f"amplitude 10 (a guess) on a model of this size, move the loss by up to "
+            f"{B.g(row.ours)} ({_suspect_above(*_losses(run))}): a modelling choice and a "
+            f"regime, not Table 1 against Figure 6")
 
 
 def abft_checks_our_faults(row: Row, entry: dict, run) -> str | None:
