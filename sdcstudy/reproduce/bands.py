@@ -212,12 +212,17 @@ def count_check(observed: int, expected: float, entry: dict, what: str = "mismat
             f"{COUNT_LEVEL:g})")
 
 
+def run_total(run, key: str) -> int:
+    """A count over the run: summary.json's `key`, else the sum of the metric."""
+    total = run.summary.get(key)
+    if total is None and key in run.metrics:
+        total = pd.to_numeric(run.metrics[key], errors="coerce").sum()
+    return int(total or 0)
+
+
 def faults_landed(run) -> int:
-    """Corruptions the injector made over the run (summary.json, else the metrics)."""
-    landed = run.summary.get("faults/landed")
-    if landed is None and "faults/landed" in run.metrics:
-        landed = pd.to_numeric(run.metrics["faults/landed"], errors="coerce").sum()
-    return int(landed or 0)
+    """Corruptions the injector made over the run."""
+    return run_total(run, "faults/landed")
 
 
 def too_rare(entry: dict, expected: float, observed: int,

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pandas as pd
 
 from sdcstudy.reproduce import bands as B
+from sdcstudy.reproduce import training_rows as TR
 from sdcstudy.reproduce.bands import Row
 
 QUANTITY = "drift growth exponent, similar on most nodes"
@@ -29,10 +29,7 @@ MIN_POINTS = 5  # differences in the fitted window, fewer: no exponent
 def growth_exponent(run) -> float | None:
     """The slope of ln `param/diff_l2` against ln(steps since the drift began) over the last
     (1 - GROWTH_FROM) of those steps; None where the run drifts in fewer than MIN_POINTS."""
-    if "param/diff_l2" not in run.metrics or not len(run.metrics):
-        return None
-    diff = pd.Series(pd.to_numeric(run.metrics["param/diff_l2"], errors="coerce").to_numpy(float),
-                     index=run.metrics["step"].astype(int).to_numpy())
+    diff = TR.series(run, "param/diff_l2")
     drifting = diff[diff > 0]
     if not len(drifting):
         return None

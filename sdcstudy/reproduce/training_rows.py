@@ -21,7 +21,7 @@ ABFT_NODE = 14  # appendix D.2: the one node on which ABFT flags frequently
 RMS_NTS = "rms grad/nts"
 
 
-def _series(run, key: str) -> pd.Series:
+def series(run, key: str) -> pd.Series:
     """Metric `key` per optimizer step (index: step), NaN where a step has none."""
     if key not in run.metrics or not len(run.metrics):
         return pd.Series(dtype=float)
@@ -55,7 +55,7 @@ def figure5_rms_row(node: int, name: str, run, entry: dict) -> Row:
     """Figure 5 by the root mean square of `grad/nts` over the steps (`RMS_NTS`): the
     statistic the weight-gradient rates are set from, where WCNTS, eq. (5), is its maximum."""
     published = PB.WCNTS[node]
-    nts = _series(run, "grad/nts").dropna()
+    nts = series(run, "grad/nts").dropna()
     lo, hi = published / B.WCNTS_FACTOR, published * B.WCNTS_FACTOR
     band, quantity = B.interval(lo, hi), RMS_NTS
     if not len(nts):
@@ -77,8 +77,8 @@ def figure5_rms_row(node: int, name: str, run, entry: dict) -> Row:
 def figure6_rows(node: int, name: str, run, entry: dict) -> list[Row]:
     """Figure 6: the losses stay together, the parameters drift apart (node 13: only after
     its onset)."""
-    healthy, suspect = _series(run, "loss/healthy"), _series(run, "loss/suspect")
-    diff = _series(run, "param/diff_l2")
+    healthy, suspect = series(run, "loss/healthy"), series(run, "loss/suspect")
+    diff = series(run, "param/diff_l2")
     events, wrong = B.faults_landed(run), site_fault_count(run, entry)
     rows = []
     gap = ((suspect - healthy).abs() / healthy.abs()) if len(healthy) else pd.Series(dtype=float)
@@ -156,14 +156,6 @@ def figure10_row(node: int, name: str, run, entry: dict) -> Row:
                f"{B.g(per_step.mean())} of the checks flagged")
 
 
-def _unlogged(run) -> bool:
-    """Whether some corruptions went unlogged (faults.parquet then holds a lower bound)."""
-    unlogged = run.summary.get("faults/unlogged")
-    if unlogged is None and "faults/unlogged" in run.metrics:
-        unlogged = pd.to_numeric(run.metrics["faults/unlogged"], errors="coerce").sum()
-    return bool(unlogged)
-
-
 def site_fault_count(run, entry: dict, sites=PB.SITES, what: str | None = None) -> str | None:
     """`bands.count_check` of the run's faults at each of Table 1's `sites` against the
     profile's expectation (the lock-step run's mismatches: one per landed corruption); the
@@ -172,7 +164,7 @@ def site_fault_count(run, entry: dict, sites=PB.SITES, what: str | None = None) 
     nothing), and a leaf replicated over tp records its faults once per rank."""
     counts = run.fault_counts["faults"]
     by_site = counts.groupby(level="site").sum() if len(counts) else pd.Series(dtype=float)
-    at_least = _unlogged(run)
+    at_least = B.run_total(run, "faults/unlogged") > 0  # faults.parquet holds a lower bound
     for site in sites:
         observed = int(by_site.get(site, 0))
         expected = entry["sites"].get(site, B.NO_SITE)["mismatches"]
