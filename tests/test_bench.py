@@ -579,3 +579,31 @@ def test_fault_draw_cost_times_three_parts_of_one_site(capsys):
     assert [line.split()[0] for line in lines] == ["matmul", "draws", "draw,"]
     times = [float(line.split(" us")[0].split()[-1]) for line in lines]
     assert all(t > 0 for t in times) and lines[0].endswith("1.0x the matmul")
+
+
+def test_fault_compile_cost_hears_only_the_step_and_writes_loadable_profiles(tmp_path):
+    # experiments/fault_compile_cost.py adds up JAX's compile-time events of `jit(train_step)`
+    # alone (not the initializer's or a slice's), and its profiles load as a run would load them.
+    from sdcstudy.faults import profiles
+
+    cost = _experiment("fault_compile_cost")
+    listener = cost.StepCompiles()
+
+    def train_step(x):
+        return x * 3.0 + 1.0
+
+    def init(x):
+        return x - 2.0
+
+    jax.jit(init)(jnp.ones(7))
+    assert listener.seconds == 0.0
+    jax.jit(train_step)(jnp.ones(5))
+    assert listener.seconds > 0.0
+    for name, profile in cost.PROFILES.items():
+        arg = cost.profile_arg(profile, tmp_path)
+        if profile is None:
+            assert arg == {}, name
+            continue
+        loaded = profiles.load(arg["suspect"]["profile"])
+        assert loaded.specs and not loaded.healthy, name
+    assert len(list(tmp_path.glob("profile-*.yaml"))) == 3
