@@ -22,12 +22,18 @@ import pandas as pd
 
 from sdcstudy.core import presets as CP
 from sdcstudy.core.errors import ConfigError
+from sdcstudy.faults import flip_model as FM
+from sdcstudy.faults import profiles as FP
 from sdcstudy.report import tables as T
 from sdcstudy.reproduce import abft_paper_scale as A
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import exposure_rows as X
 from sdcstudy.reproduce.bands import Row
 from sdcstudy.reproduce.training_rows import ABFT_NODE
+
+# The flip model's relative L2 noise over the additive model's at the same rates (docs/faults.md
+# 6.2: sqrt(0.0258 / 0.0902)).
+FLIP_NOISE_RATIO = math.sqrt(FM.bulk_noise() / FP.MAGNITUDE_MEAN_SQUARE)
 
 # The paper's lock-step runs: 4500 steps x 16 microsteps of 16 layers (section 4) on PAPER_TP
 # tensor-parallel ranks, the (microstep, layer, rank) units a maximum severity of Tables 2, 8
@@ -116,10 +122,11 @@ def wcnts_from_table1(row: Row, entry: dict, run) -> str | None:
             f"so its {row.quantity} of {B.g(row.ours)} comes from the node's Table 1 rates "
             f"alone, under three modelling choices: ")
     if entry.get("fault_model", "additive") == "flip":
-        return head + ("the flip model's bit-place noise (0.535 times the additive model's, "
-                       "section 6.2), Figure 4's initial spike at amplitude 10 (a guess: the "
-                       "paper gives none) and a maximum taken in this run's late steps; the "
-                       "additive model, the alternative, gives about twice the noise")
+        return head + (f"the flip model's bit-place noise ({B.g(FLIP_NOISE_RATIO)} times the "
+                       "additive model's, section 6.2), Figure 4's initial spike at amplitude "
+                       "10 (a guess: the paper gives none) and a maximum taken in this run's "
+                       "late steps; the additive model, the alternative, gives about twice the "
+                       "noise")
     return head + ("the one-component additive error's power, Figure 4's initial spike at "
                    "amplitude 10 (a guess: the paper gives none) and a maximum taken in this "
                    "run's late steps; the alternative tried, section 6's flip model, halves the "
@@ -182,8 +189,8 @@ def loss_gap_from_table1(row: Row, entry: dict, run) -> str | None:
     """Figure 6's loss gap on a node whose Table 1 rates give its WCNTS on their own."""
     if row.source != "Figure 6" or row.quantity != "loss gap" or _weight_gradient_faults(run):
         return None
-    error = ("the flip model's bit-place errors (0.535 times the additive model's noise)"
-             if entry.get("fault_model", "additive") == "flip" else
+    error = (f"the flip model's bit-place errors ({B.g(FLIP_NOISE_RATIO)} times the additive "
+             "model's noise)" if entry.get("fault_model", "additive") == "flip" else
              "the one-component additive error whose size gives Figure 5's WCNTS")
     return (f"{DOC} 5.5, Figure 6 from Table 1's rates: the run made no weight-gradient fault; "
             f"the node's Table 1 rates alone, under {error}, with Figure 4's initial spike at "
