@@ -1006,3 +1006,12 @@ def test_tables_8_9_at_the_papers_exposure_fit_each_layers_tail():
         assert row.source == "Table 9" and row.ours == pytest.approx(c * median / math.log(2))
         assert row.verdict == "fail" and X.is_exposure_row(row)
     assert {r.verdict for q, r in rows.items() if "bwd/attn" not in q} == {B.TOO_RARE}
+
+
+def test_the_findings_flip_noise_ratio_is_the_two_models_own():
+    """findings.FLIP_NOISE_RATIO, written out so that reports need no JAX, is sqrt(the flip
+    model's noise per unit rate / the additive model's E[m^2]) to its three digits."""
+    from sdcstudy.faults import flip_model as FM
+    from sdcstudy.faults import profiles as FP
+
+    assert F.FLIP_NOISE_RATIO == round(math.sqrt(FM.bulk_noise() / FP.MAGNITUDE_MEAN_SQUARE), 3)
