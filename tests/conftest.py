@@ -30,17 +30,22 @@ if MADE_CACHE:
     os.environ[SESSION_CACHE] = tempfile.mkdtemp(prefix="sdcstudy-test-xla-cache-")
 os.environ.update({name: value or os.environ[SESSION_CACHE] for name, value in CACHE_ENV.items()})
 
-# Modules whose claim is that running the same program again, in this process or another,
-# gives the same bits (doctor, golden record then check, resume against the uninterrupted run,
-# a rollback or a snapshot against the clean run) run without the session's cache: with it,
-# the second run would load the first one's executable instead of compiling its own, and a
-# compiler that is not deterministic would go unseen. Their subprocesses get no cache
-# settings, and the cache is off in the worker while they run. (test_distributed gives its
-# subprocesses a cache of their own; test_doctor checks in one test
-# that a program loaded from a cache hashes as the compiled one.) A test named as
-# "module::test" runs without it too, its module's fixtures with it: the one whose premise is
-# that two compiles of one program differ in the source lines they name.
-UNCACHED = ("test_doctor", "test_golden", "test_golden_devices", "test_train", "test_detect",
+# Tests whose claim is that compiling the same program again, in this process or another, gives
+# the same bits run without the session's cache: with it, the second run would load the first
+# one's executable instead of compiling its own, and a compiler that is not deterministic would
+# go unseen. That is test_doctor (two processes, and a program loaded from a cache hashing as
+# the compiled one), and, one test each, a resume against the uninterrupted run, a rollback and
+# a snapshot against the clean run. Their subprocesses get no cache settings, and the cache is
+# off in the worker while they run. A test named as "module::test" runs without it, its
+# module's fixtures with it (the uninterrupted run is compiled once, with the cache; the
+# resumed one compiles its own). The golden modules keep the cache: a check on another device
+# compiles its own program whatever the cache holds (the device is part of the program on the
+# CPU), so `golden check --device 1` against a record made on device 0 still compares two
+# compiles. test_distributed gives its subprocesses a cache of their own. The last name: a
+# test whose premise is that two compiles of one program differ in the source lines they name.
+UNCACHED = ("test_doctor", "test_train::test_resume_is_bitwise_identical",
+            "test_detect::test_rollback_with_transient_faults_ends_bitwise_equal_to_the_clean_run",
+            "test_detect::test_killing_a_snapshot_write_never_mixes_two_steps",
             "test_bench::test_program_text_ignores_only_source_locations")
 
 
