@@ -57,7 +57,7 @@ import pandas as pd  # noqa: E402
 from sdcstudy.abft import checker as A  # noqa: E402
 from sdcstudy.abft import emulate as E  # noqa: E402
 from sdcstudy.core import config as C  # noqa: E402
-from sdcstudy.faults import corrupt as FC  # noqa: E402
+from sdcstudy.faults import bits as FB  # noqa: E402
 from sdcstudy.core import model  # noqa: E402
 from sdcstudy.core import sites as S  # noqa: E402
 
@@ -69,7 +69,7 @@ RULES = A.HOST_THRESHOLDS
 
 @jax.custom_vjp
 def _flip(x, hit, bit):
-    return jnp.where(hit, FC.flip_bits(x, bit), x)
+    return jnp.where(hit, FB.flip_bits(x, bit), x)
 
 
 def _flip_fwd(x, hit, bit):
@@ -134,7 +134,7 @@ def plan(dims, width: int, repeats: int, healthy: int, seed: int) -> list[dict]:
 
 
 def bit_class(bit: int, width: int) -> str:
-    sign, exponent, _ = FC._LAYOUT[width]
+    sign, exponent, _ = FB._LAYOUT[width]
     return "sign" if bit == sign else "exponent" if bit in exponent else "mantissa"
 
 

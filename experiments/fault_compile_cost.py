@@ -5,7 +5,8 @@ of them.
 whole step that carries them (`jit(train_step)`, as `sdcstudy run` compiles it), read from
 JAX's own compile-time events, with the persistent compilation cache off. Every fault site
 adds its draws, its fallback for a tensor with more hits than the sparse draw lists, and its
-record to the program; a `grad` spec adds them once per parameter leaf.
+record to the program; a `grad` spec adds them once per group of same-shape parameter leaves
+(once per leaf, the second column, before leaves were corrupted as stacks).
 
     python experiments/fault_compile_cost.py [--mode paramsync] [--layers 1] [--tp 2]
 """
@@ -25,6 +26,7 @@ from jax import monitoring  # noqa: E402
 
 from sdcstudy import runner  # noqa: E402
 from sdcstudy.core import config as C  # noqa: E402
+from sdcstudy.faults import inject  # noqa: E402
 
 ADDITIVE = {"kind": "additive", "scale": [2.0 ** -8, 1.0]}
 MODEL_SITES = ("fwd/attn", "fwd/ffn", "bwd/attn", "bwd/ffn")
@@ -36,6 +38,9 @@ PROFILES = {
     "grad, every leaf": [{"site": "grad", "rate": 1e-2, **ADDITIVE}],
     "paper-node-1 (four sites and grad)": "paper-node-1",
 }
+# The profiles with a `grad` spec are compiled twice: same-shape leaves as one stack (what runs)
+# and one leaf at a time (`inject.STACK_LEAVES = False`, as before stacks).
+TREE_PROFILES = ("grad, every leaf", "paper-node-1 (four sites and grad)")
 
 
 class StepCompiles:
@@ -83,11 +88,17 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         step_compile_seconds(args, None, folder, listener)  # warm-up: the process's first compile
-        print(f"| tiny, {args.layers} layer(s), tp {args.tp}, {args.mode} | step compile, s |")
-        print("|---|---:|")
+        print(f"| tiny, {args.layers} layer(s), tp {args.tp}, {args.mode} | step compile, s "
+              f"| leaves one at a time, s |")
+        print("|---|---:|---:|")
         for name, profile in PROFILES.items():
-            print(f"| {name} | {step_compile_seconds(args, profile, folder, listener):.2f} |",
-                  flush=True)
+            stacked = step_compile_seconds(args, profile, folder, listener)
+            alone = ""
+            if name in TREE_PROFILES:
+                inject.STACK_LEAVES = False
+                alone = f"{step_compile_seconds(args, profile, folder, listener):.2f}"
+                inject.STACK_LEAVES = True
+            print(f"| {name} | {stacked:.2f} | {alone} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import pytest
 from sdcstudy.abft import checker as A
 from sdcstudy import cli
 from sdcstudy.core import config as C
-from sdcstudy.faults import corrupt as FC
+from sdcstudy.faults import bits as FB
 from sdcstudy.report import runs as report
 from sdcstudy import runner
 from sdcstudy.faults.trainer import NodeTrainer
@@ -47,7 +47,7 @@ def _corrupt_backward(matmul, layer, direction, grad):
     if index is None:
         return grad
     hit = jnp.arange(grad.size).reshape(grad.shape) == index
-    return jnp.where(hit, FC.flip_bits(grad, TOP_EXPONENT_BIT["float32"]), grad)
+    return jnp.where(hit, FB.flip_bits(grad, TOP_EXPONENT_BIT["float32"]), grad)
 
 
 def _one_step(trainer):

@@ -11,6 +11,7 @@ import pytest
 
 from sdcstudy.core.errors import UserError
 from sdcstudy.faults import corrupt as FC
+from sdcstudy.faults import bits as FB
 from sdcstudy.faults import flip_model as F
 from sdcstudy.faults import profiles as P
 from sdcstudy.faults import published_layers as PL
@@ -74,15 +75,15 @@ def test_bf16_classes_are_the_bits_a_bfloat16_result_keeps():
     and flipping one of them in a float32 that holds a bfloat16 value gives exactly the
     bfloat16 value with that bit flipped, converted: a failure means a float32 run's flips are
     not the bfloat16 result's."""
-    assert FC.bits_of_class("bf16-result", 32) == (*range(16, 23), 23, 31)
-    assert FC.bits_of_class("bf16-result", 16) == (*range(0, 7), 7, 15)
-    assert FC.bits_of_class("bf16-mantissa", 32) == tuple(range(16, 23))
-    assert FC.bits_of_class("bf16-mantissa", 16) == tuple(range(0, 7))
+    assert FB.bits_of_class("bf16-result", 32) == (*range(16, 23), 23, 31)
+    assert FB.bits_of_class("bf16-result", 16) == (*range(0, 7), 7, 15)
+    assert FB.bits_of_class("bf16-mantissa", 32) == tuple(range(16, 23))
+    assert FB.bits_of_class("bf16-mantissa", 16) == tuple(range(0, 7))
     x16 = jax.random.normal(jax.random.key(0), (4096,), jnp.float32).astype(jnp.bfloat16)
-    for b16, b32 in zip(FC.bits_of_class("bf16-result", 16), FC.bits_of_class("bf16-result", 32)):
-        flipped16 = FC.flip_bits(x16, b16).astype(jnp.float32)
-        flipped32 = FC.flip_bits(x16.astype(jnp.float32), b32)
-        assert np.array_equal(np.asarray(FC.to_bits(flipped16)), np.asarray(FC.to_bits(flipped32)))
+    for b16, b32 in zip(FB.bits_of_class("bf16-result", 16), FB.bits_of_class("bf16-result", 32)):
+        flipped16 = FB.flip_bits(x16, b16).astype(jnp.float32)
+        flipped32 = FB.flip_bits(x16.astype(jnp.float32), b32)
+        assert np.array_equal(np.asarray(FB.to_bits(flipped16)), np.asarray(FB.to_bits(flipped32)))
 
 
 def test_default_paper_profiles_are_unchanged():

@@ -16,6 +16,8 @@ from sdcstudy.core import config as C
 from sdcstudy.faults import specs as FS
 from sdcstudy.faults import inject as F
 from sdcstudy.faults import corrupt as FC
+from sdcstudy.faults import bits as FB
+from sdcstudy.faults import records as FR
 from sdcstudy.core import mesh as M
 from sdcstudy.core import model
 from sdcstudy.faults import profiles
@@ -33,7 +35,7 @@ def _x(dtype, shape=(200, 500), seed=0):
 
 
 def _bits(a, dtype):
-    return np.asarray(jax.device_get(FC.to_bits(a))).astype(np.uint64)
+    return np.asarray(jax.device_get(FB.to_bits(a))).astype(np.uint64)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -52,7 +54,7 @@ def test_counts_follow_the_rate_within_binomial_bounds(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bit", [0, 6, 7, 14, 15, 22, 30, 31])
 def test_the_flipped_bit_is_exactly_the_configured_one(dtype, bit):
-    width = FC.bit_width(dtype)
+    width = FB.bit_width(dtype)
     if bit >= width:
         pytest.skip("no such bit in this dtype")
     x = _x(dtype)
@@ -68,8 +70,8 @@ def test_the_flipped_bit_is_exactly_the_configured_one(dtype, bit):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bit_class", ["sign", "exponent", "mantissa"])
 def test_bit_classes_stay_in_their_field(dtype, bit_class):
-    width = FC.bit_width(dtype)
-    allowed = set(FC.bits_of_class(bit_class, width))
+    width = FB.bit_width(dtype)
+    allowed = set(FB.bits_of_class(bit_class, width))
     expected = {32: {"sign": {31}, "exponent": set(range(23, 31)), "mantissa": set(range(23))},
                 16: {"sign": {15}, "exponent": set(range(7, 15)), "mantissa": set(range(7))}}
     assert allowed == expected[width][bit_class]
@@ -117,7 +119,7 @@ def test_records_match_the_corruption_exactly(dtype):
     x = _x(dtype)
     spec = FS.FaultSpec("fwd/attn", "bitflip", rate=2e-4, bit_class="any")
     y, landed, bit = FC.corrupt(x, jax.random.key(6), spec, 2e-4)
-    count, rows = FC.decode_record(np.asarray(FC.make_record(x, y, landed, bit, 100)))
+    count, rows = FR.decode_record(np.asarray(FR.make_record(x, y, landed, bit, 100)))
     flat_x, flat_y = np.asarray(x, np.float32).ravel(), np.asarray(y, np.float32).ravel()
     changed = np.nonzero(_bits(x, dtype).ravel() != _bits(y, dtype).ravel())[0]
     assert count == len(changed) == len(rows) > 0
@@ -127,7 +129,7 @@ def test_records_match_the_corruption_exactly(dtype):
         same = r["corrupted"] == flat_y[r["flat_index"]]
         assert same or (np.isnan(r["corrupted"]) and np.isnan(flat_y[r["flat_index"]]))
     # More corruptions than the record holds: all counted, the first `limit` logged.
-    count, rows = FC.decode_record(np.asarray(FC.make_record(x, y, landed, bit, 5)))
+    count, rows = FR.decode_record(np.asarray(FR.make_record(x, y, landed, bit, 5)))
     assert count == len(changed) and len(rows) == 5
 
 
@@ -150,7 +152,7 @@ def test_records_of_the_listed_hits_equal_a_search_of_the_whole_tensor(dtype, sp
     (y, record), (y_all, record_all) = jax.device_get((listed, searched))
     assert _bits(y, dtype).tobytes() == _bits(y_all, dtype).tobytes()
     assert np.asarray(record).tobytes() == np.asarray(record_all).tobytes()
-    assert FC.decode_record(np.asarray(record))[0] > 0
+    assert FR.decode_record(np.asarray(record))[0] > 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -380,7 +382,7 @@ def test_forward_faults_land_only_on_the_chosen_node_and_rank(mesh_run):
     (key,) = [k for k in records if F.parse_record_key(k)[1] == S.ATTN_OUT]
     for node in range(2):
         for rank in range(2):
-            count, rows = FC.decode_record(records[key][node, rank])
+            count, rows = FR.decode_record(records[key][node, rank])
             assert count == per_device[node, rank]
             flat = np.nonzero(changed[node, rank].ravel())[0]
             assert [r["flat_index"] for r in rows] == flat[:LIMIT].tolist()
@@ -391,7 +393,7 @@ def test_backward_faults_reach_only_the_suspects_gradients(mesh_run, clean_mesh_
     _, _, sink_grads, grads = mesh_run
     clean = clean_mesh_run[3]
     (key,) = list(sink_grads)
-    counts = [[FC.decode_record(sink_grads[key][n, r])[0] for r in range(2)] for n in range(2)]
+    counts = [[FR.decode_record(sink_grads[key][n, r])[0] for r in range(2)] for n in range(2)]
     assert counts[0] == [0, 0] and min(counts[1]) > 0
     # The forward fault of node 1 (layer 1) and the backward one (layer 2) both change node 1's
     # weight gradients; node 0's must be exactly those of a clean run of the same program.
@@ -492,9 +494,65 @@ def test_skipping_idle_draws_keeps_every_bit(monkeypatch):
     assert skipped_text.count("stablehlo.case") > drawn_text.count("stablehlo.case")
     bits = lambda t: [np.asarray(a).tobytes() for a in jax.tree.leaves(t)]  # noqa: E731
     assert bits(skipped) == bits(drawn)
-    landed = [sum(FC.decode_record(r[0])[0] for r in faults["micro"].values())
+    landed = [sum(FR.decode_record(r[0])[0] for r in faults["micro"].values())
               for _, faults in drawn[1]]
     assert landed[0] == landed[2] == 0 < landed[1]
+
+
+def test_stacked_leaves_are_corrupted_as_one_at_a_time(monkeypatch):
+    # `grad` and `update` specs corrupt every parameter leaf; leaves of one shape are corrupted
+    # as one stack (inject.STACK_LEAVES), which XLA compiles once instead of once a leaf. Every
+    # leaf's faults, its record and all the step computes from them must be those of
+    # corrupting it alone, bit for bit, in the compiled step: an additive gradient spec (the
+    # kind that reads each row's RMS, a reduction XLA may fuse apart) dense enough to draw past
+    # the listed hits.
+    profile = FS.Profile("stacked", (
+        FS.FaultSpec("grad", "additive", rate=0.3, scale=(2.0 ** -8, 1.0)),))
+    cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
+                       "model": {"n_layers": 1}})
+    batch = {"tokens": jax.random.randint(jax.random.key(3), (1, 2, 17), 0, 256)}
+
+    def run():
+        trainer = dataclasses.replace(NodeTrainer.from_config(cfg),
+                                      injector=F.Injector(profile, 1))
+        lowered = jax.jit(trainer.train_step).lower(trainer.init_state(), batch)
+        out = lowered.compile()(trainer.init_state(), batch)
+        return jax.device_get(out), lowered.as_text()
+
+    stacked, stacked_text = run()
+    monkeypatch.setattr(F, "STACK_LEAVES", False)
+    alone, alone_text = run()
+    # One dense-rest conditional per stack of leaves instead of one per leaf.
+    assert stacked_text.count("stablehlo.case") < alone_text.count("stablehlo.case")
+    bits = lambda t: [np.asarray(a).tobytes() for a in jax.tree.leaves(t)]  # noqa: E731
+    assert bits(stacked) == bits(alone)
+    landed = [FR.decode_record(r)[0] for r in stacked[2]["step"].values()]
+    assert max(landed) > FC.HIT_CAP  # the additive spec drew past the listed hits
+
+
+@pytest.mark.parametrize("dtype, spec", [
+    (jnp.bfloat16, FS.FaultSpec("grad", "random", rate=1.0, lanes=(1, 3))),
+    (jnp.float32, FS.FaultSpec("grad", "zero", rate=1.0)),
+    (jnp.float32, FS.FaultSpec("update", "bitflip", count=2, bits=(20,)))])
+def test_a_stack_of_tensors_is_corrupted_as_each_alone(dtype, spec):
+    # The kinds the step test above leaves out, a bfloat16 stack and lanes; per tensor a rate
+    # of its own: off, sparse, and dense enough to draw past the listed hits (2,560 elements
+    # at 0.5: about 1,280 hits; in two lanes of 64, about 40; a count spec: its count).
+    spec = spec.validate()
+    xs = _x(dtype, (3, 40, 64))
+    key_data = jax.random.key_data(jax.random.split(jax.random.key(1), 3))
+    rates = jnp.asarray([0.0, 1e-3, 0.5], jnp.float32)
+    alone = jax.jit(lambda xs, kd, r: [FC.corrupt_and_record(xs[i], kd[i], r[i], spec, 16)
+                                        for i in range(3)])(xs, key_data, rates)
+    ys, records = jax.jit(lambda *a: FC.corrupt_and_record_stacked(*a, spec, 16))(
+        xs, key_data, rates)
+    for i, (y, record) in enumerate(alone):
+        assert np.array_equal(_bits(ys[i], dtype), _bits(y, dtype)), i
+        assert np.array_equal(np.asarray(records[i]).view(np.uint32),
+                              np.asarray(record).view(np.uint32)), i
+    landed = [FR.decode_record(record)[0] for record in records]
+    least = spec.count if spec.count else 20 if spec.lanes else FC.HIT_CAP
+    assert landed[0] == 0 and landed[2] >= least
 
 
 def test_bits_a_bfloat16_site_lacks_are_one_sentence_and_exit_2(tmp_path, capsys):

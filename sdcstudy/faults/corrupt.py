@@ -1,9 +1,10 @@
-"""Corrupting one tensor and recording what changed: the bit operations, the corruption kinds
-of a `FaultSpec` (bit flips, scaling, random values, zeros, NaN, Inf) drawn from a key, and the
-fixed-size ground-truth record that carries every landed corruption out of the jitted step.
+"""Corrupting one tensor and recording what changed: the corruption kinds of a `FaultSpec`
+(bit flips, scaling, additive errors, random values, zeros, NaN, Inf) drawn from a key, exactly
+at any rate, and the tensor's ground-truth record (`records.py`); a stack of same-shape tensors
+corrupted at once, each as if alone.
 
-`inject.py` applies these at the model's sites and pytree sites; the golden and ABFT checks use
-the bit helpers too.
+`inject.py` applies these at the model's sites and pytree sites; the bit operations are in
+`bits.py`.
 """
 
 from __future__ import annotations
@@ -12,53 +13,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from sdcstudy.core.mesh import varying_axes, vary
+from sdcstudy.faults.bits import bit_width, bits_of_class, from_bits, to_bits
+from sdcstudy.faults.records import empty_record, make_record, record_at
 from sdcstudy.faults.specs import FaultSpec, FaultSpecError
-
-_UINT = {jnp.dtype(jnp.float32): jnp.uint32, jnp.dtype(jnp.bfloat16): jnp.uint16}
-# (sign, exponent, mantissa) bit positions, bit 0 = least significant mantissa bit.
-_LAYOUT = {32: (31, range(23, 31), range(0, 23)), 16: (15, range(7, 15), range(0, 7))}
-
-
-# --- bits -------------------------------------------------------------------------------------
-
-
-def bit_width(dtype) -> int:
-    dtype = jnp.dtype(dtype)
-    if dtype not in _UINT:
-        raise FaultSpecError(f"faults support float32 and bfloat16 tensors, not {dtype}.")
-    return dtype.itemsize * 8
-
-
-def to_bits(x):
-    return lax.bitcast_convert_type(x, _UINT[jnp.dtype(x.dtype)])
-
-
-def from_bits(bits, dtype):
-    return lax.bitcast_convert_type(bits, dtype)
-
-
-def flip_bits(x, bit):
-    """Flip bit `bit` (scalar or per-element array; 0 = lowest mantissa bit) of every element."""
-    bits = to_bits(x)
-    one = jnp.ones((), bits.dtype)
-    return from_bits(bits ^ (one << jnp.asarray(bit).astype(bits.dtype)), x.dtype)
-
-
-def bits_of_class(bit_class: str, width: int) -> tuple[int, ...]:
-    """The bits of `bit_class` in a `width`-bit float. "bf16-mantissa" and "bf16-result" are
-    the bits a bfloat16 result keeps, however wide the value at the site: its 7 mantissa bits
-    (bits 16-22 of a float32, 0-6 of a bfloat16), and with them its exponent's lowest bit and
-    its sign (23 and 31; 7 and 15)."""
-    sign, exponent, mantissa = _LAYOUT[width]
-    kept = tuple(mantissa)[-7:]
-    return {"sign": (sign,), "exponent": tuple(exponent), "mantissa": tuple(mantissa),
-            "any": tuple(range(width)), "bf16-mantissa": kept,
-            "bf16-result": (*kept, exponent[0], sign)}[bit_class]
-
 
 # --- corrupting one tensor --------------------------------------------------------------------
 
@@ -165,24 +125,35 @@ def _sparse_draws(key, spec: FaultSpec, rate, size: int, width: int):
     """(hit, aux, positions, complete), flat: the first HIT_CAP hits one by one, then, if the
     cap-th hit lands, every element after it drawn densely (exact: the elements after a hit
     are independent of the ones before); `complete`: the positions hold every hit."""
+    hit, aux, positions, k_dense = _listed_draws(key, spec, rate, size, width)
+    axes = _varying(key, rate)
+    hit, aux = lax.cond(positions[-1] < size,
+                        lambda: vary(_dense_after(k_dense, spec, rate, width, hit, aux,
+                                                  positions), axes),
+                        lambda: vary((hit, aux), axes))
+    return hit, aux, positions, positions[-1] >= size
+
+
+def _listed_draws(key, spec: FaultSpec, rate, size: int, width: int):
+    """(hit, aux, positions, the key of the dense rest): the first HIT_CAP hits, flat."""
     k_hit, k_aux, k_dense = jax.random.split(key, 3)
     cap = min(size, HIT_CAP)
     positions = hit_positions(k_hit, rate, size, cap)
     aux = _aux(k_aux, spec, width, (cap,))
     hit = _scatter(size, positions, jnp.ones(cap, bool), False)
     aux = None if aux is None else _scatter(size, positions, aux, 0)
+    return hit, aux, positions, k_dense
 
-    def dense():
-        k_u, k_a = jax.random.split(k_dense)
-        after = jnp.arange(size, dtype=jnp.uint32) > positions[-1]
-        more = after & (fine_uniform(k_u, (size,), words=2) < rate)
-        more_aux = _aux(k_a, spec, width, (size,))
-        return hit | more, None if aux is None else jnp.where(more, more_aux, aux)
 
-    axes = _varying(key, rate)
-    hit, aux = lax.cond(positions[-1] < size, lambda: vary(dense(), axes),
-                        lambda: vary((hit, aux), axes))
-    return hit, aux, positions, positions[-1] >= size
+def _dense_after(k_dense, spec: FaultSpec, rate, width: int, hit, aux, positions):
+    """(hit, aux) with every element after the last listed position drawn densely; where the
+    positions hold every hit (the last one is the size), `hit` and `aux` as they were."""
+    size = hit.size
+    k_u, k_a = jax.random.split(k_dense)
+    after = jnp.arange(size, dtype=jnp.uint32) > positions[-1]
+    more = after & (fine_uniform(k_u, (size,), words=2) < rate)
+    more_aux = _aux(k_a, spec, width, (size,))
+    return hit | more, None if aux is None else jnp.where(more, more_aux, aux)
 
 
 def _cap(spec: FaultSpec, size: int) -> int:
@@ -196,19 +167,29 @@ def _draws(key, spec: FaultSpec, rate, shape, width):
     elsewhere); `positions` (uint32, increasing, the size past the last) the flat positions of
     the first `_cap` hits, and every hit when `complete`."""
     size = math.prod(shape)
-    if spec.count is not None:  # exactly `count` distinct elements, when the rate is on
-        k_hit, k_aux = jax.random.split(key)
-        chosen = jax.random.choice(k_hit, size, (_cap(spec, size),), replace=False)
-        hit = jnp.zeros(size, bool).at[chosen].set(rate > 0)
-        positions = jnp.where(rate > 0, jnp.sort(chosen), size).astype(jnp.uint32)
-        aux, complete = _aux(k_aux, spec, width, (size,)), jnp.bool_(True)
+    if spec.count is not None:
+        hit, aux, positions, complete = _counted_draws(key, spec, rate, size, width)
     else:
         hit, aux, positions, complete = _sparse_draws(key, spec, rate, size, width)
+    return (*_shaped(spec, shape, hit, aux), positions, complete)
+
+
+def _counted_draws(key, spec: FaultSpec, rate, size: int, width: int):
+    """`_draws`, flat, of a spec that hits exactly `count` distinct elements when on."""
+    k_hit, k_aux = jax.random.split(key)
+    chosen = jax.random.choice(k_hit, size, (_cap(spec, size),), replace=False)
+    hit = jnp.zeros(size, bool).at[chosen].set(rate > 0)
+    positions = jnp.where(rate > 0, jnp.sort(chosen), size).astype(jnp.uint32)
+    return hit, _aux(k_aux, spec, width, (size,)), positions, jnp.bool_(True)
+
+
+def _shaped(spec: FaultSpec, shape, hit, aux):
+    """Flat (hit, aux) in the tensor's shape, hits outside the spec's lanes dropped."""
     hit, aux = hit.reshape(shape), None if aux is None else aux.reshape(shape)
     if spec.lanes is not None:
         lane = lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
         hit &= jnp.isin(lane, jnp.asarray(spec.lanes))
-    return hit, aux, positions, complete
+    return hit, aux
 
 
 def _varying(*values) -> frozenset:
@@ -242,6 +223,12 @@ def _corrupt(x, key, spec: FaultSpec, rate, skip_idle: bool = False):
             lambda: vary(_no_draws(spec, x.shape), axes))
     else:
         hit, aux, positions, complete = _draws(key, spec, rate, x.shape, width)
+    return (*_apply(x, spec, hit, aux), positions, complete)
+
+
+def _apply(x, spec: FaultSpec, hit, aux, rms=None):
+    """(y, bit): `x` with the `hit` elements replaced as `spec` says, and the drawn bit (-1
+    for kinds other than bit flips). `rms`: `row_rms` of `x`, where the caller has it."""
     x_bits = to_bits(x)
     bit = jnp.full(x.shape, -1, jnp.int32)
     if spec.kind == "bitflip":
@@ -251,7 +238,8 @@ def _corrupt(x, key, spec: FaultSpec, rate, skip_idle: bool = False):
         bad_bits = to_bits((x.astype(jnp.float32) * aux).astype(x.dtype))
     elif spec.kind == "additive":
         x32 = x.astype(jnp.float32)
-        bad_bits = to_bits((x32 + aux * row_rms(x32)).astype(x.dtype))
+        rms = row_rms(x32) if rms is None else rms
+        bad_bits = to_bits((x32 + aux * rms).astype(x.dtype))
     elif spec.kind in ("random", "inf"):
         bad_bits = to_bits(aux.astype(x.dtype))
     else:
@@ -259,7 +247,7 @@ def _corrupt(x, key, spec: FaultSpec, rate, skip_idle: bool = False):
         bad_bits = to_bits(jnp.full(x.shape, fill, jnp.float32).astype(x.dtype))
     # Select in the integer domain: a float select may quieten a signalling NaN and so change
     # bits other than the ones the fault names.
-    return from_bits(jnp.where(hit, bad_bits, x_bits), x.dtype), bit, positions, complete
+    return from_bits(jnp.where(hit, bad_bits, x_bits), x.dtype), bit
 
 
 def row_rms(x):
@@ -284,62 +272,6 @@ def corrupt(x, key, spec: FaultSpec, rate):
     return (y, *_landed(x, y, bit))
 
 
-# --- ground-truth records ---------------------------------------------------------------------
-# A record is float32 (limit + 1, 8): row 0 holds the exact number of landed corruptions
-# (split in 16-bit halves) and the tensor's bit width, rows 1.. one landed corruption each:
-# [valid, index_hi, index_lo, original_hi, original_lo, corrupted_hi, corrupted_lo, bit].
-# Integers are split into 16-bit halves so float32 carries them exactly (it holds every
-# integer below 2^24), even through a cotangent.
-RECORD_WIDTH = 8
-
-
-def _split16(v):
-    v = v.astype(jnp.uint32)
-    return (v >> 16).astype(jnp.float32), (v & 0xFFFF).astype(jnp.float32)
-
-
-def make_record(x, y, landed, bit, limit: int):
-    """The record of the `landed` elements of `x` (`bit`: -1 where none landed), searched over
-    the whole tensor."""
-    flat = landed.reshape(-1)
-    (index,) = jnp.nonzero(flat, size=limit, fill_value=0)
-    return _record(x, y, bit, index, jnp.sum(flat, dtype=jnp.int32), limit)
-
-
-def _record_at(x, y, bit, positions, limit: int):
-    """`make_record`'s record, bit for bit, where every changed element is at one of
-    `positions` (increasing; the size past the last): only those are searched, which costs the
-    hits, where a search of the whole tensor costs more than drawing them."""
-    size = x.size
-    at = jnp.minimum(positions, size - 1).astype(jnp.int32)
-    landed = (positions < size) & (to_bits(x).reshape(-1)[at] != to_bits(y).reshape(-1)[at])
-    (pick,) = jnp.nonzero(landed, size=limit, fill_value=0)
-    count = jnp.sum(landed, dtype=jnp.int32)
-    return _record(x, y, bit, jnp.where(jnp.arange(limit) < count, at[pick], 0), count, limit)
-
-
-def _record(x, y, bit, index, count, limit: int):
-    """The record of `count` landed elements, the first `limit` of them at flat `index` (0 in
-    the unused rows)."""
-    valid = jnp.arange(limit) < count
-    orig = to_bits(x).reshape(-1)[index].astype(jnp.uint32)
-    corr = to_bits(y).reshape(-1)[index].astype(jnp.uint32)
-    cols = [valid.astype(jnp.float32), *_split16(index), *_split16(orig), *_split16(corr),
-            bit.reshape(-1)[index].astype(jnp.float32)]
-    rows = jnp.stack(cols, axis=-1) * valid[:, None]
-    width = jnp.float32(bit_width(x.dtype))
-    head = jnp.zeros((1, RECORD_WIDTH), jnp.float32).at[0, :3].set(
-        jnp.stack([*_split16(count), width]))
-    return jnp.concatenate([head, rows], axis=0)
-
-
-def empty_record(dtype, limit: int):
-    """The record of a tensor in which nothing landed, bit for bit `make_record`'s: its unused
-    rows hold the bit -1 times 0, which is -0."""
-    record = jnp.zeros((limit + 1, RECORD_WIDTH), jnp.float32).at[1:, 7].set(-0.0)
-    return record.at[0, 2].set(bit_width(dtype))
-
-
 def corrupt_and_record(x, key_data, rate, spec: FaultSpec, limit: int,
                        skip_idle: bool = False):
     """(y, record): `corrupt` with the key's raw data, and the record of what landed.
@@ -360,7 +292,7 @@ def corrupt_and_record(x, key_data, rate, spec: FaultSpec, limit: int,
     axes = _varying(x, y, bit, rate, positions, complete)
 
     def record():
-        return lax.cond(complete, lambda: vary(_record_at(x, y, bit, positions, limit), axes),
+        return lax.cond(complete, lambda: vary(record_at(x, y, bit, positions, limit), axes),
                         lambda: vary(make_record(x, y, landed, bit, limit), axes))
 
     record = lax.cond(jnp.asarray(rate) > 0, record,
@@ -368,20 +300,37 @@ def corrupt_and_record(x, key_data, rate, spec: FaultSpec, limit: int,
     return y, record
 
 
-def decode_record(record: np.ndarray) -> tuple[int, list[dict]]:
-    """Host side: (number landed, [{flat_index, bit, original, corrupted}, ...])."""
-    record = np.asarray(record, np.float64)
-    join = lambda hi, lo: (int(hi) << 16) | int(lo)  # noqa: E731
-    count = join(record[0, 0], record[0, 1])
-    if count == 0:
-        return 0, []
-    uint, np_dtype = (np.uint32, np.float32) if record[0, 2] == 32 else (np.uint16, jnp.bfloat16)
-    out = []
-    for row in record[1:]:
-        if row[0] != 1:
-            continue
-        as_float = lambda b: float(np.array([b], uint).view(np_dtype)[0])  # noqa: E731
-        out.append({"flat_index": join(row[1], row[2]), "bit": int(row[7]),
-                    "original": as_float(join(row[3], row[4])),
-                    "corrupted": as_float(join(row[5], row[6]))})
-    return count, out
+def corrupt_and_record_stacked(xs, key_data, rates, spec: FaultSpec, limit: int):
+    """`corrupt_and_record` (unconditional draws) of each of the same-shape tensors stacked on
+    the first axis of `xs`, with its own key data and rate, bit for bit: (ys, records).
+
+    The draws, the corruption and the record are `vmap`ped, so XLA compiles them once for the
+    stack instead of once a tensor (the `grad` and `update` sites corrupt every parameter leaf,
+    and a deep model's leaves come in a few shapes). The dense rest of a draw runs for the whole
+    stack when any tensor needs it: for a tensor whose listed positions hold every hit it
+    changes nothing, so each result is the one its own draw gives.
+    """
+    shape, width = xs.shape[1:], bit_width(xs.dtype)
+    size = math.prod(shape)
+    keys = jax.vmap(jax.random.wrap_key_data)(key_data)
+    if spec.count is not None:
+        hit, aux, _, _ = jax.vmap(
+            lambda key, rate: _counted_draws(key, spec, rate, size, width))(keys, rates)
+    else:
+        hit, aux, positions, k_dense = jax.vmap(
+            lambda key, rate: _listed_draws(key, spec, rate, size, width))(keys, rates)
+        axes = _varying(key_data, rates)
+        dense = jax.vmap(lambda *a: _dense_after(a[0], spec, a[1], width, *a[2:]))
+        hit, aux = lax.cond(jnp.any(positions[:, -1] < size),
+                            lambda: vary(dense(k_dense, rates, hit, aux, positions), axes),
+                            lambda: vary((hit, aux), axes))
+
+    def one(x, hit, aux, rms):
+        y, bit = _apply(x, spec, *_shaped(spec, shape, hit, aux), rms)
+        landed, bit = _landed(x, y, bit)
+        return y, make_record(x, y, landed, bit, limit)
+
+    # Each row's RMS is reduced tensor by tensor: a reduction over the stack may round apart.
+    rms = None if spec.kind != "additive" else jnp.stack(
+        [row_rms(x.astype(jnp.float32)) for x in xs])
+    return jax.vmap(one)(xs, hit, aux, rms)

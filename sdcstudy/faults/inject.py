@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from sdcstudy.core import sites as S
-from sdcstudy.faults.corrupt import (RECORD_WIDTH, corrupt_and_record, decode_record,
-                                     to_bits)
+from sdcstudy.faults.bits import to_bits
+from sdcstudy.faults.corrupt import corrupt_and_record, corrupt_and_record_stacked
+from sdcstudy.faults.records import RECORD_WIDTH, decode_record
 from sdcstudy.faults.specs import COLLECTIVE_SITES, TREE_SITES, FaultSpec, Profile
 
 
@@ -79,29 +80,43 @@ class Injector:
         return bool(self.model_specs)
 
     def corrupt_tree(self, tree, ctx: FaultContext, site: str):
-        """Apply the profile's specs for a pytree site ("grad", "update") leaf by leaf."""
+        """Apply the profile's specs for a pytree site ("grad", "update") leaf by leaf.
+
+        Leaves of one shape, dtype and set of varying mesh axes are corrupted as one stack
+        (`corrupt_and_record_stacked`, bitwise each leaf's own corruption), so the program
+        holds one copy of the draws per such group, not one per leaf."""
         from sdcstudy.core.digest import path_name
+        from sdcstudy.core.mesh import varying_axes
 
         specs = [(i, s) for i, s in self.tree_specs if s.site == site]
         if not specs:
             return tree
-        from sdcstudy.core.mesh import varying_axes
-
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        out = []
-        for leaf_index, (path, leaf) in enumerate(leaves):
-            # A leaf replicated over dp or tp must stay replicated: draw the same faults there.
-            varying = varying_axes(leaf)
-            leaf_ctx = dataclasses.replace(
-                ctx, tp_axis=ctx.tp_axis if ctx.tp_axis in varying else None,
-                dp_axis=ctx.dp_axis if ctx.dp_axis in varying else None, records={})
-            for i, spec in specs:
-                site_id = 1000 + (TREE_SITES + COLLECTIVE_SITES).index(site) * 100_000 + leaf_index
-                key, rate = self._rate_and_key(leaf_ctx, i, spec, site_id, 0, leaf)
-                leaf, ctx.records[record_key(i, f"{site}/{path_name(path)}", 0)] = \
-                    corrupt_and_record(leaf, jax.random.key_data(key), rate, spec, self.limit)
-            out.append(leaf)
-        return jax.tree_util.tree_unflatten(treedef, out)
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        leaves = [leaf for _, leaf in paths_leaves]
+        groups: dict = {}
+        for leaf_index, leaf in enumerate(leaves):
+            shape_key = (leaf.shape, leaf.dtype, frozenset(varying_axes(leaf)))
+            groups.setdefault(shape_key, []).append(leaf_index)
+        site_base = 1000 + (TREE_SITES + COLLECTIVE_SITES).index(site) * 100_000
+        names = [f"{site}/{path_name(path)}" for path, _ in paths_leaves]
+        records = {}
+        for i, spec in specs:
+            for members in groups.values():
+                # A leaf replicated over dp or tp must stay replicated: draw the same faults.
+                varying = varying_axes(leaves[members[0]])
+                leaf_ctx = dataclasses.replace(
+                    ctx, tp_axis=ctx.tp_axis if ctx.tp_axis in varying else None,
+                    dp_axis=ctx.dp_axis if ctx.dp_axis in varying else None, records={})
+                drawn = [self._rate_and_key(leaf_ctx, i, spec, site_base + m, 0, leaves[m])
+                         for m in members]
+                outs = _corrupt_leaves([leaves[m] for m in members], drawn, spec, self.limit)
+                for m, (leaf, record) in zip(members, outs):
+                    leaves[m] = leaf
+                    records[(m, i)] = record
+        for m, name in enumerate(names):  # in leaf order, as one leaf at a time made them
+            for i, _ in specs:
+                ctx.records[record_key(i, name, 0)] = records[(m, i)]
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def _layers(self, spec: FaultSpec, site: str) -> tuple[int, ...]:
         if site in S.MODEL_SITES:
@@ -176,6 +191,22 @@ class Injector:
             return x
 
         return inject
+
+
+# Same-shape leaves corrupted as one stack (False: one at a time, the reference the tests
+# compare the stacks with bit for bit).
+STACK_LEAVES = True
+
+
+def _corrupt_leaves(leaves: list, drawn: list, spec: FaultSpec, limit: int) -> list:
+    """[(corrupted leaf, record)] of same-shape leaves, each with its (key, rate)."""
+    if len(leaves) == 1 or not STACK_LEAVES:
+        return [corrupt_and_record(leaf, jax.random.key_data(key), rate, spec, limit)
+                for leaf, (key, rate) in zip(leaves, drawn)]
+    key_data = jnp.stack([jax.random.key_data(key) for key, _ in drawn])
+    rates = jnp.stack([rate for _, rate in drawn])
+    ys, records = corrupt_and_record_stacked(jnp.stack(leaves), key_data, rates, spec, limit)
+    return [(ys[j], records[j]) for j in range(len(leaves))]
 
 
 # Forward injection: the corrupted value goes on, and the backward passes the cotangent through
