@@ -460,6 +460,17 @@ def test_step_level_sites_run_in_the_single_node_trainer():
                 np.float32(old) + np.float32(r["corrupted"])
 
 
+def _one_layer_trainer(profile):
+    """A one-layer tiny NodeTrainer injecting `profile`."""
+    cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
+                       "model": {"n_layers": 1}})
+    return dataclasses.replace(NodeTrainer.from_config(cfg), injector=F.Injector(profile, 1))
+
+
+def _one_layer_batch():
+    return {"tokens": jax.random.randint(jax.random.key(3), (1, 2, 17), 0, 256)}
+
+
 def test_skipping_idle_draws_keeps_every_bit(monkeypatch):
     # At the model's sites the draws and the record run under a lax.cond that skips them at a
     # rate of 0 (faults/corrupt.py). That must change no bit of anything: three steps whose
@@ -471,13 +482,10 @@ def test_skipping_idle_draws_keeps_every_bit(monkeypatch):
         FS.FaultSpec("fwd/attn", "scale", rate=0.01, scale=(0.25, 1.0), pattern=steps2),
         FS.FaultSpec("bwd/ffn", "bitflip", rate=0.01, bit_class="mantissa", pattern=steps2),
         FS.FaultSpec("fwd/attn_k", "bitflip", count=1, bits=(20,), pattern=steps2)))
-    cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
-                       "model": {"n_layers": 1}})
-    batch = {"tokens": jax.random.randint(jax.random.key(3), (1, 2, 17), 0, 256)}
+    batch = _one_layer_batch()
 
     def run():
-        trainer = dataclasses.replace(NodeTrainer.from_config(cfg),
-                                      injector=F.Injector(profile, 1))
+        trainer = _one_layer_trainer(profile)
         step = jax.jit(trainer.train_step)
         state, out = trainer.init_state(), []
         for _ in range(3):
@@ -508,13 +516,10 @@ def test_stacked_leaves_are_corrupted_as_one_at_a_time(monkeypatch):
     # the listed hits.
     profile = FS.Profile("stacked", (
         FS.FaultSpec("grad", "additive", rate=0.3, scale=(2.0 ** -8, 1.0)),))
-    cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
-                       "model": {"n_layers": 1}})
-    batch = {"tokens": jax.random.randint(jax.random.key(3), (1, 2, 17), 0, 256)}
+    batch = _one_layer_batch()
 
     def run():
-        trainer = dataclasses.replace(NodeTrainer.from_config(cfg),
-                                      injector=F.Injector(profile, 1))
+        trainer = _one_layer_trainer(profile)
         lowered = jax.jit(trainer.train_step).lower(trainer.init_state(), batch)
         out = lowered.compile()(trainer.init_state(), batch)
         return jax.device_get(out), lowered.as_text()
