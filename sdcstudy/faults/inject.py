@@ -101,9 +101,8 @@ class Injector:
         names = [f"{site}/{path_name(path)}" for path, _ in paths_leaves]
         records = {}
         for i, spec in specs:
-            for members in groups.values():
+            for (_, _, varying), members in groups.items():
                 # A leaf replicated over dp or tp must stay replicated: draw the same faults.
-                varying = varying_axes(leaves[members[0]])
                 leaf_ctx = dataclasses.replace(
                     ctx, tp_axis=ctx.tp_axis if ctx.tp_axis in varying else None,
                     dp_axis=ctx.dp_axis if ctx.dp_axis in varying else None, records={})
