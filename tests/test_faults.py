@@ -560,6 +560,24 @@ def test_a_stack_of_tensors_is_corrupted_as_each_alone(dtype, spec):
     assert landed[0] == 0 and landed[2] >= least
 
 
+def test_an_additive_error_is_rounded_before_it_is_added():
+    # XLA:GPU contracts a multiply that feeds an add into one FMA in some programs and not in
+    # others: on an H100 the step test above failed (stacked and alone an ulp apart at the
+    # hit elements of two stacks) until the error term was rounded on its own behind an
+    # optimization barrier (faults/corrupt.py). The CPU never contracts, so no comparison of
+    # bits here can see it; this sees the barrier, one a tensor, stacked or alone.
+    spec = FS.FaultSpec("grad", "additive", rate=0.5, scale=(2.0 ** -8, 1.0)).validate()
+    xs = _x(jnp.float32, (2, 8, 16))
+    key_data = jax.random.key_data(jax.random.split(jax.random.key(1), 2))
+    rates = jnp.asarray([0.5, 0.5], jnp.float32)
+    alone = jax.jit(lambda x, kd: FC.corrupt_and_record(x, kd, 0.5, spec, 16)).lower(
+        xs[0], key_data[0]).as_text()
+    stacked = jax.jit(lambda *a: FC.corrupt_and_record_stacked(*a, spec, 16)).lower(
+        xs, key_data, rates).as_text()
+    assert alone.count("stablehlo.optimization_barrier") == 1
+    assert stacked.count("stablehlo.optimization_barrier") == 1
+
+
 def test_bits_a_bfloat16_site_lacks_are_one_sentence_and_exit_2(tmp_path, capsys):
     # bits: [20] exists in float32 but not in a bfloat16 model's sites; the step finds out
     # while tracing, and the user gets one sentence, not a traceback.
