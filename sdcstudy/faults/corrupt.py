@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sdcstudy.core.mesh import varying_axes, vary
+from sdcstudy.faults import hashing as H
 from sdcstudy.faults.bits import bit_width, bits_of_class, from_bits, to_bits
 from sdcstudy.faults.records import empty_record, make_record, record_at
 from sdcstudy.faults.specs import FaultSpec, FaultSpecError
@@ -50,7 +51,12 @@ MAX_ELEMENTS = 2 ** 31 - 2 * BLOCK  # the positions' uint32 sums stay below 2^32
 def fine_uniform(key, shape, words: int = 3):
     """Uniform on [0, 1) from `words` x 24 random bits: P(u < t) = t to float32's relative
     precision for every t down to 2^(-24 words) (72 bits: 2e-22)."""
-    parts = (jax.random.bits(key, (words, *shape), jnp.uint32) >> 8).astype(jnp.float32)
+    return _fine(jax.random.bits(key, (words, *shape), jnp.uint32))
+
+
+def _fine(bits):
+    """`fine_uniform` from its bits, `jax.random.bits(key, (words, *shape))`."""
+    parts = (bits >> 8).astype(jnp.float32)
     u = parts[-1]
     for part in parts[-2::-1]:
         u = part + u * 2.0 ** -24
@@ -66,19 +72,24 @@ def hit_positions(key, rate, size: int, cap: int):
     are): A = floor(E / (BLOCK lam)) with E exponential and lam = -log(1 - rate), B the
     geometric truncated to [0, BLOCK) by inversion.
     """
+    k_blocks, k_rest = H.split(jax.random.key_data(key), 2)
+    return _positions(*H.bits([(k_blocks, (3, cap)), (k_rest, (cap,))]), rate, size, cap)
+
+
+def _positions(block_bits, rest_bits, rate, size: int, cap: int):
+    """`hit_positions` from the bits it draws: (3, cap) for the blocks, (cap,) for the rest."""
     if size > MAX_ELEMENTS:
         raise FaultSpecError(f"a fault site holds {size:,} elements; rates are drawn for at "
                              f"most {MAX_ELEMENTS:,} per tensor.")
-    k_blocks, k_rest = jax.random.split(key)
     rate = jnp.asarray(rate, jnp.float32)
     lam = -jnp.log1p(-rate)  # inf at rate 1: every gap is 0
     on = lam > 0
     safe = jnp.where(on, lam, 1.0)
-    exponential = -jnp.log1p(-fine_uniform(k_blocks, (cap,)))
+    exponential = -jnp.log1p(-_fine(block_bits))
     most = math.ceil(size / BLOCK)  # this many blocks already pass the last element
     blocks = jnp.where(on, jnp.minimum(jnp.floor(exponential / (safe * BLOCK)), most), most)
     in_block = -jnp.expm1(-safe * BLOCK)  # P(G < BLOCK)
-    v = jax.random.uniform(k_rest, (cap,), jnp.float32)
+    v = H.uniform(rest_bits)
     rest = jnp.minimum(jnp.floor(-jnp.log1p(-v * in_block) / safe), BLOCK - 1)
     gaps = blocks.astype(jnp.uint32) * BLOCK + jnp.where(on, rest, 0).astype(jnp.uint32)
     steps = gaps + (jnp.arange(cap) > 0).astype(jnp.uint32)  # each hit moves past the last
@@ -96,24 +107,38 @@ def saturating_cumsum(steps, size: int):
     return jnp.where(reached > 0, jnp.uint32(size), total)
 
 
-def _aux(key, spec: FaultSpec, width: int, shape):
+AUX_KEYS = 3  # the keys of a hit's value: (bit, value, sign)
+
+
+def _aux_bits(spec: FaultSpec) -> tuple[int, ...]:
+    """Which of the value's keys (bit, value, sign) the kind draws plain bits from: these are
+    drawn in the hash of the positions' bits; a bit and a normal value are JAX's own draws."""
+    return {"scale": (1, 2), "additive": (1, 2), "inf": (2,)}.get(spec.kind, ())
+
+
+def _aux(spec: FaultSpec, keys, bits: dict, width: int, shape):
     """The per-element value of a hit: the flipped bit (bitflip), the factor 1 +/- r (scale),
     the signed error in units of the row's RMS (additive), the replacement value (random, inf)
-    or nothing (zero, nan)."""
-    k_bit, k_value, k_sign = jax.random.split(key, 3)
+    or nothing (zero, nan). `keys`: the (bit, value, sign) key data, `jax.random.split` of the
+    value's key in 3; `bits`: the bits of the keys `_aux_bits` names, by index."""
     if spec.kind == "bitflip":
-        return _draw_bits(k_bit, spec, width, shape)
+        return _draw_bits(jax.random.wrap_key_data(keys[0]), spec, width, shape)
     if spec.kind in ("scale", "additive"):
         lo, hi = spec.scale
-        log_r = jax.random.uniform(k_value, shape, jnp.float32, math.log(lo), math.log(hi))
-        sign = jnp.where(jax.random.bernoulli(k_sign, 0.5, shape), 1.0, -1.0)
+        log_r = H.uniform(bits[1], math.log(lo), math.log(hi))
+        sign = jnp.where(H.bernoulli(bits[2], 0.5), 1.0, -1.0)
         error = sign * jnp.exp(log_r)
         return 1 + error if spec.kind == "scale" else error
     if spec.kind == "random":
-        return spec.value_std * jax.random.normal(k_value, shape, jnp.float32)
+        return spec.value_std * jax.random.normal(jax.random.wrap_key_data(keys[1]), shape,
+                                                  jnp.float32)
     if spec.kind == "inf":
-        return jnp.where(jax.random.bernoulli(k_sign, 0.5, shape), jnp.inf, -jnp.inf)
+        return jnp.where(H.bernoulli(bits[2], 0.5), jnp.inf, -jnp.inf)
     return None
+
+
+def _aux_requests(spec: FaultSpec, keys, shape) -> list:
+    return [(keys[i], shape) for i in _aux_bits(spec)]
 
 
 def _scatter(size: int, positions, values, fill):
@@ -125,34 +150,50 @@ def _sparse_draws(key, spec: FaultSpec, rate, size: int, width: int):
     """(hit, aux, positions, complete), flat: the first HIT_CAP hits one by one, then, if the
     cap-th hit lands, every element after it drawn densely (exact: the elements after a hit
     are independent of the ones before); `complete`: the positions hold every hit."""
-    hit, aux, positions, k_dense = _listed_draws(key, spec, rate, size, width)
+    hit, aux, positions, dense_keys = _listed_draws(key, spec, rate, size, width)
     axes = _varying(key, rate)
     hit, aux = lax.cond(positions[-1] < size,
-                        lambda: vary(_dense_after(k_dense, spec, rate, width, hit, aux,
+                        lambda: vary(_dense_after(dense_keys, spec, rate, width, hit, aux,
                                                   positions), axes),
                         lambda: vary((hit, aux), axes))
     return hit, aux, positions, positions[-1] >= size
 
 
 def _listed_draws(key, spec: FaultSpec, rate, size: int, width: int):
-    """(hit, aux, positions, the key of the dense rest): the first HIT_CAP hits, flat."""
-    k_hit, k_aux, k_dense = jax.random.split(key, 3)
+    """(hit, aux, positions, the keys of the dense rest): the first HIT_CAP hits, flat.
+
+    Three hashes (`hashing.py`): the key's three keys (hits, their values, the dense rest);
+    their splits; then every draw, with the split of the dense rest's value key, so that the
+    dense rest is one hash more. `jax.random` would make the same numbers in a dozen."""
+    k_hit, k_aux, k_dense = H.split(jax.random.key_data(key), 3)
+    hit_words, aux_words, dense_words = H.hashes([(k_hit, 2), (k_aux, AUX_KEYS), (k_dense, 2)])
+    (k_blocks, k_rest), aux_keys = H.as_keys(hit_words), H.as_keys(aux_words)
+    k_uniform, k_dense_aux = H.as_keys(dense_words)
     cap = min(size, HIT_CAP)
-    positions = hit_positions(k_hit, rate, size, cap)
-    aux = _aux(k_aux, spec, width, (cap,))
+    aux_requests = _aux_requests(spec, aux_keys, (cap,))
+    words = H.hashes([(k_blocks, 3 * cap), (k_rest, cap), (k_dense_aux, AUX_KEYS),
+                      *((key, cap) for key, _ in aux_requests)])
+    block_bits, rest_bits = H.as_bits(words[0], (3, cap)), H.as_bits(words[1], (cap,))
+    dense_keys = jnp.concatenate([k_uniform[None], H.as_keys(words[2])])
+    aux_bits = {i: H.as_bits(w, (cap,)) for i, w in zip(_aux_bits(spec), words[3:])}
+    positions = _positions(block_bits, rest_bits, rate, size, cap)
+    aux = _aux(spec, aux_keys, aux_bits, width, (cap,))
     hit = _scatter(size, positions, jnp.ones(cap, bool), False)
     aux = None if aux is None else _scatter(size, positions, aux, 0)
-    return hit, aux, positions, k_dense
+    return hit, aux, positions, dense_keys
 
 
-def _dense_after(k_dense, spec: FaultSpec, rate, width: int, hit, aux, positions):
+def _dense_after(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positions):
     """(hit, aux) with every element after the last listed position drawn densely; where the
-    positions hold every hit (the last one is the size), `hit` and `aux` as they were."""
+    positions hold every hit (the last one is the size), `hit` and `aux` as they were.
+    `dense_keys`: the key of the hits' uniforms, then the (bit, value, sign) keys."""
     size = hit.size
-    k_u, k_a = jax.random.split(k_dense)
+    aux_requests = _aux_requests(spec, dense_keys[1:], (size,))
+    words = H.hashes([(dense_keys[0], 2 * size), *((key, size) for key, _ in aux_requests)])
+    aux_bits = {i: H.as_bits(w, (size,)) for i, w in zip(_aux_bits(spec), words[1:])}
     after = jnp.arange(size, dtype=jnp.uint32) > positions[-1]
-    more = after & (fine_uniform(k_u, (size,), words=2) < rate)
-    more_aux = _aux(k_a, spec, width, (size,))
+    more = after & (_fine(H.as_bits(words[0], (2, size))) < rate)
+    more_aux = _aux(spec, dense_keys[1:], aux_bits, width, (size,))
     return hit | more, None if aux is None else jnp.where(more, more_aux, aux)
 
 
@@ -176,11 +217,15 @@ def _draws(key, spec: FaultSpec, rate, shape, width):
 
 def _counted_draws(key, spec: FaultSpec, rate, size: int, width: int):
     """`_draws`, flat, of a spec that hits exactly `count` distinct elements when on."""
-    k_hit, k_aux = jax.random.split(key)
-    chosen = jax.random.choice(k_hit, size, (_cap(spec, size),), replace=False)
+    k_hit, k_aux = H.split(jax.random.key_data(key), 2)
+    chosen = jax.random.choice(jax.random.wrap_key_data(k_hit), size, (_cap(spec, size),),
+                               replace=False)
     hit = jnp.zeros(size, bool).at[chosen].set(rate > 0)
     positions = jnp.where(rate > 0, jnp.sort(chosen), size).astype(jnp.uint32)
-    return hit, _aux(k_aux, spec, width, (size,)), positions, jnp.bool_(True)
+    aux_keys = H.split(k_aux, AUX_KEYS)
+    requests = _aux_requests(spec, aux_keys, (size,))
+    aux_bits = dict(zip(_aux_bits(spec), H.bits(requests) if requests else ()))
+    return hit, _aux(spec, aux_keys, aux_bits, width, (size,)), positions, jnp.bool_(True)
 
 
 def _shaped(spec: FaultSpec, shape, hit, aux):
@@ -322,12 +367,12 @@ def corrupt_and_record_stacked(xs, key_data, rates, spec: FaultSpec, limit: int)
         hit, aux, _, _ = jax.vmap(
             lambda key, rate: _counted_draws(key, spec, rate, size, width))(keys, rates)
     else:
-        hit, aux, positions, k_dense = jax.vmap(
+        hit, aux, positions, dense_keys = jax.vmap(
             lambda key, rate: _listed_draws(key, spec, rate, size, width))(keys, rates)
         axes = _varying(key_data, rates)
         dense = jax.vmap(lambda *a: _dense_after(a[0], spec, a[1], width, *a[2:]))
         hit, aux = lax.cond(jnp.any(positions[:, -1] < size),
-                            lambda: vary(dense(k_dense, rates, hit, aux, positions), axes),
+                            lambda: vary(dense(dense_keys, rates, hit, aux, positions), axes),
                             lambda: vary((hit, aux), axes))
 
     def one(x, hit, aux, rms):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sdcstudy.core import sites as S
+from sdcstudy.faults import hashing as H
 from sdcstudy.faults.bits import to_bits
 from sdcstudy.faults.corrupt import corrupt_and_record, corrupt_and_record_stacked
 from sdcstudy.faults.records import RECORD_WIDTH, decode_record
@@ -106,9 +107,13 @@ class Injector:
                 leaf_ctx = dataclasses.replace(
                     ctx, tp_axis=ctx.tp_axis if ctx.tp_axis in varying else None,
                     dp_axis=ctx.dp_axis if ctx.dp_axis in varying else None, records={})
-                drawn = [self._rate_and_key(leaf_ctx, i, spec, site_base + m, 0, leaves[m])
-                         for m in members]
-                outs = _corrupt_leaves([leaves[m] for m in members], drawn, spec, self.limit)
+                # Each leaf's key: one vmapped chain of fold_ins for the group.
+                data = jnp.stack([self._key_data(leaf_ctx, i, spec, site_base + m, 0,
+                                                 leaves[m]) for m in members])
+                key_data = jax.vmap(partial(H.fold_in, jax.random.key_data(ctx.key)))(data)
+                rate = self._rate(leaf_ctx, i, spec)
+                outs = _corrupt_leaves([leaves[m] for m in members], key_data, rate, spec,
+                                       self.limit)
                 for m, (leaf, record) in zip(members, outs):
                     leaves[m] = leaf
                     records[(m, i)] = record
@@ -135,38 +140,56 @@ class Injector:
     def init_sinks(self) -> dict:
         return {k: jnp.zeros(s, jnp.float32) for k, s in self.sink_shapes().items()}
 
-    def _rate_and_key(self, ctx: FaultContext, index: int, spec: FaultSpec, site_id: int,
-                      layer: int, x):
-        key = jax.random.fold_in(ctx.key, index)
+    def _prefix(self, ctx: FaultContext, index: int, spec: FaultSpec) -> list:
+        """What every draw of spec `index` folds into the run's fault key first."""
+        data = [index]
         if self.seed is not None:
-            key = jax.random.fold_in(key, self.seed)
+            data.append(self.seed)
         if spec.transient and ctx.attempt is not None:
-            key = jax.random.fold_in(key, ctx.attempt)  # every execution draws afresh
-        pattern_key = jax.random.fold_in(key, ctx.step)  # one burst draw per step and spec
-        multiplier = spec.pattern.multiplier(ctx.step, pattern_key)
+            data.append(ctx.attempt)  # every execution draws afresh
+        return data
+
+    def _key_data(self, ctx: FaultContext, index: int, spec: FaultSpec, site_id: int,
+                  layer: int, x) -> jax.Array:
+        """The data folded into the run's fault key, in order, for one site (or leaf) and
+        layer: (spec, seed, attempt, when, layer, site, dp rank, tp rank), as uint32."""
+        data = self._prefix(ctx, index, spec)
         if spec.repeatable:
             # The corruption is a function of the input's bits, not of when it is computed.
-            digest = jnp.sum(to_bits(x).astype(jnp.uint32) * jnp.uint32(2654435761),
-                             dtype=jnp.uint32)
-            key = jax.random.fold_in(key, digest)
-            multiplier = jnp.float32(1) if spec.pattern.kind == "constant" else multiplier
+            data.append(jnp.sum(to_bits(x).astype(jnp.uint32) * jnp.uint32(2654435761),
+                                dtype=jnp.uint32))
         else:
-            key = jax.random.fold_in(jax.random.fold_in(key, ctx.step), ctx.microstep)
-        key = jax.random.fold_in(jax.random.fold_in(key, layer), site_id)
+            data += [ctx.step, ctx.microstep]
+        data += [layer, site_id]
+        if ctx.dp_axis is not None:
+            data.append(lax.axis_index(ctx.dp_axis))
+        if ctx.tp_axis is not None:
+            data.append(lax.axis_index(ctx.tp_axis))
+        return jnp.stack([jnp.asarray(d, jnp.uint32) for d in data])
+
+    def _rate(self, ctx: FaultContext, index: int, spec: FaultSpec):
+        """The spec's rate at this step on this device (0 where it is not enabled)."""
+        # One burst draw per step and spec.
+        pattern_key = H.fold_in(jax.random.key_data(ctx.key),
+                                [*self._prefix(ctx, index, spec), ctx.step])
+        multiplier = spec.pattern.multiplier(ctx.step, jax.random.wrap_key_data(pattern_key))
+        if spec.repeatable and spec.pattern.kind == "constant":
+            multiplier = jnp.float32(1)
         enabled = jnp.bool_(True)
         if ctx.node_axis is not None:
             enabled &= lax.axis_index(ctx.node_axis) == spec.node
         elif ctx.node is not None:
             enabled &= ctx.node == spec.node
-        if ctx.dp_axis is not None:
-            key = jax.random.fold_in(key, lax.axis_index(ctx.dp_axis))
-        if ctx.tp_axis is not None:
-            rank = lax.axis_index(ctx.tp_axis)
-            key = jax.random.fold_in(key, rank)
-            if spec.tp_ranks is not None:
-                enabled &= jnp.isin(rank, jnp.asarray(spec.tp_ranks))
-        rate = jnp.where(enabled, jnp.minimum(spec.base_rate * multiplier, 1.0), 0.0)
-        return key, rate
+        if ctx.tp_axis is not None and spec.tp_ranks is not None:
+            enabled &= jnp.isin(lax.axis_index(ctx.tp_axis), jnp.asarray(spec.tp_ranks))
+        return jnp.where(enabled, jnp.minimum(spec.base_rate * multiplier, 1.0), 0.0)
+
+    def _rate_and_key(self, ctx: FaultContext, index: int, spec: FaultSpec, site_id: int,
+                      layer: int, x):
+        """(key data, rate) of one site and layer. The key is the run's fault key with
+        `_key_data` folded in, one `fold_in` after another (`hashing.fold_in`: one loop)."""
+        data = self._key_data(ctx, index, spec, site_id, layer, x)
+        return H.fold_in(jax.random.key_data(ctx.key), data), self._rate(ctx, index, spec)
 
     def hook(self, ctx: FaultContext) -> S.Hook:
         if not self.active:
@@ -197,13 +220,13 @@ class Injector:
 STACK_LEAVES = True
 
 
-def _corrupt_leaves(leaves: list, drawn: list, spec: FaultSpec, limit: int) -> list:
-    """[(corrupted leaf, record)] of same-shape leaves, each with its (key, rate)."""
+def _corrupt_leaves(leaves: list, key_data, rate, spec: FaultSpec, limit: int) -> list:
+    """[(corrupted leaf, record)] of same-shape leaves, each with its row of `key_data`, at
+    one `rate`."""
     if len(leaves) == 1 or not STACK_LEAVES:
-        return [corrupt_and_record(leaf, jax.random.key_data(key), rate, spec, limit)
-                for leaf, (key, rate) in zip(leaves, drawn)]
-    key_data = jnp.stack([jax.random.key_data(key) for key, _ in drawn])
-    rates = jnp.stack([rate for _, rate in drawn])
+        return [corrupt_and_record(leaf, key_data[j], rate, spec, limit)
+                for j, leaf in enumerate(leaves)]
+    rates = jnp.broadcast_to(rate, (len(leaves),))
     ys, records = corrupt_and_record_stacked(jnp.stack(leaves), key_data, rates, spec, limit)
     return [(ys[j], records[j]) for j in range(len(leaves))]
 
@@ -229,10 +252,10 @@ def _corrupt_value_bwd(spec, limit, residuals, cts):
 _corrupt_value.defvjp(_corrupt_value_fwd, _corrupt_value_bwd)
 
 
-def inject_value(x, key, rate, spec: FaultSpec, limit: int):
+def inject_value(x, key_data, rate, spec: FaultSpec, limit: int):
     """(corrupted x, record) with a straight-through gradient."""
     with jax.named_scope(f"inject/{spec.site}"):
-        return _corrupt_value(x, jax.random.key_data(key), rate, spec, limit)
+        return _corrupt_value(x, key_data, rate, spec, limit)
 
 
 # Backward injection: identity forward; the backward corrupts the cotangent and returns the
@@ -257,9 +280,9 @@ def _corrupt_ct_bwd(spec, limit, residuals, ct):
 _corrupt_ct.defvjp(_corrupt_ct_fwd, _corrupt_ct_bwd)
 
 
-def inject_cotangent(x, sink, key, rate, spec: FaultSpec, limit: int):
+def inject_cotangent(x, sink, key_data, rate, spec: FaultSpec, limit: int):
     with jax.named_scope(f"inject_ct/{spec.site}"):
-        return _corrupt_ct(x, sink, jax.random.key_data(key), rate, spec, limit)
+        return _corrupt_ct(x, sink, key_data, rate, spec, limit)
 
 
 def record_rows(records: dict, step: int, microstep: int, profile: Profile, *, tp_rank: int = 0,
