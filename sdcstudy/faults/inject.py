@@ -204,12 +204,14 @@ class Injector:
                     if layer not in self._layers(spec, site):
                         continue
                     site_id = S.ALL_SITES.index(site) + (100 if direction == "bwd" else 0)
-                    key, rate = self._rate_and_key(ctx, i, spec, site_id, layer, x)
+                    key_data, rate = self._rate_and_key(ctx, i, spec, site_id, layer, x)
                     name = record_key(i, site, layer)
                     if direction == "fwd":
-                        x, ctx.records[name] = inject_value(x, key, rate, spec, self.limit)
+                        x, ctx.records[name] = inject_value(x, key_data, rate, spec,
+                                                            self.limit)
                     else:
-                        x = inject_cotangent(x, ctx.sinks[name], key, rate, spec, self.limit)
+                        x = inject_cotangent(x, ctx.sinks[name], key_data, rate, spec,
+                                             self.limit)
             return x
 
         return inject
