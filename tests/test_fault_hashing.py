@@ -64,6 +64,17 @@ def test_uniforms_and_bernoullis_are_jax_randoms(seed):
                               else b)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_randint_is_jax_randoms(seed):
+    # A bit flip's bit among the allowed ones (mantissa bits: 23 of float32's; exponent: 8).
+    key = jax.random.key(seed)
+    higher_key, lower_key = H.split(jax.random.key_data(key), 2)
+    higher, lower = H.bits([(higher_key, (6, 50)), (lower_key, (6, 50))])
+    for n in (2, 7, 8, 23, 31):
+        assert np.array_equal(H.randint(higher, lower, n),
+                              jax.random.randint(key, (6, 50), 0, n)), n
+
+
 def _threefry_hashes(jaxpr) -> int:
     """Threefry hashes in a jaxpr and every jaxpr inside it (conditionals, loops, calls)."""
     count = 0

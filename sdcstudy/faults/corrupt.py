@@ -24,16 +24,26 @@ from sdcstudy.faults.specs import FaultSpec, FaultSpecError
 # --- corrupting one tensor --------------------------------------------------------------------
 
 
-def _draw_bits(key, spec: FaultSpec, width: int, shape):
+def _allowed_bits(spec: FaultSpec, width: int) -> tuple[int, ...]:
+    """The bits a bit-flip spec may flip in `width`-bit values."""
     allowed = spec.bits if spec.bits is not None else bits_of_class(spec.bit_class, width)
     allowed = tuple(b for b in allowed if b < width)
     if not allowed:
         raise FaultSpecError(f"{spec.site}: none of bits {list(spec.bits)} exist in the "
                              f"{width}-bit values at this site; a {width}-bit float has bits "
                              f"0-{width - 1}.")
-    if len(allowed) == 1:
-        return jnp.full(shape, allowed[0], jnp.int32)
-    return jnp.asarray(allowed, jnp.int32)[jax.random.randint(key, shape, 0, len(allowed))]
+    return allowed
+
+
+def _draws_a_bit(spec: FaultSpec, width: int) -> bool:
+    """Whether the flipped bit is drawn (a `randint` over the allowed bits), not fixed."""
+    return spec.kind == "bitflip" and len(_allowed_bits(spec, width)) > 1
+
+
+def _bit_words(bit_key, shape):
+    """The bits of the two halves of `jax.random.randint` with the bit key: the hash requests
+    of `jax.random.split(bit_key)`'s keys."""
+    return [(key, shape) for key in bit_key]
 
 
 # --- which elements are hit -------------------------------------------------------------------
@@ -112,7 +122,8 @@ AUX_KEYS = 3  # the keys of a hit's value: (bit, value, sign)
 
 def _aux_bits(spec: FaultSpec) -> tuple[int, ...]:
     """Which of the value's keys (bit, value, sign) the kind draws plain bits from: these are
-    drawn in the hash of the positions' bits; a bit and a normal value are JAX's own draws."""
+    drawn in the hash of the positions' bits; a normal value is JAX's own draw, and a drawn
+    bit takes a hash more (the split of its key, then the two halves of its `randint`)."""
     return {"scale": (1, 2), "additive": (1, 2), "inf": (2,)}.get(spec.kind, ())
 
 
@@ -120,9 +131,13 @@ def _aux(spec: FaultSpec, keys, bits: dict, width: int, shape):
     """The per-element value of a hit: the flipped bit (bitflip), the factor 1 +/- r (scale),
     the signed error in units of the row's RMS (additive), the replacement value (random, inf)
     or nothing (zero, nan). `keys`: the (bit, value, sign) key data, `jax.random.split` of the
-    value's key in 3; `bits`: the bits of the keys `_aux_bits` names, by index."""
+    value's key in 3; `bits`: the bits of the keys `_aux_bits` names, by index, and under
+    "bit" the two halves of a drawn bit's `randint` (`_draws_a_bit`)."""
     if spec.kind == "bitflip":
-        return _draw_bits(jax.random.wrap_key_data(keys[0]), spec, width, shape)
+        allowed = _allowed_bits(spec, width)
+        if len(allowed) == 1:
+            return jnp.full(shape, allowed[0], jnp.int32)
+        return jnp.asarray(allowed, jnp.int32)[H.randint(*bits["bit"], len(allowed))]
     if spec.kind in ("scale", "additive"):
         lo, hi = spec.scale
         log_r = H.uniform(bits[1], math.log(lo), math.log(hi))
@@ -171,11 +186,15 @@ def _listed_draws(key, spec: FaultSpec, rate, size: int, width: int):
     k_uniform, k_dense_aux = H.as_keys(dense_words)
     cap = min(size, HIT_CAP)
     aux_requests = _aux_requests(spec, aux_keys, (cap,))
+    draws_a_bit = _draws_a_bit(spec, width)
     words = H.hashes([(k_blocks, 3 * cap), (k_rest, cap), (k_dense_aux, AUX_KEYS),
-                      *((key, cap) for key, _ in aux_requests)])
+                      *((key, cap) for key, _ in aux_requests),
+                      *([(aux_keys[0], 2)] if draws_a_bit else [])])
     block_bits, rest_bits = H.as_bits(words[0], (3, cap)), H.as_bits(words[1], (cap,))
     dense_keys = jnp.concatenate([k_uniform[None], H.as_keys(words[2])])
     aux_bits = {i: H.as_bits(w, (cap,)) for i, w in zip(_aux_bits(spec), words[3:])}
+    if draws_a_bit:
+        aux_bits["bit"] = H.bits(_bit_words(H.as_keys(words[-1]), (cap,)))
     positions = _positions(block_bits, rest_bits, rate, size, cap)
     aux = _aux(spec, aux_keys, aux_bits, width, (cap,))
     hit = _scatter(size, positions, jnp.ones(cap, bool), False)
@@ -189,8 +208,12 @@ def _dense_after(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positi
     `dense_keys`: the key of the hits' uniforms, then the (bit, value, sign) keys."""
     size = hit.size
     aux_requests = _aux_requests(spec, dense_keys[1:], (size,))
+    if _draws_a_bit(spec, width):
+        aux_requests += _bit_words(H.split(dense_keys[1], 2), (size,))
     words = H.hashes([(dense_keys[0], 2 * size), *((key, size) for key, _ in aux_requests)])
     aux_bits = {i: H.as_bits(w, (size,)) for i, w in zip(_aux_bits(spec), words[1:])}
+    if _draws_a_bit(spec, width):
+        aux_bits["bit"] = [H.as_bits(w, (size,)) for w in words[-2:]]
     after = jnp.arange(size, dtype=jnp.uint32) > positions[-1]
     more = after & (_fine(H.as_bits(words[0], (2, size))) < rate)
     more_aux = _aux(spec, dense_keys[1:], aux_bits, width, (size,))
@@ -224,7 +247,12 @@ def _counted_draws(key, spec: FaultSpec, rate, size: int, width: int):
     positions = jnp.where(rate > 0, jnp.sort(chosen), size).astype(jnp.uint32)
     aux_keys = H.split(k_aux, AUX_KEYS)
     requests = _aux_requests(spec, aux_keys, (size,))
-    aux_bits = dict(zip(_aux_bits(spec), H.bits(requests) if requests else ()))
+    if _draws_a_bit(spec, width):
+        requests += _bit_words(H.split(aux_keys[0], 2), (size,))
+    drawn = H.bits(requests) if requests else []
+    aux_bits = dict(zip(_aux_bits(spec), drawn))
+    if _draws_a_bit(spec, width):
+        aux_bits["bit"] = drawn[-2:]
     return hit, _aux(spec, aux_keys, aux_bits, width, (size,)), positions, jnp.bool_(True)
 
 

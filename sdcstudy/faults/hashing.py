@@ -98,3 +98,13 @@ def uniform(bits, lo: float = 0.0, hi: float = 1.0):
 def bernoulli(bits, p: float):
     """`jax.random.bernoulli(key, p, shape)` from `jax.random.bits(key, shape)`."""
     return uniform(bits) < np.float32(p)
+
+
+def randint(higher, lower, n: int):
+    """`jax.random.randint(key, shape, 0, n)` (int32) from the bits of the two keys
+    `jax.random.split(key)` gives, `higher` from the first: the two 32-bit draws as one
+    64-bit number, reduced modulo n in 32-bit arithmetic as JAX reduces it."""
+    span = np.uint32(n)
+    multiplier = np.uint32((2 ** 16 % n) ** 2 % n)  # 2^32 mod n
+    offset = ((higher % span) * multiplier + lower % span) % span
+    return offset.astype(jnp.int32)
