@@ -3,7 +3,7 @@
 `sdcstudy bench faults` times whole steps, idle and firing (RESULTS.md, "The fault engine's
 speed"). This times the parts at one site of the model, jitted alone: the site's matmul
 (tokens x d_model by d_model x d_model), the random draws of an additive spec
-(`faults.corrupt._draws`: the hit positions, then a magnitude and a sign for each hit), and
+(`faults.draws._draws`: the hit positions, then a magnitude and a sign for each hit), and
 drawing, applying and recording together (`corrupt_and_record`, as a firing site runs it).
 
     python experiments/fault_draw_cost.py [--preset tiny] [--tokens 1024] [--calls 300]
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from sdcstudy.core import config as C
 from sdcstudy.faults import corrupt as FC
+from sdcstudy.faults import draws as FD
 from sdcstudy.faults import specs as FS
 
 
@@ -49,7 +50,7 @@ def main(argv=None) -> None:
     parts = {
         f"matmul {args.tokens} x {width} @ {width} x {width}": (jax.jit(lambda x, w: x @ w),
                                                                 (x, w)),
-        "draws (hits, magnitude, sign)": (jax.jit(lambda kd: FC._draws(
+        "draws (hits, magnitude, sign)": (jax.jit(lambda kd: FD._draws(
             jax.random.wrap_key_data(kd), spec, args.rate, shape, 32)), (key_data,)),
         "draw, apply and record": (jax.jit(lambda x, kd: FC.corrupt_and_record(
             x, kd, args.rate, spec, 64, skip_idle=True)), (x, key_data)),

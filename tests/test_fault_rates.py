@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from sdcstudy.faults import corrupt as FC
+from sdcstudy.faults import draws as FD
 from sdcstudy.faults import specs as FS
 from sdcstudy.reproduce.bands import poisson_p_value
 
@@ -57,7 +58,7 @@ def test_corruptions_follow_the_rate(rate):
 def _positions(rate: float, cap: int, draws: int, size: int = HUGE, seed: int = 2):
     """The hit positions of `draws` draws over a tensor of `size` elements, without the tensor."""
     keys = jax.random.split(jax.random.key(seed), draws)
-    return np.asarray(jax.jit(jax.vmap(lambda k: FC.hit_positions(k, rate, size, cap)))(keys))
+    return np.asarray(jax.jit(jax.vmap(lambda k: FD.hit_positions(k, rate, size, cap)))(keys))
 
 
 @pytest.mark.parametrize("rate, cap, draws", [(1e-7, 1024, 2), (1e-9, 16, 40),
@@ -95,16 +96,16 @@ def test_hit_positions_are_distinct_and_uniform_past_float32s_integers():
         assert abs(values.mean() - mean) < 5 * math.sqrt(var / n)
 
 
-@pytest.mark.parametrize("size", [1, 7, 65_536, FC.MAX_ELEMENTS])
+@pytest.mark.parametrize("size", [1, 7, 65_536, FD.MAX_ELEMENTS])
 def test_positions_saturate_at_the_size_without_overflow(size):
     """The running sum of the gaps is min(cumsum, size), exactly, for gaps as large as
     `hit_positions` makes them (a block past the last element), where uint32 sums of two such
     gaps near 2^31 would wrap."""
     rng = np.random.default_rng(size)
-    biggest = size + 2 * FC.BLOCK - 1
+    biggest = size + 2 * FD.BLOCK - 1
     for high in (2, 50, biggest + 1):
         steps = rng.integers(0, high, 1024).astype(np.uint32)
         steps[rng.integers(0, 1024, 8)] = biggest
-        got = np.asarray(jax.jit(FC.saturating_cumsum, static_argnums=1)(steps, size))
+        got = np.asarray(jax.jit(FD.saturating_cumsum, static_argnums=1)(steps, size))
         want = np.minimum(np.cumsum(steps.astype(np.uint64)), size).astype(np.uint32)
         np.testing.assert_array_equal(got, want)

@@ -16,6 +16,7 @@ from sdcstudy.core import config as C
 from sdcstudy.faults import specs as FS
 from sdcstudy.faults import inject as F
 from sdcstudy.faults import corrupt as FC
+from sdcstudy.faults import draws as FD
 from sdcstudy.faults import bits as FB
 from sdcstudy.faults import records as FR
 from sdcstudy.core import mesh as M
@@ -532,7 +533,7 @@ def test_stacked_leaves_are_corrupted_as_one_at_a_time(monkeypatch):
     bits = lambda t: [np.asarray(a).tobytes() for a in jax.tree.leaves(t)]  # noqa: E731
     assert bits(stacked) == bits(alone)
     landed = [FR.decode_record(r)[0] for r in stacked[2]["step"].values()]
-    assert max(landed) > FC.HIT_CAP  # the additive spec drew past the listed hits
+    assert max(landed) > FD.HIT_CAP  # the additive spec drew past the listed hits
 
 
 @pytest.mark.parametrize("dtype, spec", [
@@ -556,7 +557,7 @@ def test_a_stack_of_tensors_is_corrupted_as_each_alone(dtype, spec):
         assert np.array_equal(np.asarray(records[i]).view(np.uint32),
                               np.asarray(record).view(np.uint32)), i
     landed = [FR.decode_record(record)[0] for record in records]
-    least = spec.count if spec.count else 20 if spec.lanes else FC.HIT_CAP
+    least = spec.count if spec.count else 20 if spec.lanes else FD.HIT_CAP
     assert landed[0] == 0 and landed[2] >= least
 
 

@@ -1,0 +1,277 @@
+"""The random decisions of one corruption, which do not depend on the tensor's values: which
+elements are hit, exactly at any rate, and each hit's value (the flipped bit, the error's size
+and sign, a replacement value), drawn from the site's key in a few hashes (`hashing.py`).
+
+`corrupt.py` applies them to a tensor and records what changed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sdcstudy.core.mesh import varying_axes, vary
+from sdcstudy.faults import hashing as H
+from sdcstudy.faults.bits import bits_of_class
+from sdcstudy.faults.specs import FaultSpec, FaultSpecError
+
+# --- the bit a bit flip flips ------------------------------------------------------------------
+
+
+def _allowed_bits(spec: FaultSpec, width: int) -> tuple[int, ...]:
+    """The bits a bit-flip spec may flip in `width`-bit values."""
+    allowed = spec.bits if spec.bits is not None else bits_of_class(spec.bit_class, width)
+    allowed = tuple(b for b in allowed if b < width)
+    if not allowed:
+        raise FaultSpecError(f"{spec.site}: none of bits {list(spec.bits)} exist in the "
+                             f"{width}-bit values at this site; a {width}-bit float has bits "
+                             f"0-{width - 1}.")
+    return allowed
+
+
+def _draws_a_bit(spec: FaultSpec, width: int) -> bool:
+    """Whether the flipped bit is drawn (a `randint` over the allowed bits), not fixed."""
+    return spec.kind == "bitflip" and len(_allowed_bits(spec, width)) > 1
+
+
+def _bit_words(bit_key, shape):
+    """The bits of the two halves of `jax.random.randint` with the bit key: the hash requests
+    of `jax.random.split(bit_key)`'s keys."""
+    return [(key, shape) for key in bit_key]
+
+
+# --- which elements are hit -------------------------------------------------------------------
+# A rate is exact at any size: the hit elements of a flat tensor are the points of a Bernoulli
+# process, drawn as geometric gaps between consecutive hits (`hit_positions`), so a draw costs
+# the hits it makes, not the tensor's size. Uniforms on float32's 2^-23 grid cannot draw a
+# gap of probability below 2^-23 (a float32 Bernoulli fires at 1.19e-7 for every smaller rate);
+# `fine_uniform` keeps 72 random bits, and each gap is a whole number of BLOCK elements plus a
+# remainder, both drawn exactly, so every integer gap up to 2^31 can occur.
+HIT_CAP = 1024  # hits drawn one by one per draw; past the cap-th, the rest is drawn densely
+BLOCK = 256
+MAX_ELEMENTS = 2 ** 31 - 2 * BLOCK  # the positions' uint32 sums stay below 2^32
+
+
+def fine_uniform(key, shape, words: int = 3):
+    """Uniform on [0, 1) from `words` x 24 random bits: P(u < t) = t to float32's relative
+    precision for every t down to 2^(-24 words) (72 bits: 2e-22)."""
+    return _fine(jax.random.bits(key, (words, *shape), jnp.uint32))
+
+
+def _fine(bits):
+    """`fine_uniform` from its bits, `jax.random.bits(key, (words, *shape))`."""
+    parts = (bits >> 8).astype(jnp.float32)
+    u = parts[-1]
+    for part in parts[-2::-1]:
+        u = part + u * 2.0 ** -24
+    return jnp.minimum(u * 2.0 ** -24, 1 - 2.0 ** -24)  # float32 rounding may reach 1
+
+
+def hit_positions(key, rate, size: int, cap: int):
+    """The flat positions (uint32, increasing) of the first `cap` elements hit when each of
+    `size` elements is hit independently with probability `rate`; `size` where fewer are hit.
+
+    A gap of G unhit elements before a hit is geometric, P(G >= g) = (1 - rate)^g; it is drawn
+    as G = BLOCK * A + B, A and B independent (a geometric's quotient and remainder by BLOCK
+    are): A = floor(E / (BLOCK lam)) with E exponential and lam = -log(1 - rate), B the
+    geometric truncated to [0, BLOCK) by inversion.
+    """
+    k_blocks, k_rest = H.split(jax.random.key_data(key), 2)
+    return _positions(*H.bits([(k_blocks, (3, cap)), (k_rest, (cap,))]), rate, size, cap)
+
+
+def _positions(block_bits, rest_bits, rate, size: int, cap: int):
+    """`hit_positions` from the bits it draws: (3, cap) for the blocks, (cap,) for the rest."""
+    if size > MAX_ELEMENTS:
+        raise FaultSpecError(f"a fault site holds {size:,} elements; rates are drawn for at "
+                             f"most {MAX_ELEMENTS:,} per tensor.")
+    rate = jnp.asarray(rate, jnp.float32)
+    lam = -jnp.log1p(-rate)  # inf at rate 1: every gap is 0
+    on = lam > 0
+    safe = jnp.where(on, lam, 1.0)
+    exponential = -jnp.log1p(-_fine(block_bits))
+    most = math.ceil(size / BLOCK)  # this many blocks already pass the last element
+    blocks = jnp.where(on, jnp.minimum(jnp.floor(exponential / (safe * BLOCK)), most), most)
+    in_block = -jnp.expm1(-safe * BLOCK)  # P(G < BLOCK)
+    v = H.uniform(rest_bits)
+    rest = jnp.minimum(jnp.floor(-jnp.log1p(-v * in_block) / safe), BLOCK - 1)
+    gaps = blocks.astype(jnp.uint32) * BLOCK + jnp.where(on, rest, 0).astype(jnp.uint32)
+    steps = gaps + (jnp.arange(cap) > 0).astype(jnp.uint32)  # each hit moves past the last
+    return saturating_cumsum(steps, size)
+
+
+def saturating_cumsum(steps, size: int):
+    """min(cumsum(steps), size) of uint32 `steps`, without overflow: each step is clipped to
+    `size` < 2^31, so the running sum cannot wrap before it first reaches `size`, and from
+    there on the running maximum of "reached" holds it at `size`. Two native cumulative
+    reductions, which compile in a fraction of a saturating associative scan's time."""
+    clipped = jnp.minimum(steps, jnp.uint32(size))
+    total = jnp.cumsum(clipped, dtype=jnp.uint32)
+    reached = lax.cummax((total >= size).astype(jnp.uint32))
+    return jnp.where(reached > 0, jnp.uint32(size), total)
+
+
+AUX_KEYS = 3  # the keys of a hit's value: (bit, value, sign)
+
+
+def _aux_bits(spec: FaultSpec) -> tuple[int, ...]:
+    """Which of the value's keys (bit, value, sign) the kind draws plain bits from: these are
+    drawn in the hash of the positions' bits; a normal value is JAX's own draw, and a drawn
+    bit takes a hash more (the split of its key, then the two halves of its `randint`)."""
+    return {"scale": (1, 2), "additive": (1, 2), "inf": (2,)}.get(spec.kind, ())
+
+
+def _aux(spec: FaultSpec, keys, bits: dict, width: int, shape):
+    """The per-element value of a hit: the flipped bit (bitflip), the factor 1 +/- r (scale),
+    the signed error in units of the row's RMS (additive), the replacement value (random, inf)
+    or nothing (zero, nan). `keys`: the (bit, value, sign) key data, `jax.random.split` of the
+    value's key in 3; `bits`: the bits of the keys `_aux_bits` names, by index, and under
+    "bit" the two halves of a drawn bit's `randint` (`_draws_a_bit`)."""
+    if spec.kind == "bitflip":
+        allowed = _allowed_bits(spec, width)
+        if len(allowed) == 1:
+            return jnp.full(shape, allowed[0], jnp.int32)
+        return jnp.asarray(allowed, jnp.int32)[H.randint(*bits["bit"], len(allowed))]
+    if spec.kind in ("scale", "additive"):
+        lo, hi = spec.scale
+        log_r = H.uniform(bits[1], math.log(lo), math.log(hi))
+        sign = jnp.where(H.bernoulli(bits[2], 0.5), 1.0, -1.0)
+        error = sign * jnp.exp(log_r)
+        return 1 + error if spec.kind == "scale" else error
+    if spec.kind == "random":
+        return spec.value_std * jax.random.normal(jax.random.wrap_key_data(keys[1]), shape,
+                                                  jnp.float32)
+    if spec.kind == "inf":
+        return jnp.where(H.bernoulli(bits[2], 0.5), jnp.inf, -jnp.inf)
+    return None
+
+
+def _aux_requests(spec: FaultSpec, keys, shape) -> list:
+    return [(keys[i], shape) for i in _aux_bits(spec)]
+
+
+def _scatter(size: int, positions, values, fill):
+    """A flat array of `size` holding `values` at `positions` (those >= size dropped)."""
+    return jnp.full(size, fill, values.dtype).at[positions].set(values, mode="drop")
+
+
+def _sparse_draws(key, spec: FaultSpec, rate, size: int, width: int):
+    """(hit, aux, positions, complete), flat: the first HIT_CAP hits one by one, then, if the
+    cap-th hit lands, every element after it drawn densely (exact: the elements after a hit
+    are independent of the ones before); `complete`: the positions hold every hit."""
+    hit, aux, positions, dense_keys = _listed_draws(key, spec, rate, size, width)
+    axes = _varying(key, rate)
+    hit, aux = lax.cond(positions[-1] < size,
+                        lambda: vary(_dense_after(dense_keys, spec, rate, width, hit, aux,
+                                                  positions), axes),
+                        lambda: vary((hit, aux), axes))
+    return hit, aux, positions, positions[-1] >= size
+
+
+def _listed_draws(key, spec: FaultSpec, rate, size: int, width: int):
+    """(hit, aux, positions, the keys of the dense rest): the first HIT_CAP hits, flat.
+
+    Three hashes (`hashing.py`): the key's three keys (hits, their values, the dense rest);
+    their splits; then every draw, with the split of the dense rest's value key, so that the
+    dense rest is one hash more. `jax.random` would make the same numbers in a dozen."""
+    k_hit, k_aux, k_dense = H.split(jax.random.key_data(key), 3)
+    hit_words, aux_words, dense_words = H.hashes([(k_hit, 2), (k_aux, AUX_KEYS), (k_dense, 2)])
+    (k_blocks, k_rest), aux_keys = H.as_keys(hit_words), H.as_keys(aux_words)
+    k_uniform, k_dense_aux = H.as_keys(dense_words)
+    cap = min(size, HIT_CAP)
+    aux_requests = _aux_requests(spec, aux_keys, (cap,))
+    draws_a_bit = _draws_a_bit(spec, width)
+    words = H.hashes([(k_blocks, 3 * cap), (k_rest, cap), (k_dense_aux, AUX_KEYS),
+                      *((key, cap) for key, _ in aux_requests),
+                      *([(aux_keys[0], 2)] if draws_a_bit else [])])
+    block_bits, rest_bits = H.as_bits(words[0], (3, cap)), H.as_bits(words[1], (cap,))
+    dense_keys = jnp.concatenate([k_uniform[None], H.as_keys(words[2])])
+    aux_bits = {i: H.as_bits(w, (cap,)) for i, w in zip(_aux_bits(spec), words[3:])}
+    if draws_a_bit:
+        aux_bits["bit"] = H.bits(_bit_words(H.as_keys(words[-1]), (cap,)))
+    positions = _positions(block_bits, rest_bits, rate, size, cap)
+    aux = _aux(spec, aux_keys, aux_bits, width, (cap,))
+    hit = _scatter(size, positions, jnp.ones(cap, bool), False)
+    aux = None if aux is None else _scatter(size, positions, aux, 0)
+    return hit, aux, positions, dense_keys
+
+
+def _dense_after(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positions):
+    """(hit, aux) with every element after the last listed position drawn densely; where the
+    positions hold every hit (the last one is the size), `hit` and `aux` as they were.
+    `dense_keys`: the key of the hits' uniforms, then the (bit, value, sign) keys."""
+    size = hit.size
+    aux_requests = _aux_requests(spec, dense_keys[1:], (size,))
+    if _draws_a_bit(spec, width):
+        aux_requests += _bit_words(H.split(dense_keys[1], 2), (size,))
+    words = H.hashes([(dense_keys[0], 2 * size), *((key, size) for key, _ in aux_requests)])
+    aux_bits = {i: H.as_bits(w, (size,)) for i, w in zip(_aux_bits(spec), words[1:])}
+    if _draws_a_bit(spec, width):
+        aux_bits["bit"] = [H.as_bits(w, (size,)) for w in words[-2:]]
+    after = jnp.arange(size, dtype=jnp.uint32) > positions[-1]
+    more = after & (_fine(H.as_bits(words[0], (2, size))) < rate)
+    more_aux = _aux(spec, dense_keys[1:], aux_bits, width, (size,))
+    return hit | more, None if aux is None else jnp.where(more, more_aux, aux)
+
+
+def _cap(spec: FaultSpec, size: int) -> int:
+    """How many hit positions a draw of `spec` lists."""
+    return min(size, HIT_CAP if spec.count is None else spec.count)
+
+
+def _draws(key, spec: FaultSpec, rate, shape, width):
+    """The random decisions of one corruption, which do not depend on the tensor's values:
+    (hit, aux, positions, complete). `aux` as `_aux` draws it for every hit element (0
+    elsewhere); `positions` (uint32, increasing, the size past the last) the flat positions of
+    the first `_cap` hits, and every hit when `complete`."""
+    size = math.prod(shape)
+    if spec.count is not None:
+        hit, aux, positions, complete = _counted_draws(key, spec, rate, size, width)
+    else:
+        hit, aux, positions, complete = _sparse_draws(key, spec, rate, size, width)
+    return (*_shaped(spec, shape, hit, aux), positions, complete)
+
+
+def _counted_draws(key, spec: FaultSpec, rate, size: int, width: int):
+    """`_draws`, flat, of a spec that hits exactly `count` distinct elements when on."""
+    k_hit, k_aux = H.split(jax.random.key_data(key), 2)
+    chosen = jax.random.choice(jax.random.wrap_key_data(k_hit), size, (_cap(spec, size),),
+                               replace=False)
+    hit = jnp.zeros(size, bool).at[chosen].set(rate > 0)
+    positions = jnp.where(rate > 0, jnp.sort(chosen), size).astype(jnp.uint32)
+    aux_keys = H.split(k_aux, AUX_KEYS)
+    requests = _aux_requests(spec, aux_keys, (size,))
+    if _draws_a_bit(spec, width):
+        requests += _bit_words(H.split(aux_keys[0], 2), (size,))
+    drawn = H.bits(requests) if requests else []
+    aux_bits = dict(zip(_aux_bits(spec), drawn))
+    if _draws_a_bit(spec, width):
+        aux_bits["bit"] = drawn[-2:]
+    return hit, _aux(spec, aux_keys, aux_bits, width, (size,)), positions, jnp.bool_(True)
+
+
+def _shaped(spec: FaultSpec, shape, hit, aux):
+    """Flat (hit, aux) in the tensor's shape, hits outside the spec's lanes dropped."""
+    hit, aux = hit.reshape(shape), None if aux is None else aux.reshape(shape)
+    if spec.lanes is not None:
+        lane = lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+        hit &= jnp.isin(lane, jnp.asarray(spec.lanes))
+    return hit, aux
+
+
+def _varying(*values) -> frozenset:
+    """The `shard_map` axes any of `values` varies over: both branches of a `lax.cond` must
+    vary over the same axes."""
+    return frozenset().union(*(varying_axes(v) for v in values))
+
+
+def _no_draws(spec: FaultSpec, shape):
+    """What `_draws` gives when the rate is 0, without drawing: nothing is hit."""
+    aux = {"bitflip": jnp.int32, "scale": jnp.float32, "additive": jnp.float32,
+           "random": jnp.float32, "inf": jnp.float32}.get(spec.kind)
+    size = math.prod(shape)
+    return (jnp.zeros(shape, bool), None if aux is None else jnp.zeros(shape, aux),
+            jnp.full(_cap(spec, size), size, jnp.uint32), jnp.bool_(True))
