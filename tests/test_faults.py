@@ -565,8 +565,9 @@ def test_an_additive_error_is_rounded_before_it_is_added():
     # XLA:GPU contracts a multiply that feeds an add into one FMA in some programs and not in
     # others: on an H100 the step test above failed (stacked and alone an ulp apart at the
     # hit elements of two stacks) until the error term was rounded on its own behind an
-    # optimization barrier (faults/corrupt.py). The CPU never contracts, so no comparison of
-    # bits here can see it; this sees the barrier, one a tensor, stacked or alone.
+    # optimization barrier (faults/corrupt.py). On the CPU the two programs agreed either way
+    # (the step test passed here before the barrier), so no comparison of bits here can see
+    # it; this sees the barrier, one a tensor, stacked or alone.
     spec = FS.FaultSpec("grad", "additive", rate=0.5, scale=(2.0 ** -8, 1.0)).validate()
     xs = _x(jnp.float32, (2, 8, 16))
     key_data = jax.random.key_data(jax.random.split(jax.random.key(1), 2))

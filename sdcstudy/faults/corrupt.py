@@ -57,10 +57,10 @@ def _apply(x, spec: FaultSpec, hit, aux, rms=None):
     elif spec.kind == "additive":
         x32 = x.astype(jnp.float32)
         rms = row_rms(x32) if rms is None else rms
-        # The error is rounded to float32 before it is added. Left to it, XLA:GPU contracts
-        # the multiply and the add into one FMA (rounded once) in some programs and not in
-        # others, so the same draw landed an ulp apart in two programs (measured on an H100:
-        # a stack of leaves against each alone); the CPU never contracts them.
+        # The error is rounded to float32 before it is added. Left to it, XLA contracts the
+        # multiply and the add into one FMA (rounded once) in some programs and not in
+        # others: on an H100 the same draw landed an ulp apart in a stack of leaves and in
+        # each leaf alone. (The CPU backend contracts too; its programs happened to agree.)
         error = lax.optimization_barrier(aux * rms)
         bad_bits = to_bits((x32 + error).astype(x.dtype))
     elif spec.kind in ("random", "inf"):
