@@ -1,5 +1,5 @@
 """The fault engine's random numbers, several draws to one hash: bit for bit the keys, bits,
-uniforms and Bernoulli draws `jax.random` makes from threefry keys (JAX's default key, with
+uniforms, Bernoulli draws and int32 `randint`s `jax.random` makes from threefry keys (JAX's default key, with
 `jax_threefry_partitionable`, its default), with far fewer hashes in the compiled step.
 
 Every one of those draws is the threefry2x32 hash H(key, counter) of 64-bit counters: `split(key,
@@ -8,7 +8,7 @@ is their exclusive or. On the CPU, XLA compiles each hash as a loop of its own, 
 a fault site made about twenty of them (a chain of `fold_in`s for its key, then a dozen splits
 and draws), most of what a site costs to compile. Here draws that do not depend on one another
 are one hash over their counters laid end to end, and a chain of `fold_in`s is one loop over its
-data. `tests/test_faults.py` holds each function to `jax.random`'s own, bit for bit.
+data. `tests/test_fault_hashing.py` holds each function to `jax.random`'s own, bit for bit.
 
 Keys are raw key data: uint32 arrays of shape (2,).
 """
