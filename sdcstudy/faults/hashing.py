@@ -1,6 +1,7 @@
 """The fault engine's random numbers, several draws to one hash: bit for bit the keys, bits,
-uniforms, Bernoulli draws and int32 `randint`s `jax.random` makes from threefry keys (JAX's default key, with
-`jax_threefry_partitionable`, its default), with far fewer hashes in the compiled step.
+uniforms, Bernoulli draws and int32 `randint`s `jax.random` makes from threefry keys (JAX's
+default key, with `jax_threefry_partitionable`, its default), with far fewer hashes in the
+compiled step.
 
 Every one of those draws is the threefry2x32 hash H(key, counter) of 64-bit counters: `split(key,
 n)[i]` and `fold_in(key, i)` are the two words of H(key, i), and element i of `bits(key, shape)`
