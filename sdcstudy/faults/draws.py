@@ -37,10 +37,21 @@ def _draws_a_bit(spec: FaultSpec, width: int) -> bool:
     return spec.kind == "bitflip" and len(_allowed_bits(spec, width)) > 1
 
 
-def _bit_words(bit_key, shape):
-    """The bits of the two halves of `jax.random.randint` with the bit key: the hash requests
-    of `jax.random.split(bit_key)`'s keys."""
-    return [(key, shape) for key in bit_key]
+def _value_requests(spec: FaultSpec, keys, bit_keys, n: int) -> list:
+    """The hash requests (key, n) of n hit values: the plain bits of the (bit, value, sign)
+    `keys` that `_aux_bits` names, then, for a drawn bit, the two halves of its `randint`
+    (`bit_keys`: `jax.random.split` of the bit key; None where the bit is not drawn)."""
+    plain = [(keys[i], n) for i in _aux_bits(spec)]
+    return plain + ([] if bit_keys is None else [(key, n) for key in bit_keys])
+
+
+def _value_bits(spec: FaultSpec, words: list, shape) -> dict:
+    """The `bits` that `_aux` reads, from the hash words of `_value_requests`, in order."""
+    plain = _aux_bits(spec)
+    bits = {i: H.as_bits(w, shape) for i, w in zip(plain, words)}
+    if len(words) > len(plain):
+        bits["bit"] = [H.as_bits(w, shape) for w in words[len(plain):]]
+    return bits
 
 
 # --- which elements are hit -------------------------------------------------------------------
@@ -149,10 +160,6 @@ def _aux(spec: FaultSpec, keys, bits: dict, width: int, shape):
     return None
 
 
-def _aux_requests(spec: FaultSpec, keys, shape) -> list:
-    return [(keys[i], shape) for i in _aux_bits(spec)]
-
-
 def _scatter(size: int, positions, values, fill):
     """A flat array of `size` holding `values` at `positions` (those >= size dropped)."""
     return jnp.full(size, fill, values.dtype).at[positions].set(values, mode="drop")
@@ -182,16 +189,16 @@ def _listed_draws(key, spec: FaultSpec, rate, size: int, width: int):
     (k_blocks, k_rest), aux_keys = H.as_keys(hit_words), H.as_keys(aux_words)
     k_uniform, k_dense_aux = H.as_keys(dense_words)
     cap = min(size, HIT_CAP)
-    aux_requests = _aux_requests(spec, aux_keys, (cap,))
     draws_a_bit = _draws_a_bit(spec, width)
     words = H.hashes([(k_blocks, 3 * cap), (k_rest, cap), (k_dense_aux, AUX_KEYS),
-                      *((key, cap) for key, _ in aux_requests),
+                      *_value_requests(spec, aux_keys, None, cap),
                       *([(aux_keys[0], 2)] if draws_a_bit else [])])
     block_bits, rest_bits = H.as_bits(words[0], (3, cap)), H.as_bits(words[1], (cap,))
     dense_keys = jnp.concatenate([k_uniform[None], H.as_keys(words[2])])
-    aux_bits = {i: H.as_bits(w, (cap,)) for i, w in zip(_aux_bits(spec), words[3:])}
-    if draws_a_bit:
-        aux_bits["bit"] = H.bits(_bit_words(H.as_keys(words[-1]), (cap,)))
+    value_words = words[3:3 + len(_aux_bits(spec))]
+    if draws_a_bit:  # the bit key's split came with the draws: its halves take a hash more
+        value_words += H.hashes([(key, cap) for key in H.as_keys(words[-1])])
+    aux_bits = _value_bits(spec, value_words, (cap,))
     positions = _positions(block_bits, rest_bits, rate, size, cap)
     aux = _aux(spec, aux_keys, aux_bits, width, (cap,))
     hit = _scatter(size, positions, jnp.ones(cap, bool), False)
@@ -204,13 +211,10 @@ def _dense_after(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positi
     positions hold every hit (the last one is the size), `hit` and `aux` as they were.
     `dense_keys`: the key of the hits' uniforms, then the (bit, value, sign) keys."""
     size = hit.size
-    aux_requests = _aux_requests(spec, dense_keys[1:], (size,))
-    if _draws_a_bit(spec, width):
-        aux_requests += _bit_words(H.split(dense_keys[1], 2), (size,))
-    words = H.hashes([(dense_keys[0], 2 * size), *((key, size) for key, _ in aux_requests)])
-    aux_bits = {i: H.as_bits(w, (size,)) for i, w in zip(_aux_bits(spec), words[1:])}
-    if _draws_a_bit(spec, width):
-        aux_bits["bit"] = [H.as_bits(w, (size,)) for w in words[-2:]]
+    bit_keys = H.split(dense_keys[1], 2) if _draws_a_bit(spec, width) else None
+    words = H.hashes([(dense_keys[0], 2 * size),
+                      *_value_requests(spec, dense_keys[1:], bit_keys, size)])
+    aux_bits = _value_bits(spec, words[1:], (size,))
     after = jnp.arange(size, dtype=jnp.uint32) > positions[-1]
     more = after & (_fine(H.as_bits(words[0], (2, size))) < rate)
     more_aux = _aux(spec, dense_keys[1:], aux_bits, width, (size,))
@@ -243,13 +247,9 @@ def _counted_draws(key, spec: FaultSpec, rate, size: int, width: int):
     hit = jnp.zeros(size, bool).at[chosen].set(rate > 0)
     positions = jnp.where(rate > 0, jnp.sort(chosen), size).astype(jnp.uint32)
     aux_keys = H.split(k_aux, AUX_KEYS)
-    requests = _aux_requests(spec, aux_keys, (size,))
-    if _draws_a_bit(spec, width):
-        requests += _bit_words(H.split(aux_keys[0], 2), (size,))
-    drawn = H.bits(requests) if requests else []
-    aux_bits = dict(zip(_aux_bits(spec), drawn))
-    if _draws_a_bit(spec, width):
-        aux_bits["bit"] = drawn[-2:]
+    bit_keys = H.split(aux_keys[0], 2) if _draws_a_bit(spec, width) else None
+    requests = _value_requests(spec, aux_keys, bit_keys, size)
+    aux_bits = _value_bits(spec, H.hashes(requests) if requests else [], (size,))
     return hit, _aux(spec, aux_keys, aux_bits, width, (size,)), positions, jnp.bool_(True)
 
 
