@@ -141,30 +141,34 @@ class PaftTrainer:
         """Every worker starts from the seed's parameters. `seed` replaces the run seed for
         the random draws of the step (noise, drops), not for the initial parameters."""
         seed = self.cfg.experiment.seed if seed is None else seed
-        return self._init_fn(jax.random.key_data(jax.random.key(seed)))
+        return self._init_fn(jax.random.key_data(jax.random.key(seed)), self._paft_state())
+
+    def _paft_state(self) -> dict:
+        """The PAFT counters and error levels a run starts from: arguments of the initializer,
+        not constants in it, so that runs which differ only in them share one compiled
+        initializer (and XLA's persistent compilation cache)."""
+        zero_f, zero_i = jnp.float32(0), jnp.int32(0)
+        return {"next_sync": jnp.int32(self.first_h), "H": jnp.int32(self.first_h),
+                "since": zero_i, "lr2": zero_f, "pending": zero_i, "div": zero_f,
+                "div_max": zero_f, "sigma2_est": zero_f, **self._noise_state()}
 
     @functools.cached_property
     def _init_fn(self):
         """The state's initializer, compiled once per trainer (tests start many states)."""
         m = self.workers
 
-        def init(key_data):
+        def init(key_data, paft):
             key = jax.random.key(self.cfg.experiment.seed)
             _, params = model.init(self.dims, jax.random.fold_in(key, 0))
             stack = lambda t: jax.tree.map(lambda x: jnp.stack([x] * m), t)  # noqa: E731
             state = {"params": stack(params), "opt_state": stack(self.tx.init(params)),
-                     "step": jnp.int32(0), "key": key_data,
-                     "paft": {"next_sync": jnp.int32(self.first_h), "H": jnp.int32(self.first_h),
-                              "since": jnp.int32(0), "lr2": jnp.float32(0),
-                              "pending": jnp.int32(0),
-                              "div": jnp.float32(0), "div_max": jnp.float32(0),
-                              "sigma2_est": jnp.float32(0), **self._noise_state()}}
+                     "step": jnp.int32(0), "key": key_data, "paft": paft}
             if self.cfg.paft.loss.p > 0 and self.cfg.paft.loss.aggregate == "stale":
                 state["prev_grad"] = jax.tree.map(jnp.zeros_like, stack(params))
             return state
 
         key_shape = jax.ShapeDtypeStruct((2,), jnp.uint32)
-        shapes = jax.eval_shape(init, key_shape)
+        shapes = jax.eval_shape(init, key_shape, self._paft_state())
         return jax.jit(init, out_shardings=self.state_shardings(shapes))
 
     def state_specs(self, state):
