@@ -59,21 +59,17 @@ def _value_bits(spec: FaultSpec, words: list, shape) -> dict:
 # process, drawn as geometric gaps between consecutive hits (`hit_positions`), so a draw costs
 # the hits it makes, not the tensor's size. Uniforms on float32's 2^-23 grid cannot draw a
 # gap of probability below 2^-23 (a float32 Bernoulli fires at 1.19e-7 for every smaller rate);
-# `fine_uniform` keeps 72 random bits, and each gap is a whole number of BLOCK elements plus a
+# `_fine` keeps 72 random bits, and each gap is a whole number of BLOCK elements plus a
 # remainder, both drawn exactly, so every integer gap up to 2^31 can occur.
 HIT_CAP = 1024  # hits drawn one by one per draw; past the cap-th, the rest is drawn densely
 BLOCK = 256
 MAX_ELEMENTS = 2 ** 31 - 2 * BLOCK  # the positions' uint32 sums stay below 2^32
 
 
-def fine_uniform(key, shape, words: int = 3):
-    """Uniform on [0, 1) from `words` x 24 random bits: P(u < t) = t to float32's relative
-    precision for every t down to 2^(-24 words) (72 bits: 2e-22)."""
-    return _fine(jax.random.bits(key, (words, *shape), jnp.uint32))
-
-
 def _fine(bits):
-    """`fine_uniform` from its bits, `jax.random.bits(key, (words, *shape))`."""
+    """Uniform on [0, 1) from `words` x 24 random bits, `bits` of shape (words, *shape):
+    P(u < t) = t to float32's relative precision for every t down to 2^(-24 words) (three
+    words, 72 bits: 2e-22)."""
     parts = (bits >> 8).astype(jnp.float32)
     u = parts[-1]
     for part in parts[-2::-1]:
