@@ -181,8 +181,9 @@ def test_same_seed_replays_other_seed_differs():
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
     assert not np.array_equal(a.view(np.uint32), c.view(np.uint32))
     # Another step or microstep draws other faults.
-    assert not np.array_equal(a, _inject(profile, 0, step=2))
-    assert not np.array_equal(a, _inject(profile, 0, microstep=1))
+    assert not np.array_equal(a.view(np.uint32), _inject(profile, 0, step=2).view(np.uint32))
+    assert not np.array_equal(a.view(np.uint32),
+                              _inject(profile, 0, microstep=1).view(np.uint32))
 
 
 def test_fault_seed_draws_other_faults_and_replays_its_own():
@@ -203,12 +204,15 @@ def test_fault_seed_draws_other_faults_and_replays_its_own():
 
 def test_repeatable_faults_depend_on_the_input_not_the_step():
     profile = FS.Profile("p", (FS.FaultSpec("fwd/attn", "bitflip", rate=1e-2, repeatable=True),))
+    # Compared as bits: a flipped exponent bit may make a NaN, which no float equals.
     a, b = _inject(profile, 0, step=1), _inject(profile, 0, step=7, microstep=1)
-    assert np.array_equal(a, b)
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
     other = _inject(profile, 0, x=_x(jnp.float32, (64, 64), seed=9))
     clean = np.asarray(_x(jnp.float32, (64, 64), seed=9))
-    assert not np.array_equal(np.nonzero(other != clean), np.nonzero(a != np.asarray(
-        _x(jnp.float32, (64, 64)))))
+    hit_here = np.nonzero(a.view(np.uint32) != np.asarray(_x(jnp.float32, (64, 64))).view(
+        np.uint32))
+    hit_there = np.nonzero(other.view(np.uint32) != clean.view(np.uint32))
+    assert not np.array_equal(hit_there, hit_here)
 
 
 @pytest.mark.parametrize("pattern, active_steps", [
