@@ -109,11 +109,12 @@ def test_a_resumed_run_scores_like_an_unbroken_one(unbroken, tmp_path):
 @pytest.mark.parametrize("fault_kind, expected", [("transient", "transient"),
                                                   ("repeatable", "persistent")])
 def test_flagged_events_are_classed_by_re_execution(tmp_path, fault_kind, expected):
-    # Exponent flips in the gradient on every step: a transient fault draws afresh when the
+    # Exponent flips in the FFN's output on every step: a transient fault draws afresh when the
     # step is re-executed on the same device, a repeatable one gives the same wrong result.
+    # (A model site: a `grad` spec would cost the step three times its compile.)
     profile = tmp_path / "flips.yaml"
     profile.write_text(yaml.safe_dump({"name": "flips", "specs": [
-        {"site": "grad", "kind": "bitflip", "bit_class": "exponent", "rate": 1e-3}]}))
+        {"site": "fwd/ffn", "kind": "bitflip", "bit_class": "exponent", "rate": 1e-2}]}))
     cfg = C.from_dict({
         "experiment": {"mode": "detect", "steps": 3, "batch_size": 2, "checkpoint_every": 0},
         "mesh": {"dp": 1}, "suspect": {"profile": str(profile), "fault_kind": fault_kind},

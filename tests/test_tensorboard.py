@@ -56,7 +56,8 @@ def expected(out) -> dict[tuple[int, str], float]:
 
 def test_event_files_hold_every_metric_of_every_step(tmp_path):
     out = tmp_path / "run"
-    runner.run(C.from_dict(CONFIG, ["experiment.mode=lockstep", "suspect.profile=paper-node-11"]),
+    runner.run(C.from_dict(CONFIG, ["experiment.mode=lockstep", "suspect.profile=paper-node-11",
+                                    "model.n_layers=1"]),
                out, progress=False)
     logged = scalars(read_events(out / TB.FOLDER))
     want = expected(out)
