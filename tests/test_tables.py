@@ -19,6 +19,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from sdcstudy import cli
 from sdcstudy.core import metrics as MX
@@ -231,8 +232,13 @@ def test_run_killed_with_sigkill_reports_and_resumes(tmp_path):
     """A lock-step run with faults, killed mid-run: `sdcstudy report` reads it, `--resume`
     finishes it, and every step's metrics line and table rows are there once."""
     steps, every, out = 60, 10, tmp_path / "run"
+    # Faults at two compared sites, no weight-gradient faults (which cost the step three times
+    # its compile and add nothing here).
+    profile = tmp_path / "two-sites.yaml"
+    profile.write_text(yaml.safe_dump({"name": "two-sites", "specs": [
+        {"site": site, "kind": "additive", "rate": 2e-4} for site in ("fwd/attn", "bwd/ffn")]}))
     cmd = [sys.executable, "-m", "sdcstudy.cli", "run", "configs/demo.yaml", "--no-progress",
-           "--set", "suspect.profile=paper-node-11", "--set", f"experiment.steps={steps}",
+           "--set", f"suspect.profile={profile}", "--set", f"experiment.steps={steps}",
            "--set", f"experiment.checkpoint_every={every}", "--set", "experiment.batch_size=4",
            "--set", "model.n_layers=1", "--out", str(out)]
     child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
