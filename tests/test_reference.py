@@ -51,7 +51,8 @@ def _documented(field: str, tables: list[dict]) -> bool:
 def test_real_run_writes_only_documented_fields(tmp_path, mode):
     cfg = C.from_dict({"experiment": {"mode": mode, "steps": 2, "batch_size": 2,
                                       "checkpoint_every": 0},
-                       "data": {"seq_len": 16}, "optim": {"warmup_steps": 0}})
+                       "data": {"seq_len": 16}, "optim": {"warmup_steps": 0},
+                       "model": {"n_layers": 1}})  # the fields of two layers are the same
     out = tmp_path / mode
     runner.run(cfg, out, progress=False)
     cls = modes.get(mode)
