@@ -141,3 +141,18 @@ def test_shard_map_matmul_gradients_match_autodiff():
     want_x, want_w = jax.grad(lambda x, w: jnp.sum((x @ w) * ct), argnums=(0, 1))(x, w)
     np.testing.assert_allclose(np.asarray(got_x), np.asarray(want_x), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shared_initial_parameters_are_inits_bit_for_bit(dtype):
+    # Every trainer starts from `init_params` (one compiled program per model shape) where it
+    # once ran `init` eagerly or inside its own sharded initializer; the parameters must be
+    # the same bits, or every recorded run would start elsewhere.
+    dims = C.model_dims(C.from_dict({"model": {"n_layers": 1, "dtype": dtype}}).model)
+    key = jax.random.fold_in(jax.random.key(3), 0)
+    eager = jax.tree.leaves(model.init(dims, key)[1])
+    shared = jax.tree.leaves(model.init_params(dims, key))
+    assert len(eager) == len(shared) > 0
+    for a, b in zip(eager, shared):
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

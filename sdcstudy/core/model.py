@@ -15,6 +15,7 @@ Outside this module parameters are plain nested dicts (`init` and `apply`).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -184,6 +185,19 @@ def init(dims: ModelDims, key: jax.Array):
     model = Llama(dims, rngs=nnx.Rngs(params=key))
     graphdef, state = nnx.split(model)
     return graphdef, nnx.to_pure_dict(state)
+
+
+def init_params(dims: ModelDims, key: jax.Array) -> dict:
+    """`init(dims, key)`'s parameters, bit for bit, from one compiled program per model shape:
+    every trainer, mode and mesh starts from it (and XLA's persistent compilation cache shares
+    it between processes), then places, stacks or shards what it gives in a small program of
+    its own, where a sharded initializer of the whole state would be a program per mesh."""
+    return _init_program(dims)(jax.random.key_data(key))
+
+
+@functools.cache
+def _init_program(dims: ModelDims):
+    return jax.jit(lambda key_data: init(dims, jax.random.wrap_key_data(key_data))[1])
 
 
 def abstract_init(dims: ModelDims):

@@ -136,7 +136,7 @@ class Trainer:
         return jax.random.key(self.cfg.experiment.seed)
 
     def init_state(self) -> dict:
-        _, params = model.init(self.dims, jax.random.fold_in(self.base_key, 0))
+        params = model.init_params(self.dims, jax.random.fold_in(self.base_key, 0))
         return {"params": params, "opt_state": self.tx.init(params), "step": jnp.int32(0)}
 
     def loss(self, params, sinks, batch, microstep, step=0):

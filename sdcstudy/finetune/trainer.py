@@ -140,13 +140,7 @@ class FinetuneTrainer(PairedTrainer):
         if self.initial_params is None:
             state = super().init_state()
         else:
-            def init(params):
-                pair = lambda t: jax.tree.map(lambda x: jnp.stack([x, x]), t)  # noqa: E731
-                return {"params": pair(params), "opt_state": pair(self.tx.init(params)),
-                        "step": jnp.int32(0)}
-            params = jax.tree.map(jnp.asarray, self.initial_params)
-            shapes = jax.eval_shape(init, params)
-            state = jax.jit(init, out_shardings=self.state_shardings(shapes))(params)
+            state = self.pair_state(jax.tree.map(jnp.asarray, self.initial_params))
         self.initial_predictions = self._predict(state["params"])
         return state
 

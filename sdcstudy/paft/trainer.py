@@ -141,7 +141,10 @@ class PaftTrainer:
         """Every worker starts from the seed's parameters. `seed` replaces the run seed for
         the random draws of the step (noise, drops), not for the initial parameters."""
         seed = self.cfg.experiment.seed if seed is None else seed
-        return self._init_fn(jax.random.key_data(jax.random.key(seed)), self._paft_state())
+        key = jax.random.key(self.cfg.experiment.seed)
+        params = model.init_params(self.dims, jax.random.fold_in(key, 0))
+        return self._init_fn(params, jax.random.key_data(jax.random.key(seed)),
+                             self._paft_state())
 
     def _paft_state(self) -> dict:
         """The PAFT counters and error levels a run starts from: arguments of the initializer,
@@ -157,9 +160,7 @@ class PaftTrainer:
         """The state's initializer, compiled once per trainer (tests start many states)."""
         m = self.workers
 
-        def init(key_data, paft):
-            key = jax.random.key(self.cfg.experiment.seed)
-            _, params = model.init(self.dims, jax.random.fold_in(key, 0))
+        def init(params, key_data, paft):
             stack = lambda t: jax.tree.map(lambda x: jnp.stack([x] * m), t)  # noqa: E731
             state = {"params": stack(params), "opt_state": stack(self.tx.init(params)),
                      "step": jnp.int32(0), "key": key_data, "paft": paft}
@@ -168,7 +169,8 @@ class PaftTrainer:
             return state
 
         key_shape = jax.ShapeDtypeStruct((2,), jnp.uint32)
-        shapes = jax.eval_shape(init, key_shape, self._paft_state())
+        shapes = jax.eval_shape(init, model.abstract_init(self.dims)[1], key_shape,
+                                self._paft_state())
         return jax.jit(init, out_shardings=self.state_shardings(shapes))
 
     def state_specs(self, state):

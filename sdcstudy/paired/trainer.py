@@ -190,13 +190,17 @@ class PairedTrainer:
 
     def init_state(self) -> dict:
         """Both nodes start from the same parameters (the seed's), stacked on the node axis."""
-        def init():
-            _, params = model.init(self.dims, jax.random.fold_in(self.base_key, 0))
+        return self.pair_state(model.init_params(self.dims,
+                                                 jax.random.fold_in(self.base_key, 0)))
+
+    def pair_state(self, params) -> dict:
+        """The state of two nodes that both start from `params`, sharded over the mesh."""
+        def init(params):
             pair = lambda t: jax.tree.map(lambda x: jnp.stack([x, x]), t)  # noqa: E731
             return {"params": pair(params), "opt_state": pair(self.tx.init(params)),
                     "step": jnp.int32(0)}
-        shapes = jax.eval_shape(init)
-        return jax.jit(init, out_shardings=self.state_shardings(shapes))()
+        shapes = jax.eval_shape(init, params)
+        return jax.jit(init, out_shardings=self.state_shardings(shapes))(params)
 
     def batch_shardings(self):
         spec = NamedSharding(self.mesh, P(None, M.DATA, M.TP))
