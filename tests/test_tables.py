@@ -232,8 +232,8 @@ def test_run_killed_with_sigkill_reports_and_resumes(tmp_path):
     """A lock-step run with faults, killed mid-run: `sdcstudy report` reads it, `--resume`
     finishes it, and every step's metrics line and table rows are there once."""
     steps, every, out = 60, 10, tmp_path / "run"
-    # Faults at two compared sites, no weight-gradient faults (which cost the step three times
-    # its compile and add nothing here).
+    # Faults at two compared sites, no weight-gradient faults (which only make the step slower
+    # to compile here).
     profile = tmp_path / "two-sites.yaml"
     profile.write_text(yaml.safe_dump({"name": "two-sites", "specs": [
         {"site": site, "kind": "additive", "rate": 2e-4} for site in ("fwd/attn", "bwd/ffn")]}))
