@@ -1,8 +1,10 @@
 """`sdcstudy ...` and `python -m sdcstudy ...`.
 
-Problems a user can fix end with one sentence on stderr and exit code 2; a training that
-diverges, or cannot write its run folder, ends with exit code 1; an interrupt with 130. JAX
-is imported only by the commands that need it, after the determinism flags are set.
+Exit codes follow the contract in `core/errors.py` (docs/golden.md "Exit codes"): 0 PASS,
+1 FAIL (bits differ) or a training stopped by what it measured, 2 bad input or INCONCLUSIVE,
+3 could not run or could not report, 130/143 interrupted. Every error ends with one sentence
+on stderr. JAX is imported only by the commands that need it, after the determinism flags
+are set.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 from sdcstudy.core import config as C
+from sdcstudy.core import errors
 from sdcstudy.core.config import UserError
 
 DEMO_STEPS = 40  # sdcstudy.demo.DEMO_STEPS (kept here so the parser needs no JAX)
@@ -269,22 +272,39 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except UserError as e:
         print(f"sdcstudy: error: {e}", file=sys.stderr)
-        return 2
+        return errors.EXIT_BAD_INPUT
     except KeyboardInterrupt as e:
         print(f"sdcstudy: {e or 'interrupted'}", file=sys.stderr)
-        return 130
+        return errors.EXIT_SIGINT
     except BrokenPipeError:  # `sdcstudy profiles | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 128 + signal.SIGPIPE
+    except errors.CouldNotRun as e:
+        print(f"sdcstudy: error: {e}", file=sys.stderr)
+        return errors.EXIT_COULD_NOT_RUN
     except Exception as e:
-        from sdcstudy.detect.trainer import DetectionError
-        from sdcstudy.core.train import NonFiniteError
-        from sdcstudy.runner import WriteError
+        return _stopped(e)
 
-        if isinstance(e, (NonFiniteError, DetectionError, WriteError)):  # the run stopped
-            print(f"sdcstudy: error: {e}", file=sys.stderr)
-            return 1
-        raise
+
+def _stopped(error: Exception) -> int:
+    """The exit code and sentence of an exception that reached the top: a training stopped by
+    what it measured is 1; anything else could not run (3), never a FAIL verdict."""
+    from sdcstudy.core.train import NonFiniteError
+    from sdcstudy.detect.trainer import DetectionError
+    from sdcstudy.runner import WriteError
+
+    if isinstance(error, (NonFiniteError, DetectionError)):  # the run stopped on a finding
+        print(f"sdcstudy: error: {error}", file=sys.stderr)
+        return errors.EXIT_FAIL
+    if isinstance(error, WriteError):  # the run folder could not be written
+        print(f"sdcstudy: error: {error}", file=sys.stderr)
+        return errors.EXIT_COULD_NOT_RUN
+    if os.environ.get("SDCSTUDY_TRACEBACK"):
+        import traceback
+
+        traceback.print_exception(error, file=sys.stderr)
+    print(f"sdcstudy: error: {errors.unexpected(error)}", file=sys.stderr)
+    return errors.EXIT_COULD_NOT_RUN
 
 
 if __name__ == "__main__":

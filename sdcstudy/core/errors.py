@@ -1,13 +1,31 @@
-"""The errors a user can fix, and the "did you mean" that ends their sentence.
+"""The exit-code contract, the errors a user can fix, and the "did you mean" that ends their
+sentence.
 
-The CLI prints a `UserError` as one sentence and exits with code 2; every layer raises it for
-bad input (a config key, a missing file, a damaged golden record). This module imports nothing
-of the package, so every module can use it.
+Every command ends with one of these codes (docs/golden.md "Exit codes", deploy/README.md):
+
+- 0 `EXIT_PASS`: the command did its work; a check PASSed.
+- 1 `EXIT_FAIL`: bits were compared and differ (a FAIL verdict), or a training stopped on what
+  it measured (a non-finite loss, a detector that gave up). Deploy scripts drain on 1 alone.
+- 2 `EXIT_BAD_INPUT`: bad input the user can fix (`UserError`), or an INCONCLUSIVE check.
+- 3 `EXIT_COULD_NOT_RUN`: the command could not run or could not report (a backend that does
+  not start, a report file that cannot be written, any unexpected exception). Deploy scripts
+  log and alert on it, and never drain.
+- 130 / 143: interrupted by SIGINT / SIGTERM.
+
+This module imports nothing of the package, so every module can use it.
 """
 
 from __future__ import annotations
 
 import difflib
+
+
+EXIT_PASS = 0
+EXIT_FAIL = 1
+EXIT_BAD_INPUT = 2
+EXIT_COULD_NOT_RUN = 3
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
 
 
 class UserError(Exception):
@@ -16,6 +34,26 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A configuration key or value that is not valid."""
+
+
+class CouldNotRun(Exception):
+    """The command could not run or could not report (not the user's input, not a verdict):
+    the CLI prints it as one sentence, exit 3."""
+
+
+class ReportWriteError(CouldNotRun):
+    """A report file asked for (`--json`, `--junit`, `--plot`, `--out`) could not be written.
+
+    A command with a verdict prints the verdict first and keeps its code, with one warning
+    sentence naming the file (`warn_unwritten`); a command whose output *is* the report (e.g.
+    `sdcstudy report`) ends with this error, exit 3."""
+
+
+def unexpected(error: BaseException) -> str:
+    """The one sentence that ends a command stopped by an exception nobody foresaw."""
+    return (f"could not run: {type(error).__name__}: {first_line(error, 300)} (a bug or a broken "
+            f"environment, not a verdict on the hardware; set SDCSTUDY_TRACEBACK=1 for the "
+            f"traceback)")
 
 
 def did_you_mean(word: str, choices) -> str:
