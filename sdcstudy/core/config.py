@@ -1,8 +1,10 @@
 """Experiment configuration: a dataclass schema, YAML files, `--set key=value` overrides.
 
 Configs give only the keys they change; everything else takes the defaults below. Unknown
-keys and wrong types end in a `ConfigError` whose message names the key and, for a typo, the
-closest valid one. This module imports no JAX.
+keys, wrong types and values outside a key's range (`core/bounds.py`, stated on each key's
+line below) end in a `ConfigError` whose message names the key and, for a typo, the closest
+valid one. Files are read through `core/yamlsafe.py` (bounded, no aliases). This module
+imports no JAX.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from sdcstudy.core.errors import ConfigError, UserError, did_you_mean, first_line
+from sdcstudy.core import bounds, yamlsafe
+from sdcstudy.core.errors import ConfigError, UserError, did_you_mean
 from sdcstudy.core.presets import PRESETS, ModelConfig, ModelDims, model_dims
 
 __all__ = ["Config", "ConfigError", "UserError", "ModelConfig", "ModelDims", "PRESETS",
@@ -27,47 +30,52 @@ __all__ = ["Config", "ConfigError", "UserError", "ModelConfig", "ModelDims", "PR
 @dataclass
 class ExperimentConfig:
     mode: str = "train"  # train, lockstep, paramsync, free, finetune, abft, paft or detect
-    steps: int = 200  # optimizer steps of the run
-    microsteps: int = 1  # gradient-accumulation microsteps per optimizer step
-    seed: int = 0  # seeds parameters, data order and fault draws
-    batch_size: int = 8  # sequences per microstep, summed over data-parallel workers
-    checkpoint_every: int = 100  # 0 saves only at the end
-    checkpoint_keep: int = 2  # checkpoints kept; older ones are deleted
-    name: str = ""  # run folders are runs/NAME-TIMESTAMP; empty: the mode
+    steps: int = 200  # optimizer steps of the run (from 1 to 10^9)
+    microsteps: int = 1  # gradient-accumulation microsteps per optimizer step (at least 1)
+    seed: int = 0  # seeds parameters, data order and fault draws (non-negative)
+    batch_size: int = 8  # sequences per microstep, summed over data-parallel workers (at least 1)
+    checkpoint_every: int = 100  # 0 saves only at the end (non-negative)
+    checkpoint_keep: int = 2  # checkpoints kept; older ones are deleted (at least 1)
+    name: str = ""  # run folders are runs/NAME-TIMESTAMP; empty: the mode; no "/" or leading "."
 
 
 @dataclass
 class MeshConfig:
-    tp: int = 1  # tensor-parallel degree (devices per model copy)
-    dp: int = 1  # data-parallel degree
+    tp: int = 1  # tensor-parallel degree (devices per model copy) (at least 1)
+    dp: int = 1  # data-parallel degree (at least 1)
 
 
 @dataclass
 class SuspectConfig:
     profile: str = "healthy"  # a zoo name (`sdcstudy profiles`) or a YAML profile file
-    log_limit: int = 64  # corruptions logged per (site, layer, spec, microstep); all are counted
+    # corruptions logged per (site, layer, spec, microstep); all are counted (from 0 to 10^6)
+    log_limit: int = 64
     # "profile" keeps each spec's own kind; "transient" (a re-execution draws afresh) or
     # "repeatable" (the same inputs give the same corruption) applies to every spec.
     fault_kind: str = "profile"
     # Folded into every fault draw: the same model, data and profile with other faults.
     # null: the draws of experiment.seed alone (profiles whose specs match draw the same).
-    fault_seed: int | None = None
+    fault_seed: int | None = None  # (non-negative or null)
 
 
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # adamw, adam, sgd or sgdm
-    lr: float = 3e-3  # peak learning rate
+    lr: float = 3e-3  # peak learning rate (finite, positive)
     schedule: str = "warmup_cosine"  # or "constant"
-    warmup_steps: int = 20  # linear warm-up from 0 to lr
-    decay_steps: int | None = None  # length of the cosine; null means experiment.steps
-    min_lr_ratio: float = 0.1  # cosine floor as a fraction of the peak
-    beta1: float = 0.9  # Ma et al., appendix B.3: Adam beta1 0.9, beta2 0.99, weight decay 0.01
-    beta2: float = 0.99  # Adam's second-moment decay
-    eps: float = 1e-8  # Adam's denominator floor
-    momentum: float = 0.9  # for sgdm
-    weight_decay: float = 0.01  # decoupled, for adamw
-    clip_norm: float | None = 1.0  # global gradient-norm clip; null: none
+    warmup_steps: int = 20  # linear warm-up from 0 to lr (non-negative)
+    # length of the cosine; null means experiment.steps (at least 1 or null)
+    decay_steps: int | None = None
+    min_lr_ratio: float = 0.1  # cosine floor as a fraction of the peak (in [0, 1])
+    # Adam's first-moment decay; Ma et al., appendix B.3: beta1 0.9, beta2 0.99, weight decay 0.01
+    # (in [0, 1))
+    beta1: float = 0.9
+    beta2: float = 0.99  # Adam's second-moment decay (in [0, 1))
+    eps: float = 1e-8  # Adam's denominator floor (finite, positive)
+    momentum: float = 0.9  # for sgdm (in [0, 1))
+    weight_decay: float = 0.01  # decoupled, for adamw (finite, non-negative)
+    # global gradient-norm clip; null: none (finite, positive or null)
+    clip_norm: float | None = 1.0
 
 
 @dataclass
@@ -79,37 +87,44 @@ class AbftConfig:
     # at DEFAULT or HIGH matmul precision, none on the CPU), none, tf32 (to nearest) or
     # tf32_truncate (toward zero); abft/bound.py derives the bound for each
     operand_rounding: str = "auto"
-    output_partials: int = 1  # split-K partial sums stored in the output dtype (1: rounded once)
+    # split-K partial sums stored in the output dtype (1: rounded once) (at least 1)
+    output_partials: int = 1
 
 
 @dataclass
 class PaftNoiseConfig:
-    sigma2: float = 0.0  # per-coordinate variance of each worker's aggregation error
-    large_sigma2: float = 0.0  # accidental large noise: this variance instead, every ...
-    large_every: int = 0  # ... large_every-th step (0: never)
+    # per-coordinate variance of each worker's aggregation error (finite, non-negative)
+    sigma2: float = 0.0
+    # accidental large noise: this variance instead, every ... (finite, non-negative)
+    large_sigma2: float = 0.0
+    large_every: int = 0  # ... large_every-th step (0: never) (non-negative)
 
 
 @dataclass
 class PaftLossConfig:
     """Packet loss in gradient aggregation and parameter broadcasts (paft/packets.py)."""
 
-    p: float = 0.0  # drop probability of each gradient packet on each link
-    burst: float = 0.0  # mean length of a run of dropped packets; 0: independent drops
+    p: float = 0.0  # drop probability of each gradient packet on each link (in [0, 1))
+    # mean length of a run of dropped packets; 0: independent drops (finite, non-negative)
+    burst: float = 0.0
     aggregate: str = "renormalized"  # renormalized, zero or stale
-    packet_size: int = 256  # float32 elements per packet
-    param_p: float | None = None  # drop probability of owner broadcasts; null: no broadcasts
+    packet_size: int = 256  # float32 elements per packet (at least 1)
+    # drop probability of owner broadcasts; null: no broadcasts (in [0, 1) or null)
+    param_p: float | None = None
 
 
 @dataclass
 class PaftConfig:
     noise: PaftNoiseConfig = field(default_factory=PaftNoiseConfig)
-    sync_every: int = 0  # H of PAFT-Sync (and PAFT-Dyn's first H); 0: never synchronize
+    # H of PAFT-Sync (and PAFT-Dyn's first H); 0: never synchronize (non-negative)
+    sync_every: int = 0
     dynamic: bool = False  # PAFT-Dyn: the next H from the error estimated at each sync
     overlap: bool = False  # the average launched at step t is applied at step t+1
     sync_opt_state: bool = False  # average optimizer state with the parameters
-    h_min: int = 1  # PAFT-Dyn's lower bound on H
-    h_max: int = 64  # PAFT-Dyn's upper bound on H
-    div_every: int = 1  # measure the divergence every k steps (0: only when synchronizing)
+    h_min: int = 1  # PAFT-Dyn's lower bound on H (at least 1)
+    h_max: int = 64  # PAFT-Dyn's upper bound on H (at least paft.h_min)
+    # measure the divergence every k steps (0: only when synchronizing) (non-negative)
+    div_every: int = 1
     loss: PaftLossConfig = field(default_factory=PaftLossConfig)
 
 
@@ -118,15 +133,15 @@ class DetectConfig:
     """Detector benchmark and verified rollback (`experiment.mode: detect`, detect/trainer.py)."""
 
     detectors: str = "all"  # comma-separated: monitor, abft, shadow, reexec, lockstep, localize
-    suspect_rank: int = 1  # the data-parallel rank whose device is faulty
-    shadow_rank: int = -1  # the rank the shadow replica recomputes; -1: round robin
+    suspect_rank: int = 1  # the data-parallel rank whose device is faulty (non-negative)
+    shadow_rank: int = -1  # the rank the shadow replica recomputes; -1: round robin (at least -1)
     replicas: int = 3  # replicas of each rank's step for localization (at least 3)
     advance: str = "reference"  # train on the "reference" (clean) or the "primary" gradient
-    spike_window: int = 8  # steps of history for the loss / gradient-norm monitor
-    spike_loss: float = 0.5  # nats above the window's median loss
-    spike_grad: float = 4.0  # times the window's median gradient norm
+    spike_window: int = 8  # steps of history for the loss / gradient-norm monitor (at least 1)
+    spike_loss: float = 0.5  # nats above the window's median loss (finite, non-negative)
+    spike_grad: float = 4.0  # times the window's median gradient norm (finite, positive)
     rollback: bool = False  # re-run a flagged step from the last verified snapshot
-    max_retries: int = 8  # attempts per step before the run gives up
+    max_retries: int = 8  # attempts per step before the run gives up (non-negative)
 
 
 @dataclass
@@ -136,8 +151,8 @@ class DataConfig:
     split: str = "train"  # dataset split to read
     text_field: str = "text"  # the column holding the text
     tokenizer: str = "byte"  # "byte" or a local Hugging Face tokenizer folder
-    seq_len: int = 64  # predicted tokens per sequence
-    synthetic_tokens: int = 400_000  # size of the built-in corpus, in bytes
+    seq_len: int = 64  # predicted tokens per sequence (at least 1)
+    synthetic_tokens: int = 400_000  # size of the built-in corpus, in bytes (at least 1)
     cache_dir: str | None = None  # where prepared datasets are kept; default ~/.cache/sdcstudy
 
 
@@ -148,14 +163,16 @@ class FinetuneConfig:
     init: str = ""  # a Hugging Face model folder or an sdcstudy run folder; "" = random init
     task: str = "synthetic"  # synthetic, cosmosqa, mathqa, scienceqa, openbookqa, boolq, race
     test_split: str | None = None  # null: the task's labelled evaluation split
-    shuffle_seed: int | None = None  # order of the training questions; null = experiment.seed
+    # order of the training questions; null = experiment.seed (non-negative or null)
+    shuffle_seed: int | None = None
     loss_on: str = "all"  # "all" tokens but the padding (appendix E.3) or only the "answer"
     predict: str = "generate"  # TA/DP from the greedy next token (E.2) or the best "score"
-    eval_batch_size: int = 16  # test questions scored per batch
-    max_train: int | None = None  # use at most this many training questions (null: all)
-    max_test: int | None = None  # test questions used; null: all
-    synthetic_train: int = 4000  # questions of the synthetic task
-    synthetic_test: int = 500  # questions of the synthetic task's test split
+    eval_batch_size: int = 16  # test questions scored per batch (at least 1)
+    # use at most this many training questions (null: all) (at least 1 or null)
+    max_train: int | None = None
+    max_test: int | None = None  # test questions used; null: all (at least 1 or null)
+    synthetic_train: int = 4000  # questions of the synthetic task (at least 1)
+    synthetic_test: int = 500  # questions of the synthetic task's test split (at least 1)
 
 
 @dataclass
@@ -212,8 +229,9 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     elif annotation is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+        if isinstance(value, float):  # 1e14 or 3.0 is no count of steps, layers or sequences
+            raise ConfigError(f"{key} must be int, not the float {value!r}; write a whole "
+                              f"number without a dot or exponent.")
     elif annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -278,8 +296,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     if key not in all_keys():
         raise ConfigError(f"unknown config key {key!r}{did_you_mean(key, all_keys())}.")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = yamlsafe.load_text(raw, f"--set {key}") if raw.strip() else ""
+    except yamlsafe.InvalidYaml:
         value = raw
     return key, value
 
@@ -304,11 +322,7 @@ def load(path: str | Path, overrides: list[str] = ()) -> Config:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist.")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML ({first_line(e)}).")
-    return from_dict(data, overrides)
+    return from_dict(yamlsafe.load_file(path, "config file"), overrides)
 
 
 def _deepcopy(data):
@@ -327,21 +341,31 @@ def dump(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+def _check_ranges(section, prefix: str = "") -> None:
+    """Every numeric key in its range (`core/bounds.py`)."""
+    for name, annotation in _field_types(type(section)).items():
+        value = getattr(section, name)
+        if dataclasses.is_dataclass(annotation):
+            _check_ranges(value, f"{prefix}{name}.")
+        else:
+            nullable = type(None) in typing.get_args(annotation)
+            bounds.check_value(f"{prefix}{name}", value, nullable)
+
+
 def validate(cfg: Config) -> None:
     """The checks every mode shares; a mode checks its own sections (`modes.Mode.check`)."""
+    _check_ranges(cfg)
     e, o, d = cfg.experiment, cfg.optim, cfg.data
-    for key, value in (("experiment.steps", e.steps), ("experiment.microsteps", e.microsteps),
-                       ("experiment.batch_size", e.batch_size), ("data.seq_len", d.seq_len),
-                       ("mesh.tp", cfg.mesh.tp), ("mesh.dp", cfg.mesh.dp)):
-        if value < 1:
-            raise ConfigError(f"{key} must be at least 1, not {value}.")
+    if cfg.paft.h_max < cfg.paft.h_min:
+        raise ConfigError("paft.h_max must be at least paft.h_min.")
+    if "/" in e.name or "\\" in e.name or e.name.startswith("."):
+        raise ConfigError(f"experiment.name {e.name!r} names a folder inside runs/: it may not "
+                          f"hold '/' or '\\' or start with '.'.")
     if o.name not in ("adamw", "adam", "sgd", "sgdm"):
         raise ConfigError(f"optim.name {o.name!r} is not one of adamw, adam, sgd, sgdm"
                           f"{did_you_mean(o.name, ('adamw', 'adam', 'sgd', 'sgdm'))}.")
     if o.schedule not in ("constant", "warmup_cosine"):
         raise ConfigError(f"optim.schedule {o.schedule!r} is not one of constant, warmup_cosine.")
-    if o.clip_norm is not None and o.clip_norm <= 0:
-        raise ConfigError("optim.clip_norm must be positive, or null to turn clipping off.")
     if e.batch_size % cfg.mesh.dp:
         raise ConfigError(f"experiment.batch_size ({e.batch_size}) must be a multiple of "
                           f"mesh.dp ({cfg.mesh.dp}).")
@@ -353,8 +377,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"abft.operand_rounding {cfg.abft.operand_rounding!r} is not one of "
                           f"{', '.join(roundings)}"
                           f"{did_you_mean(cfg.abft.operand_rounding, roundings)}.")
-    if cfg.abft.output_partials < 1:
-        raise ConfigError("abft.output_partials must be at least 1.")
     kinds = ("profile", "transient", "repeatable")
     if cfg.suspect.fault_kind not in kinds:
         raise ConfigError(f"suspect.fault_kind {cfg.suspect.fault_kind!r} is not one of "

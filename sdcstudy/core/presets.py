@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from sdcstudy.core import bounds, yamlsafe
 from sdcstudy.core.errors import ConfigError, did_you_mean
 
 
@@ -23,15 +22,15 @@ class ModelConfig:
     preset: str = "tiny"
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # storage dtype of parameters and optimizer state
-    vocab_size: int | None = None  # tokens in the vocabulary
-    d_model: int | None = None  # hidden size
-    n_layers: int | None = None  # decoder blocks
-    n_heads: int | None = None  # query heads
-    n_kv_heads: int | None = None  # key/value heads (grouped-query attention)
-    head_dim: int | None = None  # size of one head
-    ffn_dim: int | None = None  # SwiGLU hidden size
-    rope_theta: float | None = None  # RoPE base frequency
-    norm_eps: float | None = None  # RMSNorm epsilon
+    vocab_size: int | None = None  # tokens in the vocabulary (at least 1 or null)
+    d_model: int | None = None  # hidden size (at least 1 or null)
+    n_layers: int | None = None  # decoder blocks (at least 1 or null)
+    n_heads: int | None = None  # query heads (at least 1 or null)
+    n_kv_heads: int | None = None  # key/value heads (grouped-query attention) (at least 1 or null)
+    head_dim: int | None = None  # size of one head, even (at least 2 or null)
+    ffn_dim: int | None = None  # SwiGLU hidden size (at least 1 or null)
+    rope_theta: float | None = None  # RoPE base frequency (finite, positive or null)
+    norm_eps: float | None = None  # RMSNorm epsilon (finite, positive or null)
     tie_embeddings: bool | None = None  # output projection shares the embedding
 
 
@@ -92,21 +91,53 @@ DTYPES = ("float32", "bfloat16")
 
 
 def model_dims(model: ModelConfig, presets_dir: Path | None = None) -> ModelDims:
-    """Resolve `model.preset` plus any explicit sizes into `ModelDims`."""
+    """Resolve `model.preset` plus any explicit sizes into `ModelDims`, each in its range
+    (`core/bounds.py`) and the sizes consistent with one another."""
     base = dict(PRESETS.get(model.preset) or _preset_from_file(model.preset, presets_dir))
+    explicit = set()
     for f in dataclasses.fields(ModelConfig):
         value = getattr(model, f.name)
         if f.name not in ("preset", "dtype", "param_dtype") and value is not None:
             base[f.name] = value
-    base.setdefault("head_dim", base["d_model"] // base["n_heads"])
+            explicit.add(f.name)
     for key in ("dtype", "param_dtype"):
         if getattr(model, key) not in DTYPES:
             raise ConfigError(f"model.{key} must be one of {', '.join(DTYPES)}, "
                               f"not {getattr(model, key)!r}.")
+    _check_sizes(base, explicit, model.preset)
+    if "head_dim" not in base:
+        if base["d_model"] % base["n_heads"]:
+            raise ConfigError(f"model.d_model ({base['d_model']}) must be a multiple of "
+                              f"model.n_heads ({base['n_heads']}), or set model.head_dim.")
+        base["head_dim"] = base["d_model"] // base["n_heads"]
+        _check_sizes({"head_dim": base["head_dim"]}, set(), model.preset)
+    if base["head_dim"] % 2:
+        raise ConfigError(f"model.head_dim ({base['head_dim']}) must be even: the rotary "
+                          f"embedding turns pairs of its elements.")
     if base["n_heads"] % base["n_kv_heads"]:
         raise ConfigError(f"model.n_heads ({base['n_heads']}) must be a multiple of "
                           f"model.n_kv_heads ({base['n_kv_heads']}).")
     return ModelDims(**base, dtype=model.dtype, param_dtype=model.param_dtype)
+
+
+_INT_SIZES = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim")
+_FLOAT_SIZES = ("rope_theta", "norm_eps")
+
+
+def _check_sizes(base: dict, explicit: set, preset: str) -> None:
+    """Each resolved size of the right type and in its range; a value that came from the
+    preset is named with it."""
+    for key in _INT_SIZES + _FLOAT_SIZES:
+        if key not in base:
+            continue
+        value = base[key]
+        origin = "" if key in explicit else f" (from model.preset {preset!r})"
+        if key in _FLOAT_SIZES and isinstance(value, int) and not isinstance(value, bool):
+            value = base[key] = float(value)
+        wanted = float if key in _FLOAT_SIZES else int
+        if not isinstance(value, wanted) or isinstance(value, bool):
+            raise ConfigError(f"model.{key}{origin} must be {wanted.__name__}, not {value!r}.")
+        bounds.check_value(f"model.{key}", value, origin=origin)
 
 
 def _preset_from_file(name: str, presets_dir: Path | None) -> dict:
@@ -117,7 +148,9 @@ def _preset_from_file(name: str, presets_dir: Path | None) -> dict:
         known = sorted(PRESETS) + sorted(p.stem for p in folder.glob("*.yaml"))
         raise ConfigError(f"unknown model.preset {name!r}{did_you_mean(name, known)}; "
                           f"choose one of {', '.join(known)}.")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = yamlsafe.load_file(path, "model preset file") or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"model preset file {str(path)!r} must be a YAML mapping of sizes.")
     allowed = {f.name for f in dataclasses.fields(ModelDims)}
     for key in data:
         if key not in allowed:

@@ -39,11 +39,11 @@ import dataclasses
 import math
 from pathlib import Path
 
-import yaml
-
+from sdcstudy.core import yamlsafe
 from sdcstudy.core.errors import UserError
 from sdcstudy.faults import flip_model
-from sdcstudy.faults.specs import FaultSpec, FaultSpecError, Profile, TimePattern, profile_from_dict
+from sdcstudy.faults.specs import FaultSpec, FaultSpecError, Profile, TimePattern, check_fits
+from sdcstudy.faults.specs import profile_from_dict
 from sdcstudy.faults.published import SITES, TABLE1_FREQUENCY, TABLE2_MAX_SEVERITY, WCNTS
 from sdcstudy.faults.published import FLIP_SUFFIX, published
 
@@ -257,9 +257,21 @@ def load(name_or_path: str, fault_kind: str = "profile") -> Profile:
     return with_fault_kind(_load(name_or_path), fault_kind)
 
 
-def _load(name_or_path: str) -> Profile:
-    from sdcstudy.core.errors import first_line
+def load_for(cfg, fault_kind: str | None = None) -> Profile:
+    """`cfg.suspect.profile` as `load` gives it (with `fault_kind`, by default the config's),
+    refused when a spec names layers, lanes or tp ranks the config's model lacks
+    (`specs.check_fits`): such a spec would never fire."""
+    from sdcstudy.core.config import model_dims
 
+    profile = load(cfg.suspect.profile,
+                   cfg.suspect.fault_kind if fault_kind is None else fault_kind)
+    try:
+        return check_fits(profile, model_dims(cfg.model), cfg.mesh.tp, cfg.data.seq_len)
+    except FaultSpecError as e:
+        raise UserError(f"suspect.profile: {e}") from None
+
+
+def _load(name_or_path: str) -> Profile:
     profiles = {**zoo(), **flip_variants()}
     if name_or_path in profiles:
         return profiles[name_or_path]
@@ -268,10 +280,7 @@ def _load(name_or_path: str) -> Profile:
         if not path.is_file():
             raise UserError(f"fault profile file {name_or_path!r} does not exist.")
         try:
-            return profile_from_dict(yaml.safe_load(path.read_text()), str(path))
-        except yaml.YAMLError as e:
-            raise UserError(f"fault profile {name_or_path!r} is not valid YAML "
-                            f"({first_line(e)}).") from None
+            return profile_from_dict(yamlsafe.load_file(path, "fault profile"), str(path))
         except FaultSpecError as e:
             raise UserError(str(e)) from None
     import difflib

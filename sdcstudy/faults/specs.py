@@ -8,6 +8,7 @@ list of specs (`faults/profiles.py` holds the node zoo). `faults/inject.py` inje
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import jax
@@ -15,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdcstudy.core import sites as S
+from sdcstudy.core.bounds import AT_LEAST_0, AT_LEAST_1, INT_MAX, NON_NEGATIVE, POSITIVE, PROBABILITY
+from sdcstudy.core.bounds import Range
 from sdcstudy.core.errors import UserError
 
 KINDS = ("bitflip", "scale", "additive", "random", "zero", "nan", "inf")
@@ -136,6 +139,9 @@ class FaultSpec:
         return direction, name
 
     def validate(self, where: str = "fault spec") -> "FaultSpec":
+        """Every field of the right type and in its range (docs/faults.md, section 7); a
+        spec whose layers, lanes or tp ranks the model lacks is refused by `check_fits`."""
+        _check_numbers(self, where)
         direction, name = self.resolve()
         ok = (direction == "tree") or (direction in ("fwd", "bwd") and name in S.ALL_SITES)
         if not ok:
@@ -146,14 +152,9 @@ class FaultSpec:
         if self.kind not in KINDS:
             raise FaultSpecError(f"{where}: kind must be one of {', '.join(KINDS)}, "
                                  f"not {self.kind!r}.")
-        if self.count is not None and self.count < 1:
-            raise FaultSpecError(f"{where}: count must be at least 1 (or null to use rate).")
-        if not 0.0 <= self.rate <= 1.0:
-            raise FaultSpecError(f"{where}: rate must be a probability in [0, 1], "
-                                 f"not {self.rate}.")
         if self.bit_class not in BIT_CLASSES:
             raise FaultSpecError(f"{where}: bit_class must be one of {', '.join(BIT_CLASSES)}.")
-        if self.bits is not None and (not self.bits or any(not 0 <= b < 32 for b in self.bits)):
+        if self.bits is not None and not self.bits:
             raise FaultSpecError(f"{where}: bits must be a non-empty list of positions 0-31.")
         lo, hi = self.scale
         if self.kind in ("scale", "additive") and not 0 < lo <= hi:
@@ -167,9 +168,89 @@ class FaultSpec:
             raise FaultSpecError(f"{where}: pattern.kind must be one of {', '.join(PATTERNS)}.")
         if p.kind == "periodic" and p.period < 1:
             raise FaultSpecError(f"{where}: a periodic pattern needs pattern.period >= 1.")
-        if not 0.0 <= p.p_active <= 1.0:
-            raise FaultSpecError(f"{where}: pattern.p_active must be in [0, 1].")
         return self
+
+
+# The range of each numeric field of a spec and of its pattern (docs/faults.md, section 7).
+# Layers count the model's blocks from 1 (0: the sites outside them); bits are positions in a
+# float32 (a bfloat16 site has 0-15, checked where the step is traced).
+SPEC_INTS = {"count": AT_LEAST_1, "bits": Range(0, 31), "lanes": AT_LEAST_0,
+             "layers": AT_LEAST_0, "tp_ranks": AT_LEAST_0, "node": Range(0, 1)}
+SPEC_REALS = {"rate": Range(0, 1, words="a probability in [0, 1]"), "scale": NON_NEGATIVE,
+              "value_std": NON_NEGATIVE}
+PATTERN_INTS = {"onset_step": AT_LEAST_0, "period": AT_LEAST_0, "steps": AT_LEAST_1}
+PATTERN_REALS = {"p_active": PROBABILITY, "amplitude": NON_NEGATIVE, "decay_steps": POSITIVE}
+SPEC_FLAGS = ("repeatable", "transient")
+
+
+def _check_numbers(spec: FaultSpec, where: str) -> None:
+    """One sentence naming the field when a number is of the wrong type or out of range."""
+    fields = [(name, getattr(spec, name), r, False) for name, r in SPEC_INTS.items()]
+    fields += [(name, getattr(spec, name), r, True) for name, r in SPEC_REALS.items()]
+    fields += [(f"pattern.{name}", getattr(spec.pattern, name), r, False)
+               for name, r in PATTERN_INTS.items()]
+    fields += [(f"pattern.{name}", getattr(spec.pattern, name), r, True)
+               for name, r in PATTERN_REALS.items()]
+    for name, value, r, real in fields:
+        for v in value if isinstance(value, tuple) else (value,):
+            if v is None and name in ("count", "bits", "lanes", "layers", "tp_ranks"):
+                continue
+            number = isinstance(v, (int, float)) if real else isinstance(v, int)
+            ok = (number and not isinstance(v, bool) and r.holds(v)
+                  and (math.isfinite(v) if real else abs(v) <= INT_MAX))
+            if not ok:
+                what = f"every entry of {name}" if isinstance(value, tuple) else name
+                text = r.text(real)
+                text = (f"finite and {text}" if r.hi is None else text) if real \
+                    else f"{text} (a whole number)"
+                raise FaultSpecError(f"{where}: {what} must be {text}, not {v!r}.")
+    if len(spec.scale) != 2:
+        raise FaultSpecError(f"{where}: scale must be [lo, hi], two numbers.")
+    for name in SPEC_FLAGS:
+        if not isinstance(getattr(spec, name), bool):
+            raise FaultSpecError(f"{where}: {name} must be true or false, "
+                                 f"not {getattr(spec, name)!r}.")
+
+
+def lane_counts(dims, tp: int, seq_len: int) -> dict[str, int]:
+    """Model site -> the length of its tensor's last axis on one tp rank: the lanes a spec's
+    `lanes` index (`draws._shaped`). Pytree and collective sites get the longest last axis of
+    any parameter, a bound on every leaf's."""
+    d, e, f = dims.d_model, dims.head_dim, dims.ffn_dim
+    q, kv = dims.n_heads * e // tp, dims.n_kv_heads * e // tp
+    lanes = {site: d for site in (S.EMBED, S.ATTN_NORM, S.ATTN_IN, S.ATTN_OUT, S.FFN_NORM,
+                                  S.FFN_IN, S.FFN_OUT, S.FINAL_NORM)}
+    lanes.update({S.ATTN_Q: q, S.ATTN_CONTEXT: q, S.ATTN_K: kv, S.ATTN_V: kv,
+                  S.ATTN_SCORES: seq_len, S.ATTN_PROBS: seq_len, S.FFN_GATE: f // tp,
+                  S.FFN_UP: f // tp, S.FFN_ACT: f // tp, S.LOGITS: dims.vocab_size})
+    widest = max(d, dims.n_heads * e, dims.n_kv_heads * e, f, dims.vocab_size)
+    lanes.update({site: widest for site in TREE_SITES + COLLECTIVE_SITES})
+    return lanes
+
+
+def check_fits(profile: "Profile", dims, tp: int = 1, seq_len: int = 1) -> "Profile":
+    """`profile`, or a `FaultSpecError` for a spec that could never fire on this model: a
+    layer it lacks (blocks count 1 to dims.n_layers), a lane past its site's last axis
+    (`lane_counts`) or a tp rank past mesh.tp."""
+    lanes = lane_counts(dims, tp, seq_len)
+    for i, spec in enumerate(profile.specs):
+        where = f"profile {profile.name!r}: specs[{i}] ({spec.site})"
+        _, site = spec.resolve()
+        if spec.layers is not None and site in S.BLOCK_SITES:
+            bad = [layer for layer in spec.layers if not 1 <= layer <= dims.n_layers]
+            if bad:
+                raise FaultSpecError(f"{where}: layers {bad} are not blocks of this model; "
+                                     f"its layers are 1 to {dims.n_layers} (model.n_layers).")
+        if spec.lanes is not None:
+            bad = [lane for lane in spec.lanes if lane >= lanes[site]]
+            if bad:
+                raise FaultSpecError(f"{where}: lanes {bad} lie past the site's last axis, "
+                                     f"which has {lanes[site]} lanes on a tp rank (0 to "
+                                     f"{lanes[site] - 1}).")
+        if spec.tp_ranks is not None and any(rank >= tp for rank in spec.tp_ranks):
+            raise FaultSpecError(f"{where}: tp_ranks {list(spec.tp_ranks)} name ranks this "
+                                 f"run lacks; mesh.tp = {tp} has ranks 0 to {tp - 1}.")
+    return profile
 
 
 @dataclass(frozen=True)
@@ -221,7 +302,10 @@ def spec_from_dict(data: dict, where: str) -> FaultSpec:
                 raise FaultSpecError(f"{where}: pattern has unknown fields {bad}; it takes "
                                      f"{', '.join(sorted(pfields))}.")
             if "steps" in value:
-                value = {**value, "steps": tuple(value["steps"])}
+                steps = value["steps"]
+                value = {**value, "steps": tuple(steps) if isinstance(steps, list) else (steps,)}
+            value = {k: _real(v, f"{where}: pattern.{k}") if k in PATTERN_REALS else v
+                     for k, v in value.items()}
             value = TimePattern(**value)
         elif key in ("bits", "layers", "tp_ranks", "scale", "lanes") and value is not None:
             value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
@@ -235,9 +319,6 @@ def spec_from_dict(data: dict, where: str) -> FaultSpec:
         spec.validate(where)
     except TypeError as e:
         raise FaultSpecError(f"{where}: {e}.") from None
-    for key in ("rate",):
-        if not isinstance(getattr(spec, key), (int, float)):
-            raise FaultSpecError(f"{where}: {key} must be a number.")
     return spec
 
 

@@ -34,7 +34,7 @@ class NodeTrainer(Trainer):
     @classmethod
     def from_config(cls, cfg: Config, hook: Hook = identity_hook) -> "NodeTrainer":
         dims = C.model_dims(cfg.model)
-        profile = profiles.load(cfg.suspect.profile, cfg.suspect.fault_kind)
+        profile = profiles.load_for(cfg)
         injector = None if profile.healthy else F.Injector(
             profile, dims.n_layers, cfg.suspect.log_limit, cfg.suspect.fault_seed)
         return super().from_config(cfg, hook, injector=injector,

@@ -11,9 +11,8 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from sdcstudy.core.errors import UserError, did_you_mean, first_line
+from sdcstudy.core import yamlsafe
+from sdcstudy.core.errors import UserError, did_you_mean
 
 MAX_NODES = 100_000
 DETECTORS = ("monitor", "abft", "shadow", "reexec", "lockstep")
@@ -210,8 +209,8 @@ def parse_override(text: str) -> tuple[str, object]:
     if key not in KEYS:
         raise UserError(f"unknown fleet config key {key!r}{did_you_mean(key, KEYS)}.")
     try:
-        value = yaml.safe_load(raw) if raw else ""
-    except yaml.YAMLError:
+        value = yamlsafe.load_text(raw, f"--set {key}") if raw else ""
+    except yamlsafe.InvalidYaml:
         value = raw
     return key, value
 
@@ -224,11 +223,7 @@ def load(path: str | Path | None = None, overrides=()) -> FleetConfig:
         if not path.is_file():
             raise UserError(f"fleet config {str(path)!r} does not exist; give a YAML file such "
                             "as configs/fleet.yaml.")
-        try:
-            given = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise UserError(f"fleet config {str(path)!r} is not valid YAML "
-                            f"({first_line(e)}).") from None
+        given = yamlsafe.load_file(path, "fleet config")
         if given is not None and not isinstance(given, dict):
             raise UserError(f"fleet config {str(path)!r} must be a YAML mapping of keys.")
         _merge(data, given or {})

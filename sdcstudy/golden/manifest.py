@@ -9,10 +9,9 @@ import hashlib
 import json
 from pathlib import Path
 
-import yaml
-
 from sdcstudy.core import config as C
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import yamlsafe
 from sdcstudy.core.config import UserError
 
 FORMAT = "sdcstudy-golden/1"
@@ -80,7 +79,7 @@ def verify(golden_dir: Path) -> dict:
 
 def load_config(golden_dir: Path) -> C.Config:
     try:
-        return C.from_dict(yaml.safe_load((Path(golden_dir) / CONFIG).read_text()))
+        return C.from_dict(yamlsafe.load_file(Path(golden_dir) / CONFIG, "golden config"))
     except UserError as e:
         raise GoldenError(f"the golden config is not valid here: {e}") from None
 

@@ -101,7 +101,7 @@ class PaftTrainer:
         dims = C.model_dims(cfg.model)
         graphdef, abstract = model.abstract_init(dims)
         steps = cfg.experiment.steps
-        profile = profiles.load(cfg.suspect.profile)
+        profile = profiles.load_for(cfg, fault_kind="profile")
         injector = None
         if not profile.healthy:
             bad = [s.site for s in profile.specs if s.base_rate > 0 and s.site not in PAFT_SITES]

@@ -166,7 +166,7 @@ class PairedTrainer:
                 raise UserError(f"{what} ({n}) must be a multiple of mesh.tp ({tp}).")
         graphdef, _ = model.abstract_init(dims)
         steps = cfg.experiment.steps
-        profile = profiles.load(cfg.suspect.profile, cfg.suspect.fault_kind)
+        profile = profiles.load_for(cfg)
         injector = None if profile.healthy else F.Injector(
             profile, dims.n_layers, cfg.suspect.log_limit, cfg.suspect.fault_seed)
         taps = LS.LockstepTaps(dims.n_layers, tp_axis=M.TP, dp_axis=M.DATA) \

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import yamlsafe
 from sdcstudy.core.config import UserError
 from sdcstudy.core.errors import first_line
 from sdcstudy.report import rollups as R
@@ -175,7 +174,7 @@ def load_run(run_dir, strict: bool = True) -> Run:
     path = Path(run_dir)
     if not (path / RF.CONFIG).is_file():
         raise UserError(f"{str(path)!r} is not a run folder (it has no {RF.CONFIG}).")
-    config = _read(path / RF.CONFIG, lambda p: yaml.safe_load(p.read_text()), None) or {}
+    config = _read(path / RF.CONFIG, lambda p: yamlsafe.load_file(p, "run config"), None) or {}
     if not isinstance(config, dict):
         raise DamagedFile(f"{str(path / RF.CONFIG)!r} is damaged: it is not a YAML mapping.")
     problems = {name: f"{str(path / name)!r} is missing." for name in expected_files(config)
