@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # cache (tests/conftest.py).
 WORKERS ?= 2
 
-.PHONY: demo test test-fast install install-test clean
+.PHONY: demo tour test test-fast install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +25,15 @@ install-test: $(VENV)/.installed-test
 demo: $(VENV)/.installed
 	$(BIN)/sdcstudy demo
 
+# README's tour: run the demo once and rewrite its output block (docs/developing.md).
+tour: $(VENV)/.installed
+	$(BIN)/python -m sdcstudy.dev.tour
+
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --no-loadscope-reorder --durations=15 tests
 
-# The quick tier for the inner loop (README "Tests: two tiers"): the unit-level modules, less
-# their end-to-end runs marked slow. `make test` runs these too, slow ones included.
+# The quick tier for the inner loop (docs/developing.md, "Tests: two tiers"): the unit-level
+# modules, less their end-to-end runs marked slow. `make test` runs these too, slow ones included.
 FAST_TESTS := $(addprefix tests/test_,$(addsuffix .py,config architecture fault_model tables \
 	runlock report report_bits_abft fleet deploy gpu_acceptance paft_checks hostmem reproduce))
 
