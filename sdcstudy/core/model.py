@@ -83,6 +83,7 @@ class Attention(nnx.Module):
     def __init__(self, dims: ModelDims, *, rngs: nnx.Rngs):
         d, e, pdt = dims.d_model, dims.head_dim, DTYPES[dims.param_dtype]
         self.head_dim = e
+        self.attention = getattr(dims, "attention", AUTO)
         self.wq = nnx.Param(_linear_init(rngs.params(), (d, dims.n_heads * e), pdt))
         self.wk = nnx.Param(_linear_init(rngs.params(), (d, dims.n_kv_heads * e), pdt))
         self.wv = nnx.Param(_linear_init(rngs.params(), (d, dims.n_kv_heads * e), pdt))
@@ -95,18 +96,70 @@ class Attention(nnx.Module):
         k = S.linear(hook, S.ATTN_K, x_BLD, self.wk[...].astype(dtype), layer)
         v = S.linear(hook, S.ATTN_V, x_BLD, self.wv[...].astype(dtype), layer)
         h, kv = q.shape[-1] // e, k.shape[-1] // e  # local head counts under tp
-        q_BLKGE = apply_rotary(q.reshape(b, l, h, e), cos_LE, sin_LE).reshape(b, l, kv, h // kv, e)
+        q_BLHE = apply_rotary(q.reshape(b, l, h, e), cos_LE, sin_LE)
         k_BLKE = apply_rotary(k.reshape(b, l, kv, e), cos_LE, sin_LE)
         v_BLKE = v.reshape(b, l, kv, e)
-        scores_BKGLL = jnp.einsum("bqkge,bske->bkgqs", q_BLKGE, k_BLKE,
-                                  preferred_element_type=jnp.float32) / math.sqrt(e)
-        causal_LL = jnp.tril(jnp.ones((l, l), dtype=bool))
-        scores_BKGLL = jnp.where(causal_LL, scores_BKGLL, jnp.finfo(jnp.float32).min)
-        scores_BKGLL = hook(S.ATTN_SCORES, scores_BKGLL, layer)
-        probs_BKGLL = hook(S.ATTN_PROBS, jax.nn.softmax(scores_BKGLL, axis=-1).astype(dtype), layer)
-        context_BLKGE = jnp.einsum("bkgqs,bske->bqkge", probs_BKGLL, v_BLKE)
-        context_BLHE = hook(S.ATTN_CONTEXT, context_BLKGE.reshape(b, l, h * e), layer)
+        path = attention_path(self.attention, hook, dtype, e)
+        if path == UNFUSED:
+            context_BLHE = _unfused_attention(q_BLHE, k_BLKE, v_BLKE, hook, layer)
+        else:
+            context_BLHE = fused_attention(q_BLHE, k_BLKE, v_BLKE, path).reshape(b, l, h * e)
+        context_BLHE = hook(S.ATTN_CONTEXT, context_BLHE, layer)
         return S.linear(hook, S.ATTN_OUT, context_BLHE, self.wo[...].astype(dtype), layer)
+
+
+def _unfused_attention(q_BLHE, k_BLKE, v_BLKE, hook: Hook, layer: int):
+    """einsum + softmax with float32 scores, every intermediate a site: the path whose bits
+    every run before `model.attention` has."""
+    b, l, h, e = q_BLHE.shape
+    kv, dtype = k_BLKE.shape[2], q_BLHE.dtype
+    q_BLKGE = q_BLHE.reshape(b, l, kv, h // kv, e)
+    scores_BKGLL = jnp.einsum("bqkge,bske->bkgqs", q_BLKGE, k_BLKE,
+                              preferred_element_type=jnp.float32) / math.sqrt(e)
+    causal_LL = jnp.tril(jnp.ones((l, l), dtype=bool))
+    scores_BKGLL = jnp.where(causal_LL, scores_BKGLL, jnp.finfo(jnp.float32).min)
+    scores_BKGLL = hook(S.ATTN_SCORES, scores_BKGLL, layer)
+    probs_BKGLL = hook(S.ATTN_PROBS, jax.nn.softmax(scores_BKGLL, axis=-1).astype(dtype), layer)
+    context_BLKGE = jnp.einsum("bkgqs,bske->bqkge", probs_BKGLL, v_BLKE)
+    return context_BLKGE.reshape(b, l, h * e)
+
+
+# `model.attention`: which attention computation the model runs (docs/config.md).
+AUTO, FUSED, UNFUSED = "auto", "fused", "unfused"
+ATTENTION_MODES = (AUTO, FUSED, UNFUSED)
+# The fused path's implementations, as `jax.nn.dot_product_attention` names them.
+CUDNN, XLA = "cudnn", "xla"
+
+
+def attention_path(mode: str, hook: Hook, dtype, head_dim: int,
+                   platform: str | None = None) -> str:
+    """UNFUSED, CUDNN or XLA: the attention a layer runs under `model.attention` = `mode`.
+
+    Unfused wherever a hook may read scores, probabilities or the context (a hook that does
+    not declare its sites may read any), and for `auto` off a GPU, so that CPU runs keep
+    every bit they had. Otherwise `jax.nn.dot_product_attention`: cuDNN's fused kernel on a
+    GPU where cuDNN takes the shape (bfloat16, head dim a multiple of 8 up to 128), XLA's
+    composition elsewhere (in jax 0.10 `implementation=None` means XLA's, even on a GPU).
+    """
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_MODES)}, "
+                         f"not {mode!r}.")
+    platform = platform or jax.default_backend()
+    if mode == UNFUSED or (mode == AUTO and platform != "gpu"):
+        return UNFUSED
+    if S.reads_attention_internals(hook):
+        return UNFUSED
+    cudnn_takes = jnp.dtype(dtype) == jnp.bfloat16 and head_dim % 8 == 0 and head_dim <= 128
+    return CUDNN if platform == "gpu" and cudnn_takes else XLA
+
+
+@functools.partial(jax.jit, static_argnames=("implementation",))
+def fused_attention(q_BLHE, k_BLKE, v_BLKE, implementation: str):
+    """Causal attention in one call, (B, L, H, E) out; grouped-query by kv head as the
+    unfused path groups it (query head n reads kv head n // (H/K)). A function of its own
+    (`jit` inlines it) so that a traced step names it: `fused_attention` in the jaxpr."""
+    return jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True,
+                                        implementation=implementation)
 
 
 class FeedForward(nnx.Module):

@@ -32,6 +32,10 @@ class ModelConfig:
     rope_theta: float | None = None  # RoPE base frequency (finite, positive or null)
     norm_eps: float | None = None  # RMSNorm epsilon (finite, positive or null)
     tie_embeddings: bool | None = None  # output projection shares the embedding
+    # auto (cuDNN's fused attention on a GPU, einsum + softmax elsewhere), fused (also off a
+    # GPU) or unfused; fused runs only where no hook reads attn_scores, attn_probs or
+    # attn_context (docs/gpu.md).
+    attention: str = "auto"
 
 
 
@@ -52,6 +56,7 @@ class ModelDims:
     dtype: str = "float32"
     param_dtype: str = "float32"
     rope_scaling: tuple | None = None  # llama3 scaling as a sorted tuple of (key, value)
+    attention: str = "auto"  # model.attention
 
     @property
     def n_params(self) -> int:
@@ -88,6 +93,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 DTYPES = ("float32", "bfloat16")
+ATTENTION_MODES = ("auto", "fused", "unfused")  # model.attention; core/model.py reads it
 
 
 def model_dims(model: ModelConfig, presets_dir: Path | None = None) -> ModelDims:
@@ -104,6 +110,9 @@ def model_dims(model: ModelConfig, presets_dir: Path | None = None) -> ModelDims
         if getattr(model, key) not in DTYPES:
             raise ConfigError(f"model.{key} must be one of {', '.join(DTYPES)}, "
                               f"not {getattr(model, key)!r}.")
+    if model.attention not in ATTENTION_MODES:
+        raise ConfigError(f"model.attention must be one of {', '.join(ATTENTION_MODES)}, "
+                          f"not {model.attention!r}.")
     _check_sizes(base, explicit, model.preset)
     if "head_dim" not in base:
         if base["d_model"] % base["n_heads"]:

@@ -37,6 +37,11 @@ MODEL_SITES = (EMBED, FINAL_NORM, LOGITS)
 ALL_SITES = BLOCK_SITES + MODEL_SITES
 
 # The paper's four comparison sites, as (run-folder name, model site, direction).
+# Sites that exist only inside the unfused attention (scores, probabilities) or whose hook
+# the fused kernel's caller would have to honour on its own (the context): a hook that reads
+# any of them keeps the einsum + softmax path (`core/model.py`, `model.attention`).
+ATTENTION_INTERNALS = frozenset((ATTN_SCORES, ATTN_PROBS, ATTN_CONTEXT))
+
 PAPER_SITES = {
     "fwd/attn": (ATTN_OUT, "fwd"),
     "fwd/ffn": (FFN_OUT, "fwd"),
@@ -54,6 +59,29 @@ def identity_hook(site: str, x: jax.Array, layer: int) -> jax.Array:
     return x
 
 
+identity_hook.sites = frozenset()
+
+
+def reads(hook: Hook) -> frozenset[str] | None:
+    """The sites `hook` may read or change, from its `sites` attribute (set by `only`,
+    `compose` and `declare`); None when it does not say, which means any site."""
+    sites = getattr(hook, "sites", None)
+    return None if sites is None else frozenset(sites)
+
+
+def declare(sites, hook: Hook) -> Hook:
+    """`hook`, saying it reads or changes only `sites` (the identity elsewhere): the model
+    may then compute the other sites however it likes (fused attention)."""
+    hook.sites = frozenset(sites)
+    return hook
+
+
+def reads_attention_internals(hook: Hook) -> bool:
+    """Whether `hook` may read scores, probabilities or the context (or does not say)."""
+    sites = reads(hook)
+    return sites is None or bool(sites & ATTENTION_INTERNALS)
+
+
 def compose(*hooks: Hook | None) -> Hook:
     """Apply hooks left to right: `compose(inject, tap)` corrupts first, then compares."""
     active = [h for h in hooks if h is not None and h is not identity_hook]
@@ -67,6 +95,9 @@ def compose(*hooks: Hook | None) -> Hook:
             x = h(site, x, layer)
         return x
 
+    each = [reads(h) for h in active]
+    if all(sites is not None for sites in each):
+        composed.sites = frozenset().union(*each)
     return composed
 
 
@@ -136,4 +167,4 @@ def only(sites: tuple[str, ...], fn: Callable[[str, jax.Array, int], jax.Array])
     def hook(site: str, x: jax.Array, layer: int) -> jax.Array:
         return fn(site, x, layer) if site in wanted else x
 
-    return hook
+    return declare(wanted, hook)
