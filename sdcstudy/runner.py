@@ -144,6 +144,8 @@ def _close_all(*closers) -> BaseException | None:
 def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int | None,
          progress: bool, echo) -> dict:
     e = cfg.experiment
+    # Tuned kernel choices pinned in the folder: refused at once if named but missing or changed.
+    pinned = determinism.autotune_options(run_dir, jax.default_backend(), dump=writes)
     mode = modes.build(cfg)
     trainer, loss_key = mode.trainer, mode.loss_key  # the loss that must stay finite
     scratch = None if writes else tempfile.TemporaryDirectory(prefix="sdcstudy-peer-")
@@ -162,7 +164,8 @@ def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int
     example = trainer.make_batch(batches.batch(0))
     shardings = trainer.shardings(state, example)
     state = _put(state, None if shardings is None else shardings[0])
-    step_fn, hlo, compile_s = compile_step(trainer.train_step, state, example, shardings)
+    step_fn, hlo, compile_s = compile_step(trainer.train_step, state, example, shardings,
+                                           pinned or None)
     step_fn = mode.step(step_fn)
 
     ckpt = Checkpointer(run_dir / RF.CHECKPOINTS, keep=e.checkpoint_keep)
@@ -178,7 +181,7 @@ def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int
         echo(f"resuming {run_dir} from step {start}")
     if writes:
         RF.atomic_write_json(run_dir / RF.ENV,
-                           determinism.fingerprint(determinism.program_text(hlo)))
+                           determinism.fingerprint(determinism.program_text(hlo), run_dir))
     writer = RF.MetricsWriter(files / RF.METRICS, keep_below_step=start + 1)
     board = None
     if cfg.logging.tensorboard and writes:

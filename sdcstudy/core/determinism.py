@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import re
 import sys
 from importlib import metadata
 from pathlib import Path
+
+from sdcstudy.core.errors import UserError
 
 DETERMINISM_XLA_FLAGS = (
     "--xla_gpu_deterministic_ops=true",
@@ -100,6 +103,15 @@ def package_versions() -> dict:
 
 
 AUTOTUNE_FLAG = "--xla_gpu_load_autotune_results_from"
+AUTOTUNE_DUMP_FLAG = "--xla_gpu_dump_autotune_results_to"
+# A run's pinned kernel choices, in its folder; XLA writes text where the name ends in .txt.
+AUTOTUNE_FILE = "autotune_results.txt"
+ENV_FILE = "env.json"  # core/runfolder.py's ENV: where a run folder keeps its fingerprint
+
+
+class AutotuneMismatch(UserError):
+    """The run folder names pinned kernel choices that are missing or changed (exit 2)."""
+
 # jaxlib's CUDA plugin reports these (functions of `jax._src.lib.cuda_versions`).
 CUDA_LIBRARIES = {"cuda_runtime": "cuda_runtime_get_version", "cublas": "cublas_get_version",
                   "cudnn": "cudnn_get_version", "cufft": "cufft_get_version",
@@ -117,16 +129,58 @@ def flag_value(flags: str, name: str) -> str | None:
     return value
 
 
-def autotune_results(flags: str) -> dict:
-    """The pinned kernel choices named by XLA_FLAGS: their file's SHA-256 (or that it is
-    missing); {} when no autotuning results are loaded."""
+def autotune_results(flags: str, run_dir: Path | None = None) -> dict:
+    """The pinned kernel choices: the SHA-256 of the file XLA_FLAGS loads (or that it is
+    unreadable), else of the run folder's own `AUTOTUNE_FILE` with its name; {} when neither."""
     path = flag_value(flags, AUTOTUNE_FLAG)
     if not path:
-        return {}
+        pinned = None if run_dir is None else Path(run_dir) / AUTOTUNE_FILE
+        if pinned is None or not pinned.is_file():
+            return {}
+        return {"autotune_results_sha256": _sha256(pinned), "autotune_results_file": AUTOTUNE_FILE}
     try:
-        return {"autotune_results_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
+        return {"autotune_results_sha256": _sha256(Path(path))}
     except OSError as e:
         return {"autotune_results_sha256": f"unreadable: {e.strerror}"}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def autotune_options(run_dir: Path, platform: str, dump: bool = True) -> dict:
+    """XLA options for compiling a run's step so that its tuned kernel choices are pinned in
+    the run folder (`AUTOTUNE_FILE`, text): the first compile on a GPU dumps them (where
+    `dump`: the process that writes the folder), every later one (a resume, another process
+    or node given the folder) loads them. Where the folder's env.json names pinned results the
+    file must be there with the same SHA-256, else `AutotuneMismatch`: the run would silently
+    pick other kernels. XLA_FLAGS naming a file to load wins (nothing is added); off a GPU
+    nothing is added, as no other compiler reads these options."""
+    pinned = Path(run_dir) / AUTOTUNE_FILE
+    named = _recorded_pin(Path(run_dir) / ENV_FILE)
+    if named is not None:
+        if not pinned.is_file():
+            raise AutotuneMismatch(
+                f"the run folder's env.json pins kernel choices in {str(pinned)!r}, which is "
+                f"missing; copy it back from where the run started, or start a new run.")
+        if _sha256(pinned) != named:
+            raise AutotuneMismatch(
+                f"{str(pinned)!r} is not the file the run folder's env.json pinned (another "
+                f"SHA-256); copy back the original, or start a new run.")
+    if platform != "gpu" or flag_value(os.environ.get("XLA_FLAGS", ""), AUTOTUNE_FLAG):
+        return {}
+    if pinned.is_file():
+        return {AUTOTUNE_FLAG.lstrip("-"): str(pinned)}
+    return {AUTOTUNE_DUMP_FLAG.lstrip("-"): str(pinned)} if dump else {}
+
+
+def _recorded_pin(env_file: Path) -> str | None:
+    """The SHA-256 of the run folder's own pinned results that its env.json records, or None."""
+    try:
+        stack = json.loads(env_file.read_text()).get("gpu_stack") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    return stack.get("autotune_results_sha256") if stack.get("autotune_results_file") else None
 
 
 def nvidia_driver() -> str | None:
@@ -183,7 +237,7 @@ def nvidia_wheels() -> dict:
     return dict(sorted(found.items()))
 
 
-def gpu_stack(flags: str) -> dict:
+def gpu_stack(flags: str, run_dir: Path | None = None) -> dict:
     """What a GPU's bits depend on beyond the Python packages, where each part exists."""
     stack = {}
     driver = nvidia_driver()
@@ -196,13 +250,14 @@ def gpu_stack(flags: str) -> dict:
     wheels = nvidia_wheels()
     if wheels:
         stack["wheels"] = wheels
-    stack.update(autotune_results(flags))
+    stack.update(autotune_results(flags, run_dir))
     return stack
 
 
-def fingerprint(compiled_text: str | None = None) -> dict:
+def fingerprint(compiled_text: str | None = None, run_dir: Path | None = None) -> dict:
     """Environment fingerprint for `env.json`; pass the compiled step's `program_text` to hash it
-    (without op metadata, so a program loaded from JAX's compilation cache hashes the same)."""
+    (without op metadata, so a program loaded from JAX's compilation cache hashes the same),
+    and the run folder to record the kernel choices pinned there (`autotune_options`)."""
     import jax
 
     devices = jax.devices()
@@ -218,7 +273,7 @@ def fingerprint(compiled_text: str | None = None) -> dict:
         "local_device_count": jax.local_device_count(),
         "process_count": jax.process_count(),
         "cpu": cpu_info(),
-        "gpu_stack": gpu_stack(os.environ.get("XLA_FLAGS", "")),
+        "gpu_stack": gpu_stack(os.environ.get("XLA_FLAGS", ""), run_dir),
         "backend_version": _backend_version(),
         "os": platform.platform(),
         "compiled_step_sha256": (hashlib.sha256(compiled_text.encode()).hexdigest()
