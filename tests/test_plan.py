@@ -49,8 +49,8 @@ def ran(planned):
         0, trainer.dims.vocab_size, (e.microsteps, e.batch_size, cfg.data.seq_len + 1),
         dtype=np.int32)
     batch = jax.device_put(trainer.make_batch(tokens), trainer.batch_shardings())
-    _, _, *extras = program.compiled(state, batch)
-    tables, _ = trainer.host_tables(1, jax.device_get(extras))
+    out = program.compiled(state, batch)
+    tables, _ = trainer.host_tables(1, jax.device_get(out.records))
     return held, sizes, tables["mismatch.parquet"]
 
 
@@ -195,12 +195,12 @@ def test_a_mesh_larger_than_the_started_devices_gets_one_sentence(capsys):
 
 
 def test_the_default_mfu_is_the_one_results_states():
-    """Each dtype's default MFU is the figure RESULTS.md's "On one GPU" states for `bench
-    train` in that dtype; when the GPU is measured again, plan/devices.py's MEASURED_MFU must
-    follow, or a plan's step time quotes a figure nobody measured."""
-    text = (ROOT / "RESULTS.md").read_text()
+    """Each dtype's default MFU is the figure docs/results/gpu.md's "On one GPU" states for
+    `bench train` in that dtype; when the GPU is measured again, plan/devices.py's MEASURED_MFU
+    must follow, or a plan's step time quotes a figure nobody measured."""
+    text = (ROOT / "docs" / "results" / "gpu.md").read_text()
     section = text[text.index("## On one GPU"):]
-    section = section[:section.index("\n## ")]
+    section = section.split("\n## ")[0]
     for dtype, mfu in DV.MEASURED_MFU.items():
         lines = [line for line in section.splitlines() if f"`bench train`, {dtype}" in line]
         assert any(f"MFU {mfu:.1%}" in line for line in lines), (dtype, lines)

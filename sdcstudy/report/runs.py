@@ -4,7 +4,7 @@
     run.mismatch.groupby("site")["mismatches"].sum()
     runs = label_runs([load_run(p) for p in expand_run_dirs("runs/sweep")])  # {label: Run}
 
-`load_run` reads one run folder (README.md, "Run folders") into a `Run`: config and summary
+`load_run` reads one run folder (docs/guide.md, "Run folders") into a `Run`: config and summary
 as dicts, metrics and the Parquet tables as DataFrames (the tables when first used; the
 report reads their rollups, made one part file at a time: `report/rollups.py`). A missing
 or damaged file is a one-sentence UserError, or, with `strict=False`, an empty table and a

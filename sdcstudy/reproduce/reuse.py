@@ -4,7 +4,7 @@ instead of running it again, where that folder already ran the very same run.
 A run is the same when its folder finished every step, its config.yaml is the config this
 command would give it, its planned entry (what the profile leads us to expect) is this plan's,
 and its env.json names the same software and machine (`SAME_ENVIRONMENT`). sdcstudy's runs
-are bitwise deterministic for a given config, program and machine (README, "Determinism"), so
+are bitwise deterministic for a given config, program and machine (docs/guide.md, "Determinism"), so
 such a run is the run this command would make; the copy leaves its checkpoints behind. The
 flip and additive scorecards of `--fault-model chosen` share every run of the nodes whose
 model they agree on, for example. Imports no JAX.
