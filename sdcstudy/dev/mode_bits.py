@@ -1,0 +1,242 @@
+"""The bits every mode computes, recorded and compared: a refactor's evidence that it changed
+no computation.
+
+    python -m sdcstudy.dev.mode_bits --out FILE.json      # record this tree's bits
+    python -m sdcstudy.dev.mode_bits --compare BASE.json  # record again, exit 1 on a difference
+
+Each mode (train, lockstep, paramsync, free, abft, detect, paft, finetune, golden) runs a few
+steps of a tiny model with faults that fire in every fault-bearing mode (forward and backward
+sites, the gradient and the update; lock-step with ABFT on), and leaves its final parameter digest, every metrics row
+(wall-clock fields left out), the summary (likewise) and a SHA-256 of every row of every Parquet
+table; `golden` leaves a SHA-256 of every step's digests and of its fault rows, clean and
+injected. The comparison names the first mode and field that differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+# Eight simulated CPU devices, as the tests have, before JAX is imported.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+
+MODES = ("train", "lockstep", "paramsync", "free", "abft", "detect", "paft", "finetune",
+         "golden")
+# Fields that measure the host's clock, not the computation.
+WALL_CLOCK = ("time/step_s", "compile_s", "wall_time_s", "tokens_per_s")
+
+# Faults at the compared sites (forward and backward), the gradient and the update: small
+# mantissa flips, so that training stays finite.
+PROFILE = """\
+name: mode-bits
+description: mantissa flips at compared sites, the gradient and the update
+specs:
+  - {site: fwd/attn, kind: bitflip, count: 2, bit_class: mantissa}
+  - {site: bwd/ffn, kind: bitflip, count: 2, bit_class: mantissa}
+  - {site: grad, kind: bitflip, count: 1, bit_class: mantissa}
+  - {site: update, kind: bitflip, count: 1, bit_class: mantissa}
+"""
+PAFT_PROFILE = """\
+name: mode-bits-paft
+specs:
+  - {site: grad, kind: bitflip, count: 1, bit_class: mantissa}
+  - {site: collective/grad_allreduce, kind: bitflip, count: 1, bit_class: mantissa}
+  - {site: update, kind: bitflip, count: 1, bit_class: mantissa}
+"""
+DETECT_PROFILE = """\
+name: mode-bits-detect
+specs:
+  - {site: fwd/ffn, kind: bitflip, count: 1, bits: [22]}
+"""
+MODEL = {"preset": "tiny", "n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1,
+         "ffn_dim": 64}
+BASE = {"experiment": {"steps": 6, "batch_size": 4, "microsteps": 2, "checkpoint_every": 0,
+                       "seed": 1},
+        "model": MODEL, "optim": {"warmup_steps": 2}, "data": {"seq_len": 16,
+                                                                "synthetic_tokens": 20_000}}
+
+
+def _configs(folder: Path) -> dict:
+    """Mode -> its config as a dict (finetune's init filled in by `record`)."""
+    profile = folder / "profile.yaml"
+    profile.write_text(PROFILE)
+    (folder / "paft.yaml").write_text(PAFT_PROFILE)
+    (folder / "detect.yaml").write_text(DETECT_PROFILE)
+    faulty = {"suspect": {"profile": str(profile)}}
+    # Tensor parallelism splits the KV heads: two of them on the paired nodes.
+    paired = {**faulty, "mesh": {"tp": 2, "dp": 2}, "model": {"n_kv_heads": 2}}
+
+    def mode(name, **sections):
+        d = {k: dict(v) if isinstance(v, dict) else v for k, v in BASE.items()}
+        for key, value in sections.items():
+            d[key] = {**d.get(key, {}), **value}
+        d["experiment"]["mode"] = name
+        return d
+
+    return {
+        "train": mode("train", mesh={"dp": 2}, **faulty),
+        "lockstep": mode("lockstep", abft={"enabled": True}, **paired),
+        "paramsync": mode("paramsync", **paired),
+        "free": mode("free", **paired),
+        "abft": mode("abft", abft={"enabled": True}, **faulty),
+        "detect": mode("detect", mesh={"dp": 2}, optim={"schedule": "constant"},
+                       suspect={"profile": str(folder / "detect.yaml"),
+                                "fault_kind": "transient"}),
+        "paft": mode("paft", mesh={"dp": 4}, suspect={"profile": str(folder / "paft.yaml")},
+                     optim={"name": "sgdm", "lr": 0.3, "clip_norm": None},
+                     experiment={"microsteps": 1, "batch_size": 8},
+                     paft={"sync_every": 2, "noise": {"sigma2": 1.0e-3}}),
+        "finetune": mode("finetune", mesh={"dp": 2}, **faulty,
+                         experiment={"batch_size": 4, "microsteps": 1},
+                         optim={"name": "adam", "lr": 1e-3, "warmup_steps": 1,
+                                "min_lr_ratio": 1.0},
+                         data={"seq_len": 176},
+                         finetune={"synthetic_train": 16, "synthetic_test": 12,
+                                   "eval_batch_size": 8}),
+    }
+
+
+def _sha(data) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _table_rows(path: Path) -> list[str]:
+    from sdcstudy.core import runfolder as RF
+
+    frame = RF.read_table(path)
+    frame = frame[sorted(frame.columns)]
+    return [_sha(row) for row in frame.astype(object).where(frame.notna(), None)
+            .to_dict("records")]
+
+
+def run_folder_bits(run_dir: Path, summary: dict, folder: Path) -> dict:
+    """The bits of one run folder; paths inside `folder` (this recording's scratch) are
+    written relative to it."""
+    from sdcstudy.core import runfolder as RF
+
+    rows = [{k: v for k, v in r.items() if k not in WALL_CLOCK}
+            for r in RF.read_jsonl(run_dir / RF.METRICS)]
+    tables = {p.name: _table_rows(p) for p in sorted(run_dir.iterdir())
+              if p.name.endswith(".parquet")}
+    return {"param_digest": summary["param_digest"], "metrics": rows,
+            "summary": json.loads(json.dumps(
+                {k: v for k, v in summary.items() if k not in WALL_CLOCK and k != "run_dir"},
+                default=str).replace(str(folder), "<scratch>")),
+            "tables": tables}
+
+
+def golden_bits(folder: Path) -> dict:
+    """A tiny golden workload's per-step digests, clean and with the mode-bits faults."""
+    import jax
+    import numpy as np
+
+    from sdcstudy.core import config as C
+    from sdcstudy.golden import record as GR
+    from sdcstudy.golden import workload as GW
+
+    cfg = C.from_dict({**{k: v for k, v in BASE.items() if k != "experiment"},
+                       "experiment": {**BASE["experiment"], "steps": 4}})
+    tokens = GR.load_tokens(cfg)
+    device = jax.local_devices()[0]
+    out = {}
+    for label, injection in (("clean", None),
+                             ("injected", GW.parse_injection(str(folder / "profile.yaml")))):
+        work = GW.Workload(cfg, tokens, device, injection)
+        steps, faults = [], []
+        for step, digests, _ in work.run():
+            leaves = jax.tree_util.tree_flatten_with_path(
+                {k: v for k, v in digests.items() if k != "faults"})[0]
+            steps.append(_sha([[jax.tree_util.keystr(p), np.asarray(v).tolist()]
+                               for p, v in leaves]))
+            if step:
+                faults.append(_sha(work.fault_rows(digests.get("faults", {}), step)))
+        out[label] = {"steps": steps, "fault_rows": faults}
+    return out
+
+
+def record(modes=MODES, progress=print) -> dict:
+    from sdcstudy import runner
+    from sdcstudy.core import config as C
+
+    result = {}
+    with tempfile.TemporaryDirectory(prefix="mode-bits-") as tmp:
+        folder = Path(tmp)
+        configs = _configs(folder)
+        for name in modes:
+            progress(f"mode-bits: {name}")
+            if name == "golden":
+                result[name] = golden_bits(folder)
+                continue
+            d = configs[name]
+            if name == "finetune":
+                if not (folder / "runs" / "train").is_dir():
+                    runner.run(C.from_dict(configs["train"]), folder / "runs" / "train",
+                               progress=False, echo=lambda *a: None)
+                d["finetune"]["init"] = str(folder / "runs" / "train")
+            out = folder / "runs" / name
+            if out.exists():
+                continue
+            summary = runner.run(C.from_dict(d), out, progress=False, echo=lambda *a: None)
+            result[name] = run_folder_bits(out, summary, folder)
+    return result
+
+
+def first_difference(base, new, where: str = "") -> str | None:
+    """The path of the first field where `new` differs from `base`, or None."""
+    if isinstance(base, dict) and isinstance(new, dict):
+        for key in list(base) + [k for k in new if k not in base]:
+            if key not in base or key not in new:
+                return f"{where}/{key} (only in {'the base' if key in base else 'this tree'})"
+            if (found := first_difference(base[key], new[key], f"{where}/{key}")) is not None:
+                return found
+        return None
+    if isinstance(base, list) and isinstance(new, list):
+        for i, (a, b) in enumerate(zip(base, new)):
+            if (found := first_difference(a, b, f"{where}[{i}]")) is not None:
+                return found
+        return None if len(base) == len(new) else f"{where} (length {len(base)} != {len(new)})"
+    if base == new or (isinstance(base, float) and isinstance(new, float)
+                       and base != base and new != new):
+        return None
+    return f"{where}: {base!r} != {new!r}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sdcstudy.dev.mode_bits",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="write this tree's bits to this JSON file")
+    parser.add_argument("--compare", type=Path, help="compare this tree's bits with this file")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated modes (default: all)")
+    args = parser.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not (args.out or args.compare):
+        parser.error(f"unknown mode {unknown[0]!r}" if unknown else "give --out or --compare")
+    base = json.loads(args.compare.read_text()) if args.compare else None
+    bits = record(modes, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    if args.out:
+        args.out.write_text(json.dumps(bits, indent=1, sort_keys=True) + "\n")
+    if base is None:
+        return 0
+    for mode in modes:
+        if mode not in base:
+            print(f"{mode}: not in {args.compare}")
+            return 1
+        found = first_difference(base[mode], bits[mode], mode)
+        if found is not None:
+            print(f"differs: {found}")
+            return 1
+    print(f"identical: {', '.join(modes)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
