@@ -1,7 +1,9 @@
 """`sdcstudy doctor`: run the same tiny training twice in separate processes, compare bitwise.
 
 Exit 0 only when both runs agree in every metric (except wall-clock times), in the digest of
-every final parameter, and in the compiled program; 1 when they differ; 2 when a run failed.
+every final parameter, and in the compiled program; 1 when they differ; 3 when a run failed
+(the check could not run: no verdict). The verdict is printed before `--json` is written; a
+JSON file that cannot be written is one warning and leaves the verdict's exit code.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import tempfile
 from pathlib import Path
 
 from sdcstudy.core import config as C
+from sdcstudy.core import errors
+from sdcstudy.core import reports
 from sdcstudy.core import runfolder as RF
 
 DOCTOR = {
@@ -77,23 +81,23 @@ def main(json_path: Path | None = None, keep: Path | None = None) -> int:
                 tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
                 print(f"sdcstudy doctor: run {name} failed (exit {proc.returncode}): {tail[0]}",
                       file=sys.stderr)
-                return 2
+                return errors.EXIT_COULD_NOT_RUN
             views.append(deterministic_view(root / name))
         env = RF.json_load(root / "a" / RF.ENV)
     problems = compare(*views)
     verdict = "PASS" if not problems else "FAIL"
     report = {"verdict": verdict, "problems": problems, "steps": len(views[0]["metrics"]),
               "param_digest": views[0]["param_digest"], "env": env}
-    if json_path:
-        RF.atomic_write_json(json_path, report)
     cpu = env["cpu"]
     print(f"  jax {env['packages'].get('jax')} on {env['platform']} "
           f"({', '.join(f'{n} x {k}' for k, n in env['device_kinds'].items())}); "
           f"CPU {cpu['model']} [{' '.join(cpu['isa'])}]")
     print(f"  compiled step sha256 {env['compiled_step_sha256'][:16]}...")
     if problems:
-        print(f"FAIL: the two runs differ: {'; '.join(problems)}")
-        return 1
-    print(f"PASS: {report['steps']} steps, every metric and parameter bitwise identical "
-          f"(params sha256 {report['param_digest'][:16]}...)")
-    return 0
+        print(f"FAIL: the two runs differ: {'; '.join(problems)}", flush=True)
+    else:
+        print(f"PASS: {report['steps']} steps, every metric and parameter bitwise identical "
+              f"(params sha256 {report['param_digest'][:16]}...)", flush=True)
+    if json_path:  # after the verdict: a file that cannot be written does not change it
+        reports.write_report_json(json_path, report)
+    return errors.EXIT_FAIL if problems else errors.EXIT_PASS

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sdcstudy.core import config as C
 from sdcstudy.report import writer as R
+from sdcstudy.core import reports
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
 from sdcstudy.core.config import UserError
@@ -89,7 +90,8 @@ def sweep(config_path, profiles: list[str], out: Path | None = None, overrides=(
         if resume:
             _check_resumable(root, request)
         else:
-            RF.atomic_write_json(root / SWEEP, request)
+            with reports.writing(root / SWEEP, "sweep file"):
+                RF.atomic_write_json(root / SWEEP, request)
         run_dirs = []
         for i, (name, (profile, cfg)) in enumerate(configs.items(), 1):
             run_dir = root / name

@@ -369,7 +369,8 @@ def _second_lockstep_run(tmp_path):
 def test_cli_report_leaves_out_only_what_needs_an_unreadable_file(hand_run, tmp_path, capsys,
                                                                   damage):
     # Node 1's file is damaged or missing; node 7 is whole. The report names the file in one
-    # sentence on stderr and in report.md, writes everything else, and exits 1.
+    # sentence on stderr and in report.md, writes everything else, and exits 2 (input partly
+    # unreadable; 1 is a FAIL verdict, which drains a node, core/errors.py).
     other = _second_lockstep_run(tmp_path)
     RF.atomic_write_json(hand_run / RF.SUMMARY, {"bit_histogram": {
         "bwd/ffn": bit_histogram(4, 5, 6)}})
@@ -380,7 +381,7 @@ def test_cli_report_leaves_out_only_what_needs_an_unreadable_file(hand_run, tmp_
     else:
         (hand_run / RF.SUMMARY).write_text('{"bit_histogram": {')
     out = tmp_path / "out"
-    assert cli.main(["report", str(hand_run), str(other), "--out", str(out)]) == 1
+    assert cli.main(["report", str(hand_run), str(other), "--out", str(out)]) == 2
     captured = capsys.readouterr()
     file = {"mismatch": RF.MISMATCH, "metrics": RF.METRICS, "summary": RF.SUMMARY}[damage]
     state = "is missing" if damage == "metrics" else "is damaged and can not be read"
@@ -441,3 +442,66 @@ def test_a_folder_of_run_folders_stands_for_its_runs(tmp_path):
     assert list(pd.read_csv(result["out"] / "runs.csv")["run"]) == ["a", "b"]
     with pytest.raises(UserError, match="is not a run folder"):
         writer.write_report([sweep / "report"], tmp_path / "out2")
+
+
+@pytest.mark.parametrize("how", ["folder is a file", "a table is a folder", "disk full"])
+def test_cli_report_that_cannot_be_written_is_one_sentence_and_exit_3(hand_run, tmp_path,
+                                                                     capsys, monkeypatch, how):
+    # The report's output is its files: one that cannot be written ends it with one sentence
+    # naming the file, exit 3 (could not report), never a traceback or 1 (a FAIL).
+    import errno
+    import os
+
+    out = tmp_path / "out"
+    if how == "folder is a file":
+        (tmp_path / "file").write_text("")
+        out = unwritten = tmp_path / "file" / "report"
+    elif how == "a table is a folder":  # an earlier report's folder, one of its CSVs a folder
+        (out / "runs.csv").mkdir(parents=True)
+        (out / writer.REPORT).write_text("# an earlier report\n")
+        unwritten = out / "runs.csv"
+    else:
+        unwritten, fsync = out / writer.REPORT, os.fsync
+
+        def no_room(fd):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(str(out / f".{writer.REPORT}.")):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", no_room)
+    capsys.readouterr()
+    assert cli.main(["report", str(hand_run), "--out", str(out)]) == 3
+    [line] = capsys.readouterr().err.strip().splitlines()
+    what = "report folder" if how == "folder is a file" else "report file"
+    assert line.startswith(f"sdcstudy: error: could not write the {what} {str(unwritten)!r} ("), \
+        line
+
+
+def test_report_and_run_files_honour_the_umask(hand_run, tmp_path):
+    # Results are for others to read where the umask lets them: report.md, the CSVs and the
+    # atomically written run files (config.yaml, summary.json, --json reports) get 0666 less the
+    # umask, as `open`, the PNGs and metrics.jsonl give (atomic writes once made them all 0600,
+    # which umask 022 tells apart; 077 checks that no file is more open than the umask says).
+    import os
+
+    modes = {}
+    for umask in (0o022, 0o077):
+        folder = tmp_path / f"umask-{umask:03o}"
+        old = os.umask(umask)
+        try:
+            if umask == 0o022:  # one report: its files are written as the run files below
+                out = writer.write_report([hand_run], folder / "report")["out"]
+                files = [out / writer.REPORT, out / "runs.csv", out / "fig3_mismatch_frequency.png"]
+            else:
+                folder.mkdir()
+                files = []
+            RF.atomic_write_json(folder / RF.SUMMARY, {"steps": 1})
+            RF.atomic_write_text(folder / RF.CONFIG, "experiment: {}\n")
+            RF.write_rows(folder / RF.METRICS, [{"step": 1}])
+            with open(folder / "opened.txt", "w") as f:  # what `open` gives, to compare with
+                f.write("x")
+        finally:
+            os.umask(old)
+        files += [folder / name for name in (RF.SUMMARY, RF.CONFIG, RF.METRICS, "opened.txt")]
+        modes[umask] = {f.name: oct(f.stat().st_mode & 0o777) for f in files}
+        assert modes[umask] == {f.name: oct(0o666 & ~umask) for f in files}

@@ -161,13 +161,17 @@ def finish(args, suite: str, results: list[dict], table: str, goals: list[dict] 
 
 
 def write(args, report: dict, table: str) -> None:
-    """The JSON and Markdown files (atomically) and the figure, where the options ask."""
+    """The JSON and Markdown files (atomically) and the figure, where the options ask; a file
+    that cannot be written ends the command with one sentence naming it (exit 3)."""
+    from sdcstudy.core import reports
     from sdcstudy.core import runfolder as RF
 
     if args.json is not None:
-        RF.atomic_write_json(args.json, report)
+        with reports.writing(args.json, "benchmark file"):
+            RF.atomic_write_json(args.json, report)
     if args.markdown is not None:
-        RF.atomic_write_text(args.markdown, table)
+        with reports.writing(args.markdown, "benchmark file"):
+            RF.atomic_write_text(args.markdown, table)
     plot(args, report)
 
 

@@ -9,8 +9,8 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -38,10 +38,11 @@ FLUSH_SECONDS = 2.0
 def atomic_open(path: Path, mode: str = "wb"):
     """A file to write `path` through: a hidden temporary file beside it (readers of a table
     folder skip it), flushed, fsynced and renamed over `path` when the block ends; removed if
-    the block raises."""
+    the block raises. Its mode is 0666 less the umask, as `open` gives (mkstemp gives 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = str(path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp"))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         with os.fdopen(fd, mode) as f:
             yield f

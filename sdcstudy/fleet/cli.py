@@ -4,7 +4,9 @@
 For each strategy: expected goodput, corrupted steps and rollback loss, analytic and Monte
 Carlo, as a table on stdout; the cheapest strategy (highest goodput) whose expected corrupted
 steps stay within --max-corrupted-steps (any strategy when no limit is given). Bad input
-raises `UserError` (one sentence; the top-level CLI prints it and exits 2).
+raises `UserError` (one sentence; the top-level CLI prints it and exits 2). The table is
+printed before `--json` and `--plot` are written; a file that cannot be written is one warning
+naming it (core/reports.py), and the exit code stays 0.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from sdcstudy.core import runfolder as RF
+from sdcstudy.core import reports
 from sdcstudy.core.errors import UserError
 from sdcstudy.fleet import config as FC
 from sdcstudy.fleet.model import Job, executed_step_hours, expect, golden_steps
@@ -151,11 +153,13 @@ def main(args) -> int:
         raise UserError(f"--trials must be at least 1, not {args.trials}.")
     cfg, bench = resolve_config(args)
     report = run(cfg, bench)
-    print(table(report), end="")
+    print(table(report), end="", flush=True)
+    # After the table: a file that cannot be written is one warning, not a lost result.
     if args.json is not None:
-        RF.atomic_write_json(args.json, report)
+        reports.write_report_json(args.json, report)
     if args.plot is not None:
         from sdcstudy.fleet.plot import plot_goodput
 
-        plot_goodput(cfg, report["strategies"], args.plot)
+        reports.write_report_file(args.plot, lambda path: plot_goodput(
+            cfg, report["strategies"], path), what="plot")
     return 0

@@ -6,6 +6,7 @@ markers are the Monte Carlo means at the configured fleet size. Written atomical
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +35,15 @@ def _save(fig, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=DPI)
-    _pyplot().close(fig)
-    tmp.replace(path)
+    try:
+        fig.savefig(tmp, dpi=DPI)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        _pyplot().close(fig)
     return path
 
 

@@ -2,7 +2,8 @@
 
 The mesh's device count is known from the config alone, so the command starts JAX with that
 many simulated CPU devices (a GPU backend ignores the flag and uses its own devices), then
-compiles the mode's step ahead of time and prints its plan (docs/plan.md).
+compiles the mode's step ahead of time and prints its plan (docs/plan.md). A `--json` file
+that cannot be written ends the command with one sentence naming it, exit 3.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 from sdcstudy.core import config as C
+from sdcstudy.core import reports
 from sdcstudy.core.config import UserError
 from sdcstudy.core.runfolder import atomic_write_json
 
@@ -59,7 +61,8 @@ def main(args) -> int:
     program = aot.compile_program(cfg)
     plan = summary.make_plan(cfg, str(args.config), program, names, args.mfu)
     print(text.render(plan))
-    if args.json is not None:
-        atomic_write_json(args.json, plan)
+    if args.json is not None:  # the plan's file: one that cannot be written is exit 3
+        with reports.writing(args.json, "plan file"):
+            atomic_write_json(args.json, plan)
         print(f"\nwrote {args.json}")
     return 0

@@ -17,12 +17,14 @@ without mismatches) is left out of a log axis, so lines break there.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from sdcstudy.core import reports
 from sdcstudy.report import tables as T
 
 DPI = 100
@@ -72,12 +74,20 @@ def _log_y(ax) -> None:
 
 
 def _save(fig, path: Path) -> Path:
+    """`fig` as the PNG `path`, atomically; a file that cannot be written is ReportWriteError."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=DPI, pil_kwargs={"compress_level": 1})  # zlib 6: 0.3 s more a figure
-    _pyplot().close(fig)
-    tmp.replace(path)
+    try:
+        with reports.writing(path, "figure"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(tmp, dpi=DPI, pil_kwargs={"compress_level": 1})  # zlib 6: 0.3 s more
+            tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        _pyplot().close(fig)
     return path
 
 

@@ -12,7 +12,9 @@ detector benchmark and fine-tuning contribute theirs through the mode registry,
 `sdcstudy.modes.REPORT_SECTIONS`), and removes the files an earlier report in the same folder
 wrote and this one did not. Imports no JAX, and no feature package. A run folder with a
 missing or damaged file still reports what the other files allow; `sdcstudy report` then
-names each such file on stderr and exits 1.
+names each such file on stderr and exits 2 (core/errors.py: input that is partly unreadable;
+1 is a FAIL verdict, which a report never gives). A report file that cannot be written ends
+the command with `ReportWriteError` naming it (exit 3).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sdcstudy import modes
+from sdcstudy.core import errors, reports
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import UserError
 from sdcstudy.report.runs import DamagedFile, expand_run_dirs, label_runs, load_run
@@ -62,8 +65,15 @@ def _out_dir(out) -> Path:
     if out.exists() and any(out.iterdir()) and not (out / REPORT).is_file():
         raise UserError(f"--out {str(out)!r} already exists and holds no {REPORT}; choose a new "
                         f"folder (an earlier report folder is replaced).")
-    out.mkdir(parents=True, exist_ok=True)
+    with reports.writing(out, "report folder"):
+        out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def _write(path: Path, text: str) -> None:
+    """One file of the report, atomically; one that cannot be written is ReportWriteError."""
+    with reports.writing(path):
+        RF.atomic_write_text(path, text)
 
 
 def run_sections(runs: dict) -> list:
@@ -124,9 +134,6 @@ def write_report(run_dirs, out=None) -> dict:
     out what needs it (`NEEDED_BY`) and is named in "problems" and in report.md. Returns
     {"out", "files", "markdown", "summary", "problems"} where "summary" is the Markdown of the
     runs, Table 1, Table 2 and WCNTS, and "problems" one sentence per unreadable file."""
-    from sdcstudy.report import plots
-    from sdcstudy.report import tables as T
-
     paths = [run for p in run_dirs for run in expand_run_dirs(p)]
     if not paths:
         raise UserError("sdcstudy report needs at least one run folder.")
@@ -138,6 +145,18 @@ def write_report(run_dirs, out=None) -> dict:
     runs, problems = load_runs(paths)
     out = _out_dir(out)
     drawing = draw_figures(runs, out)  # in worker processes while the tables are written
+    try:
+        return _write_files(runs, problems, out, drawing)
+    except BaseException:
+        drawing(cancel=True)  # a file that could not be written: no figure workers left behind
+        raise
+
+
+def _write_files(runs: dict, problems: list[str], out: Path, drawing) -> dict:
+    """write_report's files: the tables, the figures `drawing` waits for, and report.md."""
+    from sdcstudy.report import plots
+    from sdcstudy.report import tables as T
+
     mode_sections = run_sections(runs)
 
     produced, sections, summary = [], [], []
@@ -153,12 +172,12 @@ def write_report(run_dirs, out=None) -> dict:
         sections.append(section)
         if name in SUMMARY_TABLES:
             summary.append(section)
-        RF.atomic_write_text(out / name, T.csv(table, index))
+        _write(out / name, T.csv(table, index))
         produced.append(name)
     for section in mode_sections:  # tables that format themselves (fine-tuning's Table 3)
         texts, files = section.text(runs)
         for name, text in files.items():
-            RF.atomic_write_text(out / name, text)
+            _write(out / name, text)
             produced.append(name)
         sections += texts
     if not T.lockstep_runs(runs):
@@ -177,12 +196,13 @@ def write_report(run_dirs, out=None) -> dict:
                 ] if problems else []
     markdown = "\n".join(["# sdcstudy report\n\nRun folders: " + ", ".join(
         f"`{r.path}`" for r in runs.values()) + "\n", *left_out, *sections, *figures]) + "\n"
-    RF.atomic_write_text(out / REPORT, markdown)
+    _write(out / REPORT, markdown)
     # From an earlier report into the same folder:
     section_files = [name for s in modes.report_sections().values() for name in s.files]
     for stale in [*CSV_FILES, *plots.FIGURES, *section_files]:
         if stale not in produced:
-            (out / stale).unlink(missing_ok=True)
+            with reports.writing(out / stale):
+                (out / stale).unlink(missing_ok=True)
     return {"out": out, "files": [REPORT, *produced], "markdown": markdown,
             "summary": "\n".join(summary), "problems": problems}
 
@@ -198,7 +218,8 @@ def _draw(name: str) -> bool:
 
 def draw_figures(runs: dict, out: Path):
     """Starts drawing every figure of `plots.FIGURES` that the runs have data for into `out`;
-    returns a function that waits for them and returns their names. Each figure is seconds of
+    returns a function that waits for them and returns their names (or, given cancel=True,
+    stops them). Each figure is seconds of
     single-threaded matplotlib, so with more than one CPU they are drawn in forked worker
     processes (which inherit `runs` without a copy) while the caller writes the tables -
     unless JAX is loaded (a sweep's own report): forking XLA's threads is not safe."""
@@ -213,9 +234,9 @@ def draw_figures(runs: dict, out: Path):
     fork = "fork" in multiprocessing.get_all_start_methods() and "jax" not in sys.modules
     _DRAWING.update(runs=runs, out=out)
     if not (cpus > 1 and len(names) > 1 and fork):
-        def draw_here() -> list[str]:
+        def draw_here(cancel: bool = False) -> list[str]:
             try:
-                return [name for name in names if _draw(name)]
+                return [] if cancel else [name for name in names if _draw(name)]
             finally:
                 _DRAWING.clear()
         return draw_here
@@ -225,9 +246,9 @@ def draw_figures(runs: dict, out: Path):
     pending = pool.map_async(_draw, names, chunksize=1)
     _DRAWING.clear()  # the workers have their copies
 
-    def wait() -> list[str]:
+    def wait(cancel: bool = False) -> list[str]:
         try:
-            drawn = pending.get()
+            drawn = [] if cancel else pending.get()
         finally:
             pool.terminate()
             pool.join()
@@ -264,7 +285,7 @@ def load_runs(paths) -> tuple[dict, list[str]]:
 
 
 def main(run_dirs, out=None, echo=print, warn=None) -> int:
-    """`sdcstudy report RUN_DIR [RUN_DIR ...] [--out DIR]`: exit 0, or 1 when a file could not
+    """`sdcstudy report RUN_DIR [RUN_DIR ...] [--out DIR]`: exit 0, or 2 when a file could not
     be read and the report left out what needs it (each named on stderr)."""
     import sys
 
@@ -274,4 +295,4 @@ def main(run_dirs, out=None, echo=print, warn=None) -> int:
     echo(f"report: {result['out'] / REPORT} ({len(result['files'])} files)")
     for problem in result["problems"]:
         warn(f"sdcstudy: {problem}")
-    return 1 if result["problems"] else 0
+    return errors.EXIT_BAD_INPUT if result["problems"] else errors.EXIT_PASS

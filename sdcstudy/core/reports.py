@@ -1,0 +1,78 @@
+"""Report files a command writes beside or as its result (`--json`, `--junit`, `--plot`,
+`--out`): written atomically, and a file that cannot be written is one sentence, never a
+traceback or a FAIL's exit code (core/errors.py).
+
+- A command with a verdict (doctor, fleet simulate, golden check) prints its verdict first,
+  then calls `write_report_file`: a file that cannot be written is one warning on stderr that
+  names it, and the verdict keeps its exit code.
+- A command whose output *is* the file (`report --out`, `plan --json`, `bench --json`) writes
+  inside `writing(path)`: a file that cannot be written ends the command with
+  `ReportWriteError` (exit 3).
+
+Imports no JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from sdcstudy.core import runfolder as RF
+from sdcstudy.core.errors import ReportWriteError, first_line
+
+
+def unwritten(path, error: OSError, what: str = "report file") -> str:
+    """The sentence for `path` that could not be written: which file, and the system's why."""
+    why = error.strerror or first_line(error)
+    if isinstance(error, (FileExistsError, NotADirectoryError)):  # mkdir of a parent
+        why = "a folder on its path is a file"
+    elif isinstance(error, IsADirectoryError):
+        why = "it is a folder"
+    return (f"could not write the {what} {str(path)!r} ({why}); give a path in a folder that "
+            f"exists, can be written and has room")
+
+
+@contextlib.contextmanager
+def writing(path, what: str = "report file"):
+    """Turns an OSError raised inside the block (a read-only folder, a full disk, a path that is
+    a folder) into `ReportWriteError` naming `path`."""
+    try:
+        yield
+    except OSError as e:
+        raise ReportWriteError(unwritten(path, e, what) + ".") from e
+
+
+def warn_unwritten(error: ReportWriteError, warn: Callable[[str], None] | None = None) -> None:
+    """The one warning line of a report file that could not be written, beside a verdict that
+    stands (on stderr unless `warn` says where)."""
+    line = f"sdcstudy: warning: {str(error)[:-1]}; the result printed above stands."
+    (warn or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
+
+
+def write_report_file(path, content: str | bytes | Callable[[Path], Any],
+                      what: str = "report file", warn: Callable[[str], None] | None = None
+                      ) -> bool:
+    """Write `content` to `path` atomically (text, bytes, or a function that writes the file at
+    the path it is given, such as a plot); True when written, else False after one warning
+    naming the file (`warn_unwritten`). For a file beside a verdict that is already printed."""
+    path = Path(path)
+    try:
+        with writing(path, what):
+            if callable(content):
+                content(path)
+            elif isinstance(content, str):
+                RF.atomic_write_text(path, content)
+            else:
+                RF.atomic_write_bytes(path, content)
+    except ReportWriteError as e:
+        warn_unwritten(e, warn)
+        return False
+    return True
+
+
+def write_report_json(path, obj: Any, what: str = "JSON report",
+                      warn: Callable[[str], None] | None = None) -> bool:
+    """`write_report_file` of `obj` as indented JSON."""
+    return write_report_file(path, RF.dumps(obj) + "\n", what, warn)

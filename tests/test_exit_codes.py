@@ -1,0 +1,144 @@
+"""The exit-code contract (core/errors.py) where a command's report file cannot be written.
+
+A command with a verdict (doctor, fleet simulate) prints its verdict first and keeps its code,
+with one warning naming the file it could not write; a command whose output is the file
+(`bench --json`, `plan --json`) ends with one sentence naming it and exit 3, never a
+traceback and never 1 (a FAIL, which drains a node). If a test here fails, an unwritable file
+turned into a traceback, a FAIL's exit code or a lost verdict. The files are made unwritable
+in ways that hold for root too (tests run as root in CI): a folder on the path that is a
+file, a path that is a folder, and a full disk (fsync fails with ENOSPC).
+
+Nothing here compiles a JAX program: doctor's two runs are stood in for by run folders written
+here, plan's compilation by a stub, and bench logging measures no model.
+"""
+
+import errno
+import os
+import subprocess
+
+import pytest
+
+from sdcstudy import cli, doctor
+from sdcstudy.core import errors
+from sdcstudy.core import runfolder as RF
+
+UNWRITABLE = ["folder is a file", "is a folder", "disk full"]
+
+
+def unwritable(tmp_path, how: str, monkeypatch, name: str = "report.json"):
+    """A path that cannot be written, in one of the UNWRITABLE ways."""
+    if how == "folder is a file":
+        (tmp_path / "file").write_text("")
+        return tmp_path / "file" / name
+    if how == "is a folder":
+        (tmp_path / name).mkdir()
+        return tmp_path / name
+    fsync = os.fsync
+
+    def no_room(fd):  # the atomic write of this file fails as on a full disk
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / f".{name}.")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", no_room)
+    return tmp_path / name
+
+
+def one_warning(err: str, path) -> str:
+    """The one stderr line, a warning naming `path` that says the result stands."""
+    [line] = err.strip().splitlines()
+    assert line.startswith(f"sdcstudy: warning: could not write the ") and repr(str(path)) in line
+    assert line.endswith("the result printed above stands."), line
+    return line
+
+
+def _fake_run(config_path, out):
+    """A stand-in for doctor's `sdcstudy run` subprocess: a finished run folder."""
+    out.mkdir(parents=True)
+    RF.write_rows(out / RF.METRICS, [{"step": s, "loss/healthy": 5.0 - s, "time/step_s": s}
+                                     for s in (1, 2)])
+    RF.atomic_write_json(out / RF.SUMMARY, {"param_digest": "ab" * 32})
+    RF.atomic_write_json(out / RF.ENV, {
+        "compiled_step_sha256": "cd" * 32, "platform": "cpu", "device_kinds": {"cpu": 8},
+        "packages": {"jax": "0.10.2"}, "cpu": {"model": "test", "isa": ["avx2"]}})
+    return subprocess.CompletedProcess([], 0, "", "")
+
+
+@pytest.mark.parametrize("how", UNWRITABLE)
+def test_doctor_prints_its_verdict_and_keeps_its_code_when_json_cannot_be_written(
+        tmp_path, monkeypatch, capsys, how):
+    monkeypatch.setattr(doctor, "_run", _fake_run)
+    path = unwritable(tmp_path, how, monkeypatch)
+    assert cli.main(["doctor", "--json", str(path)]) == errors.EXIT_PASS
+    out, err = capsys.readouterr()
+    assert "PASS: 2 steps" in out
+    one_warning(err, path)
+
+
+def test_doctor_whose_run_failed_could_not_run(tmp_path, monkeypatch, capsys):
+    """A training that did not finish is no verdict on the machine: exit 3, not 1 or 2."""
+    monkeypatch.setattr(doctor, "_run", lambda config, out: subprocess.CompletedProcess(
+        [], 1, "", "sdcstudy: error: something broke\n"))
+    assert doctor.main() == errors.EXIT_COULD_NOT_RUN
+    assert "run a failed (exit 1): sdcstudy: error: something broke" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", UNWRITABLE)
+def test_fleet_prints_its_table_and_exits_0_when_json_cannot_be_written(tmp_path, monkeypatch,
+                                                                        capsys, how):
+    path = unwritable(tmp_path, how, monkeypatch, "fleet.json")
+    code = cli.main(["fleet", "simulate", "--trials", "1", "--json", str(path)])
+    out, err = capsys.readouterr()
+    assert code == errors.EXIT_PASS, err
+    assert "cheapest strategy" in out.splitlines()[-1]
+    one_warning(err, path)
+
+
+@pytest.mark.parametrize("how", ["folder is a file", "is a folder"])
+def test_fleet_plot_that_cannot_be_written_is_one_warning_and_leaves_nothing(
+        tmp_path, monkeypatch, capsys, how):
+    """The figure is drawn for real; only its curves are stubbed (they cost seconds)."""
+    from sdcstudy.fleet import plot
+
+    monkeypatch.setattr(plot, "goodput_curve", lambda cfg, names, sizes: {
+        name: sizes * 0.0 + 0.5 for name in names})
+    path = unwritable(tmp_path, how, monkeypatch, "fleet.png")
+    code = cli.main(["fleet", "simulate", "--trials", "1", "--plot", str(path)])
+    out, err = capsys.readouterr()
+    assert code == errors.EXIT_PASS, err
+    assert "cheapest strategy" in out.splitlines()[-1]
+    one_warning(err, path)
+    assert not list(tmp_path.rglob(".fleet.png*"))  # no temporary file left behind
+
+
+@pytest.mark.parametrize("how", UNWRITABLE)
+def test_bench_json_that_cannot_be_written_is_one_sentence_and_exit_3(tmp_path, monkeypatch,
+                                                                      capsys, how):
+    path = unwritable(tmp_path, how, monkeypatch, "bench.json")
+    code = cli.main(["bench", "logging", "--steps", "2", "--rows-per-step", "8",
+                     "--flush-every", "1", "--json", str(path)])
+    err = capsys.readouterr().err
+    assert code == errors.EXIT_COULD_NOT_RUN, err
+    [line] = [line for line in err.splitlines() if line.startswith("sdcstudy:")]
+    assert line.startswith(f"sdcstudy: error: could not write the benchmark file "
+                           f"{str(path)!r} ("), line
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("how", UNWRITABLE)
+def test_plan_json_that_cannot_be_written_is_one_sentence_and_exit_3(tmp_path, monkeypatch,
+                                                                     capsys, how):
+    """The plan is printed, then its file: exit 3 naming the file (compilation stubbed)."""
+    from sdcstudy.plan import aot, summary, text
+
+    monkeypatch.setattr(aot, "compile_program", lambda cfg: None)
+    monkeypatch.setattr(summary, "make_plan", lambda *args: {"plan": 1})
+    monkeypatch.setattr(text, "render", lambda plan: "the plan")
+    config = tmp_path / "c.yaml"
+    config.write_text("experiment: {mode: train}\n")
+    path = unwritable(tmp_path, how, monkeypatch, "plan.json")
+    code = cli.main(["plan", str(config), "--json", str(path)])
+    out, err = capsys.readouterr()
+    assert code == errors.EXIT_COULD_NOT_RUN and out.startswith("the plan"), err
+    [line] = err.strip().splitlines()
+    assert line.startswith(f"sdcstudy: error: could not write the plan file {str(path)!r} ("), line
