@@ -45,3 +45,14 @@ def test_demo_leaves_both_run_folders_and_prints_the_table(tmp_path, capsys):
     assert 0 < result["faults_at_sites"] == sum(mismatches.values())
     assert result["lockstep"]["faults/landed"] == result["faults_at_sites"]
     assert {site for site, n in mismatches.items() if n} == {"fwd/attn", "bwd/ffn"}
+    # README's tour shows what `sdcstudy demo` prints, written there by `make tour`
+    # (sdcstudy/dev/tour.py). This shorter run with a light profile prints the same words and
+    # columns: with the numbers, the profile and the run folder masked, the two must agree. A
+    # change to what the demo prints fails here until `make tour` rewrites README's block; a
+    # change that moves only the numbers shows in `python -m sdcstudy.dev.tour --check`.
+    from sdcstudy.dev import tour
+
+    assert tour.PROFILE == demo.PROFILE
+    shown = tour.shown_output(tour.README.read_text())
+    assert (tour.skeleton(printed, str(profile), str(tmp_path / "demo"))
+            == tour.skeleton(shown, tour.PROFILE, tour.SHOWN_OUT))
