@@ -24,7 +24,7 @@ import pytest
 
 from sdcstudy.core import config as C
 from sdcstudy.core import data as D
-from sdcstudy.core import distributed
+from sdcstudy.core import distributed, rendezvous
 from sdcstudy.core import runfolder as RF
 
 RUN_TIMEOUT_S = 120  # --timeout of the runs: start-up, heartbeats, each collective
@@ -167,20 +167,24 @@ def test_two_processes_match_one_process_bit_for_bit(setup, processes):
 
 def test_dead_peer_ends_the_run_with_a_clear_error(setup, processes):
     """Process 1 is killed once both have joined; process 0 must fail its first collective
-    and exit non-zero with one line naming the lost peer, within a bounded time, never hang.
-    (The compiled step is in the cache when the test above ran first.)"""
-    out = setup / "dead"
-    first, second = _pair(processes, "dead", out, _free_port(), timeout=DEAD_PEER_TIMEOUT_S)
+    and exit 3 (could not run, not a FAIL) with one line naming the lost peer, within a bounded
+    time, never hang. (The compiled step is in the cache when the test above ran first.)
+
+    While both run, jax's coordinator must listen on 127.0.0.1 alone, the address given (it
+    listened on every interface before)."""
+    out, port = setup / "dead", _free_port()
+    first, second = _pair(processes, "dead", out, port, timeout=DEAD_PEER_TIMEOUT_S)
     end = time.monotonic() + DEADLINE_S
     while not all("joined the run" in processes.log(f"dead-p{i}") for i in range(2)):
         assert first.poll() is None and second.poll() is None, processes.logs()
         assert time.monotonic() < end, "the pair never joined:\n" + processes.logs()
         time.sleep(0.1)
+    assert rendezvous.listeners(port) == [("127.0.0.1", first.pid)]
     os.kill(second.pid, signal.SIGKILL)
     killed = time.monotonic()
     codes = processes.wait(deadline_s=DEAD_PEER_TIMEOUT_S)
     assert time.monotonic() - killed < DEAD_PEER_TIMEOUT_S
-    assert codes["dead-p0"] == distributed.EXIT_LOST_PEER, processes.logs()
+    assert codes["dead-p0"] == distributed.EXIT_LOST_PEER == 3, processes.logs()
     assert "sdcstudy: error: process 0 of 2 lost its peers" in processes.log("dead-p0"), \
         processes.logs()
     assert not (out / RF.SUMMARY).exists()
@@ -210,3 +214,96 @@ def test_launch_settings_from_arguments_environment_and_slurm():
         distributed.launch_settings("h", 2, 0, environ={})
     assert distributed.xla_knows_flag("--xla_force_host_platform_device_count")
     assert not distributed.xla_knows_flag("--xla_no_such_flag_in_any_version")
+
+
+# --- launch mistakes: one sentence each, before any JAX program compiles --------------------
+
+REFUSAL_TIMEOUT_S = 30  # --timeout of the refusals below; jax aborted after it before
+REFUSAL_DEADLINE_S = 60
+
+
+def _launch(processes, name, out, port, num_processes, process_id):
+    return processes.start(name, ["--out", str(out), "--coordinator", f"127.0.0.1:{port}",
+                                  "--num-processes", str(num_processes),
+                                  "--process-id", str(process_id),
+                                  "--timeout", str(REFUSAL_TIMEOUT_S)], devices=1)
+
+
+def _refused(processes, sentence_start: str) -> dict[str, str]:
+    """Every process exits 2 with one error line starting `sentence_start`, no C++ stack and
+    no traceback; returns each process's error line."""
+    codes = processes.wait(deadline_s=REFUSAL_DEADLINE_S)
+    assert set(codes.values()) == {2}, processes.logs()
+    lines = {}
+    for name in codes:
+        log = processes.log(name)
+        assert "Check failure" not in log and "Traceback" not in log, processes.logs()
+        errors = [line for line in log.splitlines() if line.startswith("sdcstudy: error: ")]
+        assert len(errors) == 1 and errors[0].startswith(f"sdcstudy: error: {sentence_start}"), \
+            processes.logs()
+        lines[name] = errors[0]
+    return lines
+
+
+def test_a_port_in_use_is_refused_naming_its_holder(setup, processes):
+    """Process 0 cannot listen on its coordinator port: one sentence naming the address and
+    the process holding it (this test), at once (was: "could not join ... Failed to start RPC
+    server", while its peer aborted S later)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        _launch(processes, "busy-p0", setup / "busy", port, 2, 0)
+        [line] = _refused(processes, f"process 0 of 2 cannot listen on 127.0.0.1:{port} "
+                                     f"for its peers: the port is in use by pid "
+                                     f"{os.getpid()} (").values()
+    assert "choose a free port for --coordinator" in line
+
+
+def test_processes_that_disagree_on_the_count_each_say_so(setup, processes):
+    """Process 0 of 3 and process 1 of 2: both exit 2 with the same sentence naming both
+    counts (was: SIGABRT with a C++ stack in `CoordinationServiceAgent::Connect`)."""
+    port = _free_port()
+    first = _launch(processes, "count-p0", setup / "count", port, 3, 0)
+    second = _launch(processes, "count-p1", setup / "count", port, 2, 1)
+    lines = _refused(processes, f"process 1 (pid {second.pid} on ")
+    for line in lines.values():
+        assert f"was started with --num-processes 2 and process 0 (pid {first.pid} on " in line
+        assert line.endswith("with 3: start every process with the same --num-processes.")
+
+
+@pytest.mark.parametrize("num_processes, duplicate", [(3, 1), (2, 0)])
+def test_two_processes_with_one_id_each_say_so(setup, processes, num_processes, duplicate):
+    """Two processes given the same --process-id: every process exits 2 with one sentence
+    naming the id and both pids (was: SIGABRT, or one of them aborting while the others ran
+    on). A second process 0 finds the port taken and hears the sentence from the first (each
+    with its own --out, as on two hosts: one shared folder is refused by its lock first)."""
+    port = _free_port()
+    ids = [0, 1, 1] if duplicate else [0, 0]
+    started = [_launch(processes, f"dup{duplicate}-{k}", setup / f"dup{duplicate}-{k}", port,
+                       num_processes, i) for k, i in enumerate(ids)]
+    lines = _refused(processes, f"two processes were started with --process-id {duplicate} (")
+    twins = [p.pid for p, i in zip(started, ids) if i == duplicate]
+    for line in lines.values():
+        assert all(f"pid {pid} on " in line for pid in twins), line
+        assert line.endswith(f"give each process its own id, from 0 to {num_processes - 1}.")
+
+
+def test_the_meeting_binds_the_address_given_and_names_a_ports_holder(monkeypatch):
+    """`bind_address`: an IP as given, a name as resolved, this host's own name mapped to
+    loopback only (Debian's 127.0.1.1) on every interface, JAX_COORDINATOR_BIND_ADDRESS
+    first; `listeners` finds a listening socket's address and pid in /proc."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "healthy-host")
+    assert rendezvous.bind_address("127.0.0.1:4100", {}) == "127.0.0.1:4100"
+    assert rendezvous.bind_address("[::1]:4100", {}) == "[::1]:4100"
+    assert rendezvous.bind_address("localhost:4100", {}) == "localhost:4100"
+    assert rendezvous.bind_address("h:1", {rendezvous.ENV_BIND: "0.0.0.0:1"}) == "0.0.0.0:1"
+    monkeypatch.setattr(rendezvous, "_resolve",
+                        lambda host, port: [(socket.AF_INET, ("127.0.1.1", port))])
+    assert rendezvous.bind_address("healthy-host:4100", {}) == "[::]:4100"
+    assert rendezvous.bind_address("other-host:4100", {}) == "other-host:4100"
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        assert rendezvous.listeners(server.getsockname()[1]) == []
+        server.listen()
+        assert rendezvous.listeners(server.getsockname()[1]) == [("127.0.0.1", os.getpid())]

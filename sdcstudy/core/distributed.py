@@ -6,8 +6,10 @@ over TCP on CPU, NCCL on GPU). Nothing in the step changes: only the host side d
 
 - `initialize` joins the run through `jax.distributed` with one timeout S for what waits on
   a peer: start-up, shutdown and (on CPU) each collective; a peer silent for 2 S is dead. A
-  dead or stuck peer ends the run with an error instead of a hang. `meet_peers` then runs the
-  first collective while the processes are together.
+  dead or stuck peer ends the run with an error instead of a hang. Before jax, the processes
+  meet over a plain socket (`rendezvous`), so that a port in use, disagreeing process counts
+  or an id given twice end with one sentence, and jax's coordinator binds the address given.
+  `meet_peers` then runs the first collective while the processes are together.
 - `put` builds global arrays from host values that every process holds in full.
 - `fetch` copies arrays to host numpy on every process, gathering the pieces that live on
   other processes' devices; every process must call it at the same point of the run.
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sdcstudy.core import errors, rendezvous
 from sdcstudy.core.config import UserError
 from sdcstudy.core.errors import first_line
 
@@ -43,7 +46,7 @@ DEFAULT_TIMEOUT_S = 300
 COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
               "SLURM_LOCALID")
-EXIT_LOST_PEER = 1
+EXIT_LOST_PEER = errors.EXIT_COULD_NOT_RUN  # not a FAIL: nothing was compared
 
 
 @dataclass(frozen=True)
@@ -156,23 +159,27 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     launch = launch_settings(coordinator, num_processes, process_id, timeout_s)
     if launch is None:
         return False
-    set_collective_timeout(launch.timeout_s)
-    import jax
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     seconds = launch.timeout_s
     who = "this process" if launch.detect else \
         f"process {launch.process_id} of {launch.num_processes}"
     where = launch.coordinator or "the Slurm job's first node"
     print(f"sdcstudy: {who} waiting up to {seconds} s for its peers at {where}",
           file=sys.stderr, flush=True)
+    # Before importing jax, so that a launch mistake is refused in a moment; a process that
+    # comes while process 0 imports jax finds no listener and asks again.
+    bind = None if launch.detect else rendezvous.meet(
+        launch.coordinator, launch.num_processes, launch.process_id, seconds)
+    set_collective_timeout(launch.timeout_s)
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(
             coordinator_address=launch.coordinator, num_processes=launch.num_processes,
             process_id=launch.process_id,
             cluster_detection_method=None if launch.detect else "deactivate",
             initialization_timeout=seconds, heartbeat_timeout_seconds=2 * seconds,
-            shutdown_timeout_seconds=seconds)
+            shutdown_timeout_seconds=seconds, coordinator_bind_address=bind)
     except Exception as e:
         raise UserError(f"{who} could not join the run through {where} within {seconds} s "
                         f"({first_line(e, 300)}); start every process with the same coordinator "
@@ -289,24 +296,28 @@ def fetch(tree):
 
 
 def _describe(error: BaseException) -> tuple[int, str]:
-    """Exit code and one sentence, as the CLI gives them for one process."""
+    """Exit code and one sentence, as the CLI gives them for one process (core/errors.py): a
+    lost peer or anything unforeseen could not run (3), never a FAIL (1)."""
     import jax
 
     from sdcstudy.core.train import NonFiniteError
 
     me = f"process {jax.process_index()} of {jax.process_count()}"
     if isinstance(error, UserError):
-        return 2, f"{me}: {error}"
+        return errors.EXIT_BAD_INPUT, f"{me}: {error}"
     if isinstance(error, KeyboardInterrupt):
-        return 130, f"{me}: {error or 'interrupted'}"
+        return errors.EXIT_SIGINT, f"{me}: {error or 'interrupted'}"
     if isinstance(error, NonFiniteError):
-        return 1, f"{me}: {error}"
+        return errors.EXIT_FAIL, f"{me}: {error}"
+    if isinstance(error, errors.CouldNotRun):
+        return errors.EXIT_COULD_NOT_RUN, f"{me}: {error}"
     if isinstance(error, jax.errors.JaxRuntimeError):
         return EXIT_LOST_PEER, (f"{me} lost its peers ({first_line(error, 300)}): another process "
                                 f"died, hung past the timeout or cannot be reached; see its "
                                 f"log.")
-    traceback.print_exception(error, file=sys.stderr)
-    return 1, f"{me}: {type(error).__name__}: {first_line(error, 300)}"
+    if os.environ.get("SDCSTUDY_TRACEBACK"):
+        traceback.print_exception(error, file=sys.stderr)
+    return errors.EXIT_COULD_NOT_RUN, f"{me}: {errors.unexpected(error)}"
 
 
 @contextlib.contextmanager
