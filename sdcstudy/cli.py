@@ -255,6 +255,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("accept-gpu", help="acceptance of one NVIDIA GPU against the project's "
+                                          "targets: exit 0 PASS, 1 FAIL or INCOMPLETE, 2 no "
+                                          "GPU or bad arguments (docs/gpu.md)")
+    from sdcstudy.gpu.acceptance import add_arguments as add_gpu_arguments
+    from sdcstudy.gpu.acceptance import run as run_gpu_acceptance
+
+    add_gpu_arguments(p)
+    p.set_defaults(func=run_gpu_acceptance)
     return parser
 
 

@@ -144,7 +144,6 @@ def _close_all(*closers) -> BaseException | None:
 def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int | None,
          progress: bool, echo) -> dict:
     e = cfg.experiment
-    # Tuned kernel choices pinned in the folder: refused at once if named but missing or changed.
     pinned = determinism.autotune_options(run_dir, jax.default_backend(), dump=writes)
     mode = modes.build(cfg)
     trainer, loss_key = mode.trainer, mode.loss_key  # the loss that must stay finite
@@ -164,8 +163,7 @@ def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int
     example = trainer.make_batch(batches.batch(0))
     shardings = trainer.shardings(state, example)
     state = _put(state, None if shardings is None else shardings[0])
-    step_fn, hlo, compile_s = compile_step(trainer.train_step, state, example, shardings,
-                                           pinned or None)
+    step_fn, hlo, compile_s = compile_step(trainer.train_step, state, example, shardings, pinned)
     step_fn = mode.step(step_fn)
 
     ckpt = Checkpointer(run_dir / RF.CHECKPOINTS, keep=e.checkpoint_keep)

@@ -1,16 +1,16 @@
-"""experiments/gpu_acceptance.sh on a machine without a GPU: its refusals, the MFU peaks, and
-how it judges what its checks measure.
+"""`sdcstudy accept-gpu` (sdcstudy/gpu/, run by experiments/gpu_acceptance.sh) on a machine
+without a GPU: its refusals, the MFU peaks, and how it judges what its checks measure.
 
 The acceptance itself needs an NVIDIA GPU (RESULTS.md, "On one GPU"); here we check what a
 user meets first: `--help`, bad or missing arguments and the refusal without a GPU each end
-with one sentence and the documented exit code, before anything is run or written. The fake
-`nvidia-smi` test reaches the second refusal, a JAX without its CUDA backend. Then the
-published peak that `bench train` takes its MFU against, per device kind and dtype. Last, the
-judging a GPU run depends on, fed with what the checks' children write: the MFU floors (a
-result just below a target fails, just above passes), the determinism A/B's cost limit and
-its flags, the kernel census check (wired from a real `bench train` on this CPU), ABFT's false
-alarms and recall per error size, `nvidia-smi -q` read from an H100's text, and a check that
-breaks failing alone.
+with the documented exit code, before anything is run or written. The fake `nvidia-smi` test
+reaches the second refusal, a JAX without its CUDA backend. Then the published peak that
+`bench train` takes its MFU against, per device kind and dtype. Last, the judging a GPU run
+depends on, fed with fake results for each verdict, pass and fail per floor: the MFU floors, the
+determinism cost with pinned kernel choices, the pinned choices honoured, cuDNN's fused
+attention, the kernel census, the torch ratio, ABFT's false alarms over 100,000 checks and
+recall per error size, the golden full workload and the stack fingerprint, `nvidia-smi -q` read
+from an H100's text, the short table, and a check that breaks failing alone.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def acceptance(*args: str, path: str = SYSTEM_PATH, timeout: int = 120):
 def one_sentence(stderr: str) -> str:
     lines = stderr.strip().splitlines()
     assert len(lines) == 1, f"expected one line on stderr, got: {stderr!r}"
-    assert lines[0].startswith("gpu_acceptance: ") and lines[0].endswith(".")
+    assert lines[0].startswith("sdcstudy: error: ") and lines[0].endswith(".")
     return lines[0]
 
 
@@ -57,8 +57,8 @@ def test_refuses_without_a_gpu(tmp_path):
     out = tmp_path / "acc"
     proc = acceptance("--out", str(out))
     assert proc.returncode == 2
-    assert one_sentence(proc.stderr) == ("gpu_acceptance: no NVIDIA GPU here (nvidia-smi is not "
-                                         "on the PATH); run it on a machine with one.")
+    assert one_sentence(proc.stderr) == ("sdcstudy: error: no NVIDIA GPU here (nvidia-smi is "
+                                         "not on the PATH); run it on a machine with one.")
     assert proc.stdout == "" and not out.exists()
 
 
@@ -78,33 +78,53 @@ def test_refuses_a_jax_without_cuda(tmp_path):
     assert not (tmp_path / "acc").exists()
 
 
-def test_help_names_every_option():
-    """`--help` must exit 0 and name the options the README documents."""
-    proc = acceptance("--help")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: experiments/gpu_acceptance.sh")
-    for option in ("--out DIR", "--quick", "--budget SECONDS", "--work DIR"):
-        assert option in proc.stdout
+def in_process(capsys, monkeypatch, *args: str) -> tuple[int, str, str]:
+    """`sdcstudy accept-gpu ARGS` through the CLI's main in this process (exit code, stdout,
+    stderr): the refusals below come before any child or GPU probe, and a subprocess each
+    would cost seconds of imports."""
+    from sdcstudy import cli
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() adds flags
+    try:
+        code = cli.main(["accept-gpu", *args])
+    except SystemExit as e:  # argparse: --help, or a bad option
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_help_names_every_option(capsys, monkeypatch):
+    """`--help` must exit 0 and name the options docs/gpu.md documents."""
+    code, out, _ = in_process(capsys, monkeypatch, "--help")
+    assert code == 0
+    assert out.startswith("usage: sdcstudy accept-gpu")
+    for option in ("--out DIR", "--stage {full,quick}", "--budget SECONDS", "--work DIR",
+                   "--only LIST"):
+        assert option in out
 
 
 @pytest.mark.parametrize("args, says", [
     (["--out", "x", "--bogus"], "unrecognized arguments: --bogus"),
     (["--out", "x", "--budget", "soon"], "argument --budget: invalid int value: 'soon'"),
-    (["--out", "x", "--budget", "5"], "--budget must be at least 60 seconds, not 5"),
+    (["--out", "x", "--stage", "slow"], "argument --stage: invalid choice: 'slow'"),
+    ([], "the following arguments are required: --out"),
 ])
-def test_bad_arguments(args, says):
-    """A wrong option or value must give exit 2 and one sentence naming it, not a usage
-    screen or a traceback (and never start the checks)."""
-    proc = acceptance(*args)
-    assert proc.returncode == 2
-    assert says in one_sentence(proc.stderr)
+def test_bad_arguments(capsys, monkeypatch, args, says):
+    """A wrong option or value must give exit 2 naming it (never start the checks)."""
+    code, _, err = in_process(capsys, monkeypatch, *args)
+    assert code == 2 and says in err
 
 
-def test_missing_out():
-    """--out is required: without it there is nowhere to write the JSON, so exit 2 at once."""
-    proc = acceptance("--quick")
-    assert proc.returncode == 2
-    assert "the following arguments are required: --out" in one_sentence(proc.stderr)
+@pytest.mark.parametrize("args, says", [
+    (["--budget", "5"], "--budget must be at least 60 seconds, not 5."),
+    (["--only", "doctor,warp_drive"], "--only names no check warp_drive; choose from doctor"),
+])
+def test_refusals_before_the_gpu_probe(tmp_path, capsys, monkeypatch, args, says):
+    """Our own refusals come as one sentence with exit 2, before the GPU is looked for."""
+    code, out, err = in_process(capsys, monkeypatch, "--out", str(tmp_path / "acc"), *args)
+    assert code == 2 and out == ""
+    assert says in one_sentence(err)
+    assert not (tmp_path / "acc").exists()
 
 
 def test_device_peak_follows_the_kind_and_dtype():
@@ -135,11 +155,11 @@ def test_summary_mfu_is_step_flops_over_time_over_peak():
 # The floors, the census and the device's state, judged without a GPU: the functions the
 # acceptance applies to each check's files, fed with what its children write.
 
-EXPERIMENTS = ROOT / "experiments"
-sys.path.insert(0, str(EXPERIMENTS))
-import gpu_checks as GC  # noqa: E402
-import gpu_floors as GF  # noqa: E402
-import nvidia_smi as SMI  # noqa: E402
+from sdcstudy.gpu import acceptance as GA  # noqa: E402
+from sdcstudy.gpu import checks as GC  # noqa: E402
+from sdcstudy.gpu import floors as GF  # noqa: E402
+from sdcstudy.gpu import nvidia_smi as SMI  # noqa: E402
+from sdcstudy.gpu import session as GS  # noqa: E402
 
 SMI_SAMPLE = (ROOT / "tests" / "data" / "nvidia_smi_q_h100.txt").read_text()
 
@@ -217,7 +237,7 @@ def test_the_b_side_really_runs_without_the_determinism_flags(monkeypatch):
     flags with themselves and reports a cost of zero."""
     from sdcstudy.core import determinism
 
-    env = GC.without_determinism({"XLA_FLAGS": "--xla_gpu_deterministic_ops=true "
+    env = GS.without_determinism({"XLA_FLAGS": "--xla_gpu_deterministic_ops=true "
                                                "--xla_dump_to=/tmp/x"})
     monkeypatch.setenv("XLA_FLAGS", env["XLA_FLAGS"])
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)  # configure() sets it
@@ -265,12 +285,18 @@ def test_census_reaches_the_acceptance_from_a_real_bench_train(tmp_path):
     assert judged["pass"] is False
 
 
-def test_healthy_abft_needs_checks_and_no_flag():
-    """0 false alarms is the requirement; a run that made no check proves nothing."""
-    summary = {"steps_done": 40, "abft/checks": 1800, "abft/flags": 0}
+def test_healthy_abft_needs_100000_checks_and_no_flag():
+    """0 false alarms in at least 100,000 healthy checks is the target: exactly 100,000 with
+    no flag passes; one flag, or one check fewer, fails (270 checks, all the GPU has shown so
+    far, proves no rate anyone can rely on). The planned run makes enough: `small` has 171
+    checked products a step."""
+    summary = {"steps_done": 600, "abft/checks": 100_000, "abft/flags": 0}
     assert GF.judge_healthy_abft(summary)["pass"] is True
     assert GF.judge_healthy_abft({**summary, "abft/flags": 1})["pass"] is False
+    assert GF.judge_healthy_abft({**summary, "abft/checks": 99_999})["pass"] is False
     assert GF.judge_healthy_abft({**summary, "abft/checks": 0})["pass"] is False
+    preset, steps = GC.ABFT_HEALTHY
+    assert preset == "small" and steps * (8 * 7 * 3 + 3) >= GF.ABFT_MIN_CHECKS
 
 
 def test_recall_floor_and_recall_per_error_size():
@@ -367,16 +393,16 @@ def test_missing_preset_is_skipped_with_a_reason():
 
 def test_verdict_tells_failed_from_skipped():
     """FAIL beats INCOMPLETE: a skipped floor is not a met one, and not a missed one."""
-    assert GC.verdict({"a": {"pass": True}, "b": {"pass": True}}) == "PASS"
-    assert GC.verdict({"a": {"pass": True}, "b": {"pass": None}}) == "INCOMPLETE"
-    assert GC.verdict({"a": {"pass": False}, "b": {"pass": None}}) == "FAIL"
+    assert GS.verdict({"a": {"pass": True}, "b": {"pass": True}}) == "PASS"
+    assert GS.verdict({"a": {"pass": True}, "b": {"pass": None}}) == "INCOMPLETE"
+    assert GS.verdict({"a": {"pass": False}, "b": {"pass": None}}) == "FAIL"
 
 
 def test_a_check_that_breaks_fails_alone(tmp_path, monkeypatch):
     """An exception while one check reads its child's files fails that check, with the
     error, and the JSON is written: the one GPU run must still report every other check."""
-    monkeypatch.setattr(GC, "versions", lambda: {})
-    args = SimpleNamespace(out=tmp_path, quick=False, budget=570)
+    monkeypatch.setattr(GS, "versions", lambda: {})
+    args = SimpleNamespace(out=tmp_path, stage="full", budget=540)
     acc = GC.Acceptance(args, sys.executable, {"device_kind": H100}, tmp_path)
 
     def broken():
@@ -384,5 +410,123 @@ def test_a_check_that_breaks_fails_alone(tmp_path, monkeypatch):
 
     result = acc.check("abft_recall_float32", broken)
     assert result == {"pass": False, "error": "KeyError: 'abft/detection'"}
-    saved = json.loads((tmp_path / GC.RESULT).read_text())
+    saved = json.loads((tmp_path / GS.RESULT).read_text())
     assert saved["checks"]["abft_recall_float32"]["pass"] is False
+
+
+# The figures issue 53 added: fake results for each verdict, pass and fail per floor.
+
+def census_figures(gemms, tiles=(), fmha=(24, 24), tokens_per_s=100_000.0) -> dict:
+    return {"tokens_per_s": tokens_per_s,
+            "census": {"gemms": dict(gemms), "triton_tiles": list(tiles),
+                       "attention": {"cudnn_fmha_forward": fmha[0],
+                                     "cudnn_fmha_backward": fmha[1]}}}
+
+
+def test_fused_attention_needs_cudnn_forward_and_backward():
+    """The bfloat16 step must run cuDNN's fused attention both ways; a step that kept the
+    einsum + softmax (no fmha call) or lost the backward fails."""
+    assert GF.judge_fused_attention(census_figures({}, fmha=(12, 12)))["pass"] is True
+    assert GF.judge_fused_attention(census_figures({}, fmha=(0, 0)))["pass"] is False
+    assert GF.judge_fused_attention(census_figures({}, fmha=(12, 0)))["pass"] is False
+    assert GF.judge_fused_attention({"census": None})["pass"] is False
+
+
+TUNED = {"cublas": 10, "triton": 131, "cublaslt": 0}
+UNTUNED = {"cublas": 0, "triton": 0, "cublaslt": 171}
+TILES = [{"block_m": 128, "block_n": 256, "block_k": 64, "count": 40}]
+
+
+@pytest.mark.parametrize("pinned, passes", [
+    (census_figures(TUNED, TILES, tokens_per_s=95_000.0), True),  # honoured, costs 5%
+    (census_figures(UNTUNED, tokens_per_s=71_000.0), False),  # ignored: first candidates
+    (census_figures(TUNED, [{**TILES[0], "block_m": 32}], tokens_per_s=99_000.0), False),
+    (census_figures(TUNED, TILES, tokens_per_s=88_000.0), False),  # honoured, costs 13.6%
+])
+def test_pinned_autotune_honoured_with_the_flags_on(pinned, passes):
+    """Choices dumped without the flags and loaded with them are honoured when the pinned
+    step runs the tuned step's GEMM libraries and Triton tiles, and then costs at most 10%;
+    the untuned step's GEMMs (the flags' first candidates) or other tiles fail."""
+    tuned = census_figures(TUNED, TILES, tokens_per_s=100_000.0)
+    untuned = census_figures(UNTUNED, tokens_per_s=71_000.0)
+    judged = GF.judge_pinned_autotune(tuned, pinned, untuned)
+    assert judged["pass"] is passes
+    assert judged["gemms_untuned"] == UNTUNED
+
+
+def test_torch_ratio_floor():
+    """Ours must reach 1.0x transformers + torch's tokens/s on the same GPU: 1.02x passes,
+    0.97x fails."""
+    torch = {"tokens_per_s": 100_000.0, "attention": "sdpa", "compiled": True}
+    assert GF.judge_torch_ratio({"tokens_per_s": 102_000.0}, torch)["pass"] is True
+    judged = GF.judge_torch_ratio({"tokens_per_s": 97_000.0}, torch)
+    assert judged["pass"] is False and judged["ratio"] == pytest.approx(0.97)
+    assert judged["torch"]["compiled"] is True
+
+
+def golden_meta(reached=132, sms=132, measured=True, share=0.75) -> dict:
+    return {"coverage": {"workload": "full",
+                         "sms": {"measured": measured, "sms": sms, "reached": reached,
+                                 "why": None if measured else "no profiler trace"},
+                         "memory": {"bytes": int(share * 141e9), "device_bytes": int(141e9),
+                                    "share": share}}}
+
+
+@pytest.mark.parametrize("meta, seconds, verdict, failing", [
+    (golden_meta(), 150.0, "PASS", None),
+    (golden_meta(reached=131), 150.0, "PASS", "every_sm"),
+    (golden_meta(measured=False, reached=None), 150.0, "PASS", "every_sm"),
+    (golden_meta(share=0.69), 150.0, "PASS", "memory_ok"),
+    (golden_meta(), 181.0, "PASS", "time_ok"),
+    (golden_meta(), 150.0, "FAIL", "reproducible"),
+    (golden_meta(), 150.0, None, "reproducible"),
+])
+def test_golden_full_targets(meta, seconds, verdict, failing):
+    """golden record --workload full passes with every SM reached (measured: unmeasured is
+    not reached), at least 70% of memory, at most 180 s, and its check PASS; each shortfall
+    alone fails it, named."""
+    judged = GF.judge_golden_full(meta, seconds, verdict)
+    assert judged["pass"] is (failing is None)
+    if failing:
+        assert judged[failing] is False
+
+
+def test_stack_fingerprint_fields():
+    """env.json on a GPU must name the driver, CUDA runtime, cuBLAS, cuDNN and NCCL; one
+    missing fails, naming it."""
+    env = {"platform": "gpu", "gpu_stack": {"driver": "580.159.04", "cuda_runtime": 13000,
+                                            "cublas": 130100, "cudnn": 91400, "nccl": 22803}}
+    assert GF.judge_fingerprint(env)["pass"] is True
+    del env["gpu_stack"]["cudnn"]
+    judged = GF.judge_fingerprint(env)
+    assert judged["pass"] is False and judged["missing"] == ["cudnn"]
+
+
+def test_only_and_stages():
+    """Each stage runs its own checks; --only picks from both, in the stages' order."""
+    def args(**kw):
+        return SimpleNamespace(**{"stage": "full", "only": None, **kw})
+
+    assert GA.checks_to_run(args()) == GA.FULL_CHECKS
+    assert GA.checks_to_run(args(stage="quick")) == GA.QUICK_CHECKS
+    assert GA.checks_to_run(args(only="fingerprint, doctor")) == ("doctor", "fingerprint")
+
+
+def test_the_short_table(tmp_path):
+    """The table names every check with its verdict, seconds and headline figure or reason."""
+    report = {"verdict": "FAIL", "device_kind": H100, "stage": "full", "wall_s": 512.0,
+              "checks": {"bench_1b_bfloat16": {"pass": False, "seconds": 80.2,
+                                               "mfu_against_floor_peak": 0.31},
+                         "torch_ratio": {"pass": None, "skipped": "no time left in --budget",
+                                         "seconds": 0.0}}}
+    text = GS.table(report)
+    assert text.splitlines()[0] == f"gpu acceptance FAIL on {H100} (stage full, 512.0 s)"
+    assert "bench_1b_bfloat16" in text and "FAIL" in text and "mfu_against_floor_peak 0.31" in text
+    assert "SKIPPED" in text and "no time left in --budget" in text
+
+
+def test_the_runs_plan_fits_the_window():
+    """The full stage's planned seconds (docs/gpu.md, H200 estimates) fit its 540 s budget and
+    the quick stage's its 240 s: the two runs and a machine start fit 15 minutes."""
+    assert GA.STAGES == {"full": 540, "quick": 240}
+    assert sum(GA.STAGES.values()) <= 15 * 60 - 120

@@ -148,14 +148,14 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def autotune_options(run_dir: Path, platform: str, dump: bool = True) -> dict:
+def autotune_options(run_dir: Path, platform: str, dump: bool = True) -> dict | None:
     """XLA options for compiling a run's step so that its tuned kernel choices are pinned in
     the run folder (`AUTOTUNE_FILE`, text): the first compile on a GPU dumps them (where
     `dump`: the process that writes the folder), every later one (a resume, another process
     or node given the folder) loads them. Where the folder's env.json names pinned results the
     file must be there with the same SHA-256, else `AutotuneMismatch`: the run would silently
-    pick other kernels. XLA_FLAGS naming a file to load wins (nothing is added); off a GPU
-    nothing is added, as no other compiler reads these options."""
+    pick other kernels. XLA_FLAGS naming a file to load wins (None: nothing to add); off a GPU
+    None, as no other compiler reads these options. Called before anything compiles."""
     pinned = Path(run_dir) / AUTOTUNE_FILE
     named = _recorded_pin(Path(run_dir) / ENV_FILE)
     if named is not None:
@@ -168,10 +168,10 @@ def autotune_options(run_dir: Path, platform: str, dump: bool = True) -> dict:
                 f"{str(pinned)!r} is not the file the run folder's env.json pinned (another "
                 f"SHA-256); copy back the original, or start a new run.")
     if platform != "gpu" or flag_value(os.environ.get("XLA_FLAGS", ""), AUTOTUNE_FLAG):
-        return {}
+        return None
     if pinned.is_file():
         return {AUTOTUNE_FLAG.lstrip("-"): str(pinned)}
-    return {AUTOTUNE_DUMP_FLAG.lstrip("-"): str(pinned)} if dump else {}
+    return {AUTOTUNE_DUMP_FLAG.lstrip("-"): str(pinned)} if dump else None
 
 
 def _recorded_pin(env_file: Path) -> str | None:

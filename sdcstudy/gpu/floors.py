@@ -1,21 +1,23 @@
-"""What experiments/gpu_acceptance.py requires of each check, and how it reads a check's
-output files into figures and a verdict (pure functions on what sdcstudy writes; no JAX).
+"""What `sdcstudy accept-gpu` requires of each check, and how it reads a check's output files
+into figures and a verdict (pure functions on what sdcstudy writes; no JAX). Issue 53's
+targets for one H100 or H200:
 
-The floors are the project's targets for one H100 or H200, each a lower bound on the model
-FLOPs utilization (MFU) of `sdcstudy bench train`:
+| check | target |
+|---|---|
+| bench train medium, 32 x 512, bfloat16 | MFU >= 35% of the dense bfloat16 peak |
+| bench train llama3.2-1b, 8 x 512, bfloat16 | MFU >= 40% of the dense bfloat16 peak |
+| bench train llama3.2-1b, 8 x 512, float32 | MFU >= 35% of the TF32 peak |
+| determinism | the flags, with pinned tuned kernels, cost <= 10% of tokens/s |
+| pinned autotuning | a loaded file is honoured with the determinism flags on |
+| fused attention | cuDNN's fused attention forward and backward in the bfloat16 step |
+| kernel census | no scatter serialized into a `while` loop |
+| torch | ours >= 1.0x transformers + torch (bfloat16, SDPA, torch.compile), tokens/s |
+| ABFT healthy | 0 flags in >= 100,000 checks, float32 and bfloat16 |
+| ABFT recall | >= 90% of products hit by single exponent-bit flips |
+| golden full | every SM, >= 70% of memory, <= 180 s, the check PASSes (bitwise) |
+| stack fingerprint | driver, CUDA runtime, cuBLAS, cuDNN and NCCL in env.json |
 
-| workload | dtype | floor | against the device's dense peak of |
-|---|---|---|---|
-| medium, 32 x 512 tokens | bfloat16 | 35% | bfloat16 tensor cores |
-| llama3.2-1b, 8 x 512 tokens | bfloat16 | 40% | bfloat16 tensor cores |
-| llama3.2-1b, 8 x 512 tokens | float32 | 35% | TF32 tensor cores |
-
-and beside them: the determinism flags cost at most 10% (the same bench train with the flags
-off runs at most 1.10x as many tokens per second); the compiled step serializes no scatter
-into a `while` loop (the kernel census, sdcstudy/bench/census.py); ABFT raises no flag on a
-healthy node; and ABFT catches at least 90% of the products hit by single exponent-bit flips
-(the `exponent-flip` profile; the 2-core CPU caught all 25 in float32 and 27 of 28 in
-bfloat16 on the same run, configs/abft.yaml at 20 steps).
+Each `judge_*` returns a dict with `pass` (True, False) and the figures it read.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ BENCH_FLOORS = {("medium", "bfloat16"): Floor(0.35, "bfloat16"),
                 (ONE_B, "float32"): Floor(0.35, "tf32")}
 DETERMINISM_COST_LIMIT = 0.10  # tokens/s without the flags / with them - 1, at most
 ABFT_RECALL_FLOOR = 0.90
+ABFT_MIN_CHECKS = 100_000  # healthy checks a false-alarm claim needs, per dtype
+TORCH_RATIO_FLOOR = 1.0  # our tokens/s over transformers + torch's, at least
+GOLDEN_MEMORY_FLOOR = 0.70  # share of device memory written and verified, at least
+GOLDEN_SECONDS_LIMIT = 180.0  # golden record --workload full, at most
+# Where env.json's gpu_stack holds each part of the stack fingerprint (core/determinism.py).
+STACK_FIELDS = ("driver", "cuda_runtime", "cublas", "cudnn", "nccl")
 # The exponent-flip profile's sites and the matmul whose output each is (abft.parquet's
 # `matmul`): the attention block's output is the o projection's, the FFN's the down one's.
 SITE_MATMUL = {"fwd/attn": "o", "fwd/ffn": "down"}
@@ -102,12 +110,13 @@ def judge_census(figures: dict) -> dict:
             "while_loops": census["while_loops"]}
 
 
-def judge_healthy_abft(summary: dict) -> dict:
-    """ABFT on a healthy node: every check made, none flagged."""
+def judge_healthy_abft(summary: dict, min_checks: int = ABFT_MIN_CHECKS) -> dict:
+    """ABFT on a healthy node: at least `min_checks` checks made, none flagged (a run that made
+    fewer proves a false-alarm rate no one can rely on)."""
     checks, flags = summary["abft/checks"], summary["abft/flags"]
     return {"steps": summary["steps_done"], "checks": checks, "flags": flags,
-            "false_alarm_rate": flags / checks if checks else None,
-            "pass": checks > 0 and flags == 0}
+            "min_checks": min_checks, "false_alarm_rate": flags / checks if checks else None,
+            "pass": checks >= max(min_checks, 1) and flags == 0}
 
 
 def judge_recall(summary: dict, fault_rows: list[dict], abft_rows: list[dict]) -> dict:
@@ -154,3 +163,73 @@ def recall_by_size(fault_rows: list[dict], abft_rows: list[dict]) -> dict:
     order = finite + [b for b in buckets if b == "non-finite"]
     return {b: {"faults": buckets[b][0], "detected": buckets[b][1],
                 "recall": buckets[b][1] / buckets[b][0]} for b in order}
+
+
+def judge_fused_attention(figures: dict) -> dict:
+    """cuDNN's fused attention in the compiled step, forward and backward (census counts)."""
+    census = figures.get("census")
+    if census is None:
+        return {"pass": False, "note": "bench train wrote no census"}
+    attention = census.get("attention") or {}
+    forward, backward = attention.get("cudnn_fmha_forward", 0), attention.get(
+        "cudnn_fmha_backward", 0)
+    return {"cudnn_fmha_forward": forward, "cudnn_fmha_backward": backward,
+            "pass": forward > 0 and backward > 0}
+
+
+def judge_pinned_autotune(tuned: dict, pinned: dict, untuned: dict | None = None) -> dict:
+    """Whether tuned kernel choices, dumped by a compile without the determinism flags and
+    loaded by one with them, are honoured: the pinned step runs the tuned step's GEMMs
+    (library per GEMM, Triton tiles) and not the untuned ones, and the flags then cost at most
+    DETERMINISM_COST_LIMIT of the tuned step's tokens/s."""
+    tuned_gemms = (tuned.get("census") or {}).get("gemms")
+    pinned_gemms = (pinned.get("census") or {}).get("gemms")
+    same = tuned_gemms is not None and tuned_gemms == pinned_gemms
+    tiles_same = ((tuned.get("census") or {}).get("triton_tiles")
+                  == (pinned.get("census") or {}).get("triton_tiles"))
+    cost = judge_determinism(pinned, tuned)
+    out = {"gemms_tuned": tuned_gemms, "gemms_pinned": pinned_gemms,
+           "gemms_untuned": (untuned or {}).get("census", {}).get("gemms")
+           if untuned else None,
+           "same_gemms_as_tuned": same, "same_triton_tiles_as_tuned": tiles_same,
+           "cost": cost["cost"], "limit": cost["limit"],
+           "tokens_per_s_tuned": tuned["tokens_per_s"], "tokens_per_s_pinned": pinned["tokens_per_s"]}
+    out["pass"] = same and tiles_same and cost["pass"]
+    return out
+
+
+def judge_torch_ratio(ours: dict, torch: dict) -> dict:
+    """Our tokens/s over transformers + torch's on the same GPU, shapes and optimizer."""
+    ratio = ours["tokens_per_s"] / torch["tokens_per_s"]
+    return {"ours_tokens_per_s": ours["tokens_per_s"], "torch_tokens_per_s": torch["tokens_per_s"],
+            "ratio": ratio, "floor": TORCH_RATIO_FLOOR, "torch": {
+                k: torch.get(k) for k in ("attention", "compiled", "dtype", "torch_version")},
+            "pass": ratio >= TORCH_RATIO_FLOOR}
+
+
+def judge_golden_full(meta: dict, record_seconds: float, check_verdict: str | None) -> dict:
+    """golden record --workload full: every SM reached (measured), at least
+    GOLDEN_MEMORY_FLOOR of device memory written and verified, at most GOLDEN_SECONDS_LIMIT
+    to record, and its check PASSes (the same bits a second time)."""
+    coverage = meta.get("coverage") or {}
+    sms, memory = coverage.get("sms") or {}, coverage.get("memory") or {}
+    every_sm = bool(sms.get("measured")) and sms.get("reached") == sms.get("sms")
+    share = memory.get("share")
+    out = {"sms": sms.get("sms"), "sms_reached": sms.get("reached"),
+           "sms_measured": bool(sms.get("measured")), "sms_why": sms.get("why"),
+           "memory_share": share, "memory_floor": GOLDEN_MEMORY_FLOOR,
+           "record_seconds": record_seconds, "seconds_limit": GOLDEN_SECONDS_LIMIT,
+           "check_verdict": check_verdict,
+           "every_sm": every_sm, "memory_ok": share is not None and share >= GOLDEN_MEMORY_FLOOR,
+           "time_ok": record_seconds <= GOLDEN_SECONDS_LIMIT,
+           "reproducible": check_verdict == "PASS"}
+    out["pass"] = all(out[k] for k in ("every_sm", "memory_ok", "time_ok", "reproducible"))
+    return out
+
+
+def judge_fingerprint(env: dict) -> dict:
+    """The stack fingerprint a GPU run's env.json must hold: each of STACK_FIELDS present."""
+    stack = env.get("gpu_stack") or {}
+    missing = [f for f in STACK_FIELDS if stack.get(f) in (None, "")]
+    return {"present": {f: stack[f] for f in STACK_FIELDS if f not in missing},
+            "missing": missing, "platform": env.get("platform"), "pass": not missing}

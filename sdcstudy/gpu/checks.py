@@ -1,0 +1,234 @@
+"""The checks of `sdcstudy accept-gpu`, one method each: every check runs sdcstudy (or the
+torch contender) in a child process (`session.Session`) and reads what the child wrote into
+figures and a verdict (`floors` judges them; `nvidia_smi` reads the device's state).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sdcstudy.gpu import floors as GF
+from sdcstudy.gpu import nvidia_smi as SMI
+from sdcstudy.gpu.session import ROOT, Session, child_env, skipped, with_flags
+from sdcstudy.gpu.session import without_determinism
+
+DTYPES = ("float32", "bfloat16")
+# bench train's workloads: (preset, sequences per step, tokens per sequence, timed steps,
+# repetitions); the 1B model at 8 x 512 fits an 80 GB card in float32.
+MEDIUM = ("medium", 32, 512, 10, 3)
+ONE_B = (GF.ONE_B, 8, 512, 5, 3)
+# ABFT on a healthy node: `small` (8 layers, 7 checked matmuls, forward and two backward
+# checks each, and the head: 170 checks a step) for 600 steps is 102,000 checks per dtype.
+ABFT_HEALTHY = ("small", 600)
+RECALL_PROFILE = "exponent-flip"
+RECALL_STEPS = 20
+ABFT_RULES = ("rounding", "paper", "paper-dtype")  # abft/tables.py HOST_THRESHOLDS
+AUTOTUNE_FILE = "autotune_medium_bfloat16.txt"  # text: XLA writes text for a .txt name
+
+
+def preset_problem(name: str) -> str | None:
+    """None when the model preset exists (built in or configs/models/NAME.yaml), else why
+    its check is skipped."""
+    from sdcstudy.core.presets import PRESETS
+
+    if name in PRESETS or (ROOT / "configs" / "models" / f"{name}.yaml").is_file():
+        return None
+    return (f"the model preset {name} is not defined (sdcstudy/core/presets.py, "
+            f"configs/models/), so its floor was not measured")
+
+
+class Acceptance(Session):
+    """The checks; `acceptance.run_stage` calls them in their order."""
+
+    def doctor(self) -> dict:
+        path = self.work / "doctor.json"
+        run = self.sdcstudy("doctor", ["doctor", "--json", path], cap=240)
+        if "skipped" in run:
+            return run
+        out = {"pass": run["exit_code"] == 0, **run}
+        if path.exists():
+            d = json.loads(path.read_text())
+            out.update(verdict=d["verdict"], problems=d["problems"], steps=d["steps"],
+                       compiled_step_sha256=d["env"]["compiled_step_sha256"],
+                       param_digest=d["param_digest"], xla_flags=d["env"]["xla_flags"])
+        return out
+
+    def bench(self, name: str, workload: tuple, dtype: str, cap: float,
+              env: dict | None = None, floor: GF.Floor | None = None) -> dict:
+        """bench train of one workload (our step alone), its figures and census, judged by
+        `floor` (None: MFU measured is enough)."""
+        preset, batch, seq_len, steps, repeats = workload
+        path, hlo = self.work / f"{name}.json", self.work / "hlo" / name
+        run = self.sdcstudy(name, [
+            "bench", "train", "--no-torch", "--presets", preset, "--batch", batch,
+            "--seq-len", seq_len, "--steps", steps, "--repeats", repeats,
+            "--set", f"model.dtype={dtype}", "--json", path, "--hlo", hlo], cap=cap, env=env,
+            sample=self.work / f"{name}.samples.csv")
+        if "skipped" in run:
+            return run
+        out = {"pass": False, **run, "dtype": dtype,
+               "device_during": SMI.samples_summary(_read(self.work / f"{name}.samples.csv"))}
+        if not self.ran(run, path):
+            return out
+        self.pack_hlo()
+        report = json.loads(path.read_text())
+        out.update(GF.bench_figures(report),
+                   xla_flags=report.get("environment", {}).get("xla_flags"))
+        out.update(GF.judge_bench(out, floor, self.report["device_kind"]))
+        return out
+
+    def autotune_path(self) -> Path:
+        return self.work / AUTOTUNE_FILE
+
+    def bench_tuned(self) -> dict:
+        """medium bfloat16 without the determinism flags, XLA's autotuner free, its choices
+        dumped to a file (`--xla_gpu_dump_autotune_results_to`)."""
+        from sdcstudy.core.determinism import AUTOTUNE_DUMP_FLAG
+
+        env = with_flags(without_determinism(child_env()),
+                         f"{AUTOTUNE_DUMP_FLAG}={self.autotune_path()}")
+        out = self.bench("bench_medium_bfloat16_tuned", MEDIUM, "bfloat16", cap=200, env=env)
+        if out.get("pass") is not None and "tokens_per_s" in out:
+            out["pass"] = self.autotune_path().is_file()
+            out["autotune_file_bytes"] = (self.autotune_path().stat().st_size
+                                          if out["pass"] else None)
+        return out
+
+    def bench_pinned(self) -> dict:
+        """medium bfloat16 with the determinism flags and the tuned choices loaded
+        (`--xla_gpu_load_autotune_results_from`): the step this project would ship; judged by
+        the medium bfloat16 MFU floor."""
+        from sdcstudy.core.determinism import AUTOTUNE_FLAG
+
+        if not self.autotune_path().is_file():
+            return skipped("the tuned run dumped no autotuning results")
+        env = with_flags(child_env(), f"{AUTOTUNE_FLAG}={self.autotune_path()}")
+        return self.bench("bench_medium_bfloat16_pinned", MEDIUM, "bfloat16", cap=200, env=env,
+                          floor=GF.BENCH_FLOORS["medium", "bfloat16"])
+
+    def bench_untuned(self) -> dict:
+        """medium bfloat16 with the determinism flags and nothing loaded: today's step."""
+        return self.bench("bench_medium_bfloat16_untuned", MEDIUM, "bfloat16", cap=200)
+
+    def pinned_autotune(self, tuned: dict, pinned: dict, untuned: dict) -> dict:
+        if "tokens_per_s" not in tuned or "tokens_per_s" not in pinned:
+            return skipped("the tuned or the pinned bench train measured nothing")
+        return GF.judge_pinned_autotune(tuned, pinned, untuned)
+
+    def determinism_cost(self, tuned: dict, pinned: dict, untuned: dict) -> dict:
+        """The flags' cost against the free-running tuned step: judged with the pinned
+        choices loaded; the untuned step's cost recorded beside it."""
+        if "tokens_per_s" not in tuned or "tokens_per_s" not in pinned:
+            return skipped("the tuned or the pinned bench train measured nothing")
+        out = GF.judge_determinism(pinned, tuned)
+        if "tokens_per_s" in untuned:
+            out["cost_untuned"] = GF.judge_determinism(untuned, tuned)["cost"]
+        return out
+
+    def torch_ratio(self, ours: dict) -> dict:
+        """transformers + torch on the same GPU and shapes, against our pinned step."""
+        if "tokens_per_s" not in ours:
+            return skipped("our medium bfloat16 step measured nothing")
+        preset, batch, seq_len, steps, repeats = MEDIUM
+        path = self.work / "torch_medium_bfloat16.json"
+        env = {**child_env(), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        run = self.child("torch medium bfloat16", [
+            "-m", "sdcstudy.gpu.torch_step", "--preset", preset, "--batch", batch,
+            "--seq-len", seq_len, "--steps", steps, "--repeats", repeats,
+            "--dtype", "bfloat16", "--json", path], cap=240, env=env)
+        if "skipped" in run:
+            return run
+        if not self.ran(run, path):
+            return {"pass": False, **run}
+        return {**run, **GF.judge_torch_ratio(ours, json.loads(path.read_text()))}
+
+    def abft(self, dtype: str, profile: str, steps: int, preset: str = "tiny") -> tuple:
+        """One `sdcstudy run configs/abft.yaml` under the rounding bound: (run, its folder)."""
+        folder = self.work / f"abft-{profile}-{preset}-{dtype}"
+        run = self.sdcstudy(f"abft {profile} {preset} {dtype}", [
+            "run", "configs/abft.yaml", "--out", folder, "--no-progress",
+            "--set", f"suspect.profile={profile}", "--set", f"model.dtype={dtype}",
+            "--set", f"model.preset={preset}", "--set", "abft.threshold=rounding",
+            "--set", f"experiment.steps={steps}"], cap=150)
+        return run, folder if self.ran(run, folder / "summary.json") else None
+
+    def abft_healthy(self, dtype: str) -> dict:
+        preset, steps = ABFT_HEALTHY
+        run, folder = self.abft(dtype, "healthy", steps, preset)
+        if "skipped" in run or folder is None:
+            return run if "skipped" in run else {"pass": False, **run}
+        summary = json.loads((folder / "summary.json").read_text())
+        return {**run, "dtype": dtype, "preset": preset, "device_rule": "rounding",
+                **GF.judge_healthy_abft(summary), "rules": host_rule_rates(folder)}
+
+    def abft_recall(self, dtype: str) -> dict:
+        run, folder = self.abft(dtype, RECALL_PROFILE, RECALL_STEPS)
+        if "skipped" in run or folder is None:
+            return run if "skipped" in run else {"pass": False, **run}
+        summary = json.loads((folder / "summary.json").read_text())
+        return {**run, "dtype": dtype, "profile": RECALL_PROFILE,
+                **GF.judge_recall(summary, _records(folder / "faults.parquet"),
+                                  _records(folder / "abft.parquet"))}
+
+    def golden_full(self) -> dict:
+        """golden record --workload full, then golden check of it once: coverage, seconds,
+        bitwise reproducibility."""
+        folder, path = self.work / "golden-full", self.work / "golden_full_check.json"
+        rec = self.sdcstudy("golden record full", ["golden", "record", "--workload", "full",
+                                                   "--out", folder, "--no-progress"], cap=240)
+        if "skipped" in rec:
+            return rec
+        if not self.ran(rec, folder / "golden.json"):
+            return {"pass": False, "record": rec, "seconds": rec["seconds"]}
+        chk = self.sdcstudy("golden check full", ["golden", "check", folder, "--repeat", 1,
+                                                  "--json", path, "--no-progress"], cap=240)
+        check_verdict = json.loads(path.read_text())["verdict"] if path.exists() else None
+        meta = json.loads((folder / "golden.json").read_text())
+        return {"record": rec, "check": chk,
+                "seconds": round(rec["seconds"] + chk.get("seconds", 0), 1),
+                **GF.judge_golden_full(meta, rec["seconds"], check_verdict)}
+
+    def fingerprint(self) -> dict:
+        """The stack fingerprint in env.json of the golden record (or the doctor's run)."""
+        for env_file in (self.work / "golden-full" / "env.json",):
+            if env_file.exists():
+                return {"env_file": str(env_file), **GF.judge_fingerprint(
+                    json.loads(env_file.read_text()))}
+        doctor = self.work / "doctor.json"
+        if doctor.exists():
+            return {"env_file": str(doctor), **GF.judge_fingerprint(
+                json.loads(doctor.read_text())["env"])}
+        return skipped("neither the golden record nor the doctor wrote an env.json")
+
+    def device_health(self, before: dict, after: dict) -> dict:
+        if "error" in before or "error" in after:
+            return {"pass": False, "note": before.get("error") or after.get("error")}
+        return {"pass": not SMI.ecc_problems(before, after),
+                "problems": SMI.ecc_problems(before, after),
+                "clock_event_reasons_during_us": SMI.counters_during(before, after)}
+
+
+def host_rule_rates(folder: Path) -> dict:
+    """Flagged checks over all checks under each rule, from the recorded residuals."""
+    from sdcstudy.abft.tables import host_flags
+    from sdcstudy.core.runfolder import read_table
+
+    frame = read_table(folder / "abft.parquet")
+    out = {}
+    for rule in ABFT_RULES:
+        flags = int(host_flags(frame, rule).sum())
+        out[rule] = {"flags": flags, "checks": len(frame),
+                     "false_alarm_rate": flags / len(frame) if len(frame) else None}
+    return out
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def _records(path: Path) -> list[dict]:
+    """A run folder's table as rows ([] when the run wrote none)."""
+    from sdcstudy.core.runfolder import read_table
+
+    return read_table(path).to_dict("records") if path.exists() else []
