@@ -51,8 +51,10 @@ PASS_REPORT = {"verdict": "PASS", "exit_code": 0,
 REPORTS = {0: PASS_REPORT, 1: FAIL_REPORT, 2: INCONCLUSIVE_REPORT}
 
 FAKE_SDCSTUDY = f"""#!/bin/bash
-# Records its arguments, copies $FAKE_REPORT to the --json path, exits $FAKE_RC.
+# Records its arguments, copies $FAKE_REPORT to the --json path, says $FAKE_STDERR on stderr,
+# exits $FAKE_RC.
 {{ printf '%s{SEP}' "$@"; echo; }} >> "$FAKE_LOG/sdcstudy.calls"
+if [ -n "${{FAKE_STDERR:-}}" ]; then echo "$FAKE_STDERR" >&2; fi
 json=""
 while [ $# -gt 0 ]; do
     if [ "$1" = --json ]; then json=$2; shift; fi
@@ -259,25 +261,75 @@ def test_refused_record_drains_with_its_sentence(fakes, reader):
         "sdcstudy golden INCONCLUSIVE: golden record: " + REFUSED["reason"])]
 
 
-def test_timeout_is_inconclusive(fakes):
-    """A check that hangs is stopped by SDC_TIMEOUT (exit 124) and is INCONCLUSIVE, not FAIL."""
-    result = run_slurm(fakes, 0, FAKE_SLEEP="20", SDC_TIMEOUT="0.3")
-    assert result.returncode == 0
-    assert fakes.calls("scontrol") == []
-    assert any("INCONCLUSIVE (exit 124)" in c[-1] for c in fakes.calls("logger"))
-    result = run_slurm(fakes, 0, FAKE_SLEEP="20", SDC_TIMEOUT="0.3",
+def alerts(fakes: Fakes) -> list[str]:
+    """The messages logged at syslog priority alert (the script's ERROR)."""
+    return [c[-1] for c in fakes.calls("logger") if c[2:4] == ["-p", "user.alert"]]
+
+
+def test_timeout_is_an_error_and_never_drains(fakes):
+    """A check that hangs is stopped by SDC_TIMEOUT (exit 124): it could not run, which says
+    nothing about the hardware, so it alerts and never drains, even with the drain switch."""
+    for drain in ("0", "1"):
+        result = run_slurm(fakes, 0, FAKE_SLEEP="20", SDC_TIMEOUT="0.3",
+                           SDC_DRAIN_ON_INCONCLUSIVE=drain)
+        assert result.returncode == 0
+        assert fakes.calls("scontrol") == []
+        assert "the check did not finish within 0.3 s" in alerts(fakes)[-1]
+        assert "ERROR (exit 124" in alerts(fakes)[-1]
+
+
+def test_missing_command_is_an_error_and_never_drains(fakes):
+    """A broken install (exit 127) is ERROR, not FAIL: an alert, never a drain."""
+    result = run_slurm(fakes, 0, SDC_CMD=str(fakes.root / "not-installed"),
                        SDC_DRAIN_ON_INCONCLUSIVE="1")
-    assert result.returncode == 2
-    assert fakes.calls("scontrol") == [drain_call(
-        "sdcstudy golden INCONCLUSIVE: the check did not finish within 0.3 s")]
-
-
-def test_missing_command_is_inconclusive(fakes):
-    """A broken install (exit 127) is INCONCLUSIVE, not FAIL: it must not drain by default."""
-    result = run_slurm(fakes, 0, SDC_CMD=str(fakes.root / "not-installed"))
     assert result.returncode == 0
     assert fakes.calls("scontrol") == []
-    assert any("INCONCLUSIVE (exit 127)" in c[-1] for c in fakes.calls("logger"))
+    assert any("ERROR (exit 127" in message for message in alerts(fakes))
+
+
+CRASH = ("sdcstudy: error: could not run: RuntimeError: Unable to initialize backend 'cuda' (a "
+         "bug or a broken environment, not a verdict on the hardware; set SDCSTUDY_TRACEBACK=1 "
+         "for the traceback)")
+
+
+@pytest.mark.parametrize("rc", [3, 130, 137, 143, 42])
+def test_a_check_that_could_not_run_never_drains(fakes, rc):
+    """Exit 3 (could not run or could not report: a backend that does not start, a report that
+    cannot be written, a crash), a signal or any other code is ERROR: one alert naming the
+    check's own sentence and sent to SDC_ALERT_CMD, the node left as it is, exit 0 (a prolog's
+    non-zero exit would make slurmd drain it), even with SDC_DRAIN_ON_INCONCLUSIVE=1."""
+    fakes.write("page", f"#!/bin/sh\nprintf '%s' \"$1\" > {fakes.root}/paged\n")
+    result = run_slurm(fakes, rc, report=None, FAKE_STDERR=CRASH, SDC_DRAIN_ON_INCONCLUSIVE="1",
+                       SDC_ALERT_CMD=str(fakes.bin / "page"))
+    assert result.returncode == 0, result.stderr
+    assert fakes.calls("scontrol") == []
+    [message] = alerts(fakes)
+    assert f"{NODE} golden check ERROR (exit {rc}, could not run or report)" in message
+    if rc in (130, 143):
+        assert "the check was interrupted" in message
+    elif rc == 137:
+        assert "the check was killed" in message
+    else:
+        assert CRASH[len("sdcstudy: error: "):][:200] in message
+    assert (fakes.root / "paged").read_text() == message
+
+
+def test_expect_sha_is_passed_from_the_setting_or_the_file(fakes):
+    """SDC_EXPECT_SHA, else the file SDC_EXPECT_SHA_FILE, becomes --expect-sha; with neither the
+    check runs without it and a warning is logged; quorum has no record and takes none."""
+    sha = "ab" * 32
+    run_slurm(fakes, 0, SDC_EXPECT_SHA=sha)
+    sha_file = fakes.root / "golden-sha256"
+    sha_file.write_text(("cd" * 32) + "\n")
+    run_slurm(fakes, 0, SDC_EXPECT_SHA_FILE=str(sha_file))
+    run_slurm(fakes, 0, SDC_EXPECT_SHA_FILE=str(fakes.root / "none"))
+    run_slurm(fakes, 0, SDC_MODE="quorum", SDC_EXPECT_SHA=sha)
+    calls = fakes.calls("sdcstudy")
+    assert calls[0][:5] == ["golden", "check", str(fakes.root / "golden"), "--expect-sha", sha]
+    assert calls[1][3:5] == ["--expect-sha", "cd" * 32]
+    assert "--expect-sha" not in calls[2] and "--expect-sha" not in calls[3]
+    warnings = [c[-1] for c in fakes.calls("logger") if c[2:4] == ["-p", "user.warning"]]
+    assert len(warnings) == 1 and "no SDC_EXPECT_SHA" in warnings[0]
 
 
 def test_golden_folder_from_the_stack_id(fakes):
@@ -288,11 +340,12 @@ def test_golden_folder_from_the_stack_id(fakes):
     run_slurm(fakes, 0, SDC_GOLDEN="", SDC_GOLDEN_ROOT="/shared/goldens",
               SDC_STACK_ID_FILE=str(stack_id))
     assert fakes.calls("sdcstudy")[0][2] == "/shared/goldens/h100-cuda12-jax0.10.2"
+    # No stack id: the check could not run (ERROR), which never drains.
     result = run_slurm(fakes, 0, SDC_GOLDEN="", SDC_STACK_ID_FILE=str(fakes.root / "none"),
                        SDC_DRAIN_ON_INCONCLUSIVE="1")
-    assert result.returncode == 2 and len(fakes.calls("sdcstudy")) == 1
-    assert fakes.calls("scontrol")[0][3].startswith("Reason=sdcstudy golden INCONCLUSIVE: no "
-                                                    "golden record")
+    assert result.returncode == 0 and len(fakes.calls("sdcstudy")) == 1
+    assert fakes.calls("scontrol") == []
+    assert "ERROR (exit 3, could not run or report): no golden record" in alerts(fakes)[0]
 
 
 def test_quorum_mode_and_config_file(fakes):
@@ -375,6 +428,35 @@ def test_daemonset_pass_keeps_other_taints(fakes):
     assert kubernetes_actions(fakes) == {"sdcstudy.io/golden=pass"}
 
 
+def test_daemonset_could_not_run_labels_error_and_never_taints(fakes):
+    """Exit 3 (could not run or report) is no verdict on the hardware: the node is labelled
+    error (something to alert on) with the check's sentence as the reason, never tainted."""
+    run_daemonset(fakes, 3, FAKE_STDERR=CRASH)
+    calls = fakes.calls("kubectl")
+    assert kubernetes_actions(fakes) == {"sdcstudy.io/golden=error"}
+    (annotate,) = [c for c in calls if c[0] == "annotate"]
+    assert "sdcstudy.io/golden-exit-code=3" in annotate
+    assert f"sdcstudy.io/golden-reason={CRASH[len('sdcstudy: error: '):][:200]}" in annotate
+
+
+@pytest.mark.parametrize("manifest", ["daemonset.yaml", "job.yaml"])
+def test_manifests_pass_the_expected_sha(fakes, manifest):
+    """SDC_EXPECT_SHA in the check container's env becomes --expect-sha; empty, none."""
+    container = manifest_container(manifest, "golden-check")
+    assert container_env(container)["SDC_EXPECT_SHA"] == ""  # a placeholder to fill in
+    sha = "ef" * 32
+    for value in (sha, ""):
+        env = {**container_env(container), "STATUS_DIR": str(fakes.root / "status"),
+               "REPORT_DIR": str(fakes.root), **fakes.env(0, PASS_REPORT),
+               "SDC_EXPECT_SHA": value}
+        subprocess.run(["sh", "-c", container["args"][0]], env=env, capture_output=True,
+                       text=True, timeout=30)
+    with_sha, without = fakes.calls("sdcstudy")
+    assert with_sha[:5] == ["golden", "check", container_env(container)["GOLDEN_DIR"],
+                            "--expect-sha", sha]
+    assert "--expect-sha" not in without
+
+
 def test_daemonset_check_arguments(fakes):
     """The DaemonSet runs golden check on every device against GOLDEN_DIR, report in STATUS_DIR."""
     run_daemonset(fakes, 0)
@@ -385,10 +467,11 @@ def test_daemonset_check_arguments(fakes):
 
 
 def test_job_exit_code_is_the_checks(fakes):
-    """The Job's container exits with the check's code, so the Job fails on FAIL/INCONCLUSIVE."""
+    """The Job's container exits with the check's code, so the Job fails on FAIL, INCONCLUSIVE
+    and ERROR (3: could not run or report), each told apart by its exit code."""
     container = manifest_container("job.yaml", "golden-check")
-    for rc in (0, 1, 2):
-        env = {**container_env(container), **fakes.env(rc, REPORTS[rc]),
+    for rc in (0, 1, 2, 3):
+        env = {**container_env(container), **fakes.env(rc, REPORTS.get(rc)),
                "REPORT_DIR": str(fakes.root)}
         result = subprocess.run(["sh", "-c", container["args"][0]], env=env,
                                 capture_output=True, text=True, timeout=30)
@@ -425,12 +508,13 @@ def scenario(row: dict[str, str]) -> tuple[int, dict[str, str]]:
 
 
 def test_readme_table_covers_every_case():
-    """The table has a row for PASS, FAIL, INCONCLUSIVE (with and without the drain switch),
-    a timeout and a missing command, so the two tests below run every case."""
+    """The table has a row for PASS, FAIL, INCONCLUSIVE and could-not-run (3, with and without
+    the drain switch), a timeout, a missing command and a signal, so the two tests below run
+    every case."""
     cases = {scenario(row)[0] for row in readme_table()}
-    drain_on_inconclusive = [row for row in readme_table()
-                             if "SDC_DRAIN_ON_INCONCLUSIVE=1" in row["check exit"]]
-    assert cases >= {0, 1, 2, 124, 127} and drain_on_inconclusive
+    drain_switch = {scenario(row)[0] for row in readme_table()
+                    if "SDC_DRAIN_ON_INCONCLUSIVE=1" in row["check exit"]}
+    assert cases >= {0, 1, 2, 3, 124, 127, 143} and drain_switch >= {2, 3}
 
 
 @pytest.mark.parametrize("row", readme_table(), ids=lambda row: row["check exit"])
@@ -442,7 +526,7 @@ def test_readme_row_is_what_the_slurm_script_does(tmp_path, row):
         settings["SDC_CMD"] = str(tmp_path / "not-installed")
     result = run_slurm(fakes, rc, **settings)
     drained = fakes.calls("scontrol")
-    action = "drain" if drained else "log"
+    action = "drain" if drained else "alert" if alerts(fakes) else "log"
     assert action == row["Slurm script"], (row, drained)
     assert str(result.returncode) == row["script exit"]
     said = drained[0][3] if drained else " ".join(c[-1] for c in fakes.calls("logger"))

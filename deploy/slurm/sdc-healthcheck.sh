@@ -1,13 +1,16 @@
 #!/bin/bash
 # sdc-healthcheck.sh: admit or drain this Slurm node by its sdcstudy golden check.
 #
-# Runs `sdcstudy golden check GOLDEN --device all --json REPORT` (every local accelerator
-# against the golden record of this node's software stack) and acts on its exit code, as the
-# table in `decide` below and in deploy/README.md says: 0 PASS is logged; 1 FAIL drains the
-# node with the first difference as the reason and exits 1; anything else (2 INCONCLUSIVE,
-# 124 timeout, 126/127 command not runnable, a crash) is logged only, or drains the node too
-# when SDC_DRAIN_ON_INCONCLUSIVE=1. The script never resumes a node: a node that failed once
-# may have a mercurial core, so a person runs `scontrol update NodeName=... State=RESUME`.
+# Runs `sdcstudy golden check GOLDEN --expect-sha SHA --device all --json REPORT` (every local
+# accelerator against the golden record of this node's software stack, refused unless it is
+# the record whose manifest SHA-256 the fleet kept) and acts on its exit code, as the table in
+# `decide` below and in deploy/README.md says: 0 PASS is logged; 1 FAIL (bits were compared and
+# differ) drains the node with the first difference as the reason and exits 1; 2 INCONCLUSIVE
+# is logged, or drains the node too when SDC_DRAIN_ON_INCONCLUSIVE=1; anything else is ERROR,
+# the check could not run or could not report (3, 124 timeout, 126/127 command not runnable,
+# 130/143 interrupted, 137 killed, a crash): logged as an alert and sent to SDC_ALERT_CMD,
+# never a drain, exit 0. The script never resumes a node: a node that failed once may have a
+# mercurial core, so a person runs `scontrol update NodeName=... State=RESUME`.
 #
 # Install as `Prolog=` (before every job; a non-zero exit keeps the job off this node) or as
 # `HealthCheckProgram=` (every HealthCheckInterval seconds; slurmd kills it after 60 s, so set
@@ -23,12 +26,19 @@
 #   SDC_GOLDEN         golden record folder (default $SDC_GOLDEN_ROOT/<stack id>)
 #   SDC_GOLDEN_ROOT    where the golden folders live (default /shared/goldens)
 #   SDC_STACK_ID_FILE  holds this node's stack id (default /etc/sdcstudy/stack-id)
+#   SDC_EXPECT_SHA     the record's manifest SHA-256 that `golden record` printed, passed as
+#                      --expect-sha (default: the contents of SDC_EXPECT_SHA_FILE)
+#   SDC_EXPECT_SHA_FILE  holds it, beside the stack id where the golden folder's writers
+#                      cannot change it (default /etc/sdcstudy/golden-sha256)
 #   SDC_QUORUM_CONFIG  with SDC_MODE=quorum: the workload config (default: the built-in one)
 #   SDC_REPORT_DIR     JSON, JUnit and log of each check (default /var/log/sdcstudy)
 #   SDC_TIMEOUT        seconds before the check is stopped and counted INCONCLUSIVE
 #                      (default 600; 0 = no limit)
 #   SDC_EXTRA_ARGS     more arguments for the check, split on spaces (e.g. "--repeat 3")
-#   SDC_DRAIN_ON_INCONCLUSIVE  1 = drain on INCONCLUSIVE too (default 0)
+#   SDC_DRAIN_ON_INCONCLUSIVE  1 = drain on INCONCLUSIVE (exit 2) too (default 0); never on
+#                      ERROR
+#   SDC_ALERT_CMD      run on ERROR with one argument, the message, split on spaces like
+#                      SDC_CMD (e.g. a pager script); default none (syslog priority alert)
 #   SDC_NODE           Slurm node name (default $SLURMD_NODENAME, else `hostname -s`)
 set -u
 
@@ -41,11 +51,14 @@ SDC_MODE=${SDC_MODE:-check}
 SDC_GOLDEN=${SDC_GOLDEN:-}
 SDC_GOLDEN_ROOT=${SDC_GOLDEN_ROOT:-/shared/goldens}
 SDC_STACK_ID_FILE=${SDC_STACK_ID_FILE:-/etc/sdcstudy/stack-id}
+SDC_EXPECT_SHA=${SDC_EXPECT_SHA:-}
+SDC_EXPECT_SHA_FILE=${SDC_EXPECT_SHA_FILE:-/etc/sdcstudy/golden-sha256}
 SDC_QUORUM_CONFIG=${SDC_QUORUM_CONFIG:-}
 SDC_REPORT_DIR=${SDC_REPORT_DIR:-/var/log/sdcstudy}
 SDC_TIMEOUT=${SDC_TIMEOUT:-600}
 SDC_EXTRA_ARGS=${SDC_EXTRA_ARGS:-}
 SDC_DRAIN_ON_INCONCLUSIVE=${SDC_DRAIN_ON_INCONCLUSIVE:-0}
+SDC_ALERT_CMD=${SDC_ALERT_CMD:-}
 NODE=${SDC_NODE:-${SLURMD_NODENAME:-$(hostname -s)}}
 
 TAG=sdcstudy-golden
@@ -101,6 +114,15 @@ EOF
     printf '%s' "${text:0:200}"
 }
 
+alert() {  # MESSAGE: the check could not run or report; never a drain
+    log alert "$1"
+    if [ -n "$SDC_ALERT_CMD" ]; then
+        local alert_cmd
+        read -r -a alert_cmd <<<"$SDC_ALERT_CMD"
+        "${alert_cmd[@]}" "$1" || log err "SDC_ALERT_CMD '$SDC_ALERT_CMD' failed (exit $?)"
+    fi
+}
+
 drain() {  # REASON
     log err "draining $NODE: $1"
     if ! scontrol update NodeName="$NODE" State=DRAIN Reason="$1"; then
@@ -131,7 +153,16 @@ case "$SDC_MODE" in
                 why="no golden record: SDC_GOLDEN is unset and $SDC_STACK_ID_FILE is unreadable"
             fi
         fi
-        args=(golden check "$SDC_GOLDEN") ;;
+        if [ -z "$SDC_EXPECT_SHA" ] && [ -r "$SDC_EXPECT_SHA_FILE" ]; then
+            SDC_EXPECT_SHA=$(tr -d '[:space:]' <"$SDC_EXPECT_SHA_FILE")
+        fi
+        args=(golden check "$SDC_GOLDEN")
+        if [ -n "$SDC_EXPECT_SHA" ]; then
+            args+=(--expect-sha "$SDC_EXPECT_SHA")
+        else
+            log warning "no SDC_EXPECT_SHA and no $SDC_EXPECT_SHA_FILE: a golden folder that \
+was swapped or sealed again would not be noticed"
+        fi ;;
     quorum)
         args=(golden quorum ${SDC_QUORUM_CONFIG:+"$SDC_QUORUM_CONFIG"}) ;;
     *)
@@ -139,7 +170,7 @@ case "$SDC_MODE" in
 esac
 
 if [ -n "$why" ]; then
-    rc=2
+    rc=3   # could not run: no verdict on the hardware
 else
     log info "checking $NODE: ${sdc_cmd[*]} ${args[*]} --device all (report $REPORT)"
     # ${a[@]+"${a[@]}"}: an empty array under set -u, also in bash before 4.4 (RHEL 7).
@@ -151,11 +182,14 @@ fi
 # --- decide: the check's exit code -> verdict, action, this script's exit code -----------------
 # Keep deploy/README.md's table in step with this one (tests/test_deploy.py compares them).
 
+# Only 1 (bits compared and different) drains, and 2 when asked: a check that could not run
+# or report (3, a timeout, a crash, a signal) says nothing about the hardware.
 case "$rc:$SDC_DRAIN_ON_INCONCLUSIVE" in
     0:*) verdict=PASS;         action=log;   status=0 ;;
     1:*) verdict=FAIL;         action=drain; status=1 ;;
-    *:1) verdict=INCONCLUSIVE; action=drain; status=2 ;;
-    *)   verdict=INCONCLUSIVE; action=log;   status=0 ;;
+    2:1) verdict=INCONCLUSIVE; action=drain; status=2 ;;
+    2:*) verdict=INCONCLUSIVE; action=log;   status=0 ;;
+    *)   verdict=ERROR;        action=alert; status=0 ;;
 esac
 
 if [ -z "$why" ]; then
@@ -164,13 +198,21 @@ if [ -z "$why" ]; then
         124)     why="the check did not finish within $SDC_TIMEOUT s" ;;
         137)     why="the check was killed (timeout or out of memory; see $base.log)" ;;
         126|127) why="could not run '${sdc_cmd[*]}' (exit $rc)" ;;
-        *)       why=$(describe "$verdict")
+        130|143) why="the check was interrupted (exit $rc, see $base.log)" ;;
+        1|2)     why=$(describe "$verdict")
                  [ -n "$why" ] || why="exit $rc, no readable report (see $base.log)" ;;
+        *)       # the check's one sentence, the last error line of its log
+                 why=$(grep '^sdcstudy: error: ' "$base.log" 2>/dev/null | tail -n 1 \
+                       | cut -c 18-300)
+                 [ -n "$why" ] || why="exit $rc (see $base.log)" ;;
     esac
 fi
 
 if [ "$action" = drain ]; then
     drain "sdcstudy golden $verdict: $why"
+elif [ "$action" = alert ]; then
+    alert "$NODE golden check ERROR (exit $rc, could not run or report): $why; node left as \
+it is ($base.log)"
 elif [ "$verdict" = PASS ]; then
     log info "$NODE PASS: $why ($REPORT)"
 else
