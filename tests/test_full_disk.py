@@ -3,9 +3,9 @@
 On a real filesystem that is full (a small tmpfs, mounted where the test may: as root with a
 working `mount`; skipped with the reason elsewhere), orbax's background save fails with the
 writes of the other arrays still under way. If a test here fails, those writes' errors came
-out as "never retrieved" tracebacks at exit, or the run did not end with exit 1 and the one
-sentence naming its last good checkpoint and the --resume command, or that command did not
-finish the run once room was made.
+out as "never retrieved" tracebacks at exit, or the run did not end with exit 3 (could not run,
+core/errors.py; never 1, a FAIL verdict) and the one sentence naming its last good checkpoint
+and the --resume command, or that command did not finish the run once room was made.
 
 Every subprocess has a deadline; the tmpfs is unmounted whatever happens.
 """
@@ -64,13 +64,13 @@ def _sdcstudy(*args) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_full_disk_ends_with_one_sentence_and_resume_completes(full_disk):
-    """Checkpoint 10 fits, 20 does not: exit 1 and the one sentence alone on stderr (no
+    """Checkpoint 10 fits, 20 does not: exit 3 and the one sentence alone on stderr (no
     traceback of orbax's unfinished writes); once the ballast is deleted, the printed command
     runs steps 11-30 and leaves checkpoints 20 and 30, with no temporary folder of the failed
     save."""
     out = full_disk / "run"
     failed = _sdcstudy("run", *RUN, "--out", str(out))
-    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert failed.returncode == 3, failed.stderr[-3000:]
     assert "Traceback" not in failed.stderr, failed.stderr[-3000:]
     assert "never retrieved" not in failed.stderr, failed.stderr[-3000:]
     [sentence] = failed.stderr.splitlines()

@@ -248,7 +248,7 @@ def test_a_killed_run_does_not_block_its_resume(group, tmp_path):
 @pytest.mark.parametrize("where", ["checkpoint", "table"])
 def test_a_failed_write_ends_with_one_sentence_and_resume_completes(where, tmp_path,
                                                                    monkeypatch, capsys):
-    # A full disk at step 4: the run ends with exit 1 and one sentence naming the folder, the
+    # A full disk at step 4: the run ends with exit 3 and one sentence naming the folder, the
     # last good checkpoint (2) and the --resume command; the resumed run logs every step once.
     config = tmp_path / "c.yaml"
     config.write_text("experiment: {steps: 6, batch_size: 2, checkpoint_every: 2}\n"
@@ -276,7 +276,7 @@ def test_a_failed_write_ends_with_one_sentence_and_resume_completes(where, tmp_p
 
         monkeypatch.setattr(RF.TableLog, "flush", failing_flush)
     capsys.readouterr()
-    assert cli.main(["run", str(config), "--out", str(out), "--no-progress"]) == 1
+    assert cli.main(["run", str(config), "--out", str(out), "--no-progress"]) == 3
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
     [err] = [line for line in err.splitlines() if line.startswith("sdcstudy")]  # data progress aside
