@@ -530,3 +530,42 @@ def test_the_runs_plan_fits_the_window():
     the quick stage's its 240 s: the two runs and a machine start fit 15 minutes."""
     assert GA.STAGES == {"full": 540, "quick": 240}
     assert sum(GA.STAGES.values()) <= 15 * 60 - 120
+
+
+@pytest.mark.parametrize("stage", ["full", "quick"])
+def test_every_check_of_a_stage_is_wired(tmp_path, monkeypatch, stage):
+    """The checks' order and wiring, with each child replaced by a fake result: every check
+    of the stage lands in the JSON and the table, the judges get the medium step's census
+    (pinned over untuned), and one fake miss makes the verdict FAIL. A typo here would only
+    show on the GPU, whose minutes are scarce."""
+    monkeypatch.setattr(GS, "versions", lambda: {})
+    monkeypatch.setattr(SMI, "snapshot", lambda: ("", SMI.summary(SMI_SAMPLE)))
+    args = SimpleNamespace(out=tmp_path, stage=stage, budget=540)
+    acc = GC.Acceptance(args, sys.executable, {"device_kind": H100}, tmp_path)
+    step = census_figures(TUNED, TILES, tokens_per_s=100_000.0)
+    scatters = {"native": 2, "while_loops": 0, "sort_based": 0}
+    step["census"].update(scatters=scatters, gemm_gflop=1.0, while_loops=0)
+    step["census_line"] = "GEMMs"
+    ok = {"pass": True, "seconds": 1.0}
+    for name in ("doctor", "bench_untuned", "abft_healthy", "abft_recall", "golden_full",
+                 "fingerprint"):
+        monkeypatch.setattr(acc, name, lambda *a, **k: dict(ok))
+    monkeypatch.setattr(acc, "bench_tuned", lambda: {**ok, **step})
+    monkeypatch.setattr(acc, "bench_pinned", lambda: {**ok, **step, "tokens_per_s": 95_000.0})
+    monkeypatch.setattr(acc, "bench", lambda name, *a, **k: {**ok, "mfu": 0.3, "pass": False})
+    monkeypatch.setattr(acc, "torch_ratio", lambda ours: GF.judge_torch_ratio(
+        ours, {"tokens_per_s": 90_000.0}))
+    monkeypatch.setattr(GC, "preset_problem", lambda name: None)
+    checks = GA.FULL_CHECKS if stage == "full" else GA.QUICK_CHECKS
+    code = GA.run_checks(acc, checks)
+    saved = json.loads((tmp_path / GS.RESULT).read_text())
+    assert list(saved["checks"]) == list(checks)
+    assert (tmp_path / GS.TABLE).read_text() == GS.table(saved)
+    if stage == "full":
+        assert code == 1 and saved["verdict"] == "FAIL"  # the fake 1B benches miss
+        for name in ("pinned_autotune", "determinism_cost", "kernel_census", "fused_attention",
+                     "torch_ratio"):
+            assert saved["checks"][name]["pass"] is True, name
+        assert saved["checks"]["bench_1b_float32"]["pass"] is False
+    else:
+        assert code == 0 and saved["verdict"] == "PASS"

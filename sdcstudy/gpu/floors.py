@@ -182,18 +182,18 @@ def judge_pinned_autotune(tuned: dict, pinned: dict, untuned: dict | None = None
     loaded by one with them, are honoured: the pinned step runs the tuned step's GEMMs
     (library per GEMM, Triton tiles) and not the untuned ones, and the flags then cost at most
     DETERMINISM_COST_LIMIT of the tuned step's tokens/s."""
-    tuned_gemms = (tuned.get("census") or {}).get("gemms")
-    pinned_gemms = (pinned.get("census") or {}).get("gemms")
-    same = tuned_gemms is not None and tuned_gemms == pinned_gemms
-    tiles_same = ((tuned.get("census") or {}).get("triton_tiles")
-                  == (pinned.get("census") or {}).get("triton_tiles"))
+    def census(figures: dict | None, key: str):
+        return ((figures or {}).get("census") or {}).get(key)
+
+    same = census(tuned, "gemms") is not None and census(tuned, "gemms") == census(pinned, "gemms")
+    tiles_same = census(tuned, "triton_tiles") == census(pinned, "triton_tiles")
     cost = judge_determinism(pinned, tuned)
-    out = {"gemms_tuned": tuned_gemms, "gemms_pinned": pinned_gemms,
-           "gemms_untuned": (untuned or {}).get("census", {}).get("gemms")
-           if untuned else None,
+    out = {"gemms_tuned": census(tuned, "gemms"), "gemms_pinned": census(pinned, "gemms"),
+           "gemms_untuned": census(untuned, "gemms"),
            "same_gemms_as_tuned": same, "same_triton_tiles_as_tuned": tiles_same,
            "cost": cost["cost"], "limit": cost["limit"],
-           "tokens_per_s_tuned": tuned["tokens_per_s"], "tokens_per_s_pinned": pinned["tokens_per_s"]}
+           "tokens_per_s_tuned": tuned["tokens_per_s"],
+           "tokens_per_s_pinned": pinned["tokens_per_s"]}
     out["pass"] = same and tiles_same and cost["pass"]
     return out
 
