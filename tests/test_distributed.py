@@ -291,8 +291,9 @@ def test_two_processes_with_one_id_each_say_so(setup, processes, num_processes, 
 
 def test_the_meeting_binds_the_address_given_and_names_a_ports_holder(monkeypatch):
     """`bind_address`: an IP as given, a name as resolved, this host's own name mapped to
-    loopback only (Debian's 127.0.1.1) on every interface, JAX_COORDINATOR_BIND_ADDRESS
-    first; `listeners` finds a listening socket's address and pid in /proc."""
+    loopback only (Debian's 127.0.1.1) and a name that does not resolve on every interface,
+    JAX_COORDINATOR_BIND_ADDRESS first; `listeners` finds a listening socket's address and pid
+    in /proc."""
     monkeypatch.setattr(socket, "gethostname", lambda: "healthy-host")
     assert rendezvous.bind_address("127.0.0.1:4100", {}) == "127.0.0.1:4100"
     assert rendezvous.bind_address("[::1]:4100", {}) == "[::1]:4100"
@@ -302,6 +303,12 @@ def test_the_meeting_binds_the_address_given_and_names_a_ports_holder(monkeypatc
                         lambda host, port: [(socket.AF_INET, ("127.0.1.1", port))])
     assert rendezvous.bind_address("healthy-host:4100", {}) == "[::]:4100"
     assert rendezvous.bind_address("other-host:4100", {}) == "other-host:4100"
+
+    def unknown(host, port):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(rendezvous, "_resolve", unknown)
+    assert rendezvous.bind_address("pair-0.pair:4100", {}) == "[::]:4100"
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         assert rendezvous.listeners(server.getsockname()[1]) == []

@@ -69,20 +69,22 @@ def bind_address(coordinator: str, environ=None) -> str:
     """The address jax's coordinator (and the meeting) listens on, as "host:port".
 
     `JAX_COORDINATOR_BIND_ADDRESS` when set; else the coordinator's own host: an IP address as
-    given, a name as this machine resolves it, except this host's own name where the hosts
-    file maps it to loopback only (Debian's 127.0.1.1): the other hosts reach that name by
-    another address, so every interface listens.
+    given, a name as this machine resolves it. Every interface listens, as jax's default does,
+    for a name this machine cannot resolve (yet: a Kubernetes pod's own DNS name), and for this
+    host's own name where the hosts file maps it to loopback only (Debian's 127.0.1.1): the
+    other hosts reach that name by another address.
     """
     environ = os.environ if environ is None else environ
     if environ.get(ENV_BIND):
         return environ[ENV_BIND]
     host, port = split_address(coordinator)
-    if not _is_ip(host) and host.split(".")[0] == socket.gethostname().split(".")[0]:
+    if not _is_ip(host):
         try:
-            addresses = [ipaddress.ip_address(s[0]) for _, s in _resolve(host, port)]
-        except OSError:
+            addresses = [ipaddress.ip_address(s[0].split("%")[0]) for _, s in _resolve(host, port)]
+        except (OSError, ValueError):
             addresses = []
-        if addresses and all(a.is_loopback for a in addresses):
+        own_name = host.split(".")[0] == socket.gethostname().split(".")[0]
+        if not addresses or own_name and all(a.is_loopback for a in addresses):
             host = ALL_INTERFACES
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
