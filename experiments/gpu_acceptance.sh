@@ -19,5 +19,4 @@ else
     python="python3"
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-cd "$root"
 exec "$python" -m sdcstudy accept-gpu "$@"

@@ -569,3 +569,14 @@ def test_every_check_of_a_stage_is_wired(tmp_path, monkeypatch, stage):
         assert saved["checks"]["bench_1b_float32"]["pass"] is False
     else:
         assert code == 0 and saved["verdict"] == "PASS"
+
+
+def test_children_get_absolute_folders(tmp_path, monkeypatch):
+    """The children run in the checkout, so a relative --out or --work given from elsewhere
+    must reach them as the folder the user meant."""
+    monkeypatch.chdir(tmp_path)
+    args = SimpleNamespace(out=Path("acc"), work=Path("work"), stage="quick", budget=None,
+                           only=None)
+    GA.check_arguments(args)
+    assert args.out == tmp_path / "acc" and args.work == tmp_path / "work"
+    assert args.budget == GA.STAGES["quick"] and args.checks == GA.QUICK_CHECKS

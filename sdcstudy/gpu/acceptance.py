@@ -90,6 +90,9 @@ def checks_to_run(args) -> tuple[str, ...]:
 def check_arguments(args) -> None:
     """Refuse what cannot work before anything runs (one sentence, exit 2)."""
     args.budget = STAGES[args.stage] if args.budget is None else args.budget
+    # Children run in the checkout (configs/ is read from there): hand them absolute paths.
+    args.out = args.out.absolute()
+    args.work = None if args.work is None else args.work.absolute()
     if args.budget < 60:
         raise UserError(f"--budget must be at least 60 seconds, not {args.budget}.")
     if args.out.exists() and not args.out.is_dir():
