@@ -101,3 +101,38 @@ def test_paft_notebook(monkeypatch, tmp_path):
     assert table.strip() in text
     assert "PAFT-Sync(H=4)" in table and "Oracle" in table
     assert images == 2  # loss and divergence curves
+
+
+def test_what_the_notebooks_import_is_declared_in_the_notebooks_extra():
+    # A user who installs `sdcstudy[notebooks]` can run every notebook: each module a notebook
+    # imports comes with the package's dependencies or that extra, pandas' Styler (`.style`)
+    # brings its jinja2, and the test extra pulls the extra in, so CI runs them as users do.
+    # (jinja2 once came only with torch, through the test extra: a user without torch got an
+    # ImportError from mismatch_tables.ipynb.)
+    import ast
+    import importlib.metadata as md
+    import re
+    import sys
+    import tomllib
+
+    project = tomllib.loads((NOTEBOOKS.parent / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    name = lambda requirement: re.split(r"[\[<>=!~ ;]", requirement, 1)[0].lower()  # noqa: E731
+    declared = {name(r) for r in project["dependencies"] + extras["notebooks"]}
+    assert "sdcstudy[notebooks]" in extras["test"]
+    assert {"jinja2", "ipykernel", "nbclient", "nbformat"} <= declared
+    distributions = md.packages_distributions()
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        book = nbformat.read(path, as_version=4)
+        source = "\n".join(cell.source for cell in book.cells if cell.cell_type == "code")
+        if ".style" in source:
+            assert "jinja2" in declared, f"{path.name} uses pandas' Styler, which needs jinja2"
+        for node in ast.walk(ast.parse(source)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) else [])
+            for module in (n.split(".")[0] for n in names):
+                if module in sys.stdlib_module_names or module == "sdcstudy":
+                    continue
+                owners = {d.lower() for d in distributions.get(module, [module])}
+                assert owners & declared, f"{path.name} imports {module}, which no declared " \
+                                          f"dependency provides ({sorted(owners)})"
