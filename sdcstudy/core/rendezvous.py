@@ -242,12 +242,19 @@ def _listen(bind: str, coordinator: str, num_processes: int) -> list[socket.sock
 
 def _ask_the_holder(coordinator: str, num_processes: int) -> None:
     """When the port's holder is a process 0 still meeting its peers, it refuses a second
-    process 0 with the sentence naming both: raise that sentence."""
-    try:
-        with socket.create_connection(split_address(coordinator), timeout=1) as conn:
-            conn.sendall(json.dumps(hello(num_processes, 0)).encode() + b"\n")
-            answer = _parse(_read_line(conn, 1))
-    except OSError:
+    process 0 with the sentence naming both: raise that sentence. (Refused connections are
+    tried again a few times: the holder may be between its bind and its listen.)"""
+    for _ in range(3):
+        try:
+            with socket.create_connection(split_address(coordinator), timeout=1) as conn:
+                conn.sendall(json.dumps(hello(num_processes, 0)).encode() + b"\n")
+                answer = _parse(_read_line(conn, 1))
+            break
+        except ConnectionRefusedError:
+            time.sleep(RETRY_S / 2)
+        except OSError:
+            return
+    else:
         return
     if answer and answer.get("error"):
         raise UserError(answer["error"])
