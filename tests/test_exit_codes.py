@@ -94,15 +94,15 @@ def test_fleet_prints_its_table_and_exits_0_when_json_cannot_be_written(tmp_path
     one_warning(err, path)
 
 
-@pytest.mark.parametrize("how", ["folder is a file", "is a folder"])
 def test_fleet_plot_that_cannot_be_written_is_one_warning_and_leaves_nothing(
-        tmp_path, monkeypatch, capsys, how):
-    """The figure is drawn for real; only its curves are stubbed (they cost seconds)."""
+        tmp_path, monkeypatch, capsys):
+    """The figure is drawn for real (only its curves are stubbed: they cost seconds) and saved
+    beside a folder of its name, so the temporary file is written and then cannot replace it."""
     from sdcstudy.fleet import plot
 
     monkeypatch.setattr(plot, "goodput_curve", lambda cfg, names, sizes: {
         name: sizes * 0.0 + 0.5 for name in names})
-    path = unwritable(tmp_path, how, monkeypatch, "fleet.png")
+    path = unwritable(tmp_path, "is a folder", monkeypatch, "fleet.png")
     code = cli.main(["fleet", "simulate", "--trials", "1", "--plot", str(path)])
     out, err = capsys.readouterr()
     assert code == errors.EXIT_PASS, err
