@@ -491,6 +491,14 @@ def test_golden_full_targets(meta, seconds, verdict, failing):
         assert judged[failing] is False
 
 
+def test_repeat_needs_every_digest_equal():
+    """Two processes' runs must end on the same parameters; a differing or missing digest
+    (a run that failed) fails."""
+    assert GF.judge_repeat(["ab", "ab"])["pass"] is True
+    assert GF.judge_repeat(["ab", "ac"])["pass"] is False
+    assert GF.judge_repeat(["ab", None])["pass"] is False
+
+
 def test_stack_fingerprint_fields():
     """env.json on a GPU must name the driver, CUDA runtime, cuBLAS, cuDNN and NCCL; one
     missing fails, naming it."""
@@ -548,7 +556,7 @@ def test_every_check_of_a_stage_is_wired(tmp_path, monkeypatch, stage):
     step["census_line"] = "GEMMs"
     ok = {"pass": True, "seconds": 1.0}
     for name in ("doctor", "bench_untuned", "abft_healthy", "abft_recall", "golden_full",
-                 "fingerprint"):
+                 "fingerprint", "attention_repeat"):
         monkeypatch.setattr(acc, name, lambda *a, **k: dict(ok))
     monkeypatch.setattr(acc, "bench_tuned", lambda: {**ok, **step})
     monkeypatch.setattr(acc, "bench_pinned", lambda: {**ok, **step, "tokens_per_s": 95_000.0})

@@ -24,10 +24,12 @@ brackets):
 11. `device_health`: clocks, power, temperatures and ECC counters (`nvidia-smi -q`) before and
     after, no ECC error or counter rise, no pending row remap.
 
-`--stage quick` (budget 240 s, the short second run): `golden_full`: `golden record
---workload full` then one `golden check` of it: every SM reached, at least 70% of device memory
-written and verified, at most 180 s to record, the check PASSes (bitwise); `fingerprint`:
-driver, CUDA runtime, cuBLAS, cuDNN and NCCL in the record's env.json; `device_health`.
+`--stage quick` (budget 240 s, the short second run): `golden_full`: `golden record --workload
+full` then one `golden check` of it: every SM reached, at least 70% of device memory written
+and verified, at most 180 s to record, the check PASSes (bitwise); `fingerprint`: driver, CUDA
+runtime, cuBLAS, cuDNN and NCCL in the record's env.json; `attention_repeat`: the tiny training
+in bfloat16 with cuDNN's fused attention in two processes, the same bits [40];
+`device_health`.
 
 `--only LIST` runs the named checks of either stage (a rerun of what a budget skipped).
 Results: DIR/gpu_acceptance.json (each check's verdict and figures, the device's state,
@@ -53,7 +55,7 @@ FULL_CHECKS = ("doctor", "bench_medium_bfloat16_tuned", "bench_medium_bfloat16_p
                "kernel_census", "fused_attention", "torch_ratio", "bench_1b_bfloat16",
                "bench_1b_float32", "abft_healthy_float32", "abft_healthy_bfloat16",
                "abft_recall_float32", "abft_recall_bfloat16", "device_health")
-QUICK_CHECKS = ("golden_full", "fingerprint", "device_health")
+QUICK_CHECKS = ("golden_full", "fingerprint", "attention_repeat", "device_health")
 PROBE = ("import json, jax; d = jax.devices()[0]; print(json.dumps({'backend': "
          "jax.default_backend(), 'device_kind': d.device_kind, 'device_count': "
          "jax.device_count()}))")
@@ -165,6 +167,7 @@ def run_checks(acc, checks: tuple[str, ...]) -> int:
         do(f"abft_recall_{dtype}", acc.abft_recall, dtype)
     do("golden_full", acc.golden_full)
     do("fingerprint", acc.fingerprint)
+    do("attention_repeat", acc.attention_repeat)
     if before is not None:
         do("device_health", acc.device_health, before, acc.device_state("after"))
     return acc.finish()

@@ -24,6 +24,7 @@ ABFT_HEALTHY = ("small", 600)
 RECALL_PROFILE = "exponent-flip"
 RECALL_STEPS = 20
 ABFT_RULES = ("rounding", "paper", "paper-dtype")  # abft/tables.py HOST_THRESHOLDS
+ATTENTION_REPEAT_STEPS = 6
 AUTOTUNE_FILE = "autotune_medium_bfloat16.txt"  # text: XLA writes text for a .txt name
 
 
@@ -188,6 +189,26 @@ class Acceptance(Session):
         return {"record": rec, "check": chk,
                 "seconds": round(rec["seconds"] + chk.get("seconds", 0), 1),
                 **GF.judge_golden_full(meta, rec["seconds"], check_verdict)}
+
+    def attention_repeat(self) -> dict:
+        """The tiny training in bfloat16 with fused attention (cuDNN on a GPU: head dim 16)
+        twice, in two processes: the same final parameters, bit for bit (the doctor trains
+        in float32, which cuDNN's attention does not take)."""
+        runs, digests = [], []
+        for i in (1, 2):
+            folder = self.work / f"attention-repeat-{i}"
+            run = self.sdcstudy(f"attention repeat {i}", [
+                "run", "configs/tiny.yaml", "--out", folder, "--no-progress",
+                "--set", "model.dtype=bfloat16", "--set", "model.attention=fused",
+                "--set", f"experiment.steps={ATTENTION_REPEAT_STEPS}"], cap=120)
+            if "skipped" in run:
+                return run
+            runs.append(run)
+            summary = folder / "summary.json"
+            digests.append(json.loads(summary.read_text())["param_digest"]
+                           if self.ran(run, summary) else None)
+        return {"runs": runs, "seconds": round(sum(r["seconds"] for r in runs), 1),
+                **GF.judge_repeat(digests)}
 
     def fingerprint(self) -> dict:
         """The stack fingerprint in env.json of the golden record (or the doctor's run)."""

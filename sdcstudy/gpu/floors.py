@@ -16,6 +16,7 @@ targets for one H100 or H200:
 | ABFT recall | >= 90% of products hit by single exponent-bit flips |
 | golden full | every SM, >= 70% of memory, <= 180 s, the check PASSes (bitwise) |
 | stack fingerprint | driver, CUDA runtime, cuBLAS, cuDNN and NCCL in env.json |
+| fused attention, repeated | bfloat16 tiny training with cuDNN attention: two processes, same bits |
 
 Each `judge_*` returns a dict with `pass` (True, False) and the figures it read.
 """
@@ -233,3 +234,9 @@ def judge_fingerprint(env: dict) -> dict:
     missing = [f for f in STACK_FIELDS if stack.get(f) in (None, "")]
     return {"present": {f: stack[f] for f in STACK_FIELDS if f not in missing},
             "missing": missing, "platform": env.get("platform"), "pass": not missing}
+
+
+def judge_repeat(digests: list) -> dict:
+    """The same run in separate processes: every final parameter digest there and equal."""
+    return {"param_digests": digests,
+            "pass": len(digests) > 1 and None not in digests and len(set(digests)) == 1}
