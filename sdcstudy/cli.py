@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "flip:step=K,site=S,layer=L,bit=B[,microstep=M][,seed=N]")
     g.add_argument("--allow-env-drift", action="store_true",
                    help="compare even when the environment differs from the golden record's")
+    g.add_argument("--expect-sha", default=None, metavar="SHA",
+                   help="the manifest SHA-256 golden record printed: any other record is "
+                        "refused (exit 2) before anything runs")
     once = g.add_mutually_exclusive_group()
     once.add_argument("--repeat", type=int, default=None, metavar="N",
                       help="run the workload N times, comparing each (default 1)")

@@ -1,9 +1,12 @@
 """Golden-run pre-admission tests: a clean node passes, every corruption fails where it began,
 and a check that could not verify anything is never a PASS."""
 
+import contextlib
+import io
 import json
 import shutil
 import xml.etree.ElementTree as ET
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from sdcstudy.golden import check as G
 from sdcstudy.golden import compare as GC
 from sdcstudy.golden import coverage as GCov
 from sdcstudy.golden import digest as GD
+from sdcstudy.golden import manifest as GM
 from sdcstudy.golden import record as GR
 from sdcstudy.golden import report as GRep
 from sdcstudy.golden import sizing as GS
@@ -32,8 +36,16 @@ N_FLIPS = 2
 @pytest.fixture(scope="module")
 def golden_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("golden") / "tiny"
-    assert cli.main(["golden", "record", "--out", str(out), "--no-progress"]) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli.main(["golden", "record", "--out", str(out), "--no-progress"]) == 0
+    (out.parent / "record.txt").write_text(printed.getvalue())  # what the recorder saw
     return out
+
+
+def _sha(golden_dir):
+    """The manifest SHA-256 of a record, computed here from its body (not the one it claims)."""
+    return GM.body_sha256(json.loads((golden_dir / GR.MANIFEST).read_text())["body"])
 
 
 def _copy(golden_dir, tmp_path):
@@ -150,7 +162,7 @@ def test_clean_node_passes_every_repetition(golden_dir, tmp_path):
     # device index leaks into the program).
     code = cli.main(["golden", "check", str(golden_dir), "--repeat", "3", "--device", "1",
                      "--json", str(tmp_path / "r.json"), "--junit", str(tmp_path / "r.xml"),
-                     "--no-progress"])
+                     "--no-progress", "--expect-sha", _sha(golden_dir)])
     report = json.loads((tmp_path / "r.json").read_text())
     assert code == 0 and report["verdict"] == "PASS", report["reason"]
     assert [r["verdict"] for r in report["repetitions"]] == ["PASS"] * 3
@@ -158,6 +170,30 @@ def test_clean_node_passes_every_repetition(golden_dir, tmp_path):
     assert report["device"]["index"] == 1 and report["env"]["differences"] == []
     suite = ET.parse(tmp_path / "r.xml").getroot().find("testsuite")
     assert (suite.get("failures"), suite.get("errors"), suite.get("tests")) == ("0", "0", "6")
+    assert report["golden"]["manifest_sha256"] == _sha(golden_dir)
+
+
+def test_record_prints_the_sha_that_check_expects(golden_dir):
+    # The fleet keeps what `golden record` printed and passes it to --expect-sha: it must be
+    # all 64 digits of the SHA-256 that the check computes, as a ready option.
+    printed = (golden_dir.parent / "record.txt").read_text()
+    assert f"--expect-sha {_sha(golden_dir)} " in printed
+
+
+def test_an_unwritable_report_after_a_pass_leaves_the_pass(golden_dir, tmp_path, capsys):
+    # The check PASSed, then a traceback and exit 1 drained a healthy node: the verdict must
+    # be printed first, the report that cannot be written one warning, the exit code PASS's.
+    # (The program of the clean check above, compiled once.)
+    (tmp_path / "file").write_text("")
+    code = cli.main(["golden", "check", str(golden_dir), "--device", "1", "--no-progress",
+                     "--json", str(tmp_path / "file" / "r.json"),
+                     "--junit", str(tmp_path / "file" / "r.xml")])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.startswith("golden check PASS"), err
+    warnings = err.splitlines()
+    assert len(warnings) == 2 and all(w.startswith("sdcstudy: warning: could not write the ")
+                                      for w in warnings)
+    assert str(tmp_path / "file" / "r.json") in warnings[0]
 
 
 def test_a_parameter_difference_is_reported_to_the_bit(golden_dir, tmp_path):
@@ -267,6 +303,124 @@ def test_damaged_or_incomplete_golden_is_inconclusive(golden_dir, tmp_path, dama
     assert report["repetitions"] == []
     suite = ET.parse(tmp_path / "r.xml").getroot().find("testsuite")
     assert suite.get("errors") == "1" and suite.get("failures") == "0"
+
+
+def _arrays(folder):
+    with np.load(folder / GR.ARRAYS) as npz:
+        return {k: npz[k] for k in npz.files}
+
+
+def _cut_to_one_step(folder):
+    """What the issue did: config, golden.json and arrays cut to the first step, consistent."""
+    config = (folder / GR.CONFIG).read_text().replace("steps: 6", "steps: 1", 1)
+    assert "steps: 1" in config
+    (folder / GR.CONFIG).write_text(config)
+    meta = json.loads((folder / GR.META).read_text())
+    meta.update(steps=1, full_param_steps=[1], loss=meta["loss"][:1])
+    (folder / GR.META).write_text(json.dumps(meta))
+    arrays = _arrays(folder)
+    cut = {k: v[:2] if k.startswith("params/") else v[:1] for k, v in arrays.items()
+           if not k.startswith("full/")}
+    cut.update({k: v for k, v in arrays.items() if k.startswith("full/1/")})
+    with open(folder / GR.ARRAYS, "wb") as f:
+        np.savez_compressed(f, **cut)
+
+
+def test_a_resealed_record_is_refused_by_the_sha_the_fleet_keeps(golden_dir, tmp_path, capsys):
+    # A record cut to 1 step and sealed again is consistent with itself, and PASSed ("1
+    # repetition(s) of 1 steps") where the fleet's covers 6. With the SHA-256 the fleet kept
+    # it is refused, naming both, before anything runs.
+    target = _copy(golden_dir, tmp_path)
+    _cut_to_one_step(target)
+    GR.write_manifest(target)
+    code = cli.main(["golden", "check", str(target), "--expect-sha", _sha(golden_dir),
+                     "--json", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert code == 2 and report["failed_stage"] == "golden", err
+    assert _sha(golden_dir) in err and _sha(target) in err and err.count("\n") == 1
+
+
+def _lying_member(name, shape):
+    """A .npy member whose header declares `shape` (uint32) and holds 16 bytes of data."""
+    member = io.BytesIO()
+    np.lib.format.write_array_header_1_0(member, {"descr": "<u4", "fortran_order": False,
+                                                 "shape": shape})
+    return name + ".npy", member.getvalue() + bytes(16)
+
+
+def _npy(array):
+    member = io.BytesIO()
+    np.save(member, array)
+    return member.getvalue()
+
+
+def _with_member(folder, name, data):
+    """golden.npz with member `name` added or replaced by raw `data`."""
+    kept = {k: v for k, v in _arrays(folder).items() if f"{k}.npy" != name}
+    with open(folder / GR.ARRAYS, "wb") as f:
+        np.savez_compressed(f, **kept)
+    with zipfile.ZipFile(folder / GR.ARRAYS, "a", zipfile.ZIP_DEFLATED) as npz:
+        npz.writestr(name, data)
+
+
+def _config_steps(folder, steps):
+    text = (folder / GR.CONFIG).read_text()
+    (folder / GR.CONFIG).write_text(text.replace("steps: 6", f"steps: {steps}", 1))
+
+
+def _drop_param(folder):
+    meta = json.loads((folder / GR.META).read_text())
+    meta["params"].pop("head")
+    (folder / GR.META).write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda d: _with_member(d, "junk.npy", _npy(np.zeros(16 << 20, np.uint32))),
+     "1 not expected, first ['junk']"),
+    (lambda d: _with_member(d, *_lying_member("loss", (1 << 28,))),
+     "array loss is uint32 (268435456,), its config implies uint32 (6,)"),
+    (lambda d: _with_member(d, *_lying_member("grad_norm", (6,))), "grad_norm is cut short"),
+    (lambda d: _config_steps(d, 5), "6 steps of 2 microsteps, the config says 5 of 2"),
+    (_drop_param, "106816"),
+], ids=["extra-member", "lying-header", "cut-member", "steps", "parameters"])
+def test_a_record_inconsistent_with_its_config_is_refused_before_running(
+        golden_dir, tmp_path, capsys, change, words):
+    # Sealed again (so the manifest agrees), each record describes other arrays than its
+    # config and golden.json imply: refused in one sentence before anything is decompressed
+    # beyond what the config implies, and before anything compiles (a 64 MiB member of zeros
+    # was decompressed once per device, a header may claim any size).
+    target = _copy(golden_dir, tmp_path)
+    change(target)
+    GR.write_manifest(target)
+    code = cli.main(["golden", "check", str(target), "--json", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert code == 2 and report["failed_stage"] == "golden", err
+    assert words in err and err.count("\n") == 1
+
+
+def test_the_record_is_read_once_for_every_device(golden_dir, monkeypatch, capsys):
+    # `--device all` decompressed golden.npz once per device; one copy serves them all. (The
+    # workload is stopped before it compiles: what is counted is the reading.)
+    opened = []
+    real = zipfile.ZipFile.__init__
+
+    def counting(self, file, *args, **kwargs):
+        if not str(file).endswith(".zip"):  # Python's own zipped library is no record
+            opened.append(file)
+        real(self, file, *args, **kwargs)
+
+    def no_workload(*args, **kwargs):
+        raise RuntimeError("not built in this test")
+
+    monkeypatch.setattr(zipfile.ZipFile, "__init__", counting)
+    monkeypatch.setattr(G, "workload", no_workload)
+    code = cli.main(["golden", "check", str(golden_dir), "--device", "all", "--workers", "2"])
+    out = capsys.readouterr().out
+    assert code == 2 and "8 device(s), 8 not PASS" in out
+    assert "could not build the golden workload: RuntimeError" in out
+    assert len(opened) == 1
 
 
 def test_another_environment_is_inconclusive_and_named(golden_dir, monkeypatch):

@@ -4,19 +4,24 @@ candidate node, compare every bit, and say where the candidate first went wrong.
 This module holds the check (cli.py its command line); the parts, each in its own module:
 - `golden_digest`: the on-device digest of a tensor and of the gradient arriving at a site;
 - `golden_workload`: the training that is recorded and re-run, and the faults of `--inject`;
-- `golden_record`: what `golden record` keeps, writing, verifying and loading it;
+- `golden_record`: what `golden record` keeps, writing and loading it;
+- `golden_contents`: a record read once and checked against itself before anything runs;
 - `golden_compare`: one re-run against the record, and where it first differs;
 - `golden_report`: a check report as a sentence, as JUnit XML and as JSON.
 
-`golden check` verifies the manifest, compares the environment (a difference is INCONCLUSIVE
-unless allowed), re-runs on one device and compares step by step in program order: per
+`golden check` reads the record once and checks it before anything runs (`golden.contents`:
+the manifest, against `--expect-sha` when given, every file's size and SHA-256, the files'
+consistency with the config, golden.npz's arrays against what they imply), compares the
+environment (a difference is INCONCLUSIVE unless allowed), re-runs on one device and compares
+step by step in program order: per
 microstep the forward sites in the order the model computes them, then the backward sites in
 reverse; then the loss, the gradient norm, the parameters (`golden_compare` says what the
 first difference reports).
 
 Verdicts: PASS (exit 0) only when every step of every repetition was compared and equal;
 FAIL (exit 1) when a bit differs; INCONCLUSIVE (exit 2) when the check could not be completed:
-a damaged or missing golden file, another environment, a crash.
+a damaged or missing golden file, another environment, a crash. A backend that does not
+start raises CouldNotRun (exit 3): no verdict.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import time
 from pathlib import Path
 
 from sdcstudy.core import determinism
+from sdcstudy.core.errors import CouldNotRun
 from sdcstudy.faults import specs as FS
 from sdcstudy.core.config import UserError
+from sdcstudy.golden.contents import Golden, open_record
 from sdcstudy.golden.compare import (
     EXIT_CODES, FAIL, INCONCLUSIVE, PASS, _check_layout, compared_fields, env_differences,
     env_sentence, run_once)
@@ -40,12 +47,16 @@ from sdcstudy.golden.sizing import FullSizing, sizing_from_dict
 from sdcstudy.golden.workload import Workload, device_info, parse_injection, pick_device, workload
 
 
-def check(golden_dir: Path, *, inject: str | None = None, allow_env_drift: bool = False,
+def check(golden: Path | Golden, *, inject: str | None = None, allow_env_drift: bool = False,
           repeat: int = 1, duration_min: float | None = None, device_index: int = 0,
-          progress: bool = False) -> dict:
-    """Verify, re-run and compare; the report (see docs/golden.md). Never raises for a
-    problem with the golden record, the environment or the run: those are INCONCLUSIVE."""
+          progress: bool = False, expect_sha: str | None = None) -> dict:
+    """Verify, re-run and compare; the report (see docs/golden.md). `golden`: a folder (read
+    and checked here, against `expect_sha` when given) or a record already read
+    (`contents.open_record`). Never raises for a problem with the golden record, the
+    environment or the run: those are INCONCLUSIVE; a backend that does not start is
+    CouldNotRun."""
     started = time.perf_counter()
+    golden_dir = golden.dir if isinstance(golden, Golden) else Path(golden)
     report = check_report(golden_dir, device_index, inject, allow_env_drift)
 
     def finish(verdict: str, reason: str | None = None, stage: str | None = None) -> dict:
@@ -55,9 +66,10 @@ def check(golden_dir: Path, *, inject: str | None = None, allow_env_drift: bool 
         return report
 
     try:
-        manifest = verify(golden_dir)
-        report["golden"]["manifest_sha256"] = manifest["sha256"]
-        cfg, golden_env, meta, arrays = load(golden_dir)
+        if not isinstance(golden, Golden):
+            golden = open_record(golden_dir, expect_sha)
+        report["golden"]["manifest_sha256"] = golden.manifest_sha256
+        cfg, golden_env, meta, arrays = golden.cfg, golden.env, golden.meta, golden.arrays
         report["golden"].update(steps=meta.get("steps"), microsteps=meta.get("microsteps"),
                                 preset=cfg.model.preset, created=meta.get("created"),
                                 recorded_on=meta.get("host"),
@@ -70,6 +82,8 @@ def check(golden_dir: Path, *, inject: str | None = None, allow_env_drift: bool 
             _check_flip(injection.flip, meta)
     except (GoldenError, UserError) as e:
         return finish(INCONCLUSIVE, str(e), "golden")
+    except CouldNotRun:
+        raise
     except Exception as e:  # a crash while loading is no verdict on the node
         return finish(INCONCLUSIVE, f"could not read the golden record: {type(e).__name__}: {e}",
                       "golden")
@@ -101,7 +115,7 @@ def check(golden_dir: Path, *, inject: str | None = None, allow_env_drift: bool 
     except Exception as e:
         return finish(INCONCLUSIVE, f"could not build the golden workload: "
                                     f"{type(e).__name__}: {e}", "workload")
-    if work.injector is not None:
+    if work.faults is not None:
         env["skipped"] = ["compiled_step_sha256"]
     else:
         observed = determinism.fingerprint(
@@ -117,7 +131,7 @@ def check(golden_dir: Path, *, inject: str | None = None, allow_env_drift: bool 
     index = len(report["repetitions"])
     if report["repetitions"][-1]["verdict"] != INCONCLUSIVE:
         report["coverage"] = telemetry.coverage(work, device_index, watch)
-    if work.injector is not None:
+    if work.faults is not None:
         report["injected"] = {"label": injection.label, "landed": len(landed),
                               "first": landed[:20]}
     report["timing"]["run_s"] = sum(r.get("wall_s", 0.0) for r in report["repetitions"])

@@ -2,17 +2,24 @@
 
 Input that cannot work (a bad option, a folder that is no usable golden record, a config that
 does not load) is refused here in one sentence, before JAX is imported or a device touched.
+The record is read and checked once here (`contents.open_record`, against `--expect-sha`) and
+that one copy is what every device is checked against. The verdict is printed before any
+report file is written; a report that cannot be written is one warning sentence and leaves
+the verdict's exit code as it is.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from sdcstudy.core import config as C
+from sdcstudy.core import errors
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import UserError
-from sdcstudy.golden import manifest
+from sdcstudy.golden import contents
+from sdcstudy.golden.manifest import GoldenError, expect_sha_arg
 from sdcstudy.golden.report import junit_xml, node_junit_xml, refused_report, report_json
 from sdcstudy.golden.sizing import MAX_MEMORY_SHARE, TINY
 
@@ -38,9 +45,16 @@ def _config(args):
 
 
 def _write(args, report: dict, junit) -> None:
-    for path, text in ((args.json, report_json), (args.junit, junit)):
-        if path is not None:
+    """The report files asked for, after the verdict was printed: one that cannot be written
+    (a read-only or full folder, a path through a file) is a warning sentence, not a crash."""
+    for path, text, what in ((args.json, report_json, "JSON"), (args.junit, junit, "JUnit")):
+        if path is None:
+            continue
+        try:
             RF.atomic_write_text(Path(path), text(report))
+        except OSError as e:
+            print(f"sdcstudy: warning: could not write the {what} report {str(path)!r} "
+                  f"({e.strerror or e}); the verdict above stands.", file=sys.stderr)
 
 
 def _full_workload_memory() -> None:
@@ -67,22 +81,29 @@ def main_record(args) -> int:
                   memory_share=args.memory_share)
     print(f"golden record: {meta['golden_dir']} ({meta['workload']} workload, {meta['steps']} "
           f"steps x {meta['microsteps']} microsteps, {len(meta['site_order'])} sites, "
-          f"{meta['bytes'] / 1e6:.2f} MB, manifest sha256 {meta['manifest_sha256'][:16]}...)")
+          f"{meta['bytes'] / 1e6:.2f} MB)")
+    print(f"  manifest sha256 {meta['manifest_sha256']} (keep it: golden check "
+          f"--expect-sha {meta['manifest_sha256']} refuses any other record)")
     print(f"  {coverage_line(meta['coverage'])}")
     return 0
 
 
-def refuse_unusable(args, device) -> None:
-    """A folder that is no usable golden record: its reports (when asked for) and one
-    sentence, before any device is touched."""
-    reason = manifest.unusable(args.golden_dir)
-    if reason is None:
-        if manifest.load_meta(args.golden_dir).get("workload") == "full":
+def open_or_refuse(args, device) -> contents.Golden | None:
+    """The record, read and checked once; or None after printing why it is no usable golden
+    record (one sentence) and writing its reports when asked for, before any device is
+    touched."""
+    try:
+        golden = contents.open_record(args.golden_dir, args.expect_sha)
+    except GoldenError as e:
+        reason = str(e)
+    else:
+        if golden.meta.get("workload") == "full":
             _full_workload_memory()
-        return
+        return golden
+    print(f"sdcstudy: error: {reason}", file=sys.stderr)
     report = refused_report(args.golden_dir, reason, device, args.inject, args.allow_env_drift)
     _write(args, report, node_junit_xml if device == ALL else junit_xml)
-    raise UserError(reason)
+    return None
 
 
 def main(args) -> int:
@@ -108,7 +129,11 @@ def main(args) -> int:
         raise UserError("--repeat must be at least 1.")
     if args.duration is not None and args.duration <= 0:
         raise UserError("--duration must be a positive number of minutes.")
-    refuse_unusable(args, device)
+    if args.expect_sha is not None:
+        args.expect_sha = expect_sha_arg(args.expect_sha)
+    golden = open_or_refuse(args, device)
+    if golden is None:
+        return errors.EXIT_BAD_INPUT
     from sdcstudy.golden import devices
     from sdcstudy.golden.check import check
     from sdcstudy.golden.telemetry import coverage_line
@@ -116,15 +141,14 @@ def main(args) -> int:
     options = dict(allow_env_drift=args.allow_env_drift, repeat=args.repeat or 1,
                    duration_min=args.duration)
     if device == ALL:
-        report = devices.check_all(args.golden_dir, inject=args.inject,
+        report = devices.check_all(golden, inject=args.inject,
                                    inject_device=args.inject_device, workers=args.workers,
                                    progress=False, **options)
         for row in report["devices"]:
             row.pop("report")
         return _finish(args, report)
-    report = check(args.golden_dir, inject=args.inject, device_index=device,
+    report = check(golden, inject=args.inject, device_index=device,
                    progress=not args.no_progress, **options)
-    _write(args, report, junit_xml)
     reps = len(report["repetitions"])
     t = report["timing"]
     print(f"golden check {report['verdict']}: {report['reason']}")
@@ -137,6 +161,8 @@ def main(args) -> int:
     if report["injected"] is not None:
         print(f"  injected {report['injected']['label']}: {report['injected']['landed']} "
               f"corruption(s) landed")
+    sys.stdout.flush()
+    _write(args, report, junit_xml)
     return report["exit_code"]
 
 
@@ -145,7 +171,6 @@ def _finish(args, report: dict) -> int:
     from sdcstudy.golden.report import node_table
     from sdcstudy.golden.telemetry import coverage_line
 
-    _write(args, report, node_junit_xml)
     print(node_table(report), end="")
     failing = [r for r in report["devices"] if r["verdict"] != "PASS"]
     print(f"golden {report['command']} {report['verdict']}: {len(report['devices'])} device(s), "
@@ -155,4 +180,6 @@ def _finish(args, report: dict) -> int:
     for row in report["devices"]:
         if row.get("coverage") is not None:
             print(f"  device {row['device']} {coverage_line(row['coverage'])}")
+    sys.stdout.flush()
+    _write(args, report, node_junit_xml)
     return report["exit_code"]

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from sdcstudy.golden.digest import _mix, block_digest
-from sdcstudy.golden.sizing import CHUNK_WORDS, CPU_DESCRIPTION, DeviceDescription, FullSizing
+from sdcstudy.golden.sizing import (
+    CHUNK_WORDS, COVERAGE_DIGESTS, CPU_DESCRIPTION, PRODUCTS, DeviceDescription, FullSizing)
 
-PRODUCTS = ("tf32", "highest", "bfloat16")
 _PRECISION = {"tf32": lax.Precision.DEFAULT, "highest": lax.Precision.HIGHEST}
 
 
@@ -86,4 +86,4 @@ def step(state: dict, step_number) -> tuple[dict, dict]:
 
 def digest_names() -> tuple[str, ...]:
     """The digests `step` returns, in the order a check compares them."""
-    return ("memory",) + PRODUCTS
+    return COVERAGE_DIGESTS

@@ -31,12 +31,14 @@ import numpy as np
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.digest import tensor_digests
 from sdcstudy.golden.check import _check_flip, check
+from sdcstudy.golden.contents import Golden, open_record
+from sdcstudy.golden.manifest import GoldenError
 from sdcstudy.golden.compare import FAIL, INCONCLUSIVE, PASS, describe, step_differences
 from sdcstudy.golden.record import load_tokens, store_digests
 from sdcstudy.golden.report import (  # noqa: F401  (the node's report, importable here)
     _sentence, node_junit_xml as junit_xml, node_report, node_table as table, node_verdict)
 from sdcstudy.golden.workload import (
-    _param_leaves, check_config, device_info, parse_injection, workload)
+    _param_leaves, backend_devices, check_config, device_info, parse_injection, workload)
 
 
 
@@ -49,7 +51,7 @@ def _where(first: dict | None) -> dict | None:
 
 
 def local_devices(inject: str | None, inject_device: int | None, least: int = 1) -> list:
-    devices = jax.local_devices()
+    devices = backend_devices()
     if len(devices) < least:
         raise UserError(f"golden quorum needs at least {least} local devices to vote and this "
                         f"node has {len(devices)}; record a golden run on a trusted node and "
@@ -70,14 +72,21 @@ def _injected(index: int, inject: str | None, inject_device: int | None) -> str 
 # --- golden check --device all ----------------------------------------------------------------
 
 
-def check_all(golden_dir: Path, *, inject: str | None = None, inject_device: int | None = None,
-              workers: int | None = None, echo=print, **options) -> dict:
-    """`check` on every local device; `options` as `check` takes them (repeat, ...)."""
+def check_all(golden: Path | Golden, *, inject: str | None = None,
+              inject_device: int | None = None, workers: int | None = None, echo=print,
+              expect_sha: str | None = None, **options) -> dict:
+    """`check` on every local device against one copy of the record, read once here when
+    `golden` is a folder; `options` as `check` takes them (repeat, ...)."""
     started = time.time()
+    if not isinstance(golden, Golden):
+        try:
+            golden = open_record(golden, expect_sha)
+        except GoldenError as e:
+            raise UserError(str(e)) from None
     devices = local_devices(inject, inject_device)
 
     def one(index: int) -> dict:
-        report = check(golden_dir, inject=_injected(index, inject, inject_device),
+        report = check(golden, inject=_injected(index, inject, inject_device),
                        device_index=index, **options)
         echo(f"  device {index}: {report['verdict']} "
              f"({report['timing'].get('total_s', 0.0):.1f} s)")
@@ -90,7 +99,8 @@ def check_all(golden_dir: Path, *, inject: str | None = None, inject_device: int
 
     rows = in_threads(one, len(devices), workers)
     return node_report("check", rows, started, workers=_workers(workers, len(devices)),
-                   golden={"dir": str(golden_dir)})
+                       golden={"dir": str(golden.dir),
+                               "manifest_sha256": golden.manifest_sha256})
 
 
 def _workers(workers: int | None, n: int) -> int:

@@ -25,8 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sdcstudy.core import sites as S
-
-BLOCKS = 64  # digest blocks per tensor
+from sdcstudy.golden.sizing import BLOCKS, block_range, n_blocks  # noqa: F401 (pure: no JAX)
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -38,16 +37,6 @@ def _mix(u):
     u = u ^ (u >> 15)
     u = u * jnp.uint32(0x846CA68B)
     return u ^ (u >> 16)
-
-
-def n_blocks(size: int) -> int:
-    return max(1, min(BLOCKS, size))
-
-
-def block_range(block: int, size: int) -> tuple[int, int]:
-    """[start, stop) of the elements of digest block `block` of a tensor of `size` elements."""
-    per = -(-size // n_blocks(size))
-    return block * per, min(size, (block + 1) * per)
 
 
 def block_digest(x) -> jax.Array:

@@ -31,16 +31,15 @@ from sdcstudy.core import runlock
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.digest import tensor_digests, tree_digest
 from sdcstudy.golden import coverage, telemetry
+from sdcstudy.golden.contents import (  # noqa: F401  (the record's budgets, importable here)
+    FULL_PARAMS_BUDGET, LAST_PARAMS_BUDGET, full_param_steps, open_record)
 from sdcstudy.golden.digest import BLOCKS
 from sdcstudy.golden.manifest import (  # noqa: F401  (the record's files, importable here)
-    ARRAYS, CONFIG, ENV, FILES, FORMAT, MANIFEST, META, GoldenError, load_config, load_meta,
-    verify, write_manifest)
+    ARRAYS, CONFIG, ENV, FILES, FORMAT, MANIFEST, META, GoldenError, load_config, verify,
+    write_manifest)
 from sdcstudy.golden.sizing import MEMORY_SHARE, FullSizing, size_full
 from sdcstudy.golden.workload import (
     _bits, _param_leaves, check_config, device_info, pick_device, workload)
-
-FULL_PARAMS_BUDGET = 3 * 2**20  # bytes of full parameter values kept for all steps
-LAST_PARAMS_BUDGET = 64 * 2**20  # ... else of the last step, up to this many bytes
 
 
 # --- record -------------------------------------------------------------------------------------
@@ -87,8 +86,7 @@ def _record(cfg: Config | None, out_dir: Path, device_index: int, progress: bool
     arrays = {"tokens": tokens, "loss": np.zeros(steps, np.uint32),
               "grad_norm": np.zeros(steps, np.uint32)}
     param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(work.initial["params"]))
-    full_steps = (list(range(1, steps + 1)) if param_bytes * steps <= FULL_PARAMS_BUDGET
-                  else [steps] if param_bytes <= LAST_PARAMS_BUDGET else [])
+    full_steps = full_param_steps(param_bytes, steps)
     with telemetry.Watch(device.platform, device_index) as watch:
         losses, final = _run(work, arrays, full_steps, progress)
     leaves = _param_leaves(work.initial["params"])
@@ -200,12 +198,8 @@ def _bar(progress: bool, total: int, desc: str):
 # --- loading a golden record --------------------------------------------------------------------
 
 
-def load(golden_dir: Path) -> tuple[Config, dict, dict, dict]:
-    """(config, env, meta, arrays) of a verified golden folder."""
-    golden_dir = Path(golden_dir)
-    cfg = load_config(golden_dir)
-    env = RF.json_load(golden_dir / ENV)
-    meta = load_meta(golden_dir)
-    with np.load(golden_dir / ARRAYS, allow_pickle=False) as npz:
-        arrays = {name: npz[name] for name in npz.files}
-    return cfg, env, meta, arrays
+def load(golden_dir: Path, expect_sha: str | None = None) -> tuple[Config, dict, dict, dict]:
+    """(config, env, meta, arrays) of a golden folder, read once and checked
+    (`contents.open_record`)."""
+    golden = open_record(golden_dir, expect_sha)
+    return golden.cfg, golden.env, golden.meta, golden.arrays

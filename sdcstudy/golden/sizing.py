@@ -36,6 +36,20 @@ MAX_MEMORY_SHARE = 0.9  # what is left holds the model, its activations and the 
 CHUNK_WORDS = 1 << 20  # the memory buffer's digest unit: 4 MiB of uint32 words
 GPU_MIN_SECONDS = 60.0  # repeated at least this long: clocks, power and temperature settle
 MiB = 1 << 20
+BLOCKS = 64  # digest blocks per tensor (golden/digest.py)
+PRODUCTS = ("tf32", "highest", "bfloat16")  # the full workload's products, digested each step
+COVERAGE_DIGESTS = ("memory",) + PRODUCTS  # the full workload's digests beside the model's
+
+
+def n_blocks(size: int) -> int:
+    """Digest blocks of a tensor of `size` elements."""
+    return max(1, min(BLOCKS, size))
+
+
+def block_range(block: int, size: int) -> tuple[int, int]:
+    """[start, stop) of the elements of digest block `block` of a tensor of `size` elements."""
+    per = -(-size // n_blocks(size))
+    return block * per, min(size, (block + 1) * per)
 
 
 @dataclass(frozen=True)

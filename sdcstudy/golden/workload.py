@@ -21,14 +21,17 @@ from jax import lax
 
 from sdcstudy.core import config as C
 from sdcstudy.faults import specs as FS
-from sdcstudy.faults import inject as F
+from sdcstudy.core.step import Place
+from sdcstudy.faults.feature import Faults
 from sdcstudy.core import model
 from sdcstudy.faults import profiles
 from sdcstudy.core import sites as S
 from sdcstudy.core import train as T
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.digest import path_name
+from sdcstudy.core.errors import CouldNotRun, first_line
 from sdcstudy.golden import coverage
+from sdcstudy.golden.contents import check_config  # noqa: F401  (importable here)
 from sdcstudy.golden.digest import DigestHook, _to_uint, block_digest, site_key, sink_shape
 from sdcstudy.golden.sizing import FullSizing
 
@@ -87,32 +90,21 @@ def parse_injection(text: str) -> Injection:
                      flip)
 
 
-def _split(injector: F.Injector, direction: str) -> F.Injector:
-    """The same injector (same spec indices, so the same draws) restricted to one direction."""
-    part = F.Injector(injector.profile, injector.n_layers, injector.limit, injector.seed)
-    part.model_specs = [(i, s) for i, s in injector.model_specs if s.direction == direction]
-    part.tree_specs = []
-    return part
-
-
 # --- the workload -------------------------------------------------------------------------------
 
 
-def check_config(cfg: Config) -> None:
-    e = cfg.experiment
-    if e.mode != "train":
-        raise UserError(f"a golden run trains one node: experiment.mode must be 'train', "
-                        f"not {e.mode!r}.")
-    if cfg.mesh.tp != 1 or cfg.mesh.dp != 1:
-        raise UserError("a golden run uses one device: mesh.tp and mesh.dp must be 1 (check "
-                        "each device with --device I).")
-    if cfg.suspect.profile != "healthy":
-        raise UserError("a golden record is a clean run: suspect.profile must be 'healthy' "
-                        "(inject faults at check time with --inject).")
+def backend_devices() -> list:
+    """The local devices; CouldNotRun (exit 3, one sentence) when the backend does not start:
+    that is no verdict on the node and no fault of the user's input."""
+    try:
+        return jax.local_devices()
+    except Exception as e:  # jax raises RuntimeError, a plugin may assert
+        raise CouldNotRun(f"the accelerator backend did not start ({type(e).__name__}: "
+                          f"{first_line(e, 200)}); check the driver and the JAX installation.") from None
 
 
 def pick_device(index: int):
-    devices = jax.local_devices()
+    devices = backend_devices()
     if not 0 <= index < len(devices):
         raise UserError(f"--device {index}: this node has {len(devices)} local devices "
                         f"(0 to {len(devices) - 1}).")
@@ -137,11 +129,8 @@ class Workload:
         self.trainer = T.Trainer.from_config(cfg)
         self.initial = _initial_state(self.trainer, device)
         self.site_order, self.sites = self._layout()
-        self.injector = None
-        if injection is not None and not injection.profile.healthy:
-            self.injector = F.Injector(injection.profile, self.trainer.dims.n_layers,
-                                       cfg.suspect.log_limit)
-            self.inject_fwd, self.inject_bwd = (_split(self.injector, d) for d in ("fwd", "bwd"))
+        self.faults = None if injection is None else Faults.from_profile(
+            injection.profile, self.trainer.dims.n_layers, cfg.suspect.log_limit)
         state = jax.device_put(self.initial, device)
         if sizing is not None:
             state["coverage"] = coverage.abstract_state(sizing, device)
@@ -182,27 +171,25 @@ class Workload:
     def _sinks(self) -> dict:
         sinks = {"sites": {k: jnp.zeros(sink_shape(int(np.prod(v["shape"]))), jnp.float32)
                            for k, v in self.sites.items()}}
-        if self.injector is not None:
-            sinks["faults"] = self.injector.init_sinks()
+        if self.faults is not None:
+            sinks["faults"] = self.faults.init_sinks()
         return sinks
 
-    def _fault_context(self, step, microstep, sinks) -> F.FaultContext:
-        key = jax.random.fold_in(self.trainer.base_key, 1)
-        if self.injection.seed:
-            key = jax.random.fold_in(key, self.injection.seed)
+    def _fault_context(self, step, microstep, sinks):
         if self.injection.microstep is not None and microstep is not None:
             # A flip's `steps` pattern names step >= 1; step 0 in the other microsteps turns it off.
             step = jnp.where(microstep == self.injection.microstep, step, 0)
-        return F.FaultContext(key, step, jnp.int32(-1) if microstep is None else microstep, sinks)
+        return self.faults.context(self.trainer.base_key, step,
+                                   jnp.int32(-1) if microstep is None else microstep, sinks,
+                                   fold=(self.injection.seed,) if self.injection.seed else ())
 
     def _loss(self, params, sinks, batch, microstep, step):
         records = {}
-        if self.injector is None:
+        if self.faults is None:
             hook = DigestHook(sinks["sites"])
         else:
             ctx = self._fault_context(step, microstep, sinks["faults"])
-            hook = DigestHook(sinks["sites"], self.inject_fwd.hook(ctx),
-                              self.inject_bwd.hook(ctx))
+            hook = DigestHook(sinks["sites"], *self.faults.direction_hooks(ctx))
             records = ctx.records
         loss_sum, count = model.token_losses(self.trainer.graphdef, params, batch["tokens"],
                                              batch.get("mask"), hook=hook)
@@ -215,11 +202,11 @@ class Workload:
             partial(self._loss, step=step), state["params"], batch, self._sinks())
         transform = lambda u: u  # noqa: E731
         faults = {}
-        if self.injector is not None:
+        if self.faults is not None:
             ctx = self._fault_context(step, None, None)
-            grads = self.injector.corrupt_tree(grads, ctx, "grad")
-            transform = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
-            faults = {"micro": {**aux_M["faults"], **sinks_M["faults"]}, "step": ctx.records}
+            grads = self.faults.transform_grads(grads, ctx)
+            transform = self.faults.transform_updates(ctx)
+            faults = Faults.records(ctx, aux_M["faults"], sinks_M["faults"])
         new_state = T.apply_update(self.trainer.tx, state, grads, transform)
         out = {"loss": lax.bitcast_convert_type(loss.astype(jnp.float32), jnp.uint32),
                "grad_norm": lax.bitcast_convert_type(
@@ -245,14 +232,9 @@ class Workload:
 
     def fault_rows(self, faults: dict, step: int) -> list[dict]:
         """Ground truth of what the injection changed at one step."""
-        if self.injector is None or not faults:
+        if self.faults is None or not faults:
             return []
-        profile = self.injector.profile
-        rows, _ = F.record_rows(faults["step"], step, -1, profile)
-        for m in range(self.microsteps):
-            rows += F.record_rows({k: v[m] for k, v in faults["micro"].items()}, step, m,
-                                  profile)[0]
-        return rows
+        return self.faults.rows(faults, step, [Place()], self.microsteps)[0]
 
 
 # In-process reuse, for callers that check many times in one process (tests, studies): the
