@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from sdcstudy.core import config as C
-from sdcstudy.core import errors
-from sdcstudy.core import runfolder as RF
+from sdcstudy.core import errors, reports
 from sdcstudy.core.config import UserError
 from sdcstudy.golden import contents
 from sdcstudy.golden.manifest import GoldenError, expect_sha_arg
@@ -46,15 +44,12 @@ def _config(args):
 
 def _write(args, report: dict, junit) -> None:
     """The report files asked for, after the verdict was printed: one that cannot be written
-    (a read-only or full folder, a path through a file) is a warning sentence, not a crash."""
-    for path, text, what in ((args.json, report_json, "JSON"), (args.junit, junit, "JUnit")):
-        if path is None:
-            continue
-        try:
-            RF.atomic_write_text(Path(path), text(report))
-        except OSError as e:
-            print(f"sdcstudy: warning: could not write the {what} report {str(path)!r} "
-                  f"({e.strerror or e}); the verdict above stands.", file=sys.stderr)
+    (a read-only or full folder, a path through a file) is one warning sentence naming it
+    (core/reports.py), and the verdict keeps its exit code."""
+    for path, text, what in ((args.json, report_json, "JSON report"),
+                             (args.junit, junit, "JUnit report")):
+        if path is not None:
+            reports.write_report_file(path, text(report), what)
 
 
 def _full_workload_memory() -> None:
