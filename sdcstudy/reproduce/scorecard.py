@@ -1,4 +1,6 @@
-"""The reproduction scorecard: for every number Ma et al. published, ours beside it and a verdict.
+"""The reproduction scorecard: for Ma et al.'s Tables 1, 2, 6-9 and Figures 5, 6 and 10, ours
+beside each published number and a verdict (docs/reproduction.md lists the results it has no row
+for yet).
 
 `build(plan, runs, stopped)` makes the rows (`bands.Row`) from the planned runs and the run
 folders that finished; `write` puts them in `scorecard.md`, `scorecard.csv` and
