@@ -6,10 +6,11 @@ no computation.
 
 Each mode (train, lockstep, paramsync, free, abft, detect, paft, finetune, golden) runs a few
 steps of a tiny model with faults that fire in every fault-bearing mode (forward and backward
-sites, the gradient and the update; lock-step with ABFT on), and leaves its final parameter digest, every metrics row
-(wall-clock fields left out), the summary (likewise) and a SHA-256 of every row of every Parquet
-table; `golden` leaves a SHA-256 of every step's digests and of its fault rows, clean and
-injected. The comparison names the first mode and field that differ.
+sites, the gradient and the update; lock-step with ABFT on), and leaves its final parameter
+digest, every metrics row (wall-clock fields left out), the summary (likewise) and a SHA-256
+of every row of every Parquet table; `golden` leaves a SHA-256 of every step's digests and of
+its fault rows, clean and injected. The comparison names the first mode and field that differ.
+`--lowered` records only a digest of each mode's lowered step program: a check in seconds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -116,6 +118,11 @@ def _table_rows(path: Path) -> list[str]:
             .to_dict("records")]
 
 
+def condensed(row_digests: list[str]) -> dict:
+    """A table's row digests as their number and one SHA-256 over them, in order."""
+    return {"rows": len(row_digests), "sha256": _sha(row_digests)}
+
+
 def run_folder_bits(run_dir: Path, summary: dict, folder: Path) -> dict:
     """The bits of one run folder; paths inside `folder` (this recording's scratch) are
     written relative to it."""
@@ -123,7 +130,7 @@ def run_folder_bits(run_dir: Path, summary: dict, folder: Path) -> dict:
 
     rows = [{k: v for k, v in r.items() if k not in WALL_CLOCK}
             for r in RF.read_jsonl(run_dir / RF.METRICS)]
-    tables = {p.name: _table_rows(p) for p in sorted(run_dir.iterdir())
+    tables = {p.name: condensed(_table_rows(p)) for p in sorted(run_dir.iterdir())
               if p.name.endswith(".parquet")}
     return {"param_digest": summary["param_digest"], "metrics": rows,
             "summary": json.loads(json.dumps(
@@ -159,6 +166,38 @@ def golden_bits(folder: Path) -> dict:
                 faults.append(_sha(work.fault_rows(digests.get("faults", {}), step)))
         out[label] = {"steps": steps, "fault_rows": faults}
     return out
+
+
+def lowered_programs(modes=MODES, progress=print) -> dict:
+    """Mode -> SHA-256 of its step's lowered program (StableHLO, no source locations), traced
+    from abstract values: no compile, no step run. Equal programs compile to equal executables
+    on one machine, so equal digests show the same computation in seconds, when both trees have
+    the same model (compare with the parent commit); a difference (the order of outputs
+    included) says only that the full `record` must decide."""
+    import jax
+
+    from sdcstudy import modes as registry
+    from sdcstudy.core import config as C
+
+    result = {}
+    with tempfile.TemporaryDirectory(prefix="mode-bits-") as tmp:
+        configs = _configs(Path(tmp))
+        for name in modes:
+            if name in ("golden", "finetune"):  # they compile when built: `record` only
+                continue
+            progress(f"mode-bits: lowering {name}")
+            mode = registry.build(C.from_dict(configs[name]))
+            trainer = mode.trainer
+            state = jax.eval_shape(trainer.init_state)
+            batch = trainer.make_batch(mode.batches().batch(0))
+            shardings = trainer.shardings(state, batch)
+            jitted = jax.jit(trainer.train_step, donate_argnums=0,
+                             **({} if shardings is None else dict(in_shardings=shardings)))
+            text = jitted.lower(state, batch).as_text()
+            # Output names (result[2]... against result.records...) say nothing of the program.
+            text = re.sub(r'jax\.result_info = "[^"]*"', "", text)
+            result[name] = hashlib.sha256(text.encode()).hexdigest()
+    return result
 
 
 def record(modes=MODES, progress=print) -> dict:
@@ -213,6 +252,9 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write this tree's bits to this JSON file")
     parser.add_argument("--compare", type=Path, help="compare this tree's bits with this file")
+    parser.add_argument("--lowered", action="store_true",
+                        help="record (or compare) the lowered step programs only: seconds, no "
+                             "run; golden and finetune are left to the full record")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated modes (default: all)")
     args = parser.parse_args(argv)
@@ -221,7 +263,9 @@ def main(argv=None) -> int:
     if unknown or not (args.out or args.compare):
         parser.error(f"unknown mode {unknown[0]!r}" if unknown else "give --out or --compare")
     base = json.loads(args.compare.read_text()) if args.compare else None
-    bits = record(modes, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    bits = lowered_programs(modes, say) if args.lowered else record(modes, say)
+    modes = [m for m in modes if m in bits]
     if args.out:
         args.out.write_text(json.dumps(bits, indent=1, sort_keys=True) + "\n")
     if base is None:
