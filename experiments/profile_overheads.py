@@ -115,7 +115,7 @@ def faults_trainers(preset: str) -> tuple[dict, object]:
         cfg, _ = B.preset_config("faults", preset, args, ["experiment.mode=train",
                                                           f"suspect.profile={profile}"])
         trainer = NodeTrainer.from_config(cfg)
-        out[name] = trainer if name == "idle" else dataclasses.replace(trainer, injector=None)
+        out[name] = trainer if name == "idle" else dataclasses.replace(trainer, faults=None)
 
     out["idle-unconditional"] = out["idle"]  # compiled under `unconditional_draws`
     return out, cfg

@@ -215,10 +215,10 @@ def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int
     wall_start = last_time = time.perf_counter()
     pending = None
 
-    def record(step, metrics, extras):
+    def record(step, metrics, records):
         nonlocal last_time, done_steps
         values = {k: float(v) for k, v in distributed.fetch(metrics).items()}
-        rows, step_counters = trainer.host_tables(step, distributed.fetch(extras))
+        rows, step_counters = trainer.host_tables(step, distributed.fetch(records))
         for name, table_rows in rows.items():
             tables[name].extend(table_rows)
         for key, value in step_counters.items():
@@ -245,10 +245,11 @@ def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int
         for step in range(start + 1, end + 1):
             batch = _put(trainer.make_batch(batches.batch(step - 1)),
                          None if shardings is None else shardings[1])
-            state, metrics, *extras = step_fn(state, batch)
+            out = step_fn(state, batch)  # a core.step.StepOut
+            state = out.state
             if pending is not None:
                 record(*pending)
-            pending = (step, metrics, extras)
+            pending = (step, out.metrics, out.records)
             if step == end or (e.checkpoint_every and step % e.checkpoint_every == 0):
                 record(*pending)
                 pending = None

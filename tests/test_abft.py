@@ -58,7 +58,7 @@ def _one_step(trainer):
 
 
 def _abft_rows(trainer, extras):
-    checks = extras[-1]
+    checks = extras[-1]["abft"]
     return trainer.abft.rows({k: v[0] for k, v in checks["fwd"].items()},
                              {k: v[0] for k, v in checks["bwd"].items()}, 1, 0)
 
@@ -154,9 +154,10 @@ def bfloat16_steps(tmp_path_factory):
         tokens = jax.random.randint(jax.random.key(step), (1, 2, 17), 0, 256)
         state, metrics, *extras = jax.device_get(step_fn(state, {"tokens": tokens}))
         assert np.isfinite(metrics["loss/healthy"])
-        faults += trainer.fault_rows(extras[0], step)[0]
-        checks += trainer.abft.rows({k: v[0] for k, v in extras[1]["fwd"].items()},
-                                    {k: v[0] for k, v in extras[1]["bwd"].items()}, step, 0)
+        records = extras[0]
+        faults += trainer.fault_rows(records["faults"], step)[0]
+        checks += trainer.abft.rows({k: v[0] for k, v in records["abft"]["fwd"].items()},
+                                    {k: v[0] for k, v in records["abft"]["bwd"].items()}, step, 0)
     return pd.DataFrame(checks), pd.DataFrame(faults)
 
 

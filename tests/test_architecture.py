@@ -130,6 +130,29 @@ def long_modules(root: Path = PACKAGE) -> list[str]:
             if (n := len(p.read_text().splitlines())) > MAX_LINES]
 
 
+# The step's topologies (issue 54): a trainer gets its injector, fault key and fault rows from the
+# faults step feature (`faults/feature.py`), and random streams from `core.step.STREAMS`.
+TRAINERS = ("core/train.py", "faults/trainer.py", "paired/trainer.py", "finetune/trainer.py",
+            "detect/trainer.py", "paft/trainer.py", "golden/workload.py")
+
+
+def step_violations(root: Path = PACKAGE) -> list[str]:
+    """A trainer that builds an `Injector` or a `FaultContext`, or folds a literal stream number
+    into a key (`fold_in(key, 1)`) instead of naming its stream."""
+    found = []
+    for rel in TRAINERS:
+        for node in ast.walk(ast.parse((root / rel).read_text(), rel)):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "attr", getattr(node.func, "id", None))
+            if name in ("Injector", "FaultContext"):
+                found.append(f"{rel}:{node.lineno} builds {name}(...)")
+            elif name == "fold_in" and len(node.args) == 2 and \
+                    isinstance(node.args[1], ast.Constant):
+                found.append(f"{rel}:{node.lineno} folds stream {node.args[1].value} into a key")
+    return found
+
+
 # --- the package as it is ----------------------------------------------------------------------
 
 
@@ -156,6 +179,10 @@ def test_no_module_over_400_lines():
 def test_at_most_ten_modules_directly_in_the_package():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} modules directly in sdcstudy/: {top}"
+
+
+def test_trainers_take_faults_and_streams_from_the_feature():
+    assert step_violations() == [], "use faults.feature.Faults and core.step.stream_key"
 
 
 def test_the_graph_sees_the_package():
@@ -212,3 +239,13 @@ def test_a_planted_report_to_feature_import_is_named(copy):
 def test_a_planted_long_module_is_named(copy):
     (copy / "core" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
     assert long_modules(copy) == [f"sdcstudy/core/long.py ({MAX_LINES + 1} lines)"]
+
+
+def test_a_planted_injector_and_stream_number_are_named(copy):
+    _append(copy / "paft" / "trainer.py", "jax.random.fold_in(key, 1)")
+    _append(copy / "golden" / "workload.py", "F.Injector(profile, 2)")
+    found = step_violations(copy)
+    assert len(found) == 2
+    assert found[0].startswith("paft/trainer.py:")
+    assert found[0].endswith("folds stream 1 into a key")
+    assert found[1].startswith("golden/workload.py:") and found[1].endswith("builds Injector(...)")

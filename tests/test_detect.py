@@ -68,8 +68,8 @@ class Stepper:
         for s in range(steps):
             batch = {**self.trainer.make_batch(self.batches.batch(s)),
                      "suspect": jnp.int32(suspect)}
-            state, _, _, result = self.step(state, batch)
-            out.append(self.trainer.judge(result))
+            state, _, records = self.step(state, batch)
+            out.append(self.trainer.judge(records["detect"]))
         return out
 
 

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from sdcstudy.core import config as C
 from sdcstudy.faults import specs as FS
 from sdcstudy.faults import inject as F
+from sdcstudy.faults.feature import Faults
 from sdcstudy.faults import corrupt as FC
 from sdcstudy.faults import draws as FD
 from sdcstudy.faults import bits as FB
@@ -416,7 +417,7 @@ def test_healthy_profile_compiles_to_the_plain_step():
 
     cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16}})
     healthy = NodeTrainer.from_config(cfg)
-    assert healthy.injector is None
+    assert healthy.faults is None
     assert not F.Injector(profiles.load("healthy"), DIMS.n_layers).active
     plain = train.Trainer.from_config(cfg)  # the core step, which has no fault code at all
     state = healthy.init_state()
@@ -439,14 +440,14 @@ def test_step_level_sites_run_in_the_single_node_trainer():
     cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
                        "model": {"n_layers": 1}})
     clean = NodeTrainer.from_config(cfg)
-    trainer = dataclasses.replace(clean, injector=F.Injector(profile, 1))
-    assert {s.site for _, s in trainer.injector.tree_specs} == {"grad", "update"}
+    trainer = dataclasses.replace(clean, faults=Faults(F.Injector(profile, 1)))
+    assert {s.site for _, s in trainer.faults.injector.tree_specs} == {"grad", "update"}
     state = jax.device_get(trainer.init_state())
     batch = {"tokens": jax.random.randint(jax.random.key(3), (1, 2, 17), 0, 256)}
     _, clean_metrics, _ = jax.jit(clean.train_step)(state, batch)
-    new_state, metrics, faults = jax.device_get(jax.jit(trainer.train_step)(state, batch))
+    new_state, metrics, records = jax.device_get(jax.jit(trainer.train_step)(state, batch))
     assert int(new_state["step"]) == 1 and np.isfinite(float(metrics["loss/healthy"]))
-    rows, overflow = trainer.fault_rows(faults, 1)
+    rows, overflow = trainer.fault_rows(records["faults"], 1)
     leaves = {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(
         state["params"])[0]}
     assert overflow == 0 and sorted(r["site"] for r in rows) == sorted(
@@ -469,7 +470,7 @@ def _one_layer_trainer(profile):
     """A one-layer tiny NodeTrainer injecting `profile`."""
     cfg = C.from_dict({"experiment": {"batch_size": 2}, "data": {"seq_len": 16},
                        "model": {"n_layers": 1}})
-    return dataclasses.replace(NodeTrainer.from_config(cfg), injector=F.Injector(profile, 1))
+    return dataclasses.replace(NodeTrainer.from_config(cfg), faults=Faults(F.Injector(profile, 1)))
 
 
 def _one_layer_batch():
@@ -494,8 +495,8 @@ def test_skipping_idle_draws_keeps_every_bit(monkeypatch):
         step = jax.jit(trainer.train_step)
         state, out = trainer.init_state(), []
         for _ in range(3):
-            state, metrics, faults = step(state, batch)
-            out.append((metrics["loss/healthy"], faults))
+            state, metrics, records = step(state, batch)
+            out.append((metrics["loss/healthy"], records["faults"]))
         text = step.lower(state, batch).as_text()
         return jax.device_get((state["params"], out)), text
 

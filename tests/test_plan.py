@@ -49,8 +49,8 @@ def ran(planned):
         0, trainer.dims.vocab_size, (e.microsteps, e.batch_size, cfg.data.seq_len + 1),
         dtype=np.int32)
     batch = jax.device_put(trainer.make_batch(tokens), trainer.batch_shardings())
-    _, _, *extras = program.compiled(state, batch)
-    tables, _ = trainer.host_tables(1, jax.device_get(extras))
+    out = program.compiled(state, batch)
+    tables, _ = trainer.host_tables(1, jax.device_get(out.records))
     return held, sizes, tables["mismatch.parquet"]
 
 

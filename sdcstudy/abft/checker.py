@@ -47,7 +47,9 @@ import numpy as np
 from jax import lax
 
 from sdcstudy.core import mesh as M
+from sdcstudy.core import runfolder as RF
 from sdcstudy.core import sites as S
+from sdcstudy.core.step import SiteHooks
 from sdcstudy.abft import bound as B
 from sdcstudy.abft.tables import (
     COLUMNS, DIRECTIONS, EPS, EPS32, HOST_THRESHOLDS, MATMUL_OF_SITE, counters, detection_summary,
@@ -295,7 +297,11 @@ class AbftHook:
 
 
 class Checker:
-    """Static ABFT settings of a model: which records exist, their sinks, and the host rows."""
+    """Static ABFT settings of a model: which records exist, their sinks, and the host rows;
+    the ABFT step feature ("abft"; device half `init_sinks`, `install`; host half `host`)."""
+
+    name = "abft"
+    tables = (RF.ABFT,)
 
     def __init__(self, n_layers: int, rule: str = "paper", recompute: bool = False,
                  corrupt_backward=None, operand_rounding: str = "auto",
@@ -332,6 +338,22 @@ class Checker:
     def hook(self, sinks: dict, full: S.Hook = S.identity_hook, fault: S.Hook = S.identity_hook,
              after: S.Hook = S.identity_hook) -> AbftHook:
         return AbftHook(self, sinks, full, fault, after)
+
+    def install(self, hooks: SiteHooks, sinks: dict) -> SiteHooks:
+        """The checked matmuls: fault, check, then `after`; `full` at every other site.
+        Installed last; its forward records fill `.full.records` while traced."""
+        return hooks._replace(full=self.hook(sinks, hooks.full, hooks.fault, hooks.after))
+
+    def host(self, step: int, records: dict, places, microsteps: int) -> tuple[dict, dict]:
+        """abft.parquet rows of one step, each place's microsteps in order, and counters."""
+        rows = []
+        for place in places:
+            for m in range(microsteps):
+                at = lambda d: {k: v[(*place.index, m)] for k, v in d.items()}  # noqa: E731
+                rows += self.rows(at(records["fwd"]), at(records["bwd"]), step, m,
+                                  tp_rank=place.tp_rank, node=place.node or 0,
+                                  dp_rank=place.dp_rank)
+        return {RF.ABFT: rows}, counters(rows)
 
     @staticmethod
     def rows(fwd: dict, bwd: dict, step: int, microstep: int, *, tp_rank: int = 0,

@@ -48,18 +48,18 @@ class DetectRunner(BT.StepRunner):
 
         judged = "monitor" in self.trainer.detectors
         for _ in range(n):
-            self.state, self.metrics, *self.extras = self.step_fn(self.state, self.batch)
+            self.state, self.metrics, self.records = self.step_fn(self.state, self.batch)
             if judged:
-                self.trainer.accept(self.trainer.judge(self.extras[1]))
-        jax.block_until_ready((self.state, self.metrics, self.extras))
+                self.trainer.accept(self.trainer.judge(self.records["detect"]))
+        jax.block_until_ready((self.state, self.metrics, self.records))
 
     def warm_up(self, n: int) -> list[dict]:
         import jax
 
         out = []
         for _ in range(n):
-            self.state, self.metrics, *self.extras = self.step_fn(self.state, self.batch)
-            verdict = self.trainer.judge(self.extras[1])
+            self.state, self.metrics, self.records = self.step_fn(self.state, self.batch)
+            verdict = self.trainer.judge(self.records["detect"])
             self.trainer.accept(verdict)
             out.append({**{k: float(v) for k, v in jax.device_get(self.metrics).items()},
                         "flags": sum(int(verdict.get(d, 0)) for d in self.trainer.detectors)})

@@ -68,14 +68,14 @@ def measure_faults(preset: str, args, echo=B.echo_stderr) -> dict:
                 "experiment.mode=train", f"suspect.profile={profile}"])
             trainer = NodeTrainer.from_config(cfg)
             # plain: no fault engine at all, whatever the profile would build.
-            trainers[variant] = (dataclasses.replace(trainer, injector=None)
+            trainers[variant] = (dataclasses.replace(trainer, faults=None)
                                  if variant == "plain" else trainer)
     runners, warmup, variants, result = BT.time_variants(preset, args, cfg, steps, trainers,
                                                          "plain", "{}", echo)
     plain = runners["plain"]
     for variant, runner in runners.items():
         variants[variant].update({
-            "injector": runner.trainer.injector is not None,
+            "injector": runner.trainer.faults is not None,
             "hlo_identical": runner.hlo == plain.hlo,
             "program_identical": D.program_text(runner.hlo) == D.program_text(plain.hlo),
             "hlo_chars": len(runner.hlo),

@@ -52,15 +52,15 @@ class StepRunner:
         if compiled is None:
             compiled = compile_step(trainer.train_step, self.state, self.batch, shardings)
         self.step_fn, self.hlo, self.compile_s = compiled
-        self.metrics, self.extras = None, []
+        self.metrics, self.records = None, {}
 
     def run(self, n: int) -> None:
         """n steps, dispatched back to back (as the host loop does), then waited for."""
         import jax
 
         for _ in range(n):
-            self.state, self.metrics, *self.extras = self.step_fn(self.state, self.batch)
-        jax.block_until_ready((self.state, self.metrics, self.extras))
+            self.state, self.metrics, self.records = self.step_fn(self.state, self.batch)
+        jax.block_until_ready((self.state, self.metrics, self.records))
 
     def warm_up(self, n: int) -> list[dict]:
         """n steps one at a time; per step its metrics and the trainer's host counters
@@ -73,7 +73,7 @@ class StepRunner:
         for _ in range(n):
             self.run(1)
             step = int(jax.device_get(self.state["step"]))
-            _, counters = self.trainer.host_tables(step, jax.device_get(self.extras))
+            _, counters = self.trainer.host_tables(step, jax.device_get(self.records))
             counters.pop("bit_histograms", None)
             out.append({**{k: float(v) for k, v in jax.device_get(self.metrics).items()},
                         **counters.pop(STEP_ONLY, {}), **counters})

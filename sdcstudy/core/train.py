@@ -1,6 +1,7 @@
 """The training step, the optimizer, and the thin host loop that writes a run folder.
 
-`train_step(state, batch)` is pure and jitted once, ahead of time, with the state donated.
+`train_step(state, batch)` is pure and jitted once, ahead of time, with the state donated; it
+returns a `core.step.StepOut` (state, metrics, records by feature name).
 Everything random derives from `experiment.seed`; the data position, the learning rate and
 any schedule are functions of the step number, so a checkpoint needs only the state.
 Steps count from 1 in metrics and files: step k is the k-th optimizer update.
@@ -26,6 +27,7 @@ from sdcstudy.core import mesh as M, model, runfolder as RF
 from sdcstudy.core.checkpoint import Checkpointer
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.sites import Hook, identity_hook
+from sdcstudy.core.step import StepOut, stream_key
 
 
 STEP_ONLY = "step_only"  # a host_tables counter: values of this step, not summed (see there)
@@ -136,7 +138,7 @@ class Trainer:
         return jax.random.key(self.cfg.experiment.seed)
 
     def init_state(self) -> dict:
-        params = model.init_params(self.dims, jax.random.fold_in(self.base_key, 0))
+        params = model.init_params(self.dims, stream_key(self.base_key, "params"))
         return {"params": params, "opt_state": self.tx.init(params), "step": jnp.int32(0)}
 
     def loss(self, params, sinks, batch, microstep, step=0):
@@ -148,11 +150,12 @@ class Trainer:
     def init_sinks(self) -> dict:
         return {}
 
-    def train_step(self, state: dict, batch: dict):
+    def train_step(self, state: dict, batch: dict) -> StepOut:
         step = state["step"] + 1
         loss, grads, _ = accumulate_gradients(partial(self.loss, step=step), state["params"],
                                               batch, self.init_sinks())
-        return apply_update(self.tx, state, grads), self.step_metrics(state, loss, grads)
+        return StepOut(apply_update(self.tx, state, grads), self.step_metrics(state, loss, grads),
+                       {})
 
     def step_metrics(self, state: dict, loss, grads) -> dict:
         return {"loss/healthy": loss, "grad/norm": optax.tree.norm(grads),
@@ -177,12 +180,13 @@ class Trainer:
 
     TABLES: ClassVar[tuple[str, ...]] = ()
 
-    def host_tables(self, step: int, extras) -> tuple[dict, dict]:
-        """Host side, one step: rows for the run folder's tables, and counters (none here).
-        The runner sums each counter over the run into summary.json and writes this step's in
-        metrics.jsonl, but for `STEP_ONLY`, a dict of values that are this step's only
-        (metrics.jsonl), and `bit_histograms`, which it merges."""
-        del step, extras
+    def host_tables(self, step: int, records: dict) -> tuple[dict, dict]:
+        """Host side, one step: rows for the run folder's tables from the step's records by
+        feature name (`StepOut.records`, fetched), and counters (none here). The runner sums
+        each counter over the run into summary.json and writes this step's in metrics.jsonl,
+        but for `STEP_ONLY`, a dict of values that are this step's only (metrics.jsonl), and
+        `bit_histograms`, which it merges."""
+        del step, records
         return {}, {}
 
 

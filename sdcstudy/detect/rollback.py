@@ -54,15 +54,14 @@ class VerifiedRollback:
         for attempt in range(self.max_retries + 1):
             work = jax.tree.map(jnp.copy, self.verified)
             # Even attempt numbers: a re-execution detector uses attempt + 1 for its copy.
-            new_state, metrics, faults, out = self.compiled(
-                work, {**batch, "attempt": jnp.int32(2 * attempt)})
-            verdict = self.trainer.judge(out)
+            out = self.compiled(work, {**batch, "attempt": jnp.int32(2 * attempt)})
+            verdict = self.trainer.judge(out.records["detect"])
             if not self.trainer.flagged(verdict):
                 self.trainer.accept(verdict)
-                self.promote(new_state, self.verified_step + 1)
+                self.promote(out.state, self.verified_step + 1)
                 verdict["rollbacks"] = attempt
                 self.rollbacks += attempt
-                return new_state, metrics, faults, verdict
+                return out._replace(records={**out.records, "detect": verdict})
         raise DetectionError(f"step {self.verified_step + 1} was still flagged after "
                              f"{self.max_retries} rollbacks: a repeatable fault (or a transient "
                              f"one that strikes nearly every execution) cannot be rolled back.")

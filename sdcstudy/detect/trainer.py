@@ -37,7 +37,9 @@ from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import Config
 from sdcstudy.detect.plan import (DETECTORS, executions, needs_reference, parse_detectors,
                                   validate)
+from sdcstudy.core.step import Place, Records, StepOut
 from sdcstudy.core.train import accumulate_gradients, apply_update, compile_step
+from sdcstudy.faults.feature import Faults, counters
 from sdcstudy.faults.trainer import NodeTrainer
 from sdcstudy.detect import tables as DT
 from sdcstudy.detect.rollback import DetectionError, VerifiedRollback
@@ -146,12 +148,11 @@ class DetectTrainer(NodeTrainer):
             monitor=Monitor(d.spike_window, d.spike_loss, d.spike_grad))
 
     def fault_context(self, step, microstep, sinks=None) -> F.FaultContext:
-        ctx = super().fault_context(step, microstep, sinks)
-        if self.execution is not None:
-            node, device, attempt = self.execution
-            ctx.key = jax.random.fold_in(ctx.key, device)
-            ctx.node, ctx.attempt = node, attempt
-        return ctx
+        if self.execution is None:
+            return super().fault_context(step, microstep, sinks)
+        node, device, attempt = self.execution  # each device draws its own faults
+        return self.faults.context(self.base_key, step, microstep, sinks, fold=(device,),
+                                   node=node, attempt=attempt)
 
     @property
     def dp(self) -> int:
@@ -172,10 +173,10 @@ class DetectTrainer(NodeTrainer):
             for record in jax.tree.leaves((checks_fwd, checks_bwd)):
                 abft_flag |= jnp.any(record[..., A.FLAGGED] > 0)
         records = {}
-        if self.injector is not None:
+        if self.faults is not None:
             ctx = ex.fault_context(step, jnp.int32(-1))
-            grads = self.injector.corrupt_tree(grads, ctx, "grad")
-            records = {"micro": {**fwd_M, **bwd_M}, "step": ctx.records}
+            grads = self.faults.transform_grads(grads, ctx)
+            records = Faults.records(ctx, fwd_M, bwd_M)
         return loss, grads, records, abft_flag
 
     def train_step(self, state: dict, batch: dict):
@@ -238,8 +239,8 @@ class DetectTrainer(NodeTrainer):
                 [c[d] for c in copies])]) for d in range(self.dp)])
         new_state = apply_update(self.tx, state, grads)
         metrics["lr"] = self.schedule(state["step"])
-        faults = jax.tree.map(lambda r: r[jnp.asarray(primary)], records_E)
-        return new_state, metrics, faults, out
+        faults = {Faults.name: jax.tree.map(lambda r: r[jnp.asarray(primary)], records_E)}
+        return StepOut(new_state, metrics, Records(**(faults if self.faults else {}), detect=out))
 
     def make_batch(self, tokens_MBL1) -> dict:
         # The faulty device is data, so one compiled step serves any choice of it (a device
@@ -297,16 +298,16 @@ class DetectTrainer(NodeTrainer):
             rollback = VerifiedRollback(compiled, self, self.cfg.detect.max_retries)
 
             def step(state, batch):
-                new_state, metrics, faults, verdict = rollback(state, batch)
-                return new_state, {**metrics, **per_step(verdict)}, faults, verdict
+                out = rollback(state, batch)
+                return out._replace(metrics={**out.metrics, **per_step(out.records["detect"])})
 
             return step
 
         def step(state, batch):
-            new_state, metrics, faults, out = compiled(state, batch)
-            verdict = self.judge(out)
-            self.accept(verdict)
-            return new_state, {**metrics, **per_step(verdict)}, faults, verdict
+            out = compiled(state, batch)
+            self.accept(verdict := self.judge(out.records["detect"]))
+            return StepOut(out.state, {**out.metrics, **per_step(verdict)},
+                           {**out.records, "detect": verdict})
 
         return step
 
@@ -314,21 +315,21 @@ class DetectTrainer(NodeTrainer):
     def TABLES(self):
         return (RF.FAULTS, DT.DETECTIONS)
 
-    def host_tables(self, step: int, extras) -> tuple[dict, dict]:
-        faults, verdict = extras
-        kind = DT.injected_kind(None if self.injector is None else self.injector.profile)
+    def host_tables(self, step: int, records: dict) -> tuple[dict, dict]:
+        """Host side: the primaries' fault rows, the verdict's detections row, counters."""
+        verdict = records["detect"]
+        kind = DT.injected_kind(None if self.faults is None else self.faults.profile)
         detection = DT.detection_row(step, verdict, self.detectors, kind)
         rows, overflow = [], 0
-        if self.injector is not None:
-            for index in range(len(self.roles("primary"))):  # only the faulty device's land
-                r, o = self.fault_rows(jax.tree.map(lambda a: a[index], faults), step)
-                rows += r
-                overflow += o
-        counters = {"faults/landed": len(rows) + overflow, "faults/unlogged": overflow}
+        if self.faults is not None:  # the primaries' (only the faulty device's land)
+            primaries = [Place((i,)) for i in range(len(self.roles("primary")))]
+            rows, overflow = self.faults.rows(records[Faults.name], step, primaries,
+                                              self.cfg.experiment.microsteps)
+        step_counters = counters(len(rows), overflow)
         for key, value in verdict.items():
             if key not in ("loss", "grad_norm") and key not in PER_STEP:
-                counters[f"detect/{key}"] = value
-        return {RF.FAULTS: rows, DT.DETECTIONS: [detection] if detection else []}, counters
+                step_counters[f"detect/{key}"] = value
+        return {RF.FAULTS: rows, DT.DETECTIONS: [detection] * bool(detection)}, step_counters
 
 
 # Verdict entries that are per-step values, not counts: metrics.jsonl only, not summed.
@@ -380,10 +381,10 @@ def measure_overhead(cfg: Config, reps: int = 5, echo=print) -> dict:
         for name in order:
             trainer, step = compiled[name]
             start = time.perf_counter()
-            states[name], _, _, out = step(states[name], batch)
+            states[name], _, records = step(states[name], batch)
             if name == "monitor":
-                trainer.judge(out)
-            jax.block_until_ready((states[name], out))
+                trainer.judge(records["detect"])
+            jax.block_until_ready((states[name], records))
             if rep:  # the first round warms up
                 times[name].append(time.perf_counter() - start)
     base_time = float(np.median(times["none"]))

@@ -11,77 +11,70 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-import jax
 import jax.numpy as jnp
 
 from sdcstudy.abft import checker as A
-from sdcstudy.core import model, runfolder as RF
 from sdcstudy.core import config as C
+from sdcstudy.core import model, runfolder as RF
 from sdcstudy.core.config import Config
-from sdcstudy.core.sites import Hook, compose, identity_hook
+from sdcstudy.core.sites import Hook, identity_hook
+from sdcstudy.core.step import Place, Records, SiteHooks, StepOut
 from sdcstudy.core.train import Trainer, accumulate_gradients, apply_update
 from sdcstudy.faults import inject as F
-from sdcstudy.faults import profiles
+from sdcstudy.faults.feature import Faults, counters
 
 
 @dataclass
 class NodeTrainer(Trainer):
     """`Trainer` on a node that may be faulty (`suspect.profile`), with ABFT when enabled."""
 
-    injector: F.Injector | None = None
+    faults: Faults | None = None
     abft: A.Checker | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, hook: Hook = identity_hook) -> "NodeTrainer":
         dims = C.model_dims(cfg.model)
-        profile = profiles.load_for(cfg)
-        injector = None if profile.healthy else F.Injector(
-            profile, dims.n_layers, cfg.suspect.log_limit, cfg.suspect.fault_seed)
-        return super().from_config(cfg, hook, injector=injector,
+        return super().from_config(cfg, hook, faults=Faults.from_config(cfg, dims.n_layers),
                                    abft=A.Checker.from_config(cfg, dims.n_layers))
 
     def fault_context(self, step, microstep, sinks=None) -> F.FaultContext:
-        return F.FaultContext(jax.random.fold_in(self.base_key, 1), step, microstep, sinks)
+        return self.faults.context(self.base_key, step, microstep, sinks)
 
     def loss(self, params, sinks, batch, microstep, step=0):
-        hook = self.hook
-        records = {}
-        inject = identity_hook
-        if self.injector is not None:
+        hooks, records = SiteHooks.around(self.hook), {}
+        if self.faults is not None:
             ctx = self.fault_context(step, microstep, sinks)
-            inject = self.injector.hook(ctx)
-            hook = compose(inject, hook)
-            records = ctx.records
+            hooks, records = self.faults.install(hooks, ctx), ctx.records
         if self.abft is not None:  # faults at a matmul's output land before its check
-            hook = self.abft.hook(sinks, full=hook, fault=inject, after=self.hook)
+            hooks = self.abft.install(hooks, sinks)
         loss_sum, count = model.token_losses(self.graphdef, params, batch["tokens"],
-                                             batch.get("mask"), hook=hook)
+                                             batch.get("mask"), hook=hooks.full)
         if self.abft is not None:
-            records = {**records, **hook.records}
+            records = {**records, **hooks.full.records}
         return loss_sum, (count, records)
 
     def init_sinks(self) -> dict:
-        sinks = {} if self.injector is None else self.injector.init_sinks()
+        sinks = {} if self.faults is None else self.faults.init_sinks()
         return sinks if self.abft is None else {**sinks, **self.abft.init_sinks()}
 
-    def train_step(self, state: dict, batch: dict):
+    def train_step(self, state: dict, batch: dict) -> StepOut:
         step = state["step"] + 1
         loss, grads, (fwd_M, bwd_M) = accumulate_gradients(
             partial(self.loss, step=step), state["params"], batch, self.init_sinks())
         if self.abft is not None:
             (fwd_M, abft_fwd), (bwd_M, abft_bwd) = A.split(fwd_M), A.split(bwd_M)
-        faults = {}
+        records = Records()
         transform_updates = lambda u: u  # noqa: E731
-        if self.injector is not None:
+        if self.faults is not None:
             ctx = self.fault_context(step, jnp.int32(-1))
-            grads = self.injector.corrupt_tree(grads, ctx, "grad")
-            transform_updates = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
-            faults = {"micro": {**fwd_M, **bwd_M}, "step": ctx.records}
+            grads = self.faults.transform_grads(grads, ctx)
+            transform_updates = self.faults.transform_updates(ctx)
+            records[Faults.name] = Faults.records(ctx, fwd_M, bwd_M)
         new_state = apply_update(self.tx, state, grads, transform_updates)
         metrics = self.step_metrics(state, loss, grads)
         if self.abft is not None:
-            return new_state, metrics, faults, {"fwd": abft_fwd, "bwd": abft_bwd}
-        return new_state, metrics, faults
+            records[A.Checker.name] = {"fwd": abft_fwd, "bwd": abft_bwd}
+        return StepOut(new_state, metrics, records)
 
     # --- host-loop interface ----------------------------------------------------------------
 
@@ -89,33 +82,23 @@ class NodeTrainer(Trainer):
     def TABLES(self):
         return (RF.FAULTS,) if self.abft is None else (RF.FAULTS, RF.ABFT)
 
-    def host_tables(self, step: int, extras) -> tuple[dict, dict]:
+    def host_tables(self, step: int, records: dict) -> tuple[dict, dict]:
         """Host side, one step: rows for the run folder's tables, and counters."""
-        faults, *checks = extras
-        rows, overflow = self.fault_rows(faults, step)
+        rows, overflow = self.fault_rows(records.get(Faults.name), step)
         tables = {RF.FAULTS: rows}
-        counters = {"faults/landed": len(rows) + overflow, "faults/unlogged": overflow}
+        step_counters = counters(len(rows), overflow)
         if self.abft is not None:
-            (checks,) = checks
-            tables[RF.ABFT] = [r for m in range(self.cfg.experiment.microsteps)
-                               for r in self.abft.rows(
-                                   {k: v[m] for k, v in checks["fwd"].items()},
-                                   {k: v[m] for k, v in checks["bwd"].items()}, step, m)]
-            counters.update(A.counters(tables[RF.ABFT]))
-        return tables, counters
+            rows, abft_counters = self.abft.host(step, records[A.Checker.name], [Place()],
+                                                 self.cfg.experiment.microsteps)
+            tables.update(rows)
+            step_counters.update(abft_counters)
+        return tables, step_counters
 
-    def fault_rows(self, faults: dict, step: int) -> tuple[list[dict], int]:
+    def fault_rows(self, faults: dict | None, step: int) -> tuple[list[dict], int]:
         """Host side: ground-truth rows of one step's fault records (and the overflow count)."""
-        if self.injector is None:
+        if self.faults is None:
             return [], 0
-        rows, overflow = F.record_rows(faults["step"], step, -1, self.injector.profile)
-        micro = faults["micro"]
-        for m in range(self.cfg.experiment.microsteps):
-            r, o = F.record_rows({k: v[m] for k, v in micro.items()}, step, m,
-                                 self.injector.profile)
-            rows += r
-            overflow += o
-        return rows, overflow
+        return self.faults.rows(faults, step, [Place()], self.cfg.experiment.microsteps)
 
 
 __all__ = ["NodeTrainer"]

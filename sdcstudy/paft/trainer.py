@@ -43,7 +43,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import jax
@@ -54,22 +53,22 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdcstudy.core import config as C
-from sdcstudy.faults import inject as F
 from sdcstudy.core import mesh as M
+from sdcstudy.core import runfolder as RF
 from sdcstudy.core import model
 from sdcstudy.paft import divergence as DV
 from sdcstudy.paft import packets
 from sdcstudy.paft.checks import check_config
 from sdcstudy.faults import profiles
+from sdcstudy.faults.feature import Faults, counters
 from sdcstudy.core.config import Config, UserError
+from sdcstudy.core.step import Place, Records, StepOut, stream_key
 from sdcstudy.core.train import (
     accumulate_gradients, apply_update, learning_rate_schedule, make_optimizer)
 
 LOSS_KEY = "loss/mean"
 GRAD_SITE = "collective/grad_allreduce"
 PAFT_SITES = ("grad", GRAD_SITE, "update")
-# Streams folded into the run key: one per kind of randomness.
-NOISE_STREAM, LOSS_STREAM, BROADCAST_STREAM, FAULT_STREAM = 2, 3, 4, 1
 
 
 def _squeeze(tree):
@@ -91,7 +90,7 @@ class PaftTrainer:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     mesh: jax.sharding.Mesh
-    injector: F.Injector | None = None
+    faults: Faults | None = None
     opt_floats: int = 0  # float elements of one worker's optimizer state
     loss_key: str = LOSS_KEY
 
@@ -102,22 +101,20 @@ class PaftTrainer:
         graphdef, abstract = model.abstract_init(dims)
         steps = cfg.experiment.steps
         profile = profiles.load_for(cfg, fault_kind="profile")
-        injector = None
-        if not profile.healthy:
-            bad = [s.site for s in profile.specs if s.base_rate > 0 and s.site not in PAFT_SITES]
-            if bad:
-                raise UserError(f"paft mode corrupts gradients in aggregation only, so profile "
-                                f"{profile.name!r} may use the sites {', '.join(PAFT_SITES)}, "
-                                f"not {bad[0]!r}.")
-            injector = F.Injector(profile, dims.n_layers, cfg.suspect.log_limit,
-                                  cfg.suspect.fault_seed)
+        bad = [s.site for s in profile.specs if s.base_rate > 0 and s.site not in PAFT_SITES]
+        if bad:
+            raise UserError(f"paft mode corrupts gradients in aggregation only, so profile "
+                            f"{profile.name!r} may use the sites {', '.join(PAFT_SITES)}, "
+                            f"not {bad[0]!r}.")
+        faults = Faults.from_profile(profile, dims.n_layers, cfg.suspect.log_limit,
+                                     cfg.suspect.fault_seed)
         tx = make_optimizer(cfg.optim, steps)
         opt_shapes = jax.eval_shape(tx.init, abstract)
         opt_floats = sum(math.prod(x.shape) for x in jax.tree.leaves(opt_shapes)
                          if jnp.issubdtype(x.dtype, jnp.floating))
         mesh = mesh or M.make_mesh(1, cfg.mesh.dp, 1)
         return cls(cfg, dims, graphdef, tx, learning_rate_schedule(cfg.optim, steps), mesh,
-                   injector, opt_floats)
+                   faults, opt_floats)
 
     @property
     def workers(self) -> int:
@@ -142,7 +139,7 @@ class PaftTrainer:
         the random draws of the step (noise, drops), not for the initial parameters."""
         seed = self.cfg.experiment.seed if seed is None else seed
         key = jax.random.key(self.cfg.experiment.seed)
-        params = model.init_params(self.dims, jax.random.fold_in(key, 0))
+        params = model.init_params(self.dims, stream_key(key, "params"))
         return self._init_fn(params, jax.random.key_data(jax.random.key(seed)),
                              self._paft_state())
 
@@ -203,20 +200,18 @@ class PaftTrainer:
         """Definition 2.1's error on this worker's aggregate (`divergence.add_noise`)."""
         if not DV.adds_noise(self.cfg.paft.noise):
             return tree
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, NOISE_STREAM),
-                                                    step), me)
+        key = jax.random.fold_in(jax.random.fold_in(stream_key(key, "paft/noise"), step), me)
         return DV.add_noise(tree, ctl, step, key)
 
     def _lossy_mean(self, grads, prev, loss_p, key, step, me):
         """Each worker's aggregate of the packets that reached it (and the new stale memory)."""
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, LOSS_STREAM), step),
-                                 me)
+        key = jax.random.fold_in(jax.random.fold_in(stream_key(key, "paft/loss"), step), me)
         return packets.lossy_mean(grads, prev, self.cfg.paft.loss, loss_p, key, me)
 
     def _broadcast(self, new, old, key, step, me):
         """The owners' broadcast of the updated copies, lost with probability param_p."""
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, BROADCAST_STREAM),
-                                                    step), me)
+        key = jax.random.fold_in(jax.random.fold_in(stream_key(key, "paft/broadcast"), step),
+                                 me)
         return packets.lossy_broadcast(new, old, self.cfg.paft.loss, key, me)
 
     # --- the step ------------------------------------------------------------------------
@@ -248,10 +243,9 @@ class PaftTrainer:
         records = {}
         transform_updates = lambda u: u  # noqa: E731
         ctx = None
-        if self.injector is not None:
-            ctx = F.FaultContext(jax.random.fold_in(key, FAULT_STREAM), step, jnp.int32(-1),
-                                 dp_axis=M.DATA)
-            grads = self.injector.corrupt_tree(grads, ctx, "grad")
+        if self.faults is not None:
+            ctx = self.faults.step_context(key, step, dp_axis=M.DATA)
+            grads = self.faults.transform_grads(grads, ctx)
 
         if average_before_update:
             # The average's all-reduce comes first, so the divergence it removed rides in the
@@ -272,9 +266,9 @@ class PaftTrainer:
         grad_norm = stats["norm"] / m  # the mean over workers of ||g_m||
         grads = self._noise(grads, ctl, key, step, me)
         if ctx is not None:
-            grads = self.injector.corrupt_tree(grads, ctx, GRAD_SITE)
-            transform_updates = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
-            records = ctx.records
+            grads = self.faults.transform_grads(grads, ctx, GRAD_SITE)
+            transform_updates = self.faults.transform_updates(ctx)
+            records[Faults.name] = {"step": ctx.records}
 
         opt_in = opt_in if sync_opt else opt
         new = apply_update(self.tx, {"params": params_in, "opt_state": opt_in,
@@ -325,19 +319,22 @@ class PaftTrainer:
                    "paft/sync": applied.astype(jnp.float32), "paft/H": h.astype(jnp.float32),
                    "paft/sigma2_est": sigma2_est, "grad/norm": grad_norm, "lr": lr}
         flags = {"sync": applied.astype(jnp.int32)}
-        blocks = jax.tree.map(lambda x: M.vary(x, (M.DATA,))[None], records)
-        return out_state, metrics, blocks, flags
+        records = jax.tree.map(lambda x: M.vary(x, (M.DATA,))[None], records)
+        return StepOut(out_state, metrics, Records(**records, paft=flags))
 
     def train_step(self, state, batch):
         specs = self.state_specs(state)
         step = jax.shard_map(self._local_step, mesh=self.mesh,
                              in_specs=(specs, {"tokens": P(None, M.DATA)}),
-                             out_specs=(specs, P(), P(M.DATA), P()), check_vma=True)
+                             out_specs=StepOut(specs, P(), Records(
+                                 **({Faults.name: P(M.DATA)} if self.faults else {}),
+                                 paft=P())),
+                             check_vma=True)
         return step(state, batch)
 
     # --- host-loop interface (shared with train.Trainer and paired.PairedTrainer) ---------
 
-    TABLES = ("faults.parquet",)
+    TABLES = (RF.FAULTS,)
 
     def shardings(self, state, batch):
         return self.state_shardings(state), {k: NamedSharding(self.mesh, P(None, M.DATA))
@@ -357,20 +354,17 @@ class PaftTrainer:
         broadcast = (m - 1) / m * 4 * d if c.loss.param_p is not None else 0
         return {"grad": round(grad), "sync": round(sync), "broadcast": round(broadcast)}
 
-    def host_tables(self, step: int, extras) -> tuple[dict, dict]:
-        records, flags = extras
+    def host_tables(self, step: int, records: dict) -> tuple[dict, dict]:
+        """Host side, one step: the workers' fault rows (node: the worker), bytes sent."""
         rows, overflow = [], 0
-        if self.injector is not None:
-            for m in range(self.workers):
-                r, o = F.record_rows(jax.tree.map(lambda a: a[m], records), step, -1,
-                                     self.injector.profile, node=m)
-                rows += r
-                overflow += o
+        if self.faults is not None:
+            rows, overflow = self.faults.rows(records[Faults.name], step,
+                                              [Place((m,), node=m) for m in range(self.workers)],
+                                              self.cfg.experiment.microsteps)
         b = self.bytes_per_step()
-        counters = {"bytes/grad": b["grad"], "bytes/sync": b["sync"] * int(flags["sync"]),
-                    "bytes/broadcast": b["broadcast"], "faults/landed": len(rows) + overflow,
-                    "faults/unlogged": overflow}
-        return {"faults.parquet": rows}, counters
+        return {RF.FAULTS: rows}, {
+            "bytes/grad": b["grad"], "bytes/sync": b["sync"] * int(records["paft"]["sync"]),
+            "bytes/broadcast": b["broadcast"], **counters(len(rows), overflow)}
 
     def summarize(self, rows: list[dict]) -> dict:
         """Run-level PAFT numbers for summary.json."""

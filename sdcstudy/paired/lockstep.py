@@ -47,8 +47,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from sdcstudy.core import mesh as M
+from sdcstudy.core import runfolder as RF
 from sdcstudy.core import sites as S
 from sdcstudy.core.mesh import HEALTHY, NODE
+from sdcstudy.core.step import SiteHooks
+from sdcstudy.core.train import STEP_ONLY
 from sdcstudy.paired.mismatch import ROW_STATS, STATS_LEN, compare, decode, merge
 
 FWD_SITES = {S.ATTN_OUT: "fwd/attn", S.FFN_OUT: "fwd/ffn"}
@@ -167,8 +170,19 @@ def compose_with_injector(tap_hook: S.Hook, inject_hook: S.Hook | None) -> S.Hoo
     return composed
 
 
+def site_frequencies(rows: list[dict]) -> dict:
+    """{"freq/<site>": mismatching elements / elements compared} of one step's mismatch rows:
+    eqs. (1)-(2) over the step's microsteps, layers and tp ranks (docs/metrics.md)."""
+    totals = {}
+    for r in rows:
+        n, e = totals.get(r["site"], (0, 0))
+        totals[r["site"]] = (n + int(r["mismatches"]), e + int(r["elements"]))
+    return {f"freq/{site}": n / e for site, (n, e) in totals.items() if e}
+
+
 class LockstepTaps:
-    """The taps of one model, and the host-side decoding of their statistics.
+    """The taps of one model, and the host-side decoding of their statistics: the lock-step
+    step feature ("taps"; device half `init_sinks`, `install`; host half `host`).
 
     Inside the shard_mapped step (mesh axes node, and dp / tp where given)::
 
@@ -189,6 +203,9 @@ class LockstepTaps:
     and `taps.bit_histograms(fwd, bwd)` the per-bit counts.
     """
 
+    name = "taps"
+    tables = (RF.MISMATCH,)
+
     def __init__(self, n_layers: int, tp_axis: str | None = None, *, dp_axis: str | None = None,
                  node_axis: str = NODE):
         self.n_layers = n_layers
@@ -208,6 +225,25 @@ class LockstepTaps:
     def hook(self, sinks: dict) -> TapHook:
         """A fresh hook for one traced forward pass; read `.fwd_stats` after it."""
         return TapHook(self, sinks)
+
+    def install(self, hooks: SiteHooks, tap: TapHook) -> SiteHooks:
+        """`tap` (a fresh `hook(sinks)`) placed where it sees the faults installed before it
+        (`compose_with_injector`), and after a checked matmul."""
+        return hooks._replace(full=compose_with_injector(tap, hooks.fault), after=tap)
+
+    def host(self, step: int, records: dict, places, microsteps: int) -> tuple[dict, dict]:
+        """mismatch.parquet rows of one step's (node, dp, tp, microstep) records, the
+        mismatches counter, this step's frequency per site and the bit histograms."""
+        del places  # the taps decode every device's block themselves (`decoded`)
+        rows, hist = [], {}
+        for m in range(microsteps):
+            fwd = {k: v[:, :, :, m] for k, v in records["fwd"].items()}
+            bwd = {k: v[:, :, :, m] for k, v in records["bwd"].items()}
+            rows += self.rows(fwd, bwd, step, m)
+            for (_, site, _), counts in self.bit_histograms(fwd, bwd).items():
+                hist[site] = hist.get(site, 0) + np.asarray(counts, np.int64)
+        return {RF.MISMATCH: rows}, {"mismatches": int(sum(r["mismatches"] for r in rows)),
+                                     STEP_ONLY: site_frequencies(rows), "bit_histograms": hist}
 
     @property
     def out_spec(self) -> P:

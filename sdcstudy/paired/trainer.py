@@ -33,19 +33,20 @@ from jax.sharding import PartitionSpec as P
 
 from sdcstudy.abft import checker as A
 from sdcstudy.core import config as C
-from sdcstudy.faults import inject as F
 from sdcstudy.paired import lockstep as LS
 from sdcstudy.core import mesh as M
 from sdcstudy.core import model
-from sdcstudy.faults import profiles
 from sdcstudy.core import runfolder as RF
-from sdcstudy.core import sites as S
 from sdcstudy.core.config import Config, UserError
+from sdcstudy.core.step import Place, Records, SiteHooks, StepOut, stream_key
+from sdcstudy.faults.feature import Faults
 from sdcstudy.core.train import (
-    STEP_ONLY, accumulate_gradients, apply_update, learning_rate_schedule, make_optimizer)
+    accumulate_gradients, apply_update, learning_rate_schedule, make_optimizer)
 
 PAIRED_MODES = ("lockstep", "paramsync", "free")
 SYNCED_MODES = ("lockstep", "paramsync")
+# The mesh axes a feature's draws and records vary over on a node of the pair.
+PAIR_AXES = {"node_axis": M.NODE, "tp_axis": M.TP, "dp_axis": M.DATA}
 
 # Megatron layout: Q, K, V, gate and up split by columns (heads, FFN units); O and down by rows.
 COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")
@@ -127,16 +128,6 @@ def _clip(grads, norm, max_norm):
     return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, (g / norm) * max_norm), grads)
 
 
-def site_frequencies(rows: list[dict]) -> dict:
-    """{"freq/<site>": mismatching elements / elements compared} of one step's mismatch rows:
-    eqs. (1)-(2) over the step's microsteps, layers and tp ranks (docs/metrics.md)."""
-    totals = {}
-    for r in rows:
-        n, e = totals.get(r["site"], (0, 0))
-        totals[r["site"]] = (n + int(r["mismatches"]), e + int(r["elements"]))
-    return {f"freq/{site}": n / e for site, (n, e) in totals.items() if e}
-
-
 @dataclass
 class PairedTrainer:
     cfg: Config
@@ -145,7 +136,7 @@ class PairedTrainer:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     mesh: jax.sharding.Mesh
-    injector: F.Injector | None = None
+    faults: Faults | None = None
     taps: LS.LockstepTaps | None = None
     mode: str = "lockstep"
     specs: dict = field(default_factory=dict)
@@ -166,14 +157,12 @@ class PairedTrainer:
                 raise UserError(f"{what} ({n}) must be a multiple of mesh.tp ({tp}).")
         graphdef, _ = model.abstract_init(dims)
         steps = cfg.experiment.steps
-        profile = profiles.load_for(cfg)
-        injector = None if profile.healthy else F.Injector(
-            profile, dims.n_layers, cfg.suspect.log_limit, cfg.suspect.fault_seed)
+        faults = Faults.from_config(cfg, dims.n_layers)
         taps = LS.LockstepTaps(dims.n_layers, tp_axis=M.TP, dp_axis=M.DATA) \
             if mode == "lockstep" else None
         mesh = mesh or M.make_node_mesh(2, dp, tp)
         return cls(cfg, dims, graphdef, make_optimizer(cfg.optim, steps, clip=False),
-                   learning_rate_schedule(cfg.optim, steps), mesh, injector, taps, mode,
+                   learning_rate_schedule(cfg.optim, steps), mesh, faults, taps, mode,
                    abft=A.Checker.from_config(cfg, dims.n_layers))
 
     # --- state ---------------------------------------------------------------------------
@@ -191,7 +180,7 @@ class PairedTrainer:
     def init_state(self) -> dict:
         """Both nodes start from the same parameters (the seed's), stacked on the node axis."""
         return self.pair_state(model.init_params(self.dims,
-                                                 jax.random.fold_in(self.base_key, 0)))
+                                                 stream_key(self.base_key, "params")))
 
     def pair_state(self, params) -> dict:
         """The state of two nodes that both start from `params`, sharded over the mesh."""
@@ -213,32 +202,27 @@ class PairedTrainer:
     # --- the step ------------------------------------------------------------------------
 
     def _loss(self, params, sinks, batch, microstep, step):
-        ctx = F.FaultContext(jax.random.fold_in(self.base_key, 1), step, microstep,
-                             sinks.get("faults"), node_axis=M.NODE, tp_axis=M.TP,
-                             dp_axis=M.DATA)
-        inject = self.injector.hook(ctx) if self.injector is not None else S.identity_hook
-        aux = {"faults": ctx.records}
+        aux, hooks = {}, SiteHooks()  # each feature's forward records fill while traced
+        if self.faults is not None:
+            ctx = self.faults.context(self.base_key, step, microstep, sinks.get("faults"),
+                                      **PAIR_AXES)
+            hooks, aux["faults"] = self.faults.install(hooks, ctx), ctx.records
         if self.taps is not None:
-            tap_hook = self.taps.hook(sinks["taps"])
-            hook = LS.compose_with_injector(tap_hook, inject)
-        else:
-            tap_hook, hook = None, inject
+            tap = self.taps.hook(sinks["taps"])
+            hooks, aux["taps"] = self.taps.install(hooks, tap), tap.fwd_stats
         if self.abft is not None:  # at a matmul's output: fault, check, then the tap
-            hook = self.abft.hook(sinks["abft"], full=hook, fault=inject,
-                                  after=tap_hook or S.identity_hook)
-            aux["abft"] = hook.records
+            hooks = self.abft.install(hooks, sinks["abft"])
+            aux["abft"] = hooks.full.records
         total, count = model.sequence_losses(self.graphdef, params, batch["inputs"],
-                                             batch["targets"], batch.get("mask"), hook=hook,
-                                             tp_axis=M.TP)
-        if tap_hook is not None:
-            aux["taps"] = tap_hook.fwd_stats
+                                             batch["targets"], batch.get("mask"),
+                                             hook=hooks.full, tp_axis=M.TP)
         axes = (M.DATA, M.TP)
         return lax.psum(total, axes), (lax.psum(count, axes), aux)
 
     def _sinks(self):
         sinks = {}
-        if self.injector is not None:
-            sinks["faults"] = M.vary(self.injector.init_sinks(), M.AXES)
+        if self.faults is not None:
+            sinks["faults"] = M.vary(self.faults.init_sinks(), M.AXES)
         if self.taps is not None:
             sinks["taps"] = self.taps.init_sinks()
         if self.abft is not None:
@@ -250,15 +234,13 @@ class PairedTrainer:
         step = state["step"] + 1
         loss, grads, (aux_M, sinks_M) = accumulate_gradients(
             partial(self._loss, step=step), params, batch, self._sinks())
-        records = {}
+        faults = None
         transform_updates = lambda u: u  # noqa: E731
-        if self.injector is not None:
-            ctx = F.FaultContext(jax.random.fold_in(self.base_key, 1), step, jnp.int32(-1),
-                                 node_axis=M.NODE, tp_axis=M.TP, dp_axis=M.DATA)
-            grads = self.injector.corrupt_tree(grads, ctx, "grad")
-            transform_updates = partial(self.injector.corrupt_tree, ctx=ctx, site="update")
-            records = {"micro": {**aux_M["faults"], **sinks_M.get("faults", {})},
-                       "step": ctx.records}
+        if self.faults is not None:
+            ctx = self.faults.step_context(self.base_key, step, **PAIR_AXES)
+            grads = self.faults.transform_grads(grads, ctx)
+            transform_updates = self.faults.transform_updates(ctx)
+            faults = Faults.records(ctx, aux_M["faults"], sinks_M["faults"])
 
         grad_sq = _sum_squares(grads)
         diff_sq = _sum_squares(jax.tree.map(lambda g, h: g - h, grads, _healthy_copy(grads)))
@@ -281,23 +263,26 @@ class PairedTrainer:
                    "lr": self.schedule(state["step"])}
         out_state = {"params": _unsqueeze(new["params"]), "opt_state": _unsqueeze(new["opt_state"]),
                      "step": new["step"]}
-        taps = {}
+        # Each device's records as blocks: taps, ABFT, then faults, the order the step has
+        # always traced them in (and its outputs: taps, faults, ABFT), so its program is kept.
+        records = Records()
         if self.taps is not None:
-            taps = {"fwd": _block(aux_M["taps"]), "bwd": _block(sinks_M["taps"])}
-        if self.abft is not None:
-            checks = _block({"fwd": aux_M["abft"], "bwd": sinks_M["abft"]})
-            return out_state, metrics, taps, _block(records), checks
-        return out_state, metrics, taps, _block(records)
+            records["taps"] = {"fwd": _block(aux_M["taps"]), "bwd": _block(sinks_M["taps"])}
+        checks = None if self.abft is None else _block({"fwd": aux_M["abft"],
+                                                        "bwd": sinks_M["abft"]})
+        if faults is not None:
+            records[Faults.name] = _block(faults)
+        if checks is not None:
+            records[A.Checker.name] = checks
+        return StepOut(out_state, metrics, records)
 
     def train_step(self, state, batch):
         state_specs = {"params": tree_specs(state["params"]),
                        "opt_state": tree_specs(state["opt_state"]), "step": P()}
-        blocks = P(M.NODE, M.DATA, M.TP)
         step = jax.shard_map(
             self._local_step, mesh=self.mesh,
             in_specs=(state_specs, {k: P(None, M.DATA, M.TP) for k in batch}),
-            out_specs=(state_specs, P(), blocks, blocks) + ((blocks,) if self.abft else ()),
-            check_vma=True)
+            out_specs=StepOut(state_specs, P(), P(M.NODE, M.DATA, M.TP)), check_vma=True)
         return step(state, batch)
 
     # --- host-loop interface (shared with train.Trainer) ---------------------------------
@@ -314,50 +299,19 @@ class PairedTrainer:
     def make_batch(self, tokens_MBL1) -> dict:
         return self.split_batch(tokens_MBL1)
 
-    def host_tables(self, step: int, extras) -> tuple[dict, dict]:
-        """Host side, one step: mismatch and fault rows, counters and bit histograms."""
-        taps, records, *checks = extras
+    def places(self) -> list[Place]:
+        """Every device's block of the step's records: (node, dp rank, tp rank)."""
+        return [Place((n, d, t), tp_rank=t, node=n, dp_rank=d)
+                for n, d, t in np.ndindex(*self.mesh.devices.shape)]
+
+    def host_tables(self, step: int, records: dict) -> tuple[dict, dict]:
+        """Host side, one step: each feature's rows and counters (mismatch rows, bit
+        histograms and frequencies; fault rows; ABFT checks), from every device's block."""
         tables, counters = {RF.FAULTS: []}, {}
-        if self.taps is not None:
-            rows, hist = [], {}
-            for m in range(self.cfg.experiment.microsteps):
-                fwd = {k: v[:, :, :, m] for k, v in taps["fwd"].items()}
-                bwd = {k: v[:, :, :, m] for k, v in taps["bwd"].items()}
-                rows += self.taps.rows(fwd, bwd, step, m)
-                for (_, site, _), counts in self.taps.bit_histograms(fwd, bwd).items():
-                    hist[site] = hist.get(site, 0) + np.asarray(counts, np.int64)
-            tables[RF.MISMATCH] = rows
-            counters["mismatches"] = int(sum(r["mismatches"] for r in rows))
-            counters[STEP_ONLY] = site_frequencies(rows)
-            counters["bit_histograms"] = hist
-        if self.injector is not None:
-            landed, overflow = [], 0
-            nodes, dps, tps = self.mesh.devices.shape
-            for n in range(nodes):
-                for d in range(dps):
-                    for t in range(tps):
-                        at = lambda tree: jax.tree.map(lambda a: a[n, d, t], tree)  # noqa: E731
-                        rows, o = F.record_rows(at(records["step"]), step, -1,
-                                                self.injector.profile, tp_rank=t, node=n)
-                        landed += rows
-                        overflow += o
-                        micro = at(records["micro"])
-                        for m in range(self.cfg.experiment.microsteps):
-                            rows, o = F.record_rows({k: v[m] for k, v in micro.items()}, step, m,
-                                                    self.injector.profile, tp_rank=t, node=n)
-                            landed += rows
-                            overflow += o
-            tables[RF.FAULTS] = landed
-            counters["faults/landed"] = len(landed) + overflow
-            counters["faults/unlogged"] = overflow
-        if self.abft is not None:
-            (checks,) = checks
-            rows = []
-            nodes, dps, tps = self.mesh.devices.shape
-            for n, d, t, m in np.ndindex(nodes, dps, tps, self.cfg.experiment.microsteps):
-                rows += self.abft.rows({k: v[n, d, t, m] for k, v in checks["fwd"].items()},
-                                       {k: v[n, d, t, m] for k, v in checks["bwd"].items()},
-                                       step, m, tp_rank=t, node=n, dp_rank=d)
-            tables[RF.ABFT] = rows
-            counters.update(A.counters(rows))
+        for feature in (self.taps, self.faults, self.abft):
+            if feature is not None:
+                rows, feature_counters = feature.host(step, records[feature.name],
+                                                      self.places(), self.cfg.experiment.microsteps)
+                tables.update(rows)
+                counters.update(feature_counters)
         return tables, counters

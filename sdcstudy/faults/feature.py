@@ -1,0 +1,140 @@
+"""Fault injection as a step feature: the one place a trainer gets its injector, its fault
+key and its fault rows from.
+
+Device half: `context` (the fault key from the run's "faults" stream, `core.step.STREAMS`),
+`hook` (forward and backward sites), `transform_grads` and `transform_updates` (the "grad" and
+"update" tree sites), `init_sinks` and `records` (what leaves the step under "faults").
+Host half: `host` turns one step's records into faults.parquet rows and the
+`faults/landed` and `faults/unlogged` counters, for any layout of replicas (`core.step.Place`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from sdcstudy.core import runfolder as RF
+from sdcstudy.core import sites as S
+from sdcstudy.core.step import Place, SiteHooks, stream_key
+from sdcstudy.faults import inject as F
+from sdcstudy.faults import profiles
+from sdcstudy.faults.specs import Profile
+
+
+@dataclass
+class Faults:
+    """A profile's faults on one model (`injector`), as a step feature."""
+
+    name: ClassVar[str] = "faults"
+    tables: ClassVar[tuple[str, ...]] = (RF.FAULTS,)
+
+    injector: F.Injector
+
+    @classmethod
+    def from_profile(cls, profile: Profile, n_layers: int, limit: int = 64,
+                     seed: int | None = None) -> "Faults | None":
+        """The feature for `profile`, or None for a healthy one (nothing to inject)."""
+        return None if profile.healthy else cls(F.Injector(profile, n_layers, limit, seed))
+
+    @classmethod
+    def from_config(cls, cfg, n_layers: int, fault_kind: str | None = None) -> "Faults | None":
+        """`suspect.profile` with `suspect.log_limit` and `suspect.fault_seed`."""
+        profile = profiles.load_for(cfg, fault_kind)
+        return cls.from_profile(profile, n_layers, cfg.suspect.log_limit, cfg.suspect.fault_seed)
+
+    @property
+    def profile(self) -> Profile:
+        return self.injector.profile
+
+    # --- device half ------------------------------------------------------------------------
+
+    def context(self, run_key, step, microstep, sinks=None, *, fold=(), **where
+                ) -> F.FaultContext:
+        """The context of one (step, microstep): the run's fault stream, with `fold` (e.g. a
+        device number) folded in after it; `where`: FaultContext's axes, node and attempt."""
+        key = stream_key(run_key, "faults")
+        for value in fold:
+            key = jax.random.fold_in(key, value)
+        return F.FaultContext(key, step, microstep, sinks, **where)
+
+    def step_context(self, run_key, step, **kwargs) -> F.FaultContext:
+        """The context of the step's tree sites (microstep -1)."""
+        return self.context(run_key, step, jnp.int32(-1), **kwargs)
+
+    def hook(self, ctx: F.FaultContext) -> S.Hook:
+        return self.injector.hook(ctx)
+
+    def install(self, hooks: SiteHooks, ctx: F.FaultContext) -> SiteHooks:
+        """Corrupt first: every later hook (tap, check) sees the corrupted value."""
+        inject = self.injector.hook(ctx)
+        return hooks._replace(full=S.compose(inject, hooks.full), fault=inject)
+
+    def direction_hooks(self, ctx: F.FaultContext) -> tuple[S.Hook, S.Hook]:
+        """(forward-only, backward-only) hooks with the same draws as `hook`."""
+        return tuple(_only(self.injector, d).hook(ctx) for d in ("fwd", "bwd"))
+
+    def init_sinks(self) -> dict:
+        return self.injector.init_sinks()
+
+    def transform_grads(self, grads, ctx: F.FaultContext, site: str = "grad"):
+        return self.injector.corrupt_tree(grads, ctx, site)
+
+    def transform_updates(self, ctx: F.FaultContext):
+        return partial(self.injector.corrupt_tree, ctx=ctx, site="update")
+
+    @staticmethod
+    def records(ctx: F.FaultContext, *micro: dict) -> dict:
+        """What leaves the step: the microsteps' records (forward and backward, stacked per
+        microstep) and the step's own (tree sites)."""
+        merged = {}
+        for records in micro:
+            merged.update(records)
+        return {"micro": merged, "step": ctx.records}
+
+    # --- host half ----------------------------------------------------------------------------
+
+    def rows(self, records: dict, step: int, places: list[Place], microsteps: int
+             ) -> tuple[list[dict], int]:
+        """faults.parquet rows of one step's records fetched to the host, and how many
+        corruptions landed beyond the log limit. Each place's step records come first, then
+        its microsteps' in order."""
+        rows, overflow = [], 0
+        profile = self.injector.profile
+        for place in places:
+            at = lambda tree: jax.tree.map(lambda a: a[place.index], tree)  # noqa: E731
+            r, o = F.record_rows(at(records["step"]), step, -1, profile,
+                                 tp_rank=place.tp_rank, node=place.node)
+            rows += r
+            overflow += o
+            micro = at(records.get("micro", {}))
+            for m in range(microsteps if micro else 0):
+                r, o = F.record_rows({k: v[m] for k, v in micro.items()}, step, m, profile,
+                                     tp_rank=place.tp_rank, node=place.node)
+                rows += r
+                overflow += o
+        return rows, overflow
+
+    def host(self, step: int, records: dict, places: list[Place], microsteps: int
+             ) -> tuple[dict, dict]:
+        rows, overflow = self.rows(records, step, places, microsteps)
+        return {RF.FAULTS: rows}, counters(len(rows), overflow)
+
+
+def counters(rows: int = 0, overflow: int = 0) -> dict:
+    """The fault counters of one step (zeros for a node that injects nothing)."""
+    return {"faults/landed": rows + overflow, "faults/unlogged": overflow}
+
+
+def _only(injector: F.Injector, direction: str) -> F.Injector:
+    """The same injector (same spec indices, so the same draws) restricted to one direction."""
+    part = F.Injector(injector.profile, injector.n_layers, injector.limit, injector.seed)
+    part.model_specs = [(i, s) for i, s in injector.model_specs if s.direction == direction]
+    part.tree_specs = []
+    return part
+
+
+__all__ = ["Faults", "counters"]
