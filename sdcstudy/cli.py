@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -33,6 +34,21 @@ def _progress(args) -> bool:
     return not getattr(args, "no_progress", False)
 
 
+def _run_command(args, out: Path | None, resume: bool) -> str:
+    """`args`' `sdcstudy run` command for a shell, `--set` flags and all, into `out`; with
+    --resume when asked, and never --stop-after."""
+    words = ["sdcstudy", "run", str(args.config)]
+    for override in args.overrides:
+        words += ["--set", override]
+    words += ["--out", str(out)] if out is not None else []
+    words += ["--resume"] if resume else []
+    for flag, value in (("--coordinator", args.coordinator),
+                        ("--num-processes", args.num_processes),
+                        ("--process-id", args.process_id), ("--timeout", args.timeout)):
+        words += [flag, str(value)] if value is not None else []
+    return shlex.join(words + (["--no-progress"] if args.no_progress else []))
+
+
 def cmd_run(args) -> int:
     cfg = C.load(args.config, args.overrides)
     if args.resume and args.out is None:
@@ -45,17 +61,25 @@ def cmd_run(args) -> int:
         runlock.refuse_early(args.out, create=not args.resume)
     from sdcstudy.core import distributed
 
-    with distributed.ends_together():
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                               args.timeout)
-        from sdcstudy import runner
+    try:
+        with distributed.ends_together():
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                   args.timeout)
+            from sdcstudy import runner
 
-        summary = runner.run(cfg, args.out, resume=args.resume, stop_after=args.stop_after,
-                             progress=_progress(args) and distributed.is_writer())
+            summary = runner.run(cfg, args.out, resume=args.resume, stop_after=args.stop_after,
+                                 progress=_progress(args) and distributed.is_writer())
+    except KeyboardInterrupt as stop:  # runner.Interrupted: SIGINT 130, SIGTERM 143
+        if not hasattr(stop, "exit_code"):
+            raise
+        again = (_run_command(args, stop.run_dir, resume=True) if stop.kept else
+                 _run_command(args, args.out, resume=args.resume))
+        print(f"sdcstudy: {stop.sentence(again)}", file=sys.stderr)
+        return stop.exit_code
     print(f"run folder: {summary['run_dir']}")
     if summary["steps_done"] < summary["steps"]:
         print(f"stopped after step {summary['steps_done']} of {summary['steps']}; continue "
-              f"with: sdcstudy run {args.config} --out {summary['run_dir']} --resume")
+              f"with: {_run_command(args, summary['run_dir'], resume=True)}")
     return 0
 
 

@@ -2,15 +2,21 @@
 
 It dispatches step n+1 before it fetches step n's metrics, writes one JSON line per step,
 keeps the Parquet tables (faults, mismatches), checkpoints with orbax, and resumes bit for bit:
-data position, learning rate and every random draw are functions of (seed, step).
+data position, learning rate and every random draw are functions of (seed, step). A checkpoint
+is saved only once every row and counter up to its step is written, and a resume drops what was
+written after it, so a run stopped at any moment, even by SIGKILL, resumes to the same bits.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
+import os
+import shlex
+import signal
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,13 +30,12 @@ from sdcstudy.core import determinism, digest, distributed
 from sdcstudy.core import metrics as MX
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
-from sdcstudy.core.checkpoint import Checkpointer, CheckpointWriteError, saved_steps, write_reason
+from sdcstudy.core.checkpoint import (Checkpointer, CheckpointWriteError, check_resumable,
+                                     config_hash, saved_steps, write_reason)
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.train import STEP_ONLY, NonFiniteError, compile_step
 
-# Sections that change how a run is watched, not what it computes: left out of the hash that
-# ties a checkpoint to its configuration, and free to change on --resume.
-WATCHING = ("logging",)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class WriteError(Exception):
@@ -38,23 +43,56 @@ class WriteError(Exception):
     stopped; the message names the folder, its last good checkpoint and how to continue."""
 
 
-def config_hash(cfg: Config) -> str:
-    d = {k: v for k, v in C.to_dict(cfg).items() if k not in WATCHING}
-    d["experiment"] = {k: v for k, v in d["experiment"].items() if k != "steps"}
-    return hashlib.sha256(RF.dumps(d, indent=None).encode()).hexdigest()[:16]
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped a run (`exit_code` 128 + its number); `run_dir`, its latest
+    `checkpoint` and `kept` (False: a new run that left no folder behind) say how to go on."""
+
+    def __init__(self, signum: int = signal.SIGINT, run_dir: Path | None = None):
+        self.signum, self.run_dir, self.exit_code = signum, run_dir, 128 + signum
+        steps = [] if run_dir is None else saved_steps(run_dir / RF.CHECKPOINTS)
+        self.checkpoint = steps[-1] if steps else None
+        self.kept = run_dir is not None and (run_dir / RF.CONFIG).is_file()
+        super().__init__(self.sentence())
+
+    def sentence(self, command: str | None = None) -> str:
+        """What stopped, and `command` to go on (default: the folder's config.yaml, resumed)."""
+        what = f"interrupted by {signal.Signals(self.signum).name}"
+        if self.run_dir is None:
+            return what
+        if not self.kept:
+            return (f"{what} before its first step, so {str(self.run_dir)!r} was not kept: run "
+                    f"{'it again' if command is None else f'again with: {command}'}")
+        done = (f"the latest checkpoint is step {self.checkpoint}" if self.checkpoint is not None
+                else "it has no checkpoint yet (--resume starts it over)")
+        command = command or shlex.join(["sdcstudy", "run", str(self.run_dir / RF.CONFIG),
+                                         "--out", str(self.run_dir), "--resume"])
+        return f"{what}; {done}: continue with: {command}"
 
 
-def check_resumable(saved: Config, cfg: Config) -> None:
-    a, b = C.to_dict(saved), C.to_dict(cfg)
-    differing = {f"{section}.{key}" for section in a if section not in WATCHING
-                 for key in a[section] if a[section][key] != b[section][key]}
-    if differing - {"experiment.steps"}:
-        raise UserError(f"cannot resume with a different configuration: "
-                        f"{', '.join(sorted(differing - {'experiment.steps'}))} differ from the "
-                        f"run folder's config.yaml.")
-    if differing and cfg.optim.schedule != "constant" and cfg.optim.decay_steps is None:
-        raise UserError("changing experiment.steps on resume would change the cosine schedule; "
-                        "set optim.decay_steps to the original step count to keep it.")
+class _Signals:
+    """SIGINT and SIGTERM while a run holds its folder (main thread only). Inside the loop
+    (`deferring`) the first one is only noted in `received`, and the loop stops at its next
+    safe point; elsewhere, or the second time, one raises `Interrupted` at once."""
+
+    received: int | None = None
+    deferring = False
+
+    def __enter__(self):
+        self._before = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS
+                        if threading.current_thread() is threading.main_thread()}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._before.items():  # None: not set from Python
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+    def _handle(self, signum, _frame):
+        if not (self.deferring and self.received is None):
+            raise Interrupted(signum)
+        self.received = signum
+        with contextlib.suppress(OSError, ValueError):  # unbuffered: never inside a print
+            os.write(sys.stderr.fileno(), f"\nsdcstudy: {signal.Signals(signum).name}: finishing "
+                     f"and checkpointing this step (a second signal stops at once)\n".encode())
 
 
 def _put(tree, shardings):
@@ -70,44 +108,82 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
     """Run `cfg` into a run folder; returns the summary written to `summary.json`.
 
     Process 0 holds the folder (`core.runlock`) from start to end: a second writer, at the same
-    moment or later, is refused. A write that fails ends the run with `WriteError`.
-    """
+    moment or later, is refused. A write that fails ends the run with `WriteError`; SIGINT or
+    SIGTERM with `Interrupted`. Resuming a run that holds the steps asked for changes nothing;
+    a new run that fails before its first step leaves no folder (or an empty one) behind."""
     if cfg.logging.tensorboard:
         from sdcstudy.core import tensorboard
 
         tensorboard.require()
     if out_dir is None and jax.process_count() > 1:
         raise UserError("a run on several processes needs --out RUN_DIR, the same on each.")
-    # With several processes only process 0 writes the run folder (orbax has each process
-    # write its own checkpoint shards); the others keep their logs in a scratch folder.
-    if not distributed.is_writer():
-        if resume:
-            RF.open_run_dir(out_dir, resume=True)
-        return _run(cfg, Path(out_dir), False, resume, stop_after, progress, echo)
-    with contextlib.ExitStack() as held:
-        run_dir = _claim(held, out_dir, cfg.experiment.name or cfg.experiment.mode, resume)
-        with _writing(run_dir):
-            return _run(cfg, run_dir, True, resume, stop_after, progress, echo)
+    run_dir = None
+    with _Signals() as signals:
+        try:
+            with contextlib.ExitStack() as held:
+                # With several processes only process 0 writes the run folder (orbax has each
+                # process write its own checkpoint shards); the others log in a scratch folder.
+                writes = distributed.is_writer()
+                run_dir = (_claim(held, out_dir, cfg.experiment.name or cfg.experiment.mode,
+                                  resume) if writes else
+                           RF.open_run_dir(out_dir, resume=True) if resume else Path(out_dir))
+                if resume:
+                    check_resumable(C.load(run_dir / RF.CONFIG), cfg)
+                    if (summary := _already_done(cfg, run_dir, stop_after)) is not None:
+                        echo(f"{run_dir} already finished at step {summary['steps_done']} of "
+                             f"{summary['steps']}; nothing to do")
+                        return {**summary, "run_dir": str(run_dir)}
+                with _writing(run_dir, new=not resume) if writes else contextlib.nullcontext():
+                    return _run(cfg, run_dir, writes, resume, stop_after, progress, echo,
+                                signals)
+        except KeyboardInterrupt as stop:  # what the folder holds now, the lock given back
+            raise Interrupted(getattr(stop, "signum", signal.SIGINT), run_dir) from None
+
+
+def _already_done(cfg: Config, run_dir: Path, stop_after: int | None) -> dict | None:
+    """The summary of a run folder that ran and checkpointed every step asked for, or None."""
+    try:
+        summary = RF.json_load(run_dir / RF.SUMMARY)
+    except (OSError, ValueError):
+        return None
+    done = summary.get("steps_done") if isinstance(summary, dict) else None
+    wanted = min(cfg.experiment.steps, stop_after or cfg.experiment.steps)
+    if not isinstance(done, int) or done < wanted:
+        return None
+    return summary if saved_steps(run_dir / RF.CHECKPOINTS)[-1:] == [done] else None
 
 
 def _claim(held: contextlib.ExitStack, out_dir: Path | None, name: str, resume: bool) -> Path:
-    """Hold the run folder for this process until `held` closes: a new one, or the one to
-    resume."""
+    """Hold the run folder until `held` closes: the one to resume, or a new one, emptied again
+    if the run fails before its first step (`_holds_a_step`)."""
     if resume:
         RF.open_run_dir(out_dir, resume=True)  # a run folder, with its config
         return held.enter_context(runlock.hold(out_dir, create=False))
+
+    def new(path):
+        return held.enter_context(runlock.hold(path, create=True, keep=_holds_a_step))
+
     if out_dir is not None:
-        return held.enter_context(runlock.hold(out_dir, create=True))
+        return new(out_dir)
     for _ in range(9):  # two runs started in one second pick one name: the later takes the next
         try:
-            return held.enter_context(runlock.hold(RF.default_run_dir(name), create=True))
+            return new(RF.default_run_dir(name))
         except (runlock.FolderHeld, runlock.FolderTaken):
             continue
-    return held.enter_context(runlock.hold(RF.default_run_dir(name), create=True))
+    return new(RF.default_run_dir(name))
+
+
+def _holds_a_step(run_dir: Path) -> bool:
+    """A checkpoint or a metrics line: something a user may want to see or continue."""
+    if saved_steps(run_dir / RF.CHECKPOINTS):
+        return True
+    with contextlib.suppress(OSError), open(run_dir / RF.METRICS) as lines:
+        return any(line.endswith("\n") and line.strip() for line in lines)
+    return False
 
 
 @contextlib.contextmanager
-def _writing(run_dir: Path):
+def _writing(run_dir: Path, new: bool):
     """Turn a write that fails into one sentence: the folder, its last good checkpoint and the
     command that continues the run."""
     try:
@@ -124,10 +200,68 @@ def _writing(run_dir: Path):
                 "it has no checkpoint yet (--resume starts it over)")
         then = (f"{last}: make room or fix the folder, then continue with: sdcstudy run "
                 f"{run_dir / RF.CONFIG} --out {run_dir} --resume"
-                if (run_dir / RF.CONFIG).is_file() else
-                "its config.yaml is gone, so it cannot be resumed: run it again")
+                if (run_dir / RF.CONFIG).is_file() and not (new and not _holds_a_step(run_dir))
+                else "it cannot be resumed (it had run no step, so nothing was kept, or its "
+                     "config.yaml is gone): run it again")
         raise WriteError(f"could not write run folder {str(run_dir)!r} ({doing}: "
                          f"{write_reason(error)}); {then}") from None
+
+
+class _Log:
+    """What a run writes step by step: metrics.jsonl (and TensorBoard), the mode's Parquet
+    tables, and the counters and bit histograms its checkpoints carry. On resume the rows of
+    steps after `start` are dropped, as those steps will be redone."""
+
+    def __init__(self, mode, files: Path, start: int, carried: dict, board_dir: Path | None,
+                 bar):
+        self.trainer, self.loss_key, self.bar = mode.trainer, mode.loss_key, bar
+        self.lines = [RF.MetricsWriter(files / RF.METRICS, keep_below_step=start + 1)]
+        if board_dir is not None:  # TensorBoard's events, beside metrics.jsonl
+            from sdcstudy.core import tensorboard
+
+            self.lines.append(tensorboard.ScalarLog(board_dir, first_step=start + 1))
+        self.tables = {name: RF.TableLog(files / name, cols, keep_below_step=start + 1)
+                       for name, cols in mode.tables.items()}
+        self.counters = dict(carried.get("counters", {}))
+        self.histograms = {k: np.asarray(v, np.int64)
+                           for k, v in carried.get("bit_histograms", {}).items()}
+        self.steps_written = 0
+        self.last_time = time.perf_counter()
+
+    def record(self, step: int, metrics, extras) -> None:
+        """Step `step`'s metrics line, table rows and counters."""
+        values = {k: float(v) for k, v in distributed.fetch(metrics).items()}
+        rows, step_counters = self.trainer.host_tables(step, distributed.fetch(extras))
+        for name, table_rows in rows.items():
+            self.tables[name].extend(table_rows)
+        for key, value in step_counters.items():
+            if key == "bit_histograms":
+                MX.merge_histograms(self.histograms, value)
+            elif key == STEP_ONLY:  # this step's values, not summed over the run
+                values.update(value)
+            else:
+                self.counters[key] = self.counters.get(key, 0) + value
+                values[key] = value
+        now = time.perf_counter()
+        values["time/step_s"] = now - self.last_time
+        self.last_time = now
+        loss = values[self.loss_key]
+        if not math.isfinite(loss):
+            raise NonFiniteError(f"the loss became {loss} at step {step}.")
+        for out in self.lines:
+            out.write({"step": step, **values})
+        self.steps_written += 1
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.3f}")
+
+    def carried(self) -> dict:
+        """What a checkpoint keeps of this log: the counters and histograms so far."""
+        return {"counters": dict(self.counters),
+                "bit_histograms": {k: v.tolist() for k, v in self.histograms.items()}}
+
+    def flush(self) -> None:
+        for out in [*self.lines, *self.tables.values()]:
+            out.flush()
 
 
 def _close_all(*closers) -> BaseException | None:
@@ -142,137 +276,104 @@ def _close_all(*closers) -> BaseException | None:
 
 
 def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int | None,
-         progress: bool, echo) -> dict:
+         progress: bool, echo, signals: _Signals) -> dict:
     e = cfg.experiment
     pinned = determinism.autotune_options(run_dir, jax.default_backend(), dump=writes)
     mode = modes.build(cfg)
-    trainer, loss_key = mode.trainer, mode.loss_key  # the loss that must stay finite
+    trainer = mode.trainer
     scratch = None if writes else tempfile.TemporaryDirectory(prefix="sdcstudy-peer-")
     files = run_dir if writes else Path(scratch.name)
-    if resume:
-        check_resumable(C.load(run_dir / RF.CONFIG), cfg)
     if writes:
         RF.atomic_write_text(run_dir / RF.CONFIG, C.dump(cfg))
-
     batches = mode.batches()
     if batches.seq_len != cfg.data.seq_len:
         raise UserError(f"prepared data has sequence length {batches.seq_len}, "
                         f"not data.seq_len={cfg.data.seq_len}.")
-
     state = trainer.init_state()
     example = trainer.make_batch(batches.batch(0))
     shardings = trainer.shardings(state, example)
     state = _put(state, None if shardings is None else shardings[0])
     step_fn, hlo, compile_s = compile_step(trainer.train_step, state, example, shardings, pinned)
     step_fn = mode.step(step_fn)
-
     ckpt = Checkpointer(run_dir / RF.CHECKPOINTS, keep=e.checkpoint_keep)
-    start, carried = 0, {}
-    if resume and ckpt.latest_step() is not None:
-        start = ckpt.latest_step()
-        state, record = ckpt.restore(start, state)
-        if record.get("config_hash") != config_hash(cfg):
-            raise UserError(f"checkpoint {start} in {str(run_dir)!r} was written by another "
-                            f"configuration; it was left as it is.")
-        carried = record.get("carried", {})
-        mode.resume(carried.get("mode", {}))
-        echo(f"resuming {run_dir} from step {start}")
-    if writes:
-        RF.atomic_write_json(run_dir / RF.ENV,
-                           determinism.fingerprint(determinism.program_text(hlo), run_dir))
-    writer = RF.MetricsWriter(files / RF.METRICS, keep_below_step=start + 1)
-    board = None
-    if cfg.logging.tensorboard and writes:
-        from sdcstudy.core import tensorboard
-
-        board = tensorboard.ScalarLog(run_dir, first_step=start + 1)
-    tables = {name: RF.TableLog(files / name, cols, keep_below_step=start + 1)
-              for name, cols in mode.tables.items()}
-    counters = dict(carried.get("counters", {}))
-    histograms = {k: np.asarray(v, np.int64) for k, v in carried.get("bit_histograms", {}).items()}
-    end = e.steps if stop_after is None else min(e.steps, stop_after)
-
-    def save(step):
-        extra = {"counters": counters,
-                 "bit_histograms": {k: v.tolist() for k, v in histograms.items()}}
-        if carry := mode.carry():
-            extra["mode"] = carry
-        ckpt.save(step, state, {"config_hash": config_hash(cfg), "step": step, "carried": extra})
-
-    def flush():
-        if writes:
-            runlock.check(run_dir)
-        writer.flush()
-        if board:
-            board.flush()
-        for table in tables.values():
-            table.flush()
-
-    tokens_per_step = C.tokens_per_step(cfg)
-    bar = tqdm(total=e.steps, initial=start, desc=e.mode, unit="step", disable=not progress,
-               dynamic_ncols=True)
-    done_steps = 0
-    wall_start = last_time = time.perf_counter()
-    pending = None
-
-    def record(step, metrics, records):
-        nonlocal last_time, done_steps
-        values = {k: float(v) for k, v in distributed.fetch(metrics).items()}
-        rows, step_counters = trainer.host_tables(step, distributed.fetch(records))
-        for name, table_rows in rows.items():
-            tables[name].extend(table_rows)
-        for key, value in step_counters.items():
-            if key == "bit_histograms":
-                MX.merge_histograms(histograms, value)
-            elif key == STEP_ONLY:  # this step's values, not summed over the run
-                values.update(value)
-            else:
-                counters[key] = counters.get(key, 0) + value
-                values[key] = value
-        now = time.perf_counter()
-        values["time/step_s"] = now - last_time
-        last_time = now
-        if not math.isfinite(values[loss_key]):
-            raise NonFiniteError(f"the loss became {values[loss_key]} at step {step}.")
-        writer.write({"step": step, **values})
-        if board:
-            board.write({"step": step, **values})
-        done_steps += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{values[loss_key]:.3f}")
-
+    log = None
     try:
-        for step in range(start + 1, end + 1):
-            batch = _put(trainer.make_batch(batches.batch(step - 1)),
-                         None if shardings is None else shardings[1])
-            out = step_fn(state, batch)  # a core.step.StepOut
-            state = out.state
-            if pending is not None:
-                record(*pending)
-            pending = (step, out.metrics, out.records)
-            if step == end or (e.checkpoint_every and step % e.checkpoint_every == 0):
-                record(*pending)
-                pending = None
-                flush()
-                save(step)
-    except KeyboardInterrupt:
-        try:  # the state is whole unless the interrupt came while a step was being dispatched
-            if pending is not None:
-                record(*pending)
-            flush()
-            save(int(jax.device_get(state["step"])))
-            ckpt.wait()
-        except Exception:
-            pass
-        raise KeyboardInterrupt(f"interrupted; the latest checkpoint is step "
-                                f"{ckpt.last_saved()}: continue with --resume --out {run_dir}")
+        start, carried = 0, {}
+        if resume and (start := ckpt.latest_step() or 0):
+            state, record = ckpt.restore(start, state)
+            if record.get("config_hash") != config_hash(cfg):
+                raise UserError(f"checkpoint {start} in {str(run_dir)!r} was written by another "
+                                f"configuration; it was left as it is.")
+            carried = record.get("carried", {})
+            mode.resume(carried.get("mode", {}))
+            echo(f"resuming {run_dir} from step {start}")
+        if writes:
+            RF.atomic_write_json(run_dir / RF.ENV,
+                                 determinism.fingerprint(determinism.program_text(hlo), run_dir))
+        bar = tqdm(total=e.steps, initial=start, desc=e.mode, unit="step", disable=not progress,
+                   dynamic_ncols=True)
+        log = _Log(mode, files, start, carried,
+                   run_dir if cfg.logging.tensorboard and writes else None, bar)
+        end = e.steps if stop_after is None else min(e.steps, stop_after)
+
+        def save(step):  # only once every row and counter up to `step` is written
+            if writes:
+                runlock.check(run_dir)
+            log.flush()
+            kept = log.carried()
+            if carry := mode.carry():
+                kept["mode"] = carry
+            ckpt.save(step, state, {"config_hash": config_hash(cfg), "step": step,
+                                    "carried": kept})
+
+        wall_start = time.perf_counter()
+        pending = None  # the step dispatched last, recorded once the next one is dispatched
+        stopped = False
+        signals.deferring = True
+        try:
+            for step in range(start + 1, end + 1):
+                batch = _put(trainer.make_batch(batches.batch(step - 1)),
+                             None if shardings is None else shardings[1])
+                state, metrics, *extras = step_fn(state, batch)
+                if pending is not None:
+                    log.record(*pending)
+                pending = (step, metrics, extras)
+                # Safe points: the state is whole, every earlier step (after the save, this one
+                # too) recorded. A signal after a look is seen at the next; the last step ends.
+                stopped = signals.received is not None and step < end
+                if stopped or step == end or (e.checkpoint_every and
+                                              step % e.checkpoint_every == 0):
+                    log.record(*pending)
+                    pending = None
+                    save(step)
+                    stopped = signals.received is not None and step < end
+                if stopped:
+                    break
+        finally:
+            signals.deferring = False
+            bar.close()
+        if stopped:
+            ckpt.wait()  # the checkpoint the message names is on disk
+            raise Interrupted(signals.received)
+        wall = time.perf_counter() - wall_start
     finally:  # after a failure, closing fails too: the first failure is the one to report
-        bar.close()
-        closing = _close_all(writer.close, *([board.close] if board else []), ckpt.close)
+        closing = _close_all(*(out.close for out in (log.lines if log else [])), ckpt.close)
     if closing is not None:
         raise closing
-    wall = time.perf_counter() - wall_start
+    summary = _summary(cfg, mode, state, log, files, compile_s, wall)
+    summary.update(mode.evaluate(state, run_dir if writes else None))
+    if writes:
+        RF.atomic_write_json(run_dir / RF.SUMMARY, summary)
+    else:
+        scratch.cleanup()
+    summary["run_dir"] = str(run_dir)
+    return summary
 
+
+def _summary(cfg: Config, mode, state, log: _Log, files: Path, compile_s: float,
+             wall: float) -> dict:
+    """summary.json's fields from the metrics and tables on disk and the final state."""
+    e, trainer, loss_key = cfg.experiment, mode.trainer, mode.loss_key
     rows = RF.read_jsonl(files / RF.METRICS)
     losses = [r[loss_key] for r in rows]
     summary = {
@@ -287,14 +388,9 @@ def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int
         "param_digest": digest.tree_digest(distributed.fetch(state["params"])),
         "compile_s": compile_s,
         "wall_time_s": wall,
-        "tokens_per_s": tokens_per_step * done_steps / wall if done_steps else None,
-        **counters,
+        "tokens_per_s": (C.tokens_per_step(cfg) * log.steps_written / wall
+                         if log.steps_written else None),
+        **log.counters,
     }
-    summary.update(mode.summarize(rows, tables, histograms))
-    summary.update(mode.evaluate(state, run_dir if writes else None))
-    if writes:
-        RF.atomic_write_json(run_dir / RF.SUMMARY, summary)
-    else:
-        scratch.cleanup()
-    summary["run_dir"] = str(run_dir)
+    summary.update(mode.summarize(rows, log.tables, log.histograms))
     return summary

@@ -72,6 +72,7 @@ def test_resume_refuses_another_config(uninterrupted, tmp_path, capsys):
 def test_damaged_checkpoint_is_a_clear_error_and_left_alone(uninterrupted, tmp_path, capsys):
     out = tmp_path / "damaged"
     shutil.copytree(uninterrupted, out)
+    (out / RF.SUMMARY).unlink()  # killed before its summary: --resume restores checkpoint 12
     latest = out / RF.CHECKPOINTS / "12"
     victims = sorted(p for p in latest.rglob("*") if p.is_file() and p.stat().st_size > 64)
     for p in victims:

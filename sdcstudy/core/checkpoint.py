@@ -17,6 +17,7 @@ same error, with its traceback) is not printed.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import re
@@ -26,8 +27,37 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from sdcstudy.core.config import UserError
+from sdcstudy.core import config as C
+from sdcstudy.core import runfolder as RF
+from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.errors import first_line
+
+# Sections that change how a run is watched, not what it computes: left out of the hash that
+# ties a checkpoint to its configuration, and free to change on --resume.
+WATCHING = ("logging",)
+
+
+def config_hash(cfg: Config) -> str:
+    """What a checkpoint's record names its configuration by: all but `WATCHING` and
+    experiment.steps."""
+    d = {k: v for k, v in C.to_dict(cfg).items() if k not in WATCHING}
+    d["experiment"] = {k: v for k, v in d["experiment"].items() if k != "steps"}
+    return hashlib.sha256(RF.dumps(d, indent=None).encode()).hexdigest()[:16]
+
+
+def check_resumable(saved: Config, cfg: Config) -> None:
+    """Refuse to continue a run folder written with `saved` under `cfg` unless the two differ
+    only in what `config_hash` leaves out, and a changed step count keeps the schedule."""
+    a, b = C.to_dict(saved), C.to_dict(cfg)
+    differing = {f"{section}.{key}" for section in a if section not in WATCHING
+                 for key in a[section] if a[section][key] != b[section][key]}
+    if differing - {"experiment.steps"}:
+        raise UserError(f"cannot resume with a different configuration: "
+                        f"{', '.join(sorted(differing - {'experiment.steps'}))} differ from the "
+                        f"run folder's config.yaml.")
+    if differing and cfg.optim.schedule != "constant" and cfg.optim.decay_steps is None:
+        raise UserError("changing experiment.steps on resume would change the cosine schedule; "
+                        "set optim.decay_steps to the original step count to keep it.")
 
 
 class CheckpointWriteError(Exception):

@@ -23,9 +23,10 @@ import contextlib
 import errno
 import fcntl
 import os
+import shutil
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from sdcstudy.core.errors import UserError
 
@@ -151,6 +152,20 @@ def check(path: Path) -> None:
                                               "wrote it")
 
 
+def _empty(path: Path) -> None:
+    """Remove what a failed writer left in a folder it claimed new (its lock aside); what
+    cannot be removed stays."""
+    with contextlib.suppress(OSError):
+        for entry in path.iterdir():
+            if entry.name == LOCK:
+                continue
+            with contextlib.suppress(OSError):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+
+
 def _release(path: Path, fd: int) -> None:
     with contextlib.suppress(FileNotFoundError):  # removed while still locked: no one else
         (path / LOCK).unlink()                     # can take the old file meanwhile
@@ -159,14 +174,17 @@ def _release(path: Path, fd: int) -> None:
 
 @contextlib.contextmanager
 def hold(path: Path, create: bool, what: str = "run folder",
-         hint: str = "pass --resume to continue it or choose another --out") -> Iterator[Path]:
+         hint: str = "pass --resume to continue it or choose another --out",
+         keep: Callable[[Path], bool] | None = None) -> Iterator[Path]:
     """Hold `path` for writing until the block ends.
 
     create=True: a new folder, made here (parents too); an existing one must be empty but for
     a lock left by a dead process. create=False: an existing folder. Refused with one sentence
     (a `UserError`, nothing changed) when another live process holds it; `hint` ends the
     sentence that refuses an existing folder. A folder made here that is still empty when the
-    block fails is removed again.
+    block fails is removed again. With `keep`, a new folder whose block fails is first emptied
+    unless `keep(path)` says it holds something worth keeping, so that the same command may
+    take it again.
     """
     path = Path(path)
     made = False
@@ -198,6 +216,8 @@ def hold(path: Path, create: bool, what: str = "run folder",
         failed = False
     finally:
         del _held_here[path.resolve()]
+        if create and failed and keep is not None and not keep(path):
+            _empty(path)
         _release(path, fd)
         if made and failed:
             with contextlib.suppress(OSError):
