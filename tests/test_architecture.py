@@ -185,6 +185,19 @@ def test_trainers_take_faults_and_streams_from_the_feature():
     assert step_violations() == [], "use faults.feature.Faults and core.step.stream_key"
 
 
+def test_step_records_keep_the_order_features_added_them():
+    # A step's outputs flatten in this order; a plain dict would sort them by name, which
+    # reorders the outputs of every step with two features (lock-step's taps, faults, abft).
+    import jax
+
+    from sdcstudy.core.step import Records
+
+    leaves, tree = jax.tree.flatten(Records(taps=1, faults=2, abft=3))
+    assert leaves == [1, 2, 3]
+    assert list(jax.tree.unflatten(tree, [4, 5, 6]).items()) == [("taps", 4), ("faults", 5),
+                                                                 ("abft", 6)]
+
+
 def test_the_graph_sees_the_package():
     # Guards the checks above against passing on an empty or misread graph.
     graph = import_graph()
