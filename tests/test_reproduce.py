@@ -1015,3 +1015,34 @@ def test_the_findings_flip_noise_ratio_is_the_two_models_own():
     from sdcstudy.faults import profiles as FP
 
     assert F.FLIP_NOISE_RATIO == round(math.sqrt(FM.bulk_noise() / FP.MAGNITUDE_MEAN_SQUARE), 3)
+
+
+def test_every_scorecard_names_what_it_was_measured_with(fake, tmp_path):
+    """scorecard.md's header and scorecard.json's "provenance" name the sdcstudy commit (or
+    package version), the sampler, the fault model per node, the preset, dtype, steps per
+    mode and seeds; the sdcstudy version the runs' env.json recorded is named too."""
+    from types import SimpleNamespace
+
+    from sdcstudy.reproduce import provenance as PV
+
+    assert cli.main(["reproduce", "--nodes", "1,14", "--steps", "6", "--out", str(tmp_path),
+                     "--modes", "lockstep,free", "--fault-model", "chosen", "--set",
+                     "experiment.seed=3", "--set", "suspect.fault_seed=5", "--no-progress"]) == 0
+    facts = json.loads((tmp_path / S.JSON).read_text())["provenance"]
+    assert facts["commit"] == PV.commit() and facts["version"] == PV.version()
+    assert facts["commit"] or facts["version"]
+    assert facts["sampler"] == PV.SAMPLER and facts["fault_model"] == "chosen"
+    assert facts["node_models"] == {"additive": [14], "flip": [1]}
+    assert facts["preset"] == "tiny" and facts["dtype"] == ["float32"]
+    assert facts["steps"] == {"lockstep": [6], "free": [6]}
+    assert (facts["seed"], facts["fault_seed"]) == (3, 5)
+    header = (tmp_path / S.MARKDOWN).read_text().splitlines()[4]
+    assert header == PV.line(facts)
+    for words in (facts["commit"] or "commit unknown", "sampler exact", "fault model chosen "
+                  "(additive: nodes 14; flip: nodes 1)", "preset tiny", "dtype float32",
+                  "steps lockstep 6, free 6", "seed 3, fault seed 5"):
+        assert words in header, words
+    runs = {"a": SimpleNamespace(env={"packages": {"sdcstudy": "9.9"}}),
+            "b": SimpleNamespace(env={})}
+    assert PV.collect({}, [], runs)["runs_version"] == ["9.9"]
+    assert "runs recorded sdcstudy 9.9" in PV.line(PV.collect({}, [], runs))

@@ -214,7 +214,7 @@ def write_scorecard(root: Path) -> dict:
     runs = {e["name"]: load_run(root / RUNS / e["name"], strict=False) for e in plan
             if RF.finished(root / RUNS / e["name"])}
     rows = S.build(plan, runs, _stopped(root))
-    result = S.write(root, rows, manifest["request"])
+    result = S.write(root, rows, manifest["request"], plan, runs)
     by_mode = {mode: {f"Node {e['node']}": runs[e["name"]] for e in plan
                       if e["mode"] == mode and e["name"] in runs} for mode in P.MODES}
     figures = F.draw(rows, by_mode, root / FIGURES)

@@ -28,6 +28,7 @@ from sdcstudy.reproduce import drift_rows as D
 from sdcstudy.reproduce import exposure_rows as X
 from sdcstudy.reproduce import findings as F
 from sdcstudy.reproduce import mismatch_rows as M
+from sdcstudy.reproduce import provenance as PV
 from sdcstudy.reproduce import training_rows as TR
 from sdcstudy.reproduce.bands import Row
 
@@ -193,9 +194,10 @@ def _model_words(request: dict) -> tuple[str, str]:
     return "", "Tables 1, 6 and 7"
 
 
-def markdown(rows: list[Row], request: dict) -> str:
-    """A verdict count per node (calibration and held-out passes and failures apart), then each
-    node's calibration rows and held-out rows."""
+def markdown(rows: list[Row], request: dict, facts: dict | None = None) -> str:
+    """The header (with `facts`, `provenance.collect`'s: what it was measured with), a verdict
+    count per node (calibration and held-out passes and failures apart), then each node's
+    calibration rows and held-out rows."""
     nodes = sorted({r.node for r in rows}, key=lambda n: (n == B.ACROSS_NODES, n))
     lines = ["# Reproduction scorecard", "",
              f"Ma et al., *Understanding Silent Data Corruption in LLM Training*, measured on "
@@ -206,6 +208,7 @@ def markdown(rows: list[Row], request: dict) -> str:
              + _model_words(request)[0]
              + (f", `--set {' '.join(request['overrides'])}`" if request.get("overrides")
                 else "") + " (bands: docs/reproduction.md).", "",
+             *([PV.line(facts), ""] if facts else []),
              "| node | " + " | ".join(f"{role} {v}" if role else v for role, v in TALLY) + " |",
              "|---:|" + "---:|" * len(TALLY)]
     lines += [_tally_line(_node_label(node), [r for r in rows if r.node == node])
@@ -233,15 +236,20 @@ def markdown(rows: list[Row], request: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(root: Path, rows: list[Row], request: dict) -> dict:
-    """scorecard.md, .csv and .json in `root`; returns {"markdown", "counts"}."""
+def write(root: Path, rows: list[Row], request: dict, plan: list[dict] | None = None,
+          runs: dict | None = None) -> dict:
+    """scorecard.md, .csv and .json in `root`, headed by what they were measured with
+    (`provenance`, from the request, the plan and the finished runs); returns {"markdown",
+    "counts"}."""
     import pandas as pd
 
-    text = markdown(rows, request)
+    facts = PV.collect(request, plan or [], runs or {})
+    text = markdown(rows, request, facts)
     RF.atomic_write_text(root / MARKDOWN, text)
     frame = pd.DataFrame([asdict(r) for r in rows], columns=list(COLUMNS))
     RF.atomic_write_text(root / CSV, frame.to_csv(index=False, float_format="%.6g"))
-    RF.atomic_write_json(root / JSON, {"request": request, "counts": counts(rows),
+    RF.atomic_write_json(root / JSON, {"request": request, "provenance": facts,
+                                       "counts": counts(rows),
                                        "counts_by_role": counts_by_role(rows),
                                        "engine_failures": engine_failures(rows),
                                        "unexplained": unexplained(rows),
