@@ -1046,3 +1046,34 @@ def test_every_scorecard_names_what_it_was_measured_with(fake, tmp_path):
             "b": SimpleNamespace(env={})}
     assert PV.collect({}, [], runs)["runs_version"] == ["9.9"]
     assert "runs recorded sdcstudy 9.9" in PV.line(PV.collect({}, [], runs))
+
+
+def test_rows_fixed_by_construction_are_tallied_apart_from_held_out_ones():
+    """A zero the paper published at a site whose Table 1 rate is 0 (node 13 has only bwd/ffn
+    mismatches) and node 13's zero difference before its onset are "fixed by construction":
+    counted in their own columns, not among the held-out rows that could have failed."""
+    run = lockstep_run({"bwd/ffn": 2e-6}, {"bwd/ffn": 1.0})
+    lock = S.build([entry(node=13, expected=made({"bwd/ffn": 2e-6}))], {"n": run})
+    roles = {(r.source, r.quantity): r.role for r in lock}
+    for site in ("fwd/attn", "fwd/ffn", "bwd/attn"):
+        assert roles[("Table 2", site)] == B.FIXED, site
+        assert roles[("Table 1", site)] == B.CALIBRATION, site
+    assert roles[("Table 2", "bwd/ffn")] == B.HELD_OUT
+    steps = 20
+    after = [0.0] * 10 + [1e-3 * s for s in range(1, 11)]
+    free = paired_run("free", {"loss/healthy": [3.0] * steps, "loss/suspect": [3.0] * steps,
+                               "param/diff_l2": after}, 5)
+    rows = lock + S.build([entry(node=13, mode="free", steps=steps, onset_step=11)],
+                          {"n": free})
+    roles = {(r.source, r.quantity): r.role for r in rows}
+    assert roles[("Figure 6", "param/diff_l2 before step 11")] == B.FIXED
+    assert roles[("Figure 6", "loss gap")] == B.HELD_OUT
+    tally = S.counts_by_role(rows)
+    fixed = [r for r in rows if r.role == B.FIXED]
+    assert tally[B.FIXED]["pass"] == sum(r.verdict == "pass" for r in fixed) >= 4
+    assert tally[B.HELD_OUT]["pass"] == sum(r.verdict == "pass" for r in rows
+                                             if r.role == B.HELD_OUT)
+    assert sum(tally[role][v] for role in S.ROLES for v in B.VERDICTS) == len(rows)
+    text = S.markdown(rows, {"preset": "tiny", "steps": 10, "modes": list(P.MODES)})
+    assert "| held-out fail | fixed by construction pass | fixed by construction fail |" in text
+    assert "## Node 13, fixed by construction rows" in text

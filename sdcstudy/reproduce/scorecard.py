@@ -10,7 +10,8 @@ all the nodes' free runs (`drift_rows`, listed under "across nodes"); a failing 
 a measured finding explains names it (`findings`), except a row failed by its event count
 (excess or missing events: the engine's doing, whatever a finding says). Calibration rows
 (the quantities the profiles are fitted to) are tallied and listed apart from the held-out
-ones. Figure 10 at the paper's sizes (`abft_paper_scale.figure10_paper_rows`) joins the rows
+ones, and so are held-out rows whose verdict the profile fixes (`bands.FIXED`). Figure 10 at
+the paper's sizes (`abft_paper_scale.figure10_paper_rows`) joins the rows
 of the planned ABFT runs' nodes, from the measurement committed in `PAPER_SCALE`. Imports no
 JAX.
 """
@@ -39,7 +40,7 @@ SOURCES = {"lockstep": ("Table 1", "Table 2", "Table 6", "Table 7", "Table 8", "
 ORDER = [source for sources in SOURCES.values() for source in sources]
 COLUMNS = ("node", "source", "quantity", "published", "ours", "ratio", "band", "verdict",
            "reason", "expected", "why", "role")
-ROLES = (B.CALIBRATION, B.HELD_OUT)
+ROLES = (B.CALIBRATION, B.HELD_OUT, B.FIXED)
 # Figure 10 at the paper's sizes: `measure`'s entries, as experiments/abft_paper_scale.py writes
 # them (docs/faults.md 5.4).
 PAPER_SCALE = (Path(__file__).resolve().parents[2] / "docs" / "scorecards" /
@@ -72,6 +73,8 @@ def _judged(entry: dict, run) -> list[Row]:
     rows = _rows_of(entry, run)
     for row in rows:
         row.role = B.role(row.node, row.source, _model(entry))
+        if row.role == B.HELD_OUT and B.fixed(row):
+            row.role = B.FIXED
     F.explain([r for r in rows if not B.count_failed(r)], entry, run)
     return rows
 
@@ -132,7 +135,8 @@ def counts(rows: list[Row]) -> dict:
 
 
 def counts_by_role(rows: list[Row]) -> dict:
-    """{role: {verdict: rows}}: calibration and held-out rows tallied apart."""
+    """{role: {verdict: rows}}: calibration, held-out and fixed-by-construction rows tallied
+    apart."""
     return {role: counts([r for r in rows if r.role == role]) for role in ROLES}
 
 
@@ -196,8 +200,8 @@ def _model_words(request: dict) -> tuple[str, str]:
 
 def markdown(rows: list[Row], request: dict, facts: dict | None = None) -> str:
     """The header (with `facts`, `provenance.collect`'s: what it was measured with), a verdict
-    count per node (calibration and held-out passes and failures apart), then each node's
-    calibration rows and held-out rows."""
+    count per node (calibration, held-out and fixed-by-construction passes and failures apart),
+    then each node's rows of each role."""
     nodes = sorted({r.node for r in rows}, key=lambda n: (n == B.ACROSS_NODES, n))
     lines = ["# Reproduction scorecard", "",
              f"Ma et al., *Understanding Silent Data Corruption in LLM Training*, measured on "
@@ -218,7 +222,11 @@ def markdown(rows: list[Row], request: dict, facts: dict | None = None) -> str:
     fitted = _model_words(request)[1]
     lines += ["", f"Calibration rows are the quantities the profiles are fitted to ({fitted}; "
                   f"Figure 5 where the weight-gradient rate is set from it): their "
-                  f"passes test the engine, not the model. Of the {failing} failing rows, "
+                  f"passes test the engine, not the model. So do the held-out rows fixed by "
+                  f"construction: a zero published where Table 1's rate is 0 (the profile "
+                  f"fires nothing there) and the parameters' difference before an onset. Only "
+                  f"held-out rows could have failed a right engine with a wrong model. Of "
+                  f"the {failing} failing rows, "
                   f"{engine_failures(rows)} fail on their event count (excess or missing "
                   f"events), {failing - unexplained(rows)} name the measurement that explains "
                   f"them (docs/faults.md, section 5) and "

@@ -105,7 +105,7 @@ def figure6_rows(node: int, name: str, run, entry: dict) -> list[Row]:
         before = diff[diff.index < onset]
         rows.append(Row(node, "Figure 6", f"param/diff_l2 before step {onset}",
                         f"0 before step {B.PAPER_ONSET}", B.num(before.abs().max())
-                        if len(before) else None, None, "exactly 0",
+                        if len(before) else None, None, B.ONSET_BAND,
                         "pass" if len(before) and (before == 0).all() else "fail",
                         f"{len(before)} steps before the profile's onset at step {onset}"))
     if not len(diff):
