@@ -10,10 +10,12 @@ are set.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from sdcstudy.core import config as C
@@ -302,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     # Simulated CPU devices for the paired mesh (node x dp x tp) unless XLA_FLAGS names a
     # count; a GPU or TPU backend ignores it.
     determinism.configure(device_count=SIMULATED_CPU_DEVICES)
+    with _sigterm_as_interrupt():
+        return _dispatch(args)
+
+
+def _dispatch(args) -> int:
+    """Run the command; every way it can end becomes an exit code of the contract."""
     try:
         code = args.func(args)
         sys.stdout.flush()  # a closed pipe raises here, not at exit
@@ -309,9 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"sdcstudy: error: {e}", file=sys.stderr)
         return errors.EXIT_BAD_INPUT
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt as e:  # SIGINT, or SIGTERM through _terminate_as_interrupt
         print(f"sdcstudy: {e or 'interrupted'}", file=sys.stderr)
-        return errors.EXIT_SIGINT
+        return getattr(e, "exit_code", errors.EXIT_SIGINT)
     except BrokenPipeError:  # `sdcstudy profiles | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 128 + signal.SIGPIPE
@@ -320,6 +328,33 @@ def main(argv: list[str] | None = None) -> int:
         return errors.EXIT_COULD_NOT_RUN
     except Exception as e:
         return _stopped(e)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM outside a run's own loop (which checkpoints first): stop like Ctrl-C, exit 143."""
+
+    exit_code = errors.EXIT_SIGTERM
+
+    def __str__(self) -> str:
+        return "terminated (SIGTERM)"
+
+
+def _terminate_as_interrupt(signum, frame) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM raises `Terminated` while a command runs (a run's loop installs its own); the
+    previous handler comes back after, so a caller's own process (a test) keeps its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _stopped(error: Exception) -> int:

@@ -142,3 +142,29 @@ def test_plan_json_that_cannot_be_written_is_one_sentence_and_exit_3(tmp_path, m
     assert code == errors.EXIT_COULD_NOT_RUN and out.startswith("the plan"), err
     [line] = err.strip().splitlines()
     assert line.startswith(f"sdcstudy: error: could not write the plan file {str(path)!r} ("), line
+
+
+def test_sigterm_outside_a_runs_loop_exits_143_and_an_unforeseen_error_3(monkeypatch, capsys):
+    """SIGTERM during any command (a Slurm or Kubernetes timeout) is an interrupt, exit 143,
+    and the caller's own SIGTERM handler is back afterwards; an exception nobody foresaw is one
+    sentence and 3. If this fails, a terminated or crashed check read as FAIL (1) or as a
+    traceback, or the CLI left its handler in the caller's process."""
+    import signal
+
+    def terminated(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 0
+
+    def crashed(args):
+        raise AssertionError("backend did not start")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(cli, "cmd_profiles", terminated)
+    assert cli.main(["profiles"]) == errors.EXIT_SIGTERM == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert "terminated (SIGTERM)" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "cmd_profiles", crashed)
+    assert cli.main(["profiles"]) == errors.EXIT_COULD_NOT_RUN
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "AssertionError: backend did not start" in err
+    assert "Traceback" not in err
