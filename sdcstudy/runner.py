@@ -228,10 +228,10 @@ class _Log:
         self.steps_written = 0
         self.last_time = time.perf_counter()
 
-    def record(self, step: int, metrics, extras) -> None:
+    def record(self, step: int, metrics, records) -> None:
         """Step `step`'s metrics line, table rows and counters."""
         values = {k: float(v) for k, v in distributed.fetch(metrics).items()}
-        rows, step_counters = self.trainer.host_tables(step, distributed.fetch(extras))
+        rows, step_counters = self.trainer.host_tables(step, distributed.fetch(records))
         for name, table_rows in rows.items():
             self.tables[name].extend(table_rows)
         for key, value in step_counters.items():
@@ -334,10 +334,11 @@ def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int
             for step in range(start + 1, end + 1):
                 batch = _put(trainer.make_batch(batches.batch(step - 1)),
                              None if shardings is None else shardings[1])
-                state, metrics, *extras = step_fn(state, batch)
+                out = step_fn(state, batch)  # a core.step.StepOut
+                state = out.state
                 if pending is not None:
                     log.record(*pending)
-                pending = (step, metrics, extras)
+                pending = (step, out.metrics, out.records)
                 # Safe points: the state is whole, every earlier step (after the save, this one
                 # too) recorded. A signal after a look is seen at the next; the last step ends.
                 stopped = signals.received is not None and step < end
