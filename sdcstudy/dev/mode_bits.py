@@ -214,14 +214,12 @@ def record(modes=MODES, progress=print) -> dict:
                 result[name] = golden_bits(folder)
                 continue
             d = configs[name]
-            if name == "finetune":
-                if not (folder / "runs" / "train").is_dir():
-                    runner.run(C.from_dict(configs["train"]), folder / "runs" / "train",
-                               progress=False, echo=lambda *a: None)
-                d["finetune"]["init"] = str(folder / "runs" / "train")
+            if name == "finetune":  # from the train mode's run, in a folder of its own
+                init = folder / "runs" / "pretrained"
+                runner.run(C.from_dict(configs["train"]), init, progress=False,
+                           echo=lambda *a: None)
+                d["finetune"]["init"] = str(init)
             out = folder / "runs" / name
-            if out.exists():
-                continue
             summary = runner.run(C.from_dict(d), out, progress=False, echo=lambda *a: None)
             result[name] = run_folder_bits(out, summary, folder)
     return result
@@ -265,7 +263,12 @@ def main(argv=None) -> int:
     base = json.loads(args.compare.read_text()) if args.compare else None
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     bits = lowered_programs(modes, say) if args.lowered else record(modes, say)
-    modes = [m for m in modes if m in bits]
+    if args.lowered:
+        skipped = [m for m in modes if m not in bits]
+        if skipped:
+            say(f"mode-bits: not lowered (compiled when built; use the full record): "
+                f"{', '.join(skipped)}")
+        modes = [m for m in modes if m in bits]
     if args.out:
         args.out.write_text(json.dumps(bits, indent=1, sort_keys=True) + "\n")
     if base is None:
