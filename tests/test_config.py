@@ -127,3 +127,200 @@ def test_first_line_quotes_one_line_of_an_error():
     assert first_line(ValueError("  bad value\nsecond line")) == "bad value"
     assert first_line(ValueError("x" * 500 + "\ny"), 300) == "x" * 300
     assert first_line(KeyError()) == "KeyError"
+
+
+# --- bounded input: YAML (core/yamlsafe.py) ---------------------------------------------------
+
+# Each alias below stands for nine copies of the one before: 9^6 = 531,441 strings from 300
+# bytes (the issue's 617-byte version grew past 4 GB). Built, it is a few MB of pointers; the
+# screen refuses the first anchor before building anything.
+BOMB = ('a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n'
+        + "".join(f"{n}: &{n} [{','.join(['*' + p] * 9)}]\n"
+                  for p, n in zip("abcde", "bcdef")))
+
+
+def _peak_bytes(call):
+    """(what `call` raised, the peak of Python allocations while it ran)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        call()
+        raised = None
+    except Exception as e:  # noqa: BLE001 - the test asserts on what it is
+        raised = e
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return raised, peak
+
+
+def test_an_anchor_bomb_is_refused_before_anything_is_built(tmp_path):
+    # If this fails, a few hundred bytes of YAML can take the machine's memory (the loader
+    # builds, or the config copies, every alias's expansion) before a key is validated.
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BOMB)
+    assert len(BOMB) < 400
+    raised, peak = _peak_bytes(lambda: C.load(path))
+    assert isinstance(raised, C.ConfigError) and "anchor &a (line 1)" in str(raised)
+    assert peak < 1 << 20, f"{peak} bytes allocated to refuse a {len(BOMB)}-byte file"
+
+
+def test_no_module_reads_yaml_except_through_yamlsafe():
+    # If this fails, a module reads YAML without the bounds (aliases, tags, size) of
+    # core/yamlsafe.py: route it through yamlsafe.load_file or load_text.
+    import re
+    from pathlib import Path
+
+    package = Path(C.__file__).resolve().parents[1]
+    raw = re.compile(r"\byaml\.(safe_load|load|full_load|unsafe_load|load_all|safe_load_all)\(")
+    readers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py")
+                     if raw.search(p.read_text()))
+    assert readers == ["core/yamlsafe.py"]
+
+
+@pytest.mark.parametrize("what", ["config", "profile", "preset", "golden", "fleet", "run"])
+def test_every_yaml_input_refuses_aliases_in_one_sentence(tmp_path, what):
+    # The same bomb through each reader the package has: each ends in a UserError that names
+    # the file and the anchor, never a traceback or an expansion.
+    from sdcstudy.core.errors import UserError
+    from sdcstudy.faults import profiles
+    from sdcstudy.fleet import config as fleet_config
+    from sdcstudy.golden import manifest
+    from sdcstudy.report import runs
+
+    path = tmp_path / ("config.yaml" if what in ("golden", "run") else f"{what}.yaml")
+    path.write_text(BOMB)
+    read = {"config": lambda: C.load(path),
+            "profile": lambda: profiles.load(str(path)),
+            "preset": lambda: C.model_dims(C.ModelConfig(preset=what), presets_dir=tmp_path),
+            "golden": lambda: manifest.load_config(tmp_path),
+            "fleet": lambda: fleet_config.load(path),
+            "run": lambda: runs.load_run(tmp_path)}[what]
+    raised, peak = _peak_bytes(read)
+    assert isinstance(raised, (UserError, manifest.GoldenError)), raised
+    assert "anchor &a" in str(raised) and str(path) in str(raised)
+    assert "\n" not in str(raised) and peak < 4 << 20
+
+
+@pytest.mark.parametrize("tag", ["!!python/object/apply:os.system ['true']", "!!binary aGk=",
+                                 "!!python/name:os.system"])
+def test_a_python_or_binary_tag_is_refused_by_name(tmp_path, tag):
+    # A golden record's config.yaml is read as root on every node: a tag that names Python
+    # code must end in one sentence (INCONCLUSIVE, exit 2), not a ConstructorError traceback.
+    from sdcstudy.golden import manifest
+
+    (tmp_path / "config.yaml").write_text(f"experiment:\n  name: {tag}\n")
+    with pytest.raises(manifest.GoldenError) as info:
+        manifest.load_config(tmp_path)
+    assert f"holds the tag {tag.split()[0]}" in str(info.value)
+    with pytest.raises(C.ConfigError, match="holds the tag !!"):
+        C.load(tmp_path / "config.yaml")
+
+
+def test_a_file_over_one_mib_is_not_read(tmp_path):
+    # A 100 MB list ran for 4 minutes before anything looked at it. A config is a few KiB.
+    path = tmp_path / "big.yaml"
+    path.write_text("experiment:\n  steps: 7\n" + "#" * (1 << 20) + "\n")
+    with pytest.raises(C.ConfigError, match=r"larger than 1 MiB, the most sdcstudy reads"):
+        C.load(path)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ("experiment:\n  name: [" + ", ".join(["1"] * 10_001) + "]\n", "more than 10000 values"),
+    ("experiment:\n  name: " + "[" * 40 + "]" * 40 + "\n", "more than 16 deep"),
+])
+def test_value_count_and_nesting_are_bounded(tmp_path, body, fragment):
+    path = tmp_path / "c.yaml"
+    path.write_text(body)
+    with pytest.raises(C.ConfigError, match=fragment):
+        C.load(path)
+
+
+# --- bounded input: ranges (core/bounds.py) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("override, sentence", [
+    ("model.n_layers=0", "model.n_layers must be at least 1 or null."),
+    ("model.n_layers=-1", "model.n_layers must be at least 1 or null."),
+    ("model.d_model=0", "model.d_model must be at least 1 or null."),
+    ("optim.lr=.nan", "optim.lr must be a finite number, not nan."),
+    ("optim.lr=.inf", "optim.lr must be a finite number, not inf."),
+    ("optim.lr=-1", "optim.lr must be positive."),
+    ("experiment.steps=100000000000000", "experiment.steps must be from 1 to 10^9."),
+    ("experiment.steps=1.0e+14", "experiment.steps must be int, not the float 100000000000000.0; "
+                                 "write a whole number without a dot or exponent."),
+    ("experiment.steps=3.0", "experiment.steps must be int, not the float 3.0; write a whole "
+                             "number without a dot or exponent."),
+    ("experiment.seed=4294967296", "experiment.seed must be at most 2^31-1 (2147483647)."),
+    ("model.d_model=30", "model.d_model (30) must be a multiple of model.n_heads (4), or set "
+                         "model.head_dim."),
+    ("model.head_dim=15", "model.head_dim (15) must be even: the rotary embedding turns pairs "
+                          "of its elements."),
+    ("experiment.name=../../etc", "experiment.name '../../etc' names a folder inside runs/: it "
+                                  "may not hold '/' or '\\' or start with '.'."),
+])
+def test_values_no_model_can_run_are_one_sentence_at_load(override, sentence):
+    # If this fails, a value that cannot train (no layers, a NaN learning rate, a step count
+    # past any budget) loads, and the run fails later with a traceback or trains nonsense.
+    with pytest.raises(C.ConfigError) as info:
+        C.from_dict({}, [override])
+    assert str(info.value) == sentence
+
+
+def _numeric_keys():
+    import typing
+
+    def walk(cls, prefix=""):
+        for name, hint in typing.get_type_hints(cls).items():
+            if C.dataclasses.is_dataclass(hint):
+                yield from walk(hint, f"{prefix}{name}.")
+            elif {int, float} & set(typing.get_args(hint) or (hint,)):
+                yield f"{prefix}{name}", float in (typing.get_args(hint) or (hint,)), \
+                    type(None) in typing.get_args(hint)
+    return list(walk(C.Config))
+
+
+def test_every_numeric_key_has_a_range_and_docs_config_md_states_it():
+    # A numeric key added without a range is unchecked at load; a range not on the key's line
+    # is missing from docs/config.md (the page is generated from those comments).
+    from pathlib import Path
+
+    from sdcstudy.core import bounds
+
+    page = (Path(C.__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    rows = {line.split("`")[1]: line for line in page.splitlines() if line.startswith("| `")}
+    keys = _numeric_keys()
+    assert sorted(k for k, _, _ in keys) == sorted(bounds.RANGES)
+    for key, is_float, nullable in keys:
+        assert bounds.RANGES[key].doc(is_float, nullable) in rows[key], key
+
+
+@pytest.mark.parametrize("key, is_float, nullable", _numeric_keys(), ids=lambda v: str(v))
+def test_every_numeric_key_refuses_a_value_below_its_range(key, is_float, nullable):
+    from sdcstudy.core import bounds
+
+    r = bounds.RANGES[key]
+    below = r.lo if r.lo_open else r.lo - 1
+    for value in ([below, float("nan"), float("-inf")] if is_float else [below]):
+        with pytest.raises(C.ConfigError) as info:
+            C.from_dict({}, [f"{key}={value}" if value == value and abs(value) != float("inf")
+                             else f"{key}={'.nan' if value != value else '-.inf'}"])
+        assert str(info.value).startswith(f"{key} must be")
+
+
+def test_a_preset_file_with_impossible_sizes_names_the_preset(tmp_path):
+    (tmp_path / "flat.yaml").write_text("vocab_size: 256\nd_model: 32\nn_layers: 0\n"
+                                        "n_heads: 2\nn_kv_heads: 1\nffn_dim: 64\n")
+    with pytest.raises(C.ConfigError) as info:
+        C.model_dims(C.ModelConfig(preset="flat"), presets_dir=tmp_path)
+    assert str(info.value) == "model.n_layers (from model.preset 'flat') must be at least 1."
+
+
+def test_cli_refuses_a_float_step_count_before_any_folder(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("experiment:\n  steps: 2\n")
+    code, err = _cli(capsys, "run", str(path), "--set", "experiment.steps=1.0e+14",
+                     "--out", str(tmp_path / "run"))
+    assert code == 2 and err.count("\n") == 1 and "experiment.steps must be int" in err
+    assert not (tmp_path / "run").exists()

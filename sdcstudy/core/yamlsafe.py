@@ -40,7 +40,7 @@ def load_file(path: str | Path, what: str = "YAML file") -> Any:
     name = str(path)
     try:
         with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
+            data = _read_at_most(f, MAX_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"{what} {name!r} cannot be read ({first_line(e)}).") from None
     if len(data) > MAX_BYTES:
@@ -51,6 +51,15 @@ def load_file(path: str | Path, what: str = "YAML file") -> Any:
     except UnicodeDecodeError:
         raise InvalidYaml(f"{what} {name!r} is not valid YAML (it is not UTF-8 text).") from None
     return load_text(text, f"{what} {name!r}")
+
+
+def _read_at_most(f, limit: int) -> bytes:
+    """At most `limit` bytes of `f`, in chunks (`f.read(limit)` would allocate all of it)."""
+    chunks, size = [], 0
+    while size < limit and (chunk := f.read(min(1 << 16, limit - size))):
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def load_text(text: str, what: str = "YAML text") -> Any:
@@ -74,14 +83,14 @@ def screen(text: str, what: str = "YAML text") -> None:
             where = f"line {event.start_mark.line + 1}" if event.start_mark else "somewhere"
             if isinstance(event, yaml.AliasEvent):
                 raise ConfigError(f"{what} uses the YAML alias *{event.anchor} ({where}); "
-                                  f"sdcstudy reads no anchors or aliases: write the value out.")
+                                  f"sdcstudy reads no anchors or aliases, so write the value out.")
             if not isinstance(event, _NODE_EVENTS):
                 if isinstance(event, _CLOSE_EVENTS):
                     depth -= 1
                 continue
             if event.anchor is not None:
                 raise ConfigError(f"{what} defines the YAML anchor &{event.anchor} ({where}); "
-                                  f"sdcstudy reads no anchors or aliases: write the value out.")
+                                  f"sdcstudy reads no anchors or aliases, so write the value out.")
             if event.tag not in (None, "!") and event.tag not in _PLAIN_TAGS:
                 raise ConfigError(f"{what} holds the tag {_short(event.tag)} ({where}); "
                                   f"sdcstudy reads only plain YAML values (strings, numbers, "
