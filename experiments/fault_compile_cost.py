@@ -21,11 +21,11 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
-import yaml  # noqa: E402
 from jax import monitoring  # noqa: E402
 
 from sdcstudy import runner  # noqa: E402
 from sdcstudy.core import config as C  # noqa: E402
+from sdcstudy.core import yamlsafe  # noqa: E402
 from sdcstudy.faults import inject  # noqa: E402
 
 ADDITIVE = {"kind": "additive", "scale": [2.0 ** -8, 1.0]}
@@ -62,7 +62,7 @@ def profile_arg(profile, folder: Path) -> dict:
     if isinstance(profile, str):
         return {"suspect": {"profile": profile}}
     path = folder / f"profile-{len(list(folder.glob('profile-*')))}.yaml"
-    path.write_text(yaml.safe_dump({"name": path.stem, "specs": profile}))
+    path.write_text(yamlsafe.dump({"name": path.stem, "specs": profile}))
     return {"suspect": {"profile": str(path)}}
 
 

@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from sdcstudy.core import config as C
+from sdcstudy.core import yamlsafe
 from sdcstudy.faults import flip_model as F
 from sdcstudy.faults import profiles as P
 from sdcstudy.faults import published_layers as PL
@@ -56,7 +56,7 @@ def write_profiles(folder: Path) -> None:
         for amplitude in AMPLITUDES:
             profile = P.paper_node(node, fault_model="flip", spike_amplitude=amplitude)
             path = folder / f"{profile.name}.yaml"
-            path.write_text(yaml.safe_dump(profile_dict(profile), sort_keys=False))
+            path.write_text(yamlsafe.dump(profile_dict(profile), sort_keys=False))
             print(path)
 
 

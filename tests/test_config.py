@@ -324,3 +324,16 @@ def test_cli_refuses_a_float_step_count_before_any_folder(tmp_path, capsys):
                      "--out", str(tmp_path / "run"))
     assert code == 2 and err.count("\n") == 1 and "experiment.steps must be int" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_what_sdcstudy_writes_as_yaml_it_reads_back():
+    """A value used twice (a bench profile's shared `scale` list) is written out twice, not as
+    an anchor and alias that the loader refuses: if this fails, `sdcstudy bench faults` and
+    fault_compile_cost wrote profiles their own run then refused."""
+    from sdcstudy.core import yamlsafe
+
+    scale = [2.0 ** -8, 1.0]
+    data = {"name": "x", "specs": [{"site": "fwd/attn", "scale": scale},
+                                   {"site": "fwd/ffn", "scale": scale}]}
+    text = yamlsafe.dump(data, sort_keys=False)
+    assert "&" not in text and yamlsafe.load_text(text) == data

@@ -152,7 +152,7 @@ def run_rollback(stepper: Stepper, steps: int, suspect: int):
     for s in range(steps):
         batch = {**stepper.trainer.make_batch(stepper.batches.batch(s)),
                  "suspect": jnp.int32(suspect)}
-        state, _, _, _ = wrapped(state, batch)
+        state = wrapped(state, batch).state
     return digest.tree_digest(jax.device_get(state["params"])), wrapped.rollbacks
 
 

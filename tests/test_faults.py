@@ -537,7 +537,7 @@ def test_stacked_leaves_are_corrupted_as_one_at_a_time(monkeypatch):
     assert stacked_text.count("stablehlo.case") < alone_text.count("stablehlo.case")
     bits = lambda t: [np.asarray(a).tobytes() for a in jax.tree.leaves(t)]  # noqa: E731
     assert bits(stacked) == bits(alone)
-    landed = [FR.decode_record(r)[0] for r in stacked[2]["step"].values()]
+    landed = [FR.decode_record(r)[0] for r in stacked.records["faults"]["step"].values()]
     assert max(landed) > FD.HIT_CAP  # the additive spec drew past the listed hits
 
 

@@ -40,15 +40,14 @@ def fault_profiles(folder: Path) -> dict[str, str]:
     but a `steps` pattern listing no step, so every draw happens and none lands; the active
     specs have no pattern and land at every step.
     """
-    import yaml
-
+    from sdcstudy.core import yamlsafe
     from sdcstudy.faults.profiles import SITES
 
     def write(name: str, rate: float, pattern: dict | None, kind: str = "additive") -> str:
         specs = [{"site": site, "kind": kind, "rate": rate, "scale": [2.0 ** -8, 1.0],
                   **({"pattern": pattern} if pattern else {})} for site in SITES]
         path = folder / f"{name}.yaml"
-        path.write_text(yaml.safe_dump({"name": name, "specs": specs}, sort_keys=False))
+        path.write_text(yamlsafe.dump({"name": name, "specs": specs}, sort_keys=False))
         return str(path)
 
     return {"plain": "healthy", "healthy": "healthy", "zero-rate": write("zero-rate", 0.0, None),

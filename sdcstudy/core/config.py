@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from sdcstudy.core import bounds, yamlsafe
 from sdcstudy.core.errors import ConfigError, UserError, did_you_mean
@@ -338,7 +337,7 @@ def to_dict(cfg: Config) -> dict:
 
 
 def dump(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    return yamlsafe.dump(to_dict(cfg), sort_keys=False)
 
 
 def _check_ranges(section, prefix: str = "") -> None:

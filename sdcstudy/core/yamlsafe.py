@@ -112,3 +112,17 @@ def _short(tag: str) -> str:
     """`!!python/object:os.system` for `tag:yaml.org,2002:python/object:os.system`."""
     prefix = "tag:yaml.org,2002:"
     return "!!" + tag[len(prefix):] if tag.startswith(prefix) else tag
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, less anchors and aliases: a value used twice is written twice, so
+    what sdcstudy writes, `load_text` reads back."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def dump(data: Any, **options) -> str:
+    """YAML text of plain data with no anchors or aliases (`yaml.safe_dump` writes `&id001`
+    for a list used twice, which `screen` refuses)."""
+    return yaml.dump(data, Dumper=_PlainDumper, **options)

@@ -24,7 +24,7 @@ class DetectionError(RuntimeError):
 
 
 class VerifiedRollback:
-    """Wraps a compiled detect step `(state, batch) -> (state, metrics, faults, out)`.
+    """Wraps a compiled detect step `(state, batch) -> core.step.StepOut`.
 
     The step donates its input, so each attempt gets a fresh copy of the verified state.
     """
