@@ -76,3 +76,19 @@ def write_report_json(path, obj: Any, what: str = "JSON report",
                       warn: Callable[[str], None] | None = None) -> bool:
     """`write_report_file` of `obj` as indented JSON."""
     return write_report_file(path, RF.dumps(obj) + "\n", what, warn)
+
+
+def save_png(fig, path: Path, **savefig_options) -> Path:
+    """`fig` as the PNG `path`, atomically: written beside it under a temporary name, then
+    renamed, and the temporary removed if anything fails. The caller closes the figure."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, **savefig_options)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+    return path

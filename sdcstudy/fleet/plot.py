@@ -6,11 +6,11 @@ markers are the Monte Carlo means at the configured fleet size. Written atomical
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import numpy as np
 
+from sdcstudy.core import reports
 from sdcstudy.fleet.config import MAX_NODES, FleetConfig
 from sdcstudy.fleet.model import goodput_curve
 
@@ -32,19 +32,10 @@ def _pyplot():
 
 
 def _save(fig, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
     try:
-        fig.savefig(tmp, dpi=DPI)
-        tmp.replace(path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
+        return reports.save_png(fig, path, dpi=DPI)
     finally:
         _pyplot().close(fig)
-    return path
 
 
 def plot_goodput(cfg: FleetConfig, rows: list[dict], path: Path,

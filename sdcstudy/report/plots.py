@@ -17,7 +17,6 @@ without mismatches) is left out of a log axis, so lines break there.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 
@@ -75,20 +74,12 @@ def _log_y(ax) -> None:
 
 def _save(fig, path: Path) -> Path:
     """`fig` as the PNG `path`, atomically; a file that cannot be written is ReportWriteError."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
     try:
         with reports.writing(path, "figure"):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fig.savefig(tmp, dpi=DPI, pil_kwargs={"compress_level": 1})  # zlib 6: 0.3 s more
-            tmp.replace(path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
+            return reports.save_png(fig, path, dpi=DPI,
+                                    pil_kwargs={"compress_level": 1})  # zlib 6: 0.3 s more
     finally:
         _pyplot().close(fig)
-    return path
 
 
 def _legend_columns(n: int) -> int:
