@@ -262,3 +262,12 @@ def test_a_planted_injector_and_stream_number_are_named(copy):
     assert found[0].startswith("paft/trainer.py:")
     assert found[0].endswith("folds stream 1 into a key")
     assert found[1].startswith("golden/workload.py:") and found[1].endswith("builds Injector(...)")
+
+
+def test_the_feature_registry_names_each_feature_by_its_records_key_in_install_order():
+    # Faults first (every later hook sees the corrupted value), then taps, then ABFT; a class
+    # whose `name` differed from its key would file its records and sinks under another name.
+    from sdcstudy.features import FEATURES
+
+    assert list(FEATURES)[:3] == ["faults", "taps", "abft"]
+    assert all(cls.name == name and callable(cls.from_config) for name, cls in FEATURES.items())

@@ -316,10 +316,11 @@ class Checker:
         self.operand_rounding, self.output_partials = operand_rounding, output_partials
 
     @classmethod
-    def from_config(cls, cfg, n_layers: int) -> "Checker | None":
+    def from_config(cls, cfg, dims) -> "Checker | None":
+        """`abft.*`, when `abft.enabled` or the abft mode (which implies it); else None."""
         a = cfg.abft
-        on = a.enabled or cfg.experiment.mode == "abft"  # the evaluation mode implies ABFT
-        return cls(n_layers, a.threshold, a.recompute, operand_rounding=a.operand_rounding,
+        on = a.enabled or cfg.experiment.mode == "abft"
+        return cls(dims.n_layers, a.threshold, a.recompute, operand_rounding=a.operand_rounding,
                    output_partials=a.output_partials) if on else None
 
     def arithmetic(self) -> B.Arithmetic:

@@ -41,10 +41,12 @@ class Faults:
         return None if profile.healthy else cls(F.Injector(profile, n_layers, limit, seed))
 
     @classmethod
-    def from_config(cls, cfg, n_layers: int, fault_kind: str | None = None) -> "Faults | None":
-        """`suspect.profile` with `suspect.log_limit` and `suspect.fault_seed`."""
+    def from_config(cls, cfg, dims, fault_kind: str | None = None) -> "Faults | None":
+        """`suspect.profile` with `suspect.log_limit` and `suspect.fault_seed` (None for a
+        healthy profile); `dims`: the model's `core.config.ModelDims`."""
         profile = profiles.load_for(cfg, fault_kind)
-        return cls.from_profile(profile, n_layers, cfg.suspect.log_limit, cfg.suspect.fault_seed)
+        return cls.from_profile(profile, dims.n_layers, cfg.suspect.log_limit,
+                                cfg.suspect.fault_seed)
 
     @property
     def profile(self) -> Profile:

@@ -34,8 +34,8 @@ class NodeTrainer(Trainer):
     @classmethod
     def from_config(cls, cfg: Config, hook: Hook = identity_hook) -> "NodeTrainer":
         dims = C.model_dims(cfg.model)
-        return super().from_config(cfg, hook, faults=Faults.from_config(cfg, dims.n_layers),
-                                   abft=A.Checker.from_config(cfg, dims.n_layers))
+        return super().from_config(cfg, hook, faults=Faults.from_config(cfg, dims),
+                                   abft=A.Checker.from_config(cfg, dims))
 
     def fault_context(self, step, microstep, sinks=None) -> F.FaultContext:
         return self.faults.context(self.base_key, step, microstep, sinks)

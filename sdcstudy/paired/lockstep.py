@@ -212,6 +212,13 @@ class LockstepTaps:
         self.node_axis, self.dp_axis, self.tp_axis = node_axis, dp_axis, tp_axis
         self.stats_axes = tuple(a for a in (node_axis, dp_axis, tp_axis) if a is not None)
 
+    @classmethod
+    def from_config(cls, cfg, dims) -> "LockstepTaps | None":
+        """The taps of the pair's mesh (node, dp, tp) in lockstep mode; else None."""
+        if cfg.experiment.mode != "lockstep":
+            return None
+        return cls(dims.n_layers, tp_axis=M.TP, dp_axis=M.DATA)
+
     def keys(self, direction: str) -> list[str]:
         """Stat keys of one direction ("fwd" or "bwd"), layers 1..n_layers."""
         return [stat_key(site, layer) for layer in range(1, self.n_layers + 1)

@@ -157,13 +157,13 @@ class PairedTrainer:
                 raise UserError(f"{what} ({n}) must be a multiple of mesh.tp ({tp}).")
         graphdef, _ = model.abstract_init(dims)
         steps = cfg.experiment.steps
-        faults = Faults.from_config(cfg, dims.n_layers)
+        faults = Faults.from_config(cfg, dims)
         taps = LS.LockstepTaps(dims.n_layers, tp_axis=M.TP, dp_axis=M.DATA) \
             if mode == "lockstep" else None
         mesh = mesh or M.make_node_mesh(2, dp, tp)
         return cls(cfg, dims, graphdef, make_optimizer(cfg.optim, steps, clip=False),
                    learning_rate_schedule(cfg.optim, steps), mesh, faults, taps, mode,
-                   abft=A.Checker.from_config(cfg, dims.n_layers))
+                   abft=A.Checker.from_config(cfg, dims))
 
     # --- state ---------------------------------------------------------------------------
 

@@ -1,0 +1,59 @@
+"""The step features, one line each, in the order a step installs them.
+
+A step feature (`core.step.DeviceHalf` inside the jitted step, `core.step.HostHalf` after
+it) lives in a folder of its own; this registry is the one module that names them all, so
+`core/` imports none of them and a trainer gets its features here instead of importing each.
+
+Order matters: faults come first, so that every later hook (a lock-step tap, an ABFT check)
+sees the corrupted value; then the lock-step taps; then ABFT, which wraps each checked matmul
+and places the faults and taps installed before it around its check.
+
+An entry is `name: class`. The class has
+- `name`, the same string: the key of its records in `StepOut.records` and of its sinks;
+- `from_config(cfg, dims) -> feature | None`: the feature this config asks for, None when
+  the config leaves it off (dims: `core.config.ModelDims`).
+Adding a step feature is one folder holding its class and one line here
+(docs/architecture.md, "Where to add things").
+"""
+
+from __future__ import annotations
+
+from sdcstudy.abft.checker import Checker
+from sdcstudy.faults.feature import Faults
+from sdcstudy.paired.lockstep import LockstepTaps
+
+FEATURES = {
+    "faults": Faults,
+    "taps": LockstepTaps,
+    "abft": Checker,
+}
+
+_UNSET = object()
+
+
+def from_config(cfg, dims, names=None, **given) -> list:
+    """The features `cfg` turns on, in install order. `names`: only these (default all);
+    `given`: a feature (or None) a topology built itself, in place of the config's, e.g.
+    `abft=None` where ABFT is a detector's choice rather than `abft.enabled`."""
+    unknown = set(given) - set(FEATURES) | set(names or ()) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"no step feature {sorted(unknown)[0]!r}; registered: "
+                         f"{', '.join(FEATURES)}.")
+    active = []
+    for name, cls in FEATURES.items():
+        if names is not None and name not in names:
+            continue
+        feature = given.get(name, _UNSET)
+        if feature is _UNSET:
+            feature = cls.from_config(cfg, dims)
+        if feature is not None:
+            active.append(feature)
+    return active
+
+
+def by_name(features: list) -> dict:
+    """{name: feature} of a list of active features."""
+    return {f.name: f for f in features}
+
+
+__all__ = ["FEATURES", "by_name", "from_config"]
