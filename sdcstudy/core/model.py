@@ -189,24 +189,41 @@ class Block(nnx.Module):
 
     def __call__(self, x_BLD, cos_LE, sin_LE, hook: Hook, layer: int, tp_axis: str | None):
         # Megatron sequence parallelism: gather the sequence-sharded input before each
-        # submodule, reduce-scatter its partial output after. Sites sit inside, per rank.
+        # submodule, reduce-scatter its partial output after. Sites sit inside, per rank; each
+        # collective's input and output are sites too (`sites.COLLECTIVES`).
         h = hook(S.ATTN_NORM, self.attn_norm(x_BLD), layer)
         if tp_axis is not None:
-            h = lax.all_gather(h, tp_axis, axis=1, tiled=True)
+            h = all_gather(hook, S.COLLECTIVES["attn", S.ALL_GATHER], h, layer, tp_axis)
         h = hook(S.ATTN_IN, h, layer)
         a = self.attn(h, cos_LE, sin_LE, hook, layer)  # its output projection is `attn_out`
         if tp_axis is not None:
-            a = lax.psum_scatter(a, tp_axis, scatter_dimension=1, tiled=True)
+            a = reduce_scatter(hook, S.COLLECTIVES["attn", S.REDUCE_SCATTER], a, layer, tp_axis)
         x_BLD = x_BLD + a
 
         h = hook(S.FFN_NORM, self.ffn_norm(x_BLD), layer)
         if tp_axis is not None:
-            h = lax.all_gather(h, tp_axis, axis=1, tiled=True)
+            h = all_gather(hook, S.COLLECTIVES["ffn", S.ALL_GATHER], h, layer, tp_axis)
         h = hook(S.FFN_IN, h, layer)
         f = self.ffn(h, hook, layer)  # its down projection is `ffn_out`
         if tp_axis is not None:
-            f = lax.psum_scatter(f, tp_axis, scatter_dimension=1, tiled=True)
+            f = reduce_scatter(hook, S.COLLECTIVES["ffn", S.REDUCE_SCATTER], f, layer, tp_axis)
         return x_BLD + f
+
+
+def all_gather(hook: Hook, sites: tuple[str, str], x_BLD, layer: int, tp_axis: str):
+    """This rank's sequence shard gathered from every tp rank, its input and output sites."""
+    site_in, site_out = sites
+    x_BLD = hook(site_in, x_BLD, layer)
+    return hook(site_out, lax.all_gather(x_BLD, tp_axis, axis=1, tiled=True), layer)
+
+
+def reduce_scatter(hook: Hook, sites: tuple[str, str], x_BLD, layer: int, tp_axis: str):
+    """This rank's partial sums, summed over tp ranks and scattered by sequence shard, its
+    input and output sites."""
+    site_in, site_out = sites
+    x_BLD = hook(site_in, x_BLD, layer)
+    return hook(site_out, lax.psum_scatter(x_BLD, tp_axis, scatter_dimension=1, tiled=True),
+                layer)
 
 
 class Llama(nnx.Module):

@@ -31,6 +31,24 @@ FFN_NORM, FFN_GATE, FFN_UP, FFN_ACT = "ffn_norm", "ffn_gate", "ffn_up", "ffn_act
 # Outside the blocks (layer 0).
 EMBED, FINAL_NORM, LOGITS = "embed", "final_norm", "logits"
 
+# Around the tensor-parallel collectives of a block (Megatron sequence parallelism, called only
+# under `tp_axis`): the input and output, on each tp rank, of the all-gather before each
+# submodule and of the reduce-scatter after it. Not in BLOCK_SITES: a hook that enumerates the
+# block's sites (golden digests, fault specs by name) does not see them.
+ATTN_GATHER_IN, ATTN_GATHER_OUT = "attn_gather_in", "attn_gather_out"
+ATTN_SCATTER_IN, ATTN_SCATTER_OUT = "attn_scatter_in", "attn_scatter_out"
+FFN_GATHER_IN, FFN_GATHER_OUT = "ffn_gather_in", "ffn_gather_out"
+FFN_SCATTER_IN, FFN_SCATTER_OUT = "ffn_scatter_in", "ffn_scatter_out"
+ALL_GATHER, REDUCE_SCATTER = "all_gather", "reduce_scatter"
+# (submodule, collective) -> (input site, output site), in the order a block runs them.
+COLLECTIVES = {
+    ("attn", ALL_GATHER): (ATTN_GATHER_IN, ATTN_GATHER_OUT),
+    ("attn", REDUCE_SCATTER): (ATTN_SCATTER_IN, ATTN_SCATTER_OUT),
+    ("ffn", ALL_GATHER): (FFN_GATHER_IN, FFN_GATHER_OUT),
+    ("ffn", REDUCE_SCATTER): (FFN_SCATTER_IN, FFN_SCATTER_OUT),
+}
+COLLECTIVE_SITES = tuple(site for pair in COLLECTIVES.values() for site in pair)
+
 BLOCK_SITES = (ATTN_NORM, ATTN_IN, ATTN_Q, ATTN_K, ATTN_V, ATTN_SCORES, ATTN_PROBS,
                ATTN_CONTEXT, ATTN_OUT, FFN_NORM, FFN_IN, FFN_GATE, FFN_UP, FFN_ACT, FFN_OUT)
 MODEL_SITES = (EMBED, FINAL_NORM, LOGITS)

@@ -27,7 +27,8 @@ from sdcstudy.faults import hashing as H
 from sdcstudy.faults.bits import to_bits
 from sdcstudy.faults.corrupt import corrupt_and_record, corrupt_and_record_stacked
 from sdcstudy.faults.records import RECORD_WIDTH, decode_record
-from sdcstudy.faults.specs import COLLECTIVE_SITES, TREE_SITES, FaultSpec, Profile
+from sdcstudy.faults.specs import (
+    COLLECTIVE_SITES, MODEL_COLLECTIVES, TREE_SITES, FaultSpec, Profile)
 
 
 # --- the injector -----------------------------------------------------------------------------
@@ -196,14 +197,16 @@ class Injector:
             return S.identity_hook
         by_site: dict[tuple[str, str], list[tuple[int, FaultSpec]]] = {}
         for i, spec in self.model_specs:
-            by_site.setdefault(spec.resolve(), []).append((i, spec))
+            direction, site = spec.resolve()
+            for model_site in MODEL_COLLECTIVES.get(site, (site,)):
+                by_site.setdefault((direction, model_site), []).append((i, spec))
 
         def inject(site: str, x, layer: int):
             for direction in ("fwd", "bwd"):
                 for i, spec in by_site.get((direction, site), ()):
                     if layer not in self._layers(spec, site):
                         continue
-                    site_id = S.ALL_SITES.index(site) + (100 if direction == "bwd" else 0)
+                    site_id = _site_id(site, direction)
                     key_data, rate = self._rate_and_key(ctx, i, spec, site_id, layer, x)
                     name = record_key(i, site, layer)
                     if direction == "fwd":
@@ -215,6 +218,14 @@ class Injector:
             return x
 
         return inject
+
+
+def _site_id(site: str, direction: str) -> int:
+    """The number a model site folds into its draws: its index among the sites, plus 100 in
+    the backward; the collectives' output sites count from 200."""
+    if site in S.COLLECTIVE_SITES:
+        return 200 + S.COLLECTIVE_SITES.index(site)
+    return S.ALL_SITES.index(site) + (100 if direction == "bwd" else 0)
 
 
 # Same-shape leaves corrupted as one stack (False: one at a time, the reference the tests
@@ -289,14 +300,16 @@ def inject_cotangent(x, sink, key_data, rate, spec: FaultSpec, limit: int):
 
 def record_rows(records: dict, step: int, microstep: int, profile: Profile, *, tp_rank: int = 0,
                 node: int | None = None) -> tuple[list[dict], int]:
-    """faults.parquet rows from one microstep's records, and how many landed beyond the limit."""
+    """faults.parquet rows from one microstep's records, and how many landed beyond the limit.
+    A row names the spec's site; a tree site's the leaf, a model collective's the output site
+    it struck (`attn_gather_out`, ...)."""
     rows, overflow = [], 0
     for key, record in records.items():
         index, site, layer = parse_record_key(key)
         spec = profile.specs[index]
         count, landed = decode_record(record)
         overflow += count - len(landed)
-        name = site if spec.direction == "tree" else spec.site
+        name = site if spec.direction == "tree" or spec.site in MODEL_COLLECTIVES else spec.site
         for hit in landed:
             rows.append({"step": step, "microstep": microstep, "layer": layer, "site": name,
                          "tp_rank": tp_rank, "node": spec.node if node is None else node,

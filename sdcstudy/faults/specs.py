@@ -31,9 +31,19 @@ SITE_ALIASES = {"fwd/attn": ("fwd", S.ATTN_OUT), "fwd/ffn": ("fwd", S.FFN_OUT),
                 "bwd/attn": ("bwd", S.ATTN_IN), "bwd/ffn": ("bwd", S.FFN_IN)}
 # Sites outside the model, applied by the trainer to whole pytrees.
 TREE_SITES = ("grad", "update")
-# Collective payloads, applied where the payload is formed (PAFT and the tp harness).
+# Collective payloads (their order numbers the draws of the tree sites: keep it).
 COLLECTIVE_SITES = ("collective/all_gather", "collective/reduce_scatter",
                     "collective/grad_allreduce")
+# Collectives inside the model (tensor parallelism, mesh.tp >= 2): a fault on the wire, the
+# value each tp rank received corrupted at the output site of every such collective of the
+# spec's layers (the attention's and the FFN's), the value sent left alone.
+MODEL_COLLECTIVES = {
+    "collective/all_gather": tuple(out for (_, kind), (_, out) in S.COLLECTIVES.items()
+                                   if kind == S.ALL_GATHER),
+    "collective/reduce_scatter": tuple(out for (_, kind), (_, out) in S.COLLECTIVES.items()
+                                       if kind == S.REDUCE_SCATTER),
+}
+# The rest are whole pytrees, corrupted where the payload is formed (PAFT's gradient all-reduce).
 
 
 class FaultSpecError(UserError, ValueError):
@@ -130,9 +140,12 @@ class FaultSpec:
         return self.resolve()[0]
 
     def resolve(self) -> tuple[str, str]:
-        """(direction, site): "fwd"/"bwd" and a model site, or ("tree", name)."""
+        """(direction, site): "fwd"/"bwd" and a model site, ("fwd", a collective of
+        `MODEL_COLLECTIVES`), or ("tree", name)."""
         if self.site in SITE_ALIASES:
             return SITE_ALIASES[self.site]
+        if self.site in MODEL_COLLECTIVES:
+            return "fwd", self.site
         if self.site in TREE_SITES or self.site in COLLECTIVE_SITES:
             return "tree", self.site
         direction, _, name = self.site.partition("/")
@@ -143,7 +156,8 @@ class FaultSpec:
         spec whose layers, lanes or tp ranks the model lacks is refused by `check_fits`."""
         _check_numbers(self, where)
         direction, name = self.resolve()
-        ok = (direction == "tree") or (direction in ("fwd", "bwd") and name in S.ALL_SITES)
+        ok = (direction == "tree" or name in MODEL_COLLECTIVES
+              or (direction in ("fwd", "bwd") and name in S.ALL_SITES))
         if not ok:
             known = list(SITE_ALIASES) + [f"fwd/{s}" for s in S.ALL_SITES] + list(TREE_SITES)
             raise FaultSpecError(f"{where}: unknown site {self.site!r}; use one of "
@@ -214,8 +228,8 @@ def _check_numbers(spec: FaultSpec, where: str) -> None:
 
 def lane_counts(dims, tp: int, seq_len: int) -> dict[str, int]:
     """Model site -> the length of its tensor's last axis on one tp rank: the lanes a spec's
-    `lanes` index (`draws._shaped`). Pytree and collective sites get the longest last axis of
-    any parameter, a bound on every leaf's."""
+    `lanes` index (`draws._shaped`). The model's collectives move (B, L, D) activations; pytree
+    sites get the longest last axis of any parameter, a bound on every leaf's."""
     d, e, f = dims.d_model, dims.head_dim, dims.ffn_dim
     q, kv = dims.n_heads * e // tp, dims.n_kv_heads * e // tp
     lanes = {site: d for site in (S.EMBED, S.ATTN_NORM, S.ATTN_IN, S.ATTN_OUT, S.FFN_NORM,
@@ -225,18 +239,24 @@ def lane_counts(dims, tp: int, seq_len: int) -> dict[str, int]:
                   S.FFN_UP: f // tp, S.FFN_ACT: f // tp, S.LOGITS: dims.vocab_size})
     widest = max(d, dims.n_heads * e, dims.n_kv_heads * e, f, dims.vocab_size)
     lanes.update({site: widest for site in TREE_SITES + COLLECTIVE_SITES})
+    lanes.update({site: d for site in MODEL_COLLECTIVES})
     return lanes
 
 
 def check_fits(profile: "Profile", dims, tp: int = 1, seq_len: int = 1) -> "Profile":
     """`profile`, or a `FaultSpecError` for a spec that could never fire on this model: a
     layer it lacks (blocks count 1 to dims.n_layers), a lane past its site's last axis
-    (`lane_counts`) or a tp rank past mesh.tp."""
+    (`lane_counts`), a tp rank past mesh.tp, or a collective of the model's tensor
+    parallelism where mesh.tp = 1 (there is none)."""
     lanes = lane_counts(dims, tp, seq_len)
     for i, spec in enumerate(profile.specs):
         where = f"profile {profile.name!r}: specs[{i}] ({spec.site})"
         _, site = spec.resolve()
-        if spec.layers is not None and site in S.BLOCK_SITES:
+        if site in MODEL_COLLECTIVES and tp < 2 and spec.base_rate > 0:
+            raise FaultSpecError(f"{where}: {site} strikes the tensor-parallel collectives, "
+                                 f"which a run with mesh.tp = {tp} does not have; set mesh.tp "
+                                 f"to 2 or more (a paired mode).")
+        if spec.layers is not None and (site in S.BLOCK_SITES or site in MODEL_COLLECTIVES):
             bad = [layer for layer in spec.layers if not 1 <= layer <= dims.n_layers]
             if bad:
                 raise FaultSpecError(f"{where}: layers {bad} are not blocks of this model; "
