@@ -91,6 +91,13 @@ class AbftConfig:
 
 
 @dataclass
+class CollectivesConfig:
+    # checksums of each tensor-parallel collective's input and output on both nodes of a pair:
+    # a mismatch told apart as communication or computation (collectives/; mesh.tp >= 2)
+    enabled: bool = False
+
+
+@dataclass
 class PaftNoiseConfig:
     # per-coordinate variance of each worker's aggregation error (finite, non-negative)
     sigma2: float = 0.0
@@ -191,6 +198,7 @@ class Config:
     suspect: SuspectConfig = field(default_factory=SuspectConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     abft: AbftConfig = field(default_factory=AbftConfig)
+    collectives: CollectivesConfig = field(default_factory=CollectivesConfig)
     paft: PaftConfig = field(default_factory=PaftConfig)
     data: DataConfig = field(default_factory=DataConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
