@@ -576,7 +576,8 @@ def test_figure10_at_the_papers_sizes_scores_the_abft_nodes_as_held_out(tmp_path
     whys = {(r.node, r.verdict): r.why for r in rows}
     assert "5.4, where the faults arise" in whys[1, "fail"] and "modelling choice" in whys[
         1, "fail"]
-    assert "9.4e-05 of the checks at every tp and placement" in whys[14, "fail"]
+    assert "needs a rate of its own under ABFT" in whys[14, "fail"]
+    assert "flags 0.0001 of the checks at paper tp 32" in whys[14, "fail"]  # its own numbers
     assert whys[1, "pass"] == whys[14, "pass"] == ""
     assert S.paper_scale_rows([entry(node=1)], path) == []  # no ABFT run planned
     tally = S.counts_by_role(S.build(plan[:1], {}, paper_scale=path))

@@ -38,8 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sdcstudy.abft.tables import EPS32, tau
-from sdcstudy.reproduce import bands as B
-from sdcstudy.reproduce import training_rows as TR
+from sdcstudy.reproduce import figure10_paper
 from sdcstudy.reproduce.training_rows import Row
 
 RULES = ("paper", "rounding")
@@ -368,33 +367,10 @@ def _entry(shape: Shape, faults, placement: str, checks: list[dict], ratio: floa
     return entry
 
 
-# --- the scorecard's rows ---------------------------------------------------------------
+# --- the scorecard's rows: reproduce/figure10_paper.py (sampling noise told apart) ---------
 
 
 def figure10_paper_rows(entries: list[dict], placement: str = "o_proj",
                         rule: str = "paper") -> list[Row]:
-    """Scorecard rows, Figure 10 at the paper's sizes: per node and tp, the share of fwd o
-    checks flagged over the paper's run, against appendix D.2 (node 14 "frequently", the
-    others "little to no")."""
-    rows = []
-    for e in entries:
-        if e["node"] == 0 or e["placement"] != placement or not e["shape"].startswith("paper"):
-            continue
-        node, frequent = e["node"], e["node"] == TR.ABFT_NODE
-        published = "frequently" if frequent else "little or nothing"
-        band = (f">= {B.ABFT_FREQUENT:.0%} of checks flagged" if frequent
-                else f"<= {B.ABFT_LITTLE:.0%} of checks flagged")
-        ours = e[f"flagged_{rule}"]
-        quantity = f"fwd o flagged checks, {e['shape']} (k {e['k']}, n {e['n']}, m {e['m']})"
-        faults = e["o_faults"] + e["context_faults"]
-        verdict, reason = "no events", "the profile puts no fault in the attention"
-        if faults:
-            ok = ours >= B.ABFT_FREQUENT if frequent else ours <= B.ABFT_LITTLE
-            verdict = "pass" if ok else "fail"
-            reason = (f"{B.g(faults)} faults per check ({placement}), {e['checks']} checks; "
-                      f"{B.g(e[f'flagged_active_{rule}'])} flagged while the pattern is on "
-                      f"({B.g(e['active'])} of the run); one fault of its row's RMS is "
-                      f"{B.g(e['single_fault_ratio'])} times eq. 6's threshold")
-        rows.append(Row(node, "Figure 10", quantity, published, ours, None, band, verdict,
-                        reason))
-    return rows
+    """Scorecard rows, Figure 10 at the paper's sizes (`figure10_paper.rows`)."""
+    return figure10_paper.rows(entries, placement, rule)

@@ -94,6 +94,9 @@ class Row:
     # time pattern over this run for a frequency (`plan.expectations`)
     why: str = ""  # for a failing row, the measured finding that explains it (`findings`)
     role: str = HELD_OUT  # CALIBRATION: a quantity the profile was fitted to (`role`)
+    pass_probability: float | None = None  # the probability that a correct model passes
+    # this row's band (`count_pass_probability`, `exposure_rows.pass_probability`); None where
+    # the row states none
 
 
 def role(node: int, source: str, fault_model: str = "additive") -> str:
@@ -187,6 +190,19 @@ def poisson_p_value(observed: int, mean: float) -> float:
     return min(1.0, 2 * min(poisson_below(observed, mean), poisson_above(observed, mean)))
 
 
+def binomial_below(k: int, n: int, p: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, p)."""
+    if k < 0:
+        return 0.0
+    if k >= n or p <= 0:
+        return 1.0
+    if p >= 1:
+        return 0.0
+    return min(1.0, sum(math.exp(math.lgamma(n + 1) - math.lgamma(j + 1) - math.lgamma(n - j + 1)
+                                 + j * math.log(p) + (n - j) * math.log1p(-p))
+                        for j in range(k + 1)))
+
+
 def _count_tail(k: int, mean: float, entry: dict, below: bool) -> float:
     """P(X <= k) (`below`) or P(X >= k) of the run's event count X of the given mean: Poisson,
     or for a bursty profile Poisson given its bursts, which are binomial over the steps."""
@@ -222,6 +238,22 @@ def count_check(observed: int, expected: float, entry: dict, what: str = "mismat
     return (f"{word}: {observed} {what} where the profile expects {g(expected)} (no mean "
             f"within {FREQ_TOLERANCE:.0%} of it gives this count at a two-sided level of "
             f"{COUNT_LEVEL:g})")
+
+
+def count_pass_probability(expected: float, entry: dict) -> float:
+    """The probability that a correct model passes a frequency band of +-FREQ_TOLERANCE
+    around `expected` events: its count X (Poisson, or Poisson given binomial bursts, as
+    `count_check` reads it) within [(1 - FREQ_TOLERANCE) expected, (1 + FREQ_TOLERANCE)
+    expected]."""
+    if expected <= 0:
+        return 0.0
+    lo = math.ceil(expected * (1 - FREQ_TOLERANCE))
+    hi = math.floor(expected * (1 + FREQ_TOLERANCE))
+    if hi < lo:
+        return 0.0
+    outside = (_count_tail(lo - 1, expected, entry, below=True)
+               + _count_tail(hi + 1, expected, entry, below=False))
+    return max(0.0, 1.0 - outside)
 
 
 def run_total(run, key: str) -> int:

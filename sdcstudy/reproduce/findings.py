@@ -258,26 +258,6 @@ def _single_fault_ratio(shape: A.Shape) -> float:
     return A.single_fault_ratio(shape, np.random.default_rng([0, 0, 0, 1]))
 
 
-def explain_paper_scale(rows: list[Row]) -> list[Row]:
-    """Figure 10 at the paper's sizes (`abft_paper_scale.figure10_paper_rows`): the why of
-    each failing row."""
-    for row in rows:
-        if row.verdict != "fail":
-            continue
-        if row.node == ABFT_NODE:
-            row.why = (f"{DOC} 5.4, Figure 10 at the paper's sizes: {_node14()}; D.2 and D.3 "
-                       f"say the float32 flags need not follow the bfloat16 mismatches and that "
-                       f"ABFT's overhead changes the utilization the faults depend on")
-        else:
-            row.why = (f"{DOC} 5.4, where the faults arise: this row puts every attention "
-                       f"fault between o's product and its check, the placement that flags "
-                       f"most; with the faults inside the attention o's check flags none at "
-                       f"any tp, and at tp 1 none flags under any placement. The paper states "
-                       f"neither its tp nor where its faults arose: a modelling choice, not "
-                       f"Table 1 against Figure 10")
-    return rows
-
-
 FINDINGS: tuple[Callable[[Row, dict, object], str | None], ...] = (
     tail_at_exposure, severity_tail, last_bit, wcnts_from_table1, wcnts_few_faults,
     loss_gap_of_one_batch, loss_gap_from_table1, abft_checks_our_faults)

@@ -69,12 +69,14 @@ def _frequency_row(node, site, published, ours, n, expected, entry) -> Row:
         verdict = "fail"
     elif reason := B.too_rare(entry, expected["mismatches"], n):
         verdict = B.TOO_RARE
+    chance = B.count_pass_probability(expected["mismatches"], entry)
     if verdict:
         return Row(node, "Table 1", site, published, ours, B.ratio(ours, published), band,
-                   verdict, reason, target)
+                   verdict, reason, target, pass_probability=chance)
     return Row(node, "Table 1", site, published, ours, B.ratio(ours, published), band,
                "pass" if B.within(ours, lo, hi) else "fail",
-               f"{n} mismatches, {B.g(ours / target)}x the expected frequency", target)
+               f"{n} mismatches, {B.g(ours / target)}x the expected frequency", target,
+               pass_probability=chance)
 
 
 def layer_rows(node: int, name: str, run, entry: dict) -> list[Row]:

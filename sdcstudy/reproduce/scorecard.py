@@ -11,7 +11,7 @@ a measured finding explains names it (`findings`), except a row failed by its ev
 (excess or missing events: the engine's doing, whatever a finding says). Calibration rows
 (the quantities the profiles are fitted to) are tallied and listed apart from the held-out
 ones, and so are held-out rows whose verdict the profile fixes (`bands.FIXED`). Figure 10 at
-the paper's sizes (`abft_paper_scale.figure10_paper_rows`) joins the rows
+the paper's sizes (`figure10_paper.rows`) joins the rows
 of the planned ABFT runs' nodes, from the measurement committed in `PAPER_SCALE`. Imports no
 JAX.
 """
@@ -23,10 +23,10 @@ from pathlib import Path
 
 from sdcstudy.core import runfolder as RF
 from sdcstudy.faults import flip_model
-from sdcstudy.reproduce import abft_paper_scale as A
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import drift_rows as D
 from sdcstudy.reproduce import exposure_rows as X
+from sdcstudy.reproduce import figure10_paper as F10
 from sdcstudy.reproduce import findings as F
 from sdcstudy.reproduce import mismatch_rows as M
 from sdcstudy.reproduce import provenance as PV
@@ -39,14 +39,14 @@ SOURCES = {"lockstep": ("Table 1", "Table 2", "Table 6", "Table 7", "Table 8", "
            "paramsync": ("Figure 5",), "free": ("Figure 6",), "abft": ("Figure 10",)}
 ORDER = [source for sources in SOURCES.values() for source in sources]
 COLUMNS = ("node", "source", "quantity", "published", "ours", "ratio", "band", "verdict",
-           "reason", "expected", "why", "role")
+           "reason", "expected", "why", "role", "pass_probability")
 ROLES = (B.CALIBRATION, B.HELD_OUT, B.FIXED)
 # Figure 10 at the paper's sizes: `measure`'s entries, as experiments/abft_paper_scale.py writes
 # them (docs/faults.md 5.4).
 PAPER_SCALE = (Path(__file__).resolve().parents[2] / "docs" / "scorecards" /
                "abft_paper_scale.json")
 PAPER_ROWS = "fwd o flagged checks"  # the quantity of every row of Figure 10 at the paper's sizes
-PAPER_SCALE_COMMAND = "python experiments/abft_paper_scale.py --out docs/scorecards"
+PAPER_SCALE_COMMAND = "python -m sdcstudy.dev.figure10_entries --out docs/scorecards"
 
 
 def _rows_of(entry: dict, run) -> list[Row]:
@@ -81,7 +81,7 @@ def _judged(entry: dict, run) -> list[Row]:
 
 def paper_scale_rows(plan: list[dict], path: Path | None = None) -> list[Row]:
     """Figure 10 at the paper's sizes for the nodes of the planned ABFT runs, from the entries
-    at `path` (default `PAPER_SCALE`), failing rows explained (`findings.explain_paper_scale`);
+    at `path` (default `PAPER_SCALE`), failing rows explained (`figure10_paper.explain`);
     where the file is missing, one "not run" row a node that says how to measure it. A node
     under the flip model has one "not run" row: the measurement injects additive errors."""
     path = Path(path or PAPER_SCALE)
@@ -97,10 +97,11 @@ def paper_scale_rows(plan: list[dict], path: Path | None = None) -> list[Row]:
         return [Row(node, "Figure 10", f"{PAPER_ROWS}, the paper's sizes", None, None,
                     None, "-", "not run", f"{path} is missing; `{PAPER_SCALE_COMMAND}` "
                     f"measures it (5 to 11 minutes)") for node in nodes] + unmeasured
-    rows = [r for r in A.figure10_paper_rows(RF.json_load(path)) if r.node in nodes]
+    entries = RF.json_load(path)
+    rows = [r for r in F10.rows(entries) if r.node in nodes]
     for row in rows:
         row.role = B.role(row.node, row.source)
-    return F.explain_paper_scale(rows) + unmeasured
+    return F10.explain(rows, entries) + unmeasured
 
 
 def build(plan: list[dict], runs: dict, stopped: dict | None = None,
@@ -171,13 +172,14 @@ def _node_label(node: int) -> str:
 
 
 def _row_table(rows: list[Row]) -> list[str]:
-    lines = ["| source | quantity | published | ours | ratio | band | verdict | reason |",
-             "|---|---|---:|---:|---:|---|---|---|"]
+    lines = ["| source | quantity | published | ours | ratio | band | P(pass) | verdict | "
+             "reason |", "|---|---|---:|---:|---:|---|---:|---|---|"]
     for r in rows:
         verdict = f"**{r.verdict}**" if r.verdict == "fail" else r.verdict
         reason = f"{r.reason}. Why: {r.why}" if r.why else r.reason
+        chance = "-" if r.pass_probability is None else f"{r.pass_probability:.3g}"
         lines.append(f"| {r.source} | {r.quantity} | {_cell(r.published)} | {_cell(r.ours)} "
-                     f"| {_cell(r.ratio)} | {r.band} | {verdict} | {reason} |")
+                     f"| {_cell(r.ratio)} | {r.band} | {chance} | {verdict} | {reason} |")
     return lines
 
 
