@@ -83,8 +83,11 @@ class Mode:
 
     @property
     def tables(self) -> dict[str, tuple[str, ...]]:
-        """The run folder's Parquet tables this mode writes: file name -> columns."""
-        return {name: TABLE_COLUMNS[name] for name in self.trainer.TABLES}
+        """The run folder's Parquet tables this mode writes: file name -> columns (a step
+        feature's own table: the columns the feature declares, `columns`)."""
+        own = {table: columns for f in getattr(self.trainer, "features", ())
+               for table, columns in getattr(f, "columns", {}).items()}
+        return {name: TABLE_COLUMNS.get(name) or own[name] for name in self.trainer.TABLES}
 
     def batches(self):
         e = self.cfg.experiment

@@ -40,7 +40,7 @@ LOCKSTEP_SUMMARY = {
 
 
 class PairedMode(Mode):
-    reads = ("suspect", "abft")
+    reads = ("suspect", "abft", "collectives")
     metrics = METRICS
     summary = SUMMARY
 
