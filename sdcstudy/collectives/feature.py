@@ -1,23 +1,25 @@
 """Checksums at the tensor-parallel collectives as a step feature ("collectives"): in a pair
 of nodes, a lock-step mismatch attributed to communication or to computation.
 
-Device half (`core.step.DeviceHalf`): `install` adds a `checksum.ChecksumHook` after the
-faults and before the lock-step taps, so it sees each collective's input as the suspect
-computed it (a fault included) and what it received; its forward records are one uint32
-checksum per device, layer, collective and point. No sinks, no context, no transforms.
+Device half (`core.step.DeviceHalf`): `install` places the checksums (`checksum.py`) after
+the faults and before the lock-step taps, so they see each collective's input as the suspect
+computed it (a fault included) and what it received, in the forward and, for the transposed
+collectives, in the backward. A forward checksum is one uint32 per device, layer, collective
+and point; a backward one leaves as the cotangent of its zero sink. No context, no transforms.
 Host half: `host` turns one step's checksums into collectives.parquet rows and counters
-(`verdicts.py`). Forward collectives only: the backward's (the transposes: a reduce-scatter
-of the cotangent for each all-gather, and the reverse) are not checked.
+(`verdicts.py`).
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
+import jax.numpy as jnp
 import numpy as np
 
-from sdcstudy.collectives.checksum import ChecksumHook
-from sdcstudy.collectives.verdicts import COLUMNS, TABLE, counters, verdict_rows
+from sdcstudy.collectives import checksum as CS
+from sdcstudy.collectives.verdicts import COLUMNS, TABLE, counters, decode, verdict_rows
+from sdcstudy.core import mesh as M
 from sdcstudy.core import sites as S
 from sdcstudy.core.errors import UserError
 from sdcstudy.core.step import SiteHooks
@@ -27,17 +29,19 @@ PAIRED_MODES = ("lockstep", "paramsync", "free")
 
 
 class Collectives:
-    """The collectives' checksums of one model, as a step feature."""
+    """The collectives' checksums of a model of `n_layers` blocks, as a step feature."""
 
     name: ClassVar[str] = "collectives"
     tables: ClassVar[tuple[str, ...]] = (TABLE,)
     columns: ClassVar[dict[str, tuple[str, ...]]] = {TABLE: COLUMNS}
 
+    def __init__(self, n_layers: int):
+        self.n_layers = n_layers
+
     @classmethod
     def from_config(cls, cfg, dims) -> "Collectives | None":
         """The feature when `collectives.enabled` (a paired mode with mesh.tp >= 2, else one
         sentence); None otherwise."""
-        del dims
         if not cfg.collectives.enabled:
             return None
         if cfg.experiment.mode not in PAIRED_MODES:
@@ -47,26 +51,30 @@ class Collectives:
         if cfg.mesh.tp < 2:
             raise UserError(f"collectives.enabled checks the tensor-parallel collectives, which "
                             f"mesh.tp = {cfg.mesh.tp} does not have; set mesh.tp to 2 or more.")
-        return cls()
+        return cls(dims.n_layers)
 
     # --- device half ----------------------------------------------------------------------
 
     def init_sinks(self, axes: tuple[str, ...] = ()) -> dict:
-        del axes
-        return {}
+        """Zero sinks, one per backward checksum, varying over `axes` (inside shard_map)."""
+        return {k: M.vary(jnp.zeros((2,), jnp.float32), axes)
+                for k in CS.sink_keys(self.n_layers)}
 
     def context(self, where, sinks):
         del where, sinks
         return None
 
     def install(self, hooks: SiteHooks, ctx=None, sinks=None) -> tuple[SiteHooks, dict]:
-        """The checksums after the faults installed before them, in `fault` too, where a
+        """The checksums around the faults installed before them, in `fault` too, where a
         lock-step tap (installed after) and a checked matmul look for the value as computed;
-        and the forward records they fill while the model is traced."""
-        del ctx, sinks
-        checksums = ChecksumHook()
-        return hooks._replace(full=S.compose(hooks.full, checksums),
-                              fault=S.compose(hooks.fault, checksums)), checksums.records
+        the forward records they fill while the model is traced. The backward checksums
+        come first in forward order, so that their VJPs run after the faults' (a corrupted
+        cotangent is seen as computed) and before a tap's."""
+        del ctx
+        forward, backward = CS.ForwardChecksums(), CS.BackwardChecksums(sinks)
+        around = lambda hook: S.compose(backward, hook, forward)  # noqa: E731
+        return hooks._replace(full=around(hooks.full), fault=around(hooks.fault)), \
+            forward.records
 
     def transform_grads(self, grads, ctx):
         del ctx
@@ -77,9 +85,10 @@ class Collectives:
         return updates
 
     def records(self, ctx, fwd_M: dict, bwd_M: dict) -> dict:
-        """The checksums, stacked per microstep, under "fwd" (nothing flows backward)."""
-        del ctx, bwd_M
-        return {"fwd": fwd_M}
+        """The checksums, stacked per microstep: forward, and backward as their sinks'
+        cotangents."""
+        del ctx
+        return {"fwd": fwd_M, "bwd": bwd_M}
 
     # --- host half ------------------------------------------------------------------------
 
@@ -87,7 +96,8 @@ class Collectives:
         """collectives.parquet rows of one step's (node, dp, tp, microstep) checksums, and
         the verdicts counted."""
         del places, microsteps  # the arrays' own axes say where each block was computed
-        rows = verdict_rows(step, {k: np.asarray(v) for k, v in records["fwd"].items()})
+        rows = verdict_rows(step, {k: np.asarray(v) for k, v in records["fwd"].items()},
+                            {k: decode(v) for k, v in records["bwd"].items()})
         return {TABLE: rows}, counters(rows)
 
     @staticmethod
