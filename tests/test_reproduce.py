@@ -233,14 +233,15 @@ def test_calibration_rows_are_tallied_apart():
     rows = S.build([entry(expected=made({"bwd/attn": 2.2e-4}))], {"n": run})
     roles = {r.source: r.role for r in rows}
     assert roles == {"Table 1": B.CALIBRATION, "Table 2": B.HELD_OUT, "Table 6": B.CALIBRATION,
-                     "Table 7": B.CALIBRATION, "Table 8": B.HELD_OUT, "Table 9": B.HELD_OUT}
+                     "Table 7": B.CALIBRATION, "Table 8": B.HELD_OUT, "Table 9": B.HELD_OUT,
+                     "Appendix C.2": B.FIXED, "Tables 3/5": B.HELD_OUT,
+                     "Figure 7": B.HELD_OUT, "Appendix D.4": B.HELD_OUT}
     tally = S.counts_by_role(rows)
     calibration = [r for r in rows if r.role == B.CALIBRATION]
     assert tally[B.CALIBRATION]["fail"] == sum(r.verdict == "fail" for r in calibration) > 0
     assert tally[B.HELD_OUT]["pass"] == sum(r.verdict == "pass" for r in rows
                                              if r.role == B.HELD_OUT) > 0
-    assert {v: tally[B.CALIBRATION][v] + tally[B.HELD_OUT][v] for v in B.VERDICTS} == \
-        S.counts(rows)
+    assert {v: sum(tally[role][v] for role in S.ROLES) for v in B.VERDICTS} == S.counts(rows)
     text = S.markdown(rows, {"preset": "tiny", "steps": 10, "modes": list(P.MODES)})
     assert "| node | calibration pass | calibration fail | held-out pass | held-out fail |" in text
     assert text.index("## Node 1, calibration rows") < text.index("## Node 1, held-out rows")
@@ -290,7 +291,7 @@ def test_figure5_rms_of_grad_nts_is_judged_beside_its_maximum():
     assert (wcnts.verdict, rms.verdict) == ("fail", "pass")
     assert rms.quantity == TR.RMS_NTS and rms.ours == pytest.approx((0.025 / 3) ** 0.5)
     assert "1 of them without noise" in rms.reason
-    rows = S.build([e], {"n": run})
+    rows = [r for r in S.build([e], {"n": run}) if r.source == "Figure 5"]
     assert [r.quantity for r in rows] == ["WCNTS", TR.RMS_NTS]
     assert {r.role for r in rows} == {B.role(1, "Figure 5")}
     big = paired_run("paramsync", {"grad/nts": [0.5, 0.5, 0.5]})
@@ -779,7 +780,8 @@ def test_modes_keep_some_of_each_nodes_runs(fake, tmp_path, capsys):
     assert reproduce(tmp_path / "r", "--modes", "free, paramsync") == 0
     assert [name for name, _ in fake.calls] == [f"paper-node-{n}-{m}" for n in (1, 14)
                                                for m in ("paramsync", "free")]
-    assert {r["source"] for r in scorecard(tmp_path / "r")} == {"Figure 5", "Figure 6"}
+    assert {r["source"] for r in scorecard(tmp_path / "r") if r["verdict"] != B.NOT_HERE} == \
+        {"Figure 5", "Figure 5, shape", "Figure 6"}
     assert "steps per run, the paramsync and free runs" in capsys.readouterr().out
 
 
@@ -807,7 +809,7 @@ def test_the_flip_model_runs_the_flip_profiles_and_calibrates_tables_2_8_9(fake,
     assert set(profiles_run) == {"paper-node-1-flip", "paper-node-14-flip"}
     assert "the flip model (`paper-node-N-flip`)" in capsys.readouterr().out
     rows = scorecard(tmp_path / "f")
-    roles = {(r["source"], r["role"]) for r in rows if r["source"].startswith("Table")}
+    roles = {(r["source"], r["role"]) for r in rows if r["source"].startswith("Table ")}
     assert roles == {(f"Table {t}", B.CALIBRATION) for t in (1, 2, 6, 7, 8, 9)}
     paper = [r for r in rows if "paper's sizes" in r["quantity"]]
     assert paper and {r["verdict"] for r in paper} == {"not run"}

@@ -65,15 +65,18 @@ CALIBRATION, HELD_OUT = "calibration", "held-out"
 FIXED = "fixed by construction"
 ZERO_BAND, ONSET_BAND = "0", "exactly 0"
 # The sources the profiles' rates are set from (faults/profiles.py): Table 1 per site, and so
-# Tables 6-7, its per-layer split (uniform over layers). Figure 5 too, for every node whose
+# Tables 6-7, its per-layer split (uniform over layers); Figures 3-4, the time patterns (bursts,
+# initial spikes) measured back (`claim_rows.burst_row`). Figure 5 too, for every node whose
 # weight-gradient rate is set from its WCNTS: not node 3 (a last-bit flip at a chosen rate) nor
 # nodes 10 and 11 (no weight-gradient faults: WEIGHT_GRAD_SHARE 0).
-CALIBRATION_SOURCES = ("Table 1", "Table 6", "Table 7")
+CALIBRATION_SOURCES = ("Table 1", "Table 6", "Table 7", "Figure 3", "Figure 4")
 FIGURE5_NOT_FITTED = (3, 10, 11)
 # The flip model's tail fraction is fitted to Tables 8-9's per-layer maxima, which set Table
 # 2's maximum too (faults/flip_model.py, docs/faults.md 6.3).
 FLIP_CALIBRATION_SOURCES = ("Table 2", "Table 8", "Table 9")
-VERDICTS = ("pass", "fail", "no events", TOO_RARE, "not applicable", "not run")
+# A published result the scorecard's runs do not make (`claim_rows.UNSCORED`), with why.
+NOT_HERE = "not reproducible here"
+VERDICTS = ("pass", "fail", "no events", TOO_RARE, "not applicable", "not run", NOT_HERE)
 NO_SITE = {"mismatches": 0.0, "scale": 1.0}  # a site the profile does not corrupt
 
 
@@ -108,10 +111,15 @@ def role(node: int, source: str, fault_model: str = "additive") -> str:
     return CALIBRATION if fitted else HELD_OUT
 
 
+# Sources whose every row is fixed by construction: appendix C.2's "no per-layer trends",
+# where the profiles' rates are the same in every layer.
+FIXED_SOURCES = ("Appendix C.2",)
+
+
 def fixed(row: Row) -> bool:
     """Whether a row's verdict is fixed by construction (`FIXED`): judged by `as_zero`'s band
-    or the onset's."""
-    return row.band in (ZERO_BAND, ONSET_BAND)
+    or the onset's, or of a `FIXED_SOURCES` source."""
+    return row.band in (ZERO_BAND, ONSET_BAND) or row.source in FIXED_SOURCES
 
 
 def count_failed(row: Row) -> bool:

@@ -34,7 +34,8 @@ RUN_ARGUMENTS = ("preset", "steps", "nodes", "modes", "dtype", "shard", "fault_m
 def add_parser(sub) -> None:
     p = sub.add_parser("reproduce", help="every paper node in lock-step, parameter sync, free "
                                          "running and ABFT, then the reproduction scorecard of "
-                                         "Tables 1, 2, 6-9 and Figures 5, 6 and 10")
+                                         "Tables 1, 2, 6-9, Figures 3-6 and 10 and appendices "
+                                         "C.2 and D.3")
     p.add_argument("--preset", default=None, metavar="P",
                    help=f"built-in config: {', '.join(P.PRESETS)} (default {DEFAULT_PRESET})")
     p.add_argument("--steps", type=int, default=None, metavar="N",

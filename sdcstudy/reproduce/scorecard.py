@@ -1,6 +1,7 @@
-"""The reproduction scorecard: for Ma et al.'s Tables 1, 2, 6-9 and Figures 5, 6 and 10, ours
-beside each published number and a verdict (docs/reproduction.md lists the results it has no row
-for yet).
+"""The reproduction scorecard: for Ma et al.'s Tables 1, 2, 6-9 and Figures 3-6 and 10 and
+appendices C.2 and D.3, ours beside each published result and a verdict; Tables 3/5, Figure 7
+and appendix D.4, which its runs do not make, have a "not run" row saying why
+(`claim_rows.UNSCORED`; docs/reproduction.md).
 
 `build(plan, runs, stopped)` makes the rows (`bands.Row`) from the planned runs and the run
 folders that finished; `write` puts them in `scorecard.md`, `scorecard.csv` and
@@ -24,6 +25,7 @@ from pathlib import Path
 from sdcstudy.core import runfolder as RF
 from sdcstudy.faults import flip_model
 from sdcstudy.reproduce import bands as B
+from sdcstudy.reproduce import claim_rows as CR
 from sdcstudy.reproduce import drift_rows as D
 from sdcstudy.reproduce import exposure_rows as X
 from sdcstudy.reproduce import figure10_paper as F10
@@ -37,7 +39,10 @@ MARKDOWN, CSV, JSON = "scorecard.md", "scorecard.csv", "scorecard.json"
 # The sources each mode's run feeds, in the order the scorecard lists them.
 SOURCES = {"lockstep": ("Table 1", "Table 2", "Table 6", "Table 7", "Table 8", "Table 9"),
            "paramsync": ("Figure 5",), "free": ("Figure 6",), "abft": ("Figure 10",)}
-ORDER = [source for sources in SOURCES.values() for source in sources]
+# Every source a row can have, in the order the scorecard lists them: those of the modes'
+# bands, then the published results of `claim_rows`.
+ORDER = ["Figure 3", "Figure 4", *[source for sources in SOURCES.values() for source in sources],
+         CR.SHAPE_SOURCE, "Appendix C.2", "Appendix D.3", "Figure 7", "Tables 3/5", "Appendix D.4"]
 COLUMNS = ("node", "source", "quantity", "published", "ours", "ratio", "band", "verdict",
            "reason", "expected", "why", "role", "pass_probability")
 ROLES = (B.CALIBRATION, B.HELD_OUT, B.FIXED)
@@ -52,13 +57,15 @@ PAPER_SCALE_COMMAND = "python -m sdcstudy.dev.figure10_entries --out docs/scorec
 def _rows_of(entry: dict, run) -> list[Row]:
     node, name, mode = entry["node"], entry["name"], entry["mode"]
     if mode == "lockstep":
+        burst = CR.burst_row(node, run)
         return (M.site_rows(node, name, run, entry) + X.rows(node, run)
-                + M.layer_rows(node, name, run, entry) + X.layer_rows(node, run))
+                + M.layer_rows(node, name, run, entry) + X.layer_rows(node, run)
+                + ([burst] if burst else []) + CR.layer_trend_rows(node, run))
     if mode == "paramsync":
         return [TR.figure5_row(node, name, run, entry),
-                TR.figure5_rms_row(node, name, run, entry)]
+                TR.figure5_rms_row(node, name, run, entry), CR.figure5_shape_row(node, run)]
     if mode == "free":
-        return TR.figure6_rows(node, name, run, entry)
+        return TR.figure6_rows(node, name, run, entry) + [CR.figure6_grad_norm_row(node, run)]
     return [TR.figure10_row(node, name, run, entry)]
 
 
@@ -126,6 +133,10 @@ def build(plan: list[dict], runs: dict, stopped: dict | None = None,
         else:
             rows += _judged(entry, runs[name])
     rows += paper_scale_rows(plan, paper_scale) + D.rows(plan, runs)
+    if d3 := CR.d3_row(rows):
+        d3.role = B.HELD_OUT
+        rows.append(d3)
+    rows += CR.unscored_rows()
     return sorted(rows, key=lambda r: (r.node == B.ACROSS_NODES, r.node,
                                        ORDER.index(r.source)))
 
@@ -223,10 +234,12 @@ def markdown(rows: list[Row], request: dict, facts: dict | None = None) -> str:
     failing = counts(rows)["fail"]
     fitted = _model_words(request)[1]
     lines += ["", f"Calibration rows are the quantities the profiles are fitted to ({fitted}; "
-                  f"Figure 5 where the weight-gradient rate is set from it): their "
+                  f"Figure 5 where the weight-gradient rate is set from it; Figures 3-4, the "
+                  f"time patterns measured back): their "
                   f"passes test the engine, not the model. So do the held-out rows fixed by "
                   f"construction: a zero published where Table 1's rate is 0 (the profile "
-                  f"fires nothing there) and the parameters' difference before an onset. Only "
+                  f"fires nothing there), the parameters' difference before an onset and "
+                  f"appendix C.2's layers (the rates are the same in each). Only "
                   f"held-out rows could have failed a right engine with a wrong model. Of "
                   f"the {failing} failing rows, "
                   f"{engine_failures(rows)} fail on their event count (excess or missing "
