@@ -1,0 +1,197 @@
+"""Every number the docs quote from a committed scorecard is read from it here, so a doc and its
+scorecard cannot drift apart (issue 55: docs/faults.md quoted WCNTS 0.0496/0.0497 and node 11's
+0.14 after the scorecard had moved to 0.0452/0.0478 and 0.151). Pure Python: the scorecards'
+markdown is parsed (`reproduce/scorecard_read.py`). When a scorecard is re-run, this test
+names each quote that no longer matches: correct the doc to the new scorecard."""
+
+import re
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from sdcstudy.reproduce import scorecard_read as R
+
+ROOT = Path(__file__).resolve().parents[1]
+CARDS = ROOT / "docs" / "scorecards"
+FAULTS, FIDELITY = "docs/faults.md", "docs/results/fidelity.md"
+REPRODUCTION, RESULTS = "docs/reproduction.md", "RESULTS.md"
+
+# (doc, the quoted words, the number in them, scorecard, node, source, quantity, column)
+QUOTES = [
+    (FAULTS, "tiny WCNTS 0.0452 and 0.0478", "0.0452", "tiny", 1, "Figure 5", "WCNTS", "ours"),
+    (FAULTS, "tiny WCNTS 0.0452 and 0.0478", "0.0478", "tiny", 14, "Figure 5", "WCNTS", "ours"),
+    (FAULTS, "Node 10's Table 1 rates alone reach 0.108", "0.108", "tiny", 10, "Figure 5",
+     "WCNTS", "ours"),
+    (FAULTS, "in 200 steps (10.8x Figure 5 at step 104", "10.8", "tiny", 10, "Figure 5", "WCNTS",
+     "ratio"),
+    (FAULTS, "0.066 in 40 tiny steps, 0.151 in 200, 0.092 on small", "0.151", "tiny", 11,
+     "Figure 5", "WCNTS", "ours"),
+    (FAULTS, "0.066 in 40 tiny steps, 0.151 in 200, 0.092 on small", "0.092", "small", 11,
+     "Figure 5", "WCNTS", "ours"),
+    (FAULTS, "alone give its WCNTS (0.151 on the tiny model", "0.151", "tiny", 11, "Figure 5",
+     "WCNTS", "ours"),
+    (FAULTS, "node 7, 2.1x on tiny at 82 corruptions", "2.1", "tiny", 7, "Figure 5", "WCNTS",
+     "ratio"),
+    (FAULTS, "is 1.34x on small at 18,100 (WCNTS 0.0107", "1.34", "small", 7, "Figure 5",
+     "WCNTS", "ratio"),
+    (FAULTS, "node 1 (flip model), 1.34x on tiny", "1.34", "tiny-chosen", 1, "Figure 5", "WCNTS",
+     "ratio"),
+    (FAULTS, "is 1.06x (0.039 against 0.037", "0.039", "small", 1, "Figure 5", "WCNTS", "ours"),
+    (FAULTS, "node 14, 1.29x on tiny, is 1.06x (0.039)", "1.29", "tiny", 14, "Figure 5", "WCNTS",
+     "ratio"),
+    (FAULTS, "node 14, 1.29x on tiny, is 1.06x (0.039)", "1.06", "small", 14, "Figure 5",
+     "WCNTS", "ratio"),
+    (FAULTS, "Node 11 (Table 1 faults only, additive) is 1.81x (0.092)", "1.81", "small", 11,
+     "Figure 5", "WCNTS", "ratio"),
+    (FAULTS, "Node 10 under its flip model is 2.11x (0.021, at step 3", "2.11", "small", 10,
+     "Figure 5", "WCNTS", "ratio"),
+    (FAULTS, "healthy one by up to 3.8% in float32 (step 127 of 200", "0.038", "tiny", 11,
+     "Figure 6", "loss gap", "ours"),
+    (FAULTS, "and 3.8% in bfloat16 (step 124", "0.038", "tiny-bf16", 11, "Figure 6", "loss gap",
+     "ours"),
+    (FIDELITY, "node 11 reaches 7.5% in Figure 4's initial spike", "0.075", "small-bf16", 11,
+     "Figure 6", "loss gap", "ours"),
+    (FIDELITY, "at its edge in both (3.2x here, 2.96x in float32)", "3.2", "tiny-bf16", 11,
+     "Figure 5", "WCNTS", "ratio"),
+    (FIDELITY, "at its edge in both (3.2x here, 2.96x in float32)", "2.96", "tiny", 11,
+     "Figure 5", "WCNTS", "ratio"),
+    (FIDELITY, "(node 7: 0.0127 against 0.0102", "0.0127", "small-bf16", 7, "Figure 5", "WCNTS",
+     "ours"),
+]
+# docs/faults.md 5.1's table of WCNTS / Figure 5 on tiny, the exact sampler's column.
+OVERSHOOT = {15: "2.9", 2: "5.0", 12: "5.0", 6: "2.6", 8: "2.4", 7: "2.1", 5: "2.3", 9: "1.7",
+             4: "1.6", 14: "1.3", 1: "1.2"}
+# docs/results/fidelity.md's bfloat16 WCNTS now (tiny-bf16.md), nodes 6, 7, 8 and 15.
+BF16_NOW = "(0.010, 0.017, 0.014, 0.0012)"
+# The latest tally line of each scorecard in docs/results/fidelity.md ("Scorecards"), and the
+# one RESULTS.md gives.
+TALLIES = {
+    "tiny": "| the same runs, with Figure 6's drift rates across nodes (1 row more) | 189 | 106 | "
+            "81 | 150 | 1 | 0 | 0 |",
+    "tiny-flip": "| tiny, every node, 200 steps, float32, the flip model | 167 | 56 | 64 | 194 | "
+                 "1 | 15 | 0 |",
+    "tiny-chosen": "| tiny, every node, each node's chosen model (flip: nodes 1, 8, 10) | 189 | 74 "
+                   "| 82 | 172 | 1 | 3 | 0 |",
+    "tiny-bf16": "| the same, exact sampler, the new rows (rms `grad/nts`, drift across nodes, "
+                 "Figure 10 at the paper's sizes) | 64 | 17 | 25 | 0 | 1 | 105 | 0 |",
+    "small": "| the same, exact sampler, chosen models (flip: nodes 1, 10), the new rows | 20 | "
+             "10 | 0 | 0 | 0 | 37 | 0 |",
+    "small-lockstep": "| the same, exact sampler, chosen models, the exposure rows | 166 | 117 | "
+                      "47 | 215 | 1 | 12 | 0 |",
+    "small-bf16": "| small, the same nodes, 100 steps, bfloat16 (paramsync, free) | 9 | 6 | 0 | "
+                  "0 | 0 | 35 | 0 |",
+}
+TALLY_ORDER = ("pass", "fail", "no events", "too rare for this run", "not applicable", "not run")
+RESULTS_TINY = "189 rows pass, 106 fail, 81 no events, 150 too rare"
+
+
+def _doc(name: str) -> str:
+    """A doc's text with its line breaks read as spaces (a quote may span lines)."""
+    return re.sub(r"\s+", " ", (ROOT / name).read_text())
+
+
+_CARDS: dict = {}
+
+
+def _card(name: str) -> dict:
+    if name not in _CARDS:
+        _CARDS[name] = R.read((CARDS / f"{name}.md").read_text())
+    return _CARDS[name]
+
+
+def _agrees(quoted: str, value: float) -> bool:
+    """`value` rounds to `quoted` at the quoted number's last digit (1.3 holds 1.25 to 1.35)."""
+    step = Decimal(1).scaleb(Decimal(quoted).as_tuple().exponent)
+    return abs(Decimal(repr(value)) - Decimal(quoted)) <= step / 2
+
+
+@pytest.mark.parametrize("doc, words, number, card, node, source, quantity, column", QUOTES)
+def test_each_quoted_number_is_the_scorecards(doc, words, number, card, node, source, quantity,
+                                              column):
+    """The doc still says it, and the committed scorecard's row holds it."""
+    assert words in _doc(doc), f"{doc} no longer says {words!r}: update QUOTES"
+    assert number in words or f"{float(number):.1%}".rstrip("0").rstrip(".") in words
+    value = R.find(_card(card), node, source, quantity)[column]
+    assert _agrees(number, value), f"{doc} quotes {number}, docs/scorecards/{card}.md has {value}"
+
+
+def test_the_overshoot_table_is_the_tiny_scorecards():
+    """docs/faults.md 5.1: WCNTS / Figure 5 per node, the exact sampler's column."""
+    text = _doc(FAULTS)
+    for node, ratio in OVERSHOOT.items():
+        label = "2, 12" if node in (2, 12) else str(node)
+        assert re.search(rf"\| {label} \| [\d.,]+ \([\d.,]+\) \| {re.escape(ratio)} \(", text), node
+        value = R.find(_card("tiny"), node, "Figure 5", "WCNTS")["ratio"]
+        assert _agrees(ratio, value), (node, ratio, value)
+
+
+def test_fidelitys_bfloat16_wcnts_are_the_bfloat16_scorecards():
+    assert BF16_NOW in _doc(FIDELITY)
+    quoted = BF16_NOW.strip("()").split(", ")
+    for node, number in zip((6, 7, 8, 15), quoted):
+        value = R.find(_card("tiny-bf16"), node, "Figure 5", "WCNTS")["ours"]
+        assert _agrees(number, value), (node, number, value)
+
+
+@pytest.mark.parametrize("card", sorted(TALLIES))
+def test_each_tally_quoted_is_the_scorecards(card):
+    """docs/results/fidelity.md's latest tally line of each committed scorecard."""
+    assert TALLIES[card] in (ROOT / FIDELITY).read_text()
+    cells = [int(c) for c in TALLIES[card].strip("| ").split(" | ")[1:-1]]
+    totals = R.totals(_card(card))
+    assert cells == [totals[v] for v in TALLY_ORDER]
+
+
+def test_results_quotes_the_tiny_scorecards_tally():
+    totals = R.totals(_card("tiny"))
+    assert RESULTS_TINY == (f"{totals['pass']} rows pass, {totals['fail']} fail, "
+                            f"{totals['no events']} no events, "
+                            f"{totals['too rare for this run']} too rare")
+    assert RESULTS_TINY in _doc(RESULTS)
+
+
+def test_reproductions_tiny_table_is_the_tiny_scorecards():
+    """docs/reproduction.md's per-node table of the tiny scorecard: WCNTS ours (Figure 5) and
+    the largest loss gap, node by node."""
+    text = (ROOT / REPRODUCTION).read_text()
+    table = text.split("[scorecards/tiny.md](scorecards/tiny.md).", 1)[1].split("\n\n", 2)[1]
+    lines = [line for line in table.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert len(lines) == 15
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        node = int(cells[0])
+        wcnts, published = re.match(r"([\d.e-]+) \(([\d.e-]+)\)", cells[4]).groups()
+        row = R.find(_card("tiny"), node, "Figure 5", "WCNTS")
+        assert _agrees(wcnts, row["ours"]) and _agrees(published, row["published"]), node
+        gap = re.match(r"([\d.e-]+) \(", cells[6])
+        if gap:
+            assert _agrees(gap.group(1), R.find(_card("tiny"), node, "Figure 6",
+                                                 "loss gap")["ours"]), node
+
+
+def test_the_old_samplers_scorecard_is_the_one_docs_name():
+    """fidelity.md names small-bf16.md as the one committed scorecard drawn with the old
+    sampler; it is the one without calibration columns (the event-count check and the roles
+    came with the exact sampler), and every other one has them."""
+    assert "(docs/scorecards/small-bf16.md, the one committed scorecard without the " \
+           "calibration columns)" in _doc(FIDELITY)
+    for path in sorted(CARDS.glob("*.md")):
+        if path.stem == "fault_models":
+            continue
+        roles = any(c.startswith("calibration") for c in _card(path.stem)["tally"]["all"])
+        assert roles == (path.stem != "small-bf16"), path.name
+
+
+def test_each_derived_scorecard_json_is_its_markdown():
+    """docs/scorecards/NAME.json, derived from NAME.md (their runs are gone), holds exactly
+    what the markdown does; a re-run writes the real scorecard.json in its place."""
+    import json
+
+    derived = [p for p in sorted(CARDS.glob("*.json"))
+               if "derived" in json.loads(p.read_text())]
+    assert {p.stem for p in derived} == {p.stem for p in CARDS.glob("*.md")} - {"fault_models"}
+    for path in derived:
+        data = json.loads(path.read_text())
+        card = _card(path.stem)
+        assert data["rows"] == card["rows"] and data["counts"] == R.totals(card), path.name
