@@ -58,6 +58,7 @@ from sdcstudy.abft import checker as A  # noqa: E402
 from sdcstudy.abft import emulate as E  # noqa: E402
 from sdcstudy.core import config as C  # noqa: E402
 from sdcstudy.faults import bits as FB  # noqa: E402
+from sdcstudy.faults.bits import bits_of_class  # noqa: E402
 from sdcstudy.core import model  # noqa: E402
 from sdcstudy.core import sites as S  # noqa: E402
 
@@ -134,8 +135,7 @@ def plan(dims, width: int, repeats: int, healthy: int, seed: int) -> list[dict]:
 
 
 def bit_class(bit: int, width: int) -> str:
-    sign, exponent, _ = FB._LAYOUT[width]
-    return "sign" if bit == sign else "exponent" if bit in exponent else "mantissa"
+    return next(c for c in ("sign", "exponent", "mantissa") if bit in bits_of_class(c, width))
 
 
 def run_dtype(dtype: str, args) -> pd.DataFrame:
@@ -312,7 +312,7 @@ def write_bounds(args) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--repeats", type=int, default=3, help="trials per (site, bit)")
     p.add_argument("--healthy", type=int, default=48, help="healthy trials per dtype")
     p.add_argument("--preset", default="tiny")

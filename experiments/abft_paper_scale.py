@@ -1,38 +1,32 @@
-"""Figure 10 at the paper's sizes: how often ABFT's float32 check of the attention output
+"""python experiments/abft_paper_scale.py [--out DIR] [--products 2] [--draws 8] [--seed 0]
+
+Figure 10 at the paper's sizes: how often ABFT's float32 check of the attention output
 projection flags each paper node's attention faults, at tp = 1, 8 and 32, with the faults in
 o's product (the profiles' default), inside the attention, or split between the two.
-
-    python experiments/abft_paper_scale.py [--out DIR] [--products 2] [--draws 8] [--seed 0]
 
 It should show that the threshold of eq. 6 grows as k^1.5 n against a fault's error, so the
 tiny and small scorecards' o checks (k = n = 64, 512) flag faults the paper's (k = 4096 / tp,
 n = 4096) mostly do not, and that faults inside the attention are never flagged by o's check.
 Prints Markdown tables (docs/faults.md, section 5.4) and writes DIR/abft_paper_scale.json
-(`reproduce.abft_paper_scale.measure`'s entries, which `figure10_paper_rows` scores).
+(`sdcstudy.dev.figure10_entries`, which also writes the scorecard's copy on its own).
 About 11 minutes on two busy CPU cores.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-from sdcstudy.faults import profiles as P
+from sdcstudy.dev import figure10_entries as F
 from sdcstudy.reproduce import abft_paper_scale as A
 from sdcstudy.report.tables import fmt
 
-PLACEMENTS = ("o_proj", "inside", "split")
 # The share of fwd o checks flagged in the recorded scorecards (docs/scorecards/tiny.md and
 # small-lockstep.md: "on average ... of the checks flagged"), where Table 1's rate is above
 # the old sampler's floor of 1.2e-7 per element.
 RECORDED = {("tiny", 1): 0.652, ("tiny", 9): 0.515, ("tiny", 10): 1.0, ("tiny", 11): 1.0,
             ("small", 1): 0.606, ("small", 10): 1.0, ("small", 11): 1.0}
-
-
-def profile_of(node: int, placement: str, context_width: int):
-    return P.paper_node(node, placement, context_width=context_width)
 
 
 def markdown_table(entries: list[dict], rule: str = "paper", placement: str = "o_proj") -> str:
@@ -78,21 +72,15 @@ def anchor_table(entries: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("--out", type=Path, default=Path("runs/abft_paper_scale"))
     parser.add_argument("--products", type=int, default=2)
     parser.add_argument("--draws", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     start = time.perf_counter()
-    nodes = range(1, 16)
-    # The scorecards' sizes are cheap: four times the draws there.
-    entries = [*A.measure(profile_of, A.ANCHOR_SHAPES, nodes, PLACEMENTS, args.products,
-                          4 * args.draws, args.seed),
-               *A.measure(profile_of, A.paper_shapes(), nodes, PLACEMENTS, args.products,
-                          args.draws, args.seed)]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "abft_paper_scale.json").write_text(json.dumps(entries, indent=1))
+    entries = F.entries(args.products, args.draws, args.seed)
+    path = F.write(entries, args.out)
     print("## One fault of 1 x its row's RMS: residual / paper threshold\n")
     print(scaling_table(entries))
     print("\n## The scorecards' sizes: ours against the recorded share of checks flagged\n")
@@ -106,7 +94,7 @@ def main() -> None:
     for row in A.figure10_paper_rows(entries):
         print(f"node {row.node:2d} | {row.quantity} | {row.published} | {row.ours:.3g} | "
               f"{row.verdict} | {row.reason}")
-    print(f"\n{time.perf_counter() - start:.0f} s; entries in {args.out / 'abft_paper_scale.json'}")
+    print(f"\n{time.perf_counter() - start:.0f} s; entries in {path}")
 
 
 if __name__ == "__main__":

@@ -159,9 +159,9 @@ def measure_workers(args) -> list[dict]:
 
 
 def figure(table, axis: str, path: Path) -> None:
-    from sdcstudy.report.plots import _pyplot, _save
+    from sdcstudy.report.plots import pyplot, save_figure
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     part = table[table.axis == axis]
     for name, curve in part.groupby("overhead", sort=False):
@@ -178,7 +178,7 @@ def figure(table, axis: str, path: Path) -> None:
     ax.set_title(f"Overhead against {axis} (median, min-max)")
     ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def summary(table, elapsed: float, args) -> str:

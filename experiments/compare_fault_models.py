@@ -1,6 +1,6 @@
-"""Each paper node's error model, from its additive and its flip scorecards (docs/faults.md 6.5).
+"""python experiments/compare_fault_models.py ADDITIVE FLIP [--out docs/scorecards]
 
-    python experiments/compare_fault_models.py ADDITIVE FLIP [--out docs/scorecards]
+Each paper node's error model, from its additive and its flip scorecards (docs/faults.md 6.5).
 
 ADDITIVE and FLIP are reproduce folders (or their scorecard.json) of the same nodes, preset
 and steps, one per `--fault-model`. Prints the comparison (`reproduce.model_choice`) and, with
@@ -26,7 +26,7 @@ def _request(folder: Path) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("additive", type=Path)
     parser.add_argument("flip", type=Path)
     parser.add_argument("--out", type=Path, default=None)

@@ -1,15 +1,16 @@
-"""The plain training step under XLA's CPU compiler options: faster than the default, same bits?
-
-    python experiments/compiler_options.py [--preset small] [--repeats 6] [--out F] \\
+"""python experiments/compiler_options.py [--preset small] [--repeats 6] [--out F] \\
         [--matmul-form] --option xla_cpu_experimental_enable_tiling_propagation=true \\
         [--option K=V,K2=V2 ...]
 
+The plain training step under XLA's CPU compiler options: faster than the default, same bits?
+
 Each `--option` (one `K=V`, or several joined by commas) is a contender: the train bench's step
-(`profile_step.train_config`) compiled with `.compile(compiler_options=...)` and started from
-the same initial state and batch as the default. After two steps each contender's parameters
-are compared with the default's, bit for bit; then interleaved repetitions time one step of
-each in turn. The table gives the median step, the ratio to the default's and the bits.
-An option the compiler does not know ends the run with one sentence (exit 2).
+(`sdcstudy.bench.study.train_config`) compiled with `.compile(compiler_options=...)` and
+started from the same initial state and batch as the default. After two steps each
+contender's parameters are compared with the default's, bit for bit; then interleaved
+repetitions time one step of each in turn. The table gives the median step, the ratio to the
+default's and the bits. An option the compiler does not know ends the run with one sentence
+(exit 2).
 
 `--matmul-form` adds a contender that changes the program instead of the compiler: every
 weight gradient in `sites.matmul`'s form, (dy^T x)^T, which the model uses inside `shard_map`
@@ -28,7 +29,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 BITS_STEPS = 2  # steps before the parameters are compared (and the warm-up)
 
@@ -80,7 +80,7 @@ def compare(preset: str, contenders: dict[str, dict], repeats: int,
             form: bool = False) -> list[dict]:
     """One row per contender ("default" first, then `MATMUL_FORM` with `form`): median step
     seconds, ratio to the default, same bits."""
-    from profile_step import train_config
+    from sdcstudy.bench.study import train_config
     from sdcstudy.bench.timing import StepRunner, place, random_tokens
     from sdcstudy.core.train import Trainer, compile_step
 
@@ -125,7 +125,7 @@ def table(rows: list[dict], preset: str, repeats: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--preset", default="small")
     p.add_argument("--repeats", type=int, default=6, help="interleaved steps timed (default 6)")
     p.add_argument("--option", action="append", default=[], metavar="K=V[,K2=V2]",
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
             raise
         print(f"compiler_options: error: {first_line(e)}.", file=sys.stderr)
         return 2
-    from profile_step import emit
+    from sdcstudy.bench.study import emit
 
     emit(table(rows, args.preset, args.repeats), args.out)
     return 0

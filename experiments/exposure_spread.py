@@ -1,6 +1,6 @@
-"""The seed-to-seed spread of Table 2 at the paper's exposure (`reproduce.exposure_rows`).
+"""python experiments/exposure_spread.py DIR DIR ...
 
-    python experiments/exposure_spread.py DIR DIR ...
+The seed-to-seed spread of Table 2 at the paper's exposure (`reproduce.exposure_rows`).
 
 Each DIR is a reproduce folder of lock-step runs of the same nodes, preset and steps under
 another fault seed, e.g.

@@ -1,4 +1,6 @@
-"""What fault sites cost XLA to compile: one paired step, with no faults and with more and more
+"""python experiments/fault_compile_cost.py [--mode paramsync] [--layers 1] [--tp 2]
+
+What fault sites cost XLA to compile: one paired step, with no faults and with more and more
 of them.
 
 `fault_draw_cost.py` times a firing site's draws at run time; this times the compile of the
@@ -7,8 +9,6 @@ JAX's own compile-time events, with the persistent compilation cache off. Every 
 adds its draws, its fallback for a tensor with more hits than the sparse draw lists, and its
 record to the program; a `grad` spec adds them once per group of same-shape parameter leaves
 (once per leaf, the second column, before leaves were corrupted as stacks).
-
-    python experiments/fault_compile_cost.py [--mode paramsync] [--layers 1] [--tp 2]
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def step_compile_seconds(args, profile, folder: Path, listener: StepCompiles) ->
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--mode", default="paramsync", help="paired mode (default paramsync)")
     p.add_argument("--layers", type=int, default=1, help="model.n_layers (default 1)")
     p.add_argument("--tp", type=int, default=2, help="mesh.tp (default 2)")

@@ -1,12 +1,12 @@
-"""What one firing fault site costs: the draws, against the matmul that made the tensor.
+"""python experiments/fault_draw_cost.py [--preset tiny] [--tokens 1024] [--calls 300]
+
+What one firing fault site costs: the draws, against the matmul that made the tensor.
 
 `sdcstudy bench faults` times whole steps, idle and firing (RESULTS.md, "The fault engine's
 speed"). This times the parts at one site of the model, jitted alone: the site's matmul
 (tokens x d_model by d_model x d_model), the random draws of an additive spec
-(`faults.draws._draws`: the hit positions, then a magnitude and a sign for each hit), and
+(`faults.draws.draw`: the hit positions, then a magnitude and a sign for each hit), and
 drawing, applying and recording together (`corrupt_and_record`, as a firing site runs it).
-
-    python experiments/fault_draw_cost.py [--preset tiny] [--tokens 1024] [--calls 300]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def per_call_us(fn, *args, calls: int) -> float:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--preset", default="tiny", help="model preset: its d_model (default tiny)")
     p.add_argument("--tokens", type=int, default=1024, help="rows of the activation (default "
                                                             "1,024: 16 sequences of 64)")
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     parts = {
         f"matmul {args.tokens} x {width} @ {width} x {width}": (jax.jit(lambda x, w: x @ w),
                                                                 (x, w)),
-        "draws (hits, magnitude, sign)": (jax.jit(lambda kd: FD._draws(
+        "draws (hits, magnitude, sign)": (jax.jit(lambda kd: FD.draw(
             jax.random.wrap_key_data(kd), spec, args.rate, shape, 32)), (key_data,)),
         "draw, apply and record": (jax.jit(lambda x, kd: FC.corrupt_and_record(
             x, kd, args.rate, spec, 64, skip_idle=True)), (x, key_data)),

@@ -1,4 +1,6 @@
-"""The fault engine's corruption on the default device (a GPU) against the CPU's, bit for bit.
+"""python experiments/fault_draws_across_devices.py [--kinds bitflip-drawn,count] [--quick]
+
+The fault engine's corruption on the default device (a GPU) against the CPU's, bit for bit.
 
 A profile replays its faults on the machine that drew them. This says how far that holds
 across platforms: each case corrupts one tensor with one spec on both devices, from the same
@@ -6,8 +8,6 @@ key, and compares the hit positions the draw lists and the corrupted tensor. Hit
 flipped bits come from integer hashes and the exact sampler (`faults/draws.py`); the values of
 `scale` and `additive` hits go through exp and log (and `additive` through a row RMS), which
 each platform rounds its own way.
-
-    python experiments/fault_draws_across_devices.py [--kinds bitflip-drawn,count] [--quick]
 
 On a machine without a GPU both sides are the CPU, and every case agrees. Exit 1 if any case
 differs.
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdcstudy.faults import specs as FS
-from sdcstudy.faults.corrupt import _corrupt
+from sdcstudy.faults.corrupt import corrupt_with_positions
 
 SPECS = {
     "bitflip-drawn": dict(kind="bitflip", bit_class="exponent"),
@@ -44,7 +44,7 @@ def _bytes(tree) -> list[bytes]:
 def compare(name: str, rate: float, shape, dtype, devices) -> dict:
     """One case: the same corruption on each of `devices`; what agrees and how much differs."""
     spec = FS.FaultSpec(site="fwd/attn", rate=rate, **SPECS[name])
-    corrupt = jax.jit(lambda x, key, r: _corrupt(x, key, spec, r))
+    corrupt = jax.jit(lambda x, key, r: corrupt_with_positions(x, key, spec, r))
     outs = []
     for device in devices:
         x = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
@@ -59,7 +59,7 @@ def compare(name: str, rate: float, shape, dtype, devices) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("--kinds", default=",".join(SPECS),
                         help=f"comma-separated, of {', '.join(SPECS)}")
     parser.add_argument("--quick", action="store_true", help="the two smaller shapes only")

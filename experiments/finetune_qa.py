@@ -64,7 +64,7 @@ specs:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--steps", type=int, default=200)

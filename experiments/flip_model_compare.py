@@ -1,7 +1,7 @@
-"""Nodes 10 and 11 under the default and the flip fault model (docs/faults.md, section 6).
+"""python experiments/flip_model_compare.py profiles DIR   # configs and spike profiles
+   python experiments/flip_model_compare.py table RUN...   # the comparison of finished runs
 
-    python experiments/flip_model_compare.py profiles DIR   # configs and spike profiles
-    python experiments/flip_model_compare.py table RUN...   # the comparison of finished runs
+Nodes 10 and 11 under the default and the flip fault model (docs/faults.md, section 6).
 
 `profiles` writes into DIR `paramsync.yaml` (200 steps) and `lockstep.yaml` (40 steps), the
 configs `sdcstudy reproduce --preset tiny` gives node 10's runs, and

@@ -1,9 +1,10 @@
-"""Gradient-aggregation noise on tiny Llama: Oracle / Noised / PAFT-Sync / PAFT-Dyn.
+"""python experiments/paft_noise.py --out runs/paft-noise [--steps 150] [--set K=V] [--resume]
 
-    python experiments/paft_noise.py --out runs/paft-noise [--steps 150]
+Gradient-aggregation noise on tiny Llama: Oracle / Noised / PAFT-Sync / PAFT-Dyn.
 
-M = 4 workers, one-layer tiny Llama, synthetic corpus, SGD with momentum (see OPTIM). Three
-parts, each a set of run folders under OUT/runs and tables (Markdown, CSV) and PNG figures:
+M = 4 workers, one-layer tiny Llama, synthetic corpus, SGD with momentum (the runs' set-up is
+`sdcstudy.paft.study`). Three parts, each a set of run folders under OUT/runs and tables
+(Markdown, CSV) and PNG figures:
 1. sigma2 in {1e-4, 1e-3, 1e-2, 1e-1}: Noised, PAFT-Sync(H = 1, 4, 16, 64), PAFT-Dyn (with
    overlap), and Oracle. Should show Noised ending above Oracle from a noise level on, the
    divergence growing linearly without sync and reset by every sync, and PAFT-Sync with small
@@ -14,17 +15,18 @@ parts, each a set of run folders under OUT/runs and tables (Markdown, CSV) and P
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import paft_common as PC  # noqa: E402
+# M = 4 workers on simulated CPU devices, set before JAX is imported.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+
+from sdcstudy.paft import study as PC  # noqa: E402
 
 SIGMAS = (1e-4, 1e-3, 1e-2, 1e-1)
 HS = (1, 4, 16, 64)
-# Plain SGD with momentum and no clipping: per-worker clipping or Adam's normalization would
-# rescale each worker's error by its own norm, which is another experiment.
-OPTIM = ["optim.name=sgdm", "optim.lr=0.3", "optim.clip_norm=null"]
 DYN = ["paft.dynamic=true", "paft.overlap=true", "paft.sync_every=4"]
 
 
@@ -39,7 +41,7 @@ def methods(sigma2: float) -> dict[str, list[str]]:
 def main() -> int:
     args = PC.parse(__doc__, steps=150)
     PC.compile_cache(args.out / ".compile-cache")
-    args.overrides = OPTIM + args.overrides
+    args.overrides = PC.OPTIM + args.overrides
     from sdcstudy.paft import report as R
 
     def slug(text):
@@ -102,7 +104,7 @@ def plot_grid(grid: dict, path: Path) -> None:
     from sdcstudy.paft import report as R
     from sdcstudy.report import plots as PL
 
-    plt = PL._pyplot()
+    plt = PL.pyplot()
     tables = {s: R.final_table(runs).set_index("method") for s, runs in grid.items()}
     names = [m for m in next(iter(tables.values())).index if m != "Oracle"]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -118,7 +120,7 @@ def plot_grid(grid: dict, path: Path) -> None:
     ax.set_title("final loss against noise level (M = 4)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    PL._save(fig, path)
+    PL.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Gradient aggregation without retransmission under packet loss, on tiny Llama.
+"""python experiments/paft_packets.py --out runs/paft-packets [--steps 150] [--set K=V] [--resume]
 
-    python experiments/paft_packets.py --out runs/paft-packets [--steps 150]
+Gradient aggregation without retransmission under packet loss, on tiny Llama (the runs' set-up,
+SGD with momentum included, is `sdcstudy.paft.study`).
 
 M = 4 workers exchange gradient packets (256 floats) that are each dropped with probability
 p in {0, 10, 20, 30, 40}%; each worker aggregates what reached it: renormalized (unbiased given
@@ -13,12 +14,14 @@ lossy broadcasts.
 
 from __future__ import annotations
 
+import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import paft_common as PC  # noqa: E402
-from paft_noise import OPTIM  # noqa: E402
+# M = 4 workers on simulated CPU devices, set before JAX is imported.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+
+from sdcstudy.paft import study as PC  # noqa: E402
 
 RATES = (0.1, 0.2, 0.3, 0.4)
 MODES = ("renormalized", "zero", "stale")
@@ -27,7 +30,7 @@ MODES = ("renormalized", "zero", "stale")
 def main() -> int:
     args = PC.parse(__doc__, steps=150)
     PC.compile_cache(args.out / ".compile-cache")
-    args.overrides = OPTIM + args.overrides
+    args.overrides = PC.OPTIM + args.overrides
     from sdcstudy.paft import report as R
 
     reliable = PC.run(args, "loss-0", [])

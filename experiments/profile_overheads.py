@@ -1,4 +1,6 @@
-"""Where the extra time of each benchmark goal goes: the compiled programs of each goal's two
+"""python experiments/profile_overheads.py [--preset tiny] [--matmuls] [--barriers] [--out F]
+
+Where the extra time of each benchmark goal goes: the compiled programs of each goal's two
 contenders (at the bench suites' own shapes), side by side.
 
 For each contender: XLA's cost analysis of the compiled step (floating-point operations, bytes
@@ -11,8 +13,6 @@ what the conditional removed.
 `--matmuls` times each matmul of the plain training step alone at its own shape (what the
 train row's peak share can reach); `--barriers` times a lock-step tap on two simulated nodes
 with and without matmuls between taps (what the paired row's barriers cost).
-
-    python experiments/profile_overheads.py [--preset tiny] [--matmuls] [--barriers] [--out F]
 
 The time itself is `sdcstudy bench`'s to measure; this says what the extra time is made of.
 """
@@ -94,9 +94,9 @@ def unconditional_draws():
 
 
 def _args(suite: str, preset: str, *extra: str):
-    from sdcstudy import cli
+    from sdcstudy.bench.study import bench_args
 
-    return cli.build_parser().parse_args(["bench", suite, "--presets", preset, *extra])
+    return bench_args(suite, "--presets", preset, *extra)
 
 
 def faults_trainers(preset: str) -> tuple[dict, object]:
@@ -134,11 +134,11 @@ def paired_trainers(preset: str) -> tuple[dict, object]:
 
 
 def paft_trainers(preset: str) -> tuple[dict, object]:
-    from sdcstudy.bench.paft import _configs
+    from sdcstudy.bench.paft import paft_configs
     from sdcstudy.faults.trainer import NodeTrainer
     from sdcstudy.paft.trainer import PaftTrainer
 
-    configs, _, _ = _configs(preset, _args("paft", preset, "--workers", "4"), 4)
+    configs, _, _ = paft_configs(preset, _args("paft", preset, "--workers", "4"), 4)
     return ({v: (NodeTrainer if v == "dp" else PaftTrainer).from_config(configs[v])
              for v in ("dp", "noised", "dyn-overlap")}, configs["dp"])
 
@@ -228,7 +228,7 @@ def dot_ceiling(preset: str, repeats: int = 3) -> dict:
         product = jax.jit(lambda u, v, d=dims: lax.dot_general(u, v, d))
         out_shape = product.eval_shape(a, b).shape
         flops = 2.0 * math.prod(out_shape) * math.prod(lhs[i] for i in contract)
-        rate = roofline._best_rate(lambda: product(a, b).block_until_ready(), flops, repeats)
+        rate = roofline.best_rate(lambda: product(a, b).block_until_ready(), flops, repeats)
         total_flops += count * flops
         total_s += count * flops / rate
         rows.append({"lhs": lhs, "rhs": rhs, "count": count, "gflops": flops / 1e9,
@@ -312,7 +312,7 @@ def barrier_table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--rows", default=",".join(ROWS), help="goals to profile (default: all)")
     p.add_argument("--matmuls", action="store_true",

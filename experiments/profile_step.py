@@ -1,12 +1,12 @@
-"""Where the plain training step's time goes, operation by operation.
+"""python experiments/profile_step.py [--preset small] [--steps 3] [--top 15] [--torch] [--out F]
+
+Where the plain training step's time goes, operation by operation.
 
 Runs `Trainer.train_step` at the train bench's shape, times steps untraced (wall time, minor
 page faults and system time from `getrusage`), then traces a few with the JAX profiler and
 joins each XLA operation's time on the CPU runtime's threads with the optimized HLO: the
 matmul FLOPs inside each fusion (so its GFLOP/s), the kind of work it does (matmul, layout
 change, reduction, elementwise, gather/scatter) and the JAX operation it came from.
-
-    python experiments/profile_step.py [--preset small] [--steps 3] [--top 15] [--torch] [--out F]
 
 `--torch` also profiles the train bench's transformers + torch step on the same batch
 (`torch.profiler`, each operator's own CPU time): its matmuls, layout copies and the rest.
@@ -166,20 +166,12 @@ def by(rows: list[dict], key: str) -> list[dict]:
     return sorted(({key: k, **g} for k, g in groups.items()), key=lambda g: -g["ms"])
 
 
-def train_config(preset: str):
-    """The config `sdcstudy bench train` times for `preset`."""
-    from sdcstudy import cli
-    from sdcstudy.bench import common as B
-
-    args = cli.build_parser().parse_args(["bench", "train", "--presets", preset])
-    return B.preset_config("train", preset, args, ["experiment.mode=train"])[0]
-
-
 def profile_step(preset: str, steps: int) -> dict:
     import jax
     import numpy as np
 
     from sdcstudy.bench import common as B
+    from sdcstudy.bench.study import train_config
     from sdcstudy.bench.timing import StepRunner, random_tokens
     from sdcstudy.core.train import Trainer
 
@@ -220,6 +212,7 @@ def profile_torch(preset: str, steps: int) -> dict:
 
     from sdcstudy.bench import common as B
     from sdcstudy.bench import train as BT
+    from sdcstudy.bench.study import train_config
     from sdcstudy.bench.timing import random_tokens
     from sdcstudy.core.train import Trainer
 
@@ -287,7 +280,7 @@ def report(result: dict, top: int = 15) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--preset", default="small")
     p.add_argument("--steps", type=int, default=3, help="timed and traced steps (default 3)")
     p.add_argument("--top", type=int, default=15, help="rows of the detailed tables")
@@ -297,6 +290,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1 or args.top < 1:
         p.error("--steps and --top must be at least 1.")
+    from sdcstudy.bench.study import emit
     from sdcstudy.core.errors import UserError
 
     if args.torch:
@@ -313,15 +307,6 @@ def main(argv=None) -> int:
         return 2
     emit(text, args.out)
     return 0
-
-
-def emit(text: str, out: Path | None) -> None:
-    """The tables on stdout and, with `--out`, in that file (written atomically)."""
-    print(text, end="")
-    if out is not None:
-        from sdcstudy.core import runfolder as RF
-
-        RF.atomic_write_text(out, text)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--nodes", default="1,11")
     parser.add_argument("--presets", default="tiny,small,medium")

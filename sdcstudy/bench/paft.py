@@ -98,8 +98,9 @@ def _batch(preset: str, args, workers: int) -> tuple[int, int]:
     return per_worker * workers, per_worker * workers
 
 
-def _configs(preset: str, args, workers: int) -> tuple[dict, int, int]:
-    """Per variant its config, the timed steps, and the batch asked for (see `_batch`)."""
+def paft_configs(preset: str, args, workers: int) -> tuple[dict, int, int]:
+    """Per variant its config, the timed steps, and the batch asked for (see `_batch`): what
+    `sdcstudy bench paft` times at `workers` workers."""
     asked, batch = _batch(preset, args, workers)
     configs, steps = {}, 0
     for variant in VARIANTS:
@@ -116,7 +117,7 @@ def measure_paft(preset: str, args, echo=B.echo_stderr) -> dict:
     results = []
     for workers in _workers(args):
         hostmem.release()  # the previous worker count's buffers are free by now
-        configs, steps, asked = _configs(preset, args, workers)
+        configs, steps, asked = paft_configs(preset, args, workers)
         trainers = {variant: (NodeTrainer if variant == "dp" else PaftTrainer).from_config(cfg)
                     for variant, cfg in configs.items()}
         # The runners (and their buffers) are not kept: the next worker count releases them.
@@ -228,5 +229,5 @@ def paft_goals(results: list[dict]) -> list[dict]:
 def run_paft_suite(args) -> int:
     def check(preset):
         for workers in _workers(args):
-            _configs(preset, args, workers)
+            paft_configs(preset, args, workers)
     return B.run_suite(args, "paft", measure_paft, paft_table, check=check, goals=paft_goals)

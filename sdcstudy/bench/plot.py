@@ -73,13 +73,13 @@ def _groups(result: dict):
 def overhead_figure(reports: dict | list[dict], path: Path) -> Path | None:
     """Each overhead ratio against parameter count (log axis), median with min-max bars; one
     PNG written atomically. None, and nothing written, when the results hold no overhead."""
-    from sdcstudy.report.plots import _pyplot, _save
+    from sdcstudy.report.plots import pyplot, save_figure
 
     reports = [reports] if isinstance(reports, dict) else reports
     rows = [row for report in reports for row in overhead_points(report)]
     if not rows:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     curves: dict[str, list[dict]] = {}
     for row in rows:
         curves.setdefault(row["overhead"], []).append(row)
@@ -98,7 +98,7 @@ def overhead_figure(reports: dict | list[dict], path: Path) -> Path | None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False,
               ncol=1 if len(curves) <= 18 else 2)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def add_parser(sub) -> None:

@@ -64,7 +64,9 @@ def step_flops(dims: ModelDims, sequences: int, seq_len: int) -> float:
     return 6.0 * tokens * matmul_params(dims) + attention
 
 
-def _best_rate(run, flops: float, repeats: int) -> float:
+def best_rate(run, flops: float, repeats: int) -> float:
+    """The best FLOP/s of `repeats` repetitions of calling `run` (which does `flops`) for
+    `PEAK_SECONDS` each, after one call that compiles and warms up."""
     run()  # compile, allocate, spin the threads up
     best = 0.0
     for _ in range(repeats):
@@ -86,12 +88,12 @@ def matmul_peak(repeats: int = 3, with_torch: bool = True) -> dict[str, float]:
     flops = 2.0 * n ** 3
     x = jax.device_put(a)
     product = jax.jit(lambda u, v: u @ v)
-    peaks = {"jax": _best_rate(lambda: product(x, x).block_until_ready(), flops, repeats)}
+    peaks = {"jax": best_rate(lambda: product(x, x).block_until_ready(), flops, repeats)}
     if with_torch:
         import torch
 
         t = torch.from_numpy(a)
-        peaks["torch"] = _best_rate(lambda: torch.matmul(t, t), flops, repeats)
+        peaks["torch"] = best_rate(lambda: torch.matmul(t, t), flops, repeats)
     return peaks
 
 

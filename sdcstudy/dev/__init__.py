@@ -1,2 +1,4 @@
-"""Developer tools: the README's tour (`python -m sdcstudy.dev.tour`) and the bits every mode
-computes, recorded and compared across a refactor (`python -m sdcstudy.dev.mode_bits`)."""
+"""Developer tools: the README's tour (`python -m sdcstudy.dev.tour`), the bits every mode
+computes, recorded and compared across a refactor (`python -m sdcstudy.dev.mode_bits`), and
+Figure 10 at the paper's sizes measured into the scorecard's input
+(`python -m sdcstudy.dev.figure10_entries`)."""

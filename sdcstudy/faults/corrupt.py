@@ -17,17 +17,17 @@ from jax import lax
 
 from sdcstudy.core.mesh import vary
 from sdcstudy.faults.bits import bit_width, from_bits, to_bits
-from sdcstudy.faults.draws import (_counted_draws, _dense_after, _draws, _listed_draws,
-                                   _no_draws, _shaped, _varying)
+from sdcstudy.faults.draws import (_counted_draws, _dense_after, _listed_draws, _no_draws,
+                                   _shaped, _varying, draw)
 from sdcstudy.faults.records import empty_record, make_record, record_at
 from sdcstudy.faults.specs import FaultSpec
 
 # --- corrupting one tensor --------------------------------------------------------------------
 
 
-def _corrupt(x, key, spec: FaultSpec, rate, skip_idle: bool = False):
+def corrupt_with_positions(x, key, spec: FaultSpec, rate, skip_idle: bool = False):
     """(y, bit, positions, complete): `x` with the hit elements replaced, the drawn bit (-1 for
-    other kinds), and where the hits are (`_draws`).
+    other kinds), and where the hits are (`draw`).
 
     The random draws depend only on the key, the rate and the shape. With `skip_idle` they run
     under a `lax.cond` that skips them when the rate is 0 (an idle spec costs a select, not a
@@ -37,10 +37,10 @@ def _corrupt(x, key, spec: FaultSpec, rate, skip_idle: bool = False):
     if skip_idle:
         axes = _varying(key, rate)
         hit, aux, positions, complete = lax.cond(
-            jnp.asarray(rate) > 0, lambda: vary(_draws(key, spec, rate, x.shape, width), axes),
+            jnp.asarray(rate) > 0, lambda: vary(draw(key, spec, rate, x.shape, width), axes),
             lambda: vary(_no_draws(spec, x.shape), axes))
     else:
-        hit, aux, positions, complete = _draws(key, spec, rate, x.shape, width)
+        hit, aux, positions, complete = draw(key, spec, rate, x.shape, width)
     return (*_apply(x, spec, hit, aux), positions, complete)
 
 
@@ -91,7 +91,7 @@ def corrupt(x, key, spec: FaultSpec, rate):
 
     `landed` marks elements whose bits changed; `bit` is the flipped bit (-1 for other kinds).
     """
-    y, bit, _, _ = _corrupt(x, key, spec, rate)
+    y, bit, _, _ = corrupt_with_positions(x, key, spec, rate)
     return (y, *_landed(x, y, bit))
 
 
@@ -107,8 +107,8 @@ def corrupt_and_record(x, key_data, rate, spec: FaultSpec, limit: int,
     corrupted node in a tensor-parallel program, as XLA fused the norm differently (RESULTS.md,
     "Performance goals", faults).
     """
-    y, bit, positions, complete = _corrupt(x, jax.random.wrap_key_data(key_data), spec, rate,
-                                           skip_idle)
+    y, bit, positions, complete = corrupt_with_positions(
+        x, jax.random.wrap_key_data(key_data), spec, rate, skip_idle)
     landed, bit = _landed(x, y, bit)
     if not skip_idle:
         return y, make_record(x, y, landed, bit, limit)

@@ -222,7 +222,7 @@ def _cap(spec: FaultSpec, size: int) -> int:
     return min(size, HIT_CAP if spec.count is None else spec.count)
 
 
-def _draws(key, spec: FaultSpec, rate, shape, width):
+def draw(key, spec: FaultSpec, rate, shape, width):
     """The random decisions of one corruption, which do not depend on the tensor's values:
     (hit, aux, positions, complete). `aux` as `_aux` draws it for every hit element (0
     elsewhere); `positions` (uint32, increasing, the size past the last) the flat positions of
@@ -236,7 +236,7 @@ def _draws(key, spec: FaultSpec, rate, shape, width):
 
 
 def _counted_draws(key, spec: FaultSpec, rate, size: int, width: int):
-    """`_draws`, flat, of a spec that hits exactly `count` distinct elements when on."""
+    """`draw`, flat, of a spec that hits exactly `count` distinct elements when on."""
     k_hit, k_aux = H.split(jax.random.key_data(key), 2)
     chosen = jax.random.choice(jax.random.wrap_key_data(k_hit), size, (_cap(spec, size),),
                                replace=False)
@@ -265,7 +265,7 @@ def _varying(*values) -> frozenset:
 
 
 def _no_draws(spec: FaultSpec, shape):
-    """What `_draws` gives when the rate is 0, without drawing: nothing is hit."""
+    """What `draw` gives when the rate is 0, without drawing: nothing is hit."""
     aux = {"bitflip": jnp.int32, "scale": jnp.float32, "additive": jnp.float32,
            "random": jnp.float32, "inf": jnp.float32}.get(spec.kind)
     size = math.prod(shape)

@@ -192,7 +192,7 @@ def loss_figure(runs: dict, path: Path) -> Path | None:
     if not runs:
         return None
     tasks = list(dict.fromkeys(_task(r) for r in runs.values()))
-    plt = plots._pyplot()
+    plt = plots.pyplot()
     fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks) + 2.5, 4.2), squeeze=False)
     styles = plots.styles(list(runs))
     for ax, task in zip(axes[0], tasks):
@@ -221,7 +221,7 @@ def loss_figure(runs: dict, path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     axes[0, -1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
-    return plots._save(fig, path)
+    return plots.save_figure(fig, path)
 
 
 def draw_figures(runs: dict, out: Path) -> list[str]:

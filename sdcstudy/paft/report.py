@@ -80,7 +80,7 @@ def curves(runs: dict, path: Path, key: str = LOSS, title: str = "", log: bool |
     runs = {k: r for k, r in paft_runs(runs).items() if r.metrics is not None and key in r.metrics}
     if not runs:
         return None
-    plt = PL._pyplot()
+    plt = PL.pyplot()
     log = (key == DIV) if log is None else log
     style = PL.styles(list(runs))
     fig, ax = PL._with_legend_room(plt, 1, len(runs), 6.0, 4.0)
@@ -104,7 +104,7 @@ def curves(runs: dict, path: Path, key: str = LOSS, title: str = "", log: bool |
     ax.set_title(title)
     ax.grid(alpha=0.3)
     PL._legend_outside(fig, ax, len(runs))
-    return PL._save(fig, Path(path))
+    return PL.save_figure(fig, Path(path))
 
 
 def bar_final(table: pd.DataFrame, path: Path, x: str, group: str, title: str = "",
@@ -112,7 +112,7 @@ def bar_final(table: pd.DataFrame, path: Path, x: str, group: str, title: str = 
     """Final loss per `x` (e.g. packet-loss rate), one bar group per value of `group`."""
     if table.empty:
         return None
-    plt = PL._pyplot()
+    plt = PL.pyplot()
     pivot = table.pivot_table(index=x, columns=group, values="final_loss")
     fig, ax = plt.subplots(figsize=(6.5, 4.0))
     width = 0.8 / max(len(pivot.columns), 1)
@@ -126,7 +126,7 @@ def bar_final(table: pd.DataFrame, path: Path, x: str, group: str, title: str = 
     ax.set_title(title)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    return PL._save(fig, Path(path))
+    return PL.save_figure(fig, Path(path))
 
 
 def markdown(table: pd.DataFrame) -> str:

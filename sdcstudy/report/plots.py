@@ -30,7 +30,8 @@ DPI = 100
 LEGEND_WIDTH = 1.6  # inches per column of a legend beside the axes
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,7 +43,7 @@ def _pyplot():
 def styles(labels) -> dict:
     """{label: dict(color, linestyle)}: 20 distinct colours (the dark half of tab20 first),
     then the same colours dashed, so 15 paper nodes stay apart."""
-    plt = _pyplot()
+    plt = pyplot()
     palette = plt.get_cmap("tab20").colors
     order = [*palette[0::2], *palette[1::2]]
     return {label: {"color": order[i % len(order)],
@@ -72,14 +73,14 @@ def _log_y(ax) -> None:
     ax.yaxis.set_minor_locator(NullLocator())
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     """`fig` as the PNG `path`, atomically; a file that cannot be written is ReportWriteError."""
     try:
         with reports.writing(path, "figure"):
             return reports.save_png(fig, path, dpi=DPI,
                                     pil_kwargs={"compress_level": 1})  # zlib 6: 0.3 s more
     finally:
-        _pyplot().close(fig)
+        pyplot().close(fig)
 
 
 def _legend_columns(n: int) -> int:
@@ -116,7 +117,7 @@ def _panel_grid(n: int, title: str):
     legend below. Margins are fixed in inches (a layout engine costs seconds per figure), and
     panel titles are given a fixed height (`y=1.0`: placing them by the tick labels costs
     about as much)."""
-    plt = _pyplot()
+    plt = pyplot()
     ncols = min(3, n)
     nrows = math.ceil(n / ncols)
     width, height = max(7.0, 4.2 * ncols), 2.3 * nrows + 1.3
@@ -149,7 +150,7 @@ def frequency_panels(runs: dict, path: Path) -> Path | None:
     runs = T.lockstep_runs(runs)
     if not runs:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = _panel_grid(len(runs), "Mismatch frequency per step "
                                        "(steps without mismatches left out)")
     site_style = styles(T.SITES)
@@ -164,7 +165,7 @@ def frequency_panels(runs: dict, path: Path) -> Path | None:
     _label_grid(axes, len(runs), "mismatch frequency")
     handles = [plt.Line2D([], [], marker=".", **site_style[s]) for s in T.SITES]
     fig.legend(handles, T.SITES, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def frequency_smoothed(runs: dict, path: Path, site: str = "fwd/attn",
@@ -175,7 +176,7 @@ def frequency_smoothed(runs: dict, path: Path, site: str = "fwd/attn",
             if site in run.mismatch_rollup.by_microstep.index.get_level_values("site")}
     if not runs:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     longest = max(_last_step(run.mismatch_rollup.by_microstep) for run in runs.values())
     window = window or max(1, round(longest / 20))
     fig, ax = _with_legend_room(plt, 1, len(runs), 7.5, 4.2)
@@ -189,7 +190,7 @@ def frequency_smoothed(runs: dict, path: Path, site: str = "fwd/attn",
     ax.set_title(f"Smoothed mismatch frequency of {site}")
     ax.grid(alpha=0.3, which="major")
     _legend_outside(fig, ax, len(runs))
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def gradients(runs: dict, path: Path) -> Path | None:
@@ -201,7 +202,7 @@ def gradients(runs: dict, path: Path) -> Path | None:
         or synced
     if not runs:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     wcnts = T.wcnts_table(runs)
     fig, axes = _panel_grid(len(runs), "Gradient difference and ground-truth gradient norm "
                                        "per step (zero differences left out)")
@@ -223,7 +224,7 @@ def gradients(runs: dict, path: Path) -> Path | None:
     fig.legend(handles, ["||g' - g||, suspect minus healthy weight gradients",
                          "||g||, healthy weight gradients"],
                loc="lower center", ncol=2, fontsize=8, frameon=False)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def training(runs: dict, path: Path) -> Path | None:
@@ -233,7 +234,7 @@ def training(runs: dict, path: Path) -> Path | None:
             if T.run_mode(run) in T.FREE_MODES and "param/diff_l2" in run.metrics}
     if not runs:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     drawn_healthy = []
     for (label, run), style in zip(runs.items(), styles(runs).values()):
@@ -262,7 +263,7 @@ def training(runs: dict, path: Path) -> Path | None:
     axes[2].legend(handles + h2, labels + l2, loc="upper left", bbox_to_anchor=(1.01, 1.0),
                    fontsize=8, frameon=False)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def bit_positions(runs: dict, path: Path) -> Path | None:
@@ -276,7 +277,7 @@ def bit_positions(runs: dict, path: Path) -> Path | None:
             histograms[label] = sites
     if not histograms:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = _panel_grid(len(histograms), "Mismatching elements that differ in each bit "
                                              "position (log scale; zero counts left out)")
     site_style = styles(T.SITES)
@@ -305,7 +306,7 @@ def bit_positions(runs: dict, path: Path) -> Path | None:
             ax.set_xlabel("bit position (sign | exponent, shaded | mantissa)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=site_style[s]["color"]) for s in T.SITES]
     fig.legend(handles, T.SITES, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def abft_flags(runs: dict, path: Path, matmul: str = "o", direction: str = "fwd",
@@ -318,7 +319,7 @@ def abft_flags(runs: dict, path: Path, matmul: str = "o", direction: str = "fwd"
     runs = T.abft_runs(runs)
     if not runs:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     longest = max(_last_step(run.abft_by_step) for run in runs.values())
     window = window or max(1, round(longest / 20))
     fig, axes = _with_legend_room(plt, 2, len(runs), 11.5, 4.4, sharey=True)
@@ -335,7 +336,7 @@ def abft_flags(runs: dict, path: Path, matmul: str = "o", direction: str = "fwd"
         ax.grid(alpha=0.3, which="major")
     _legend_outside(fig, axes[1], len(runs))
     axes[0].set_ylabel(f"fraction of checks flagged\n(moving mean over {window} steps)")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _xy(series: pd.Series):

@@ -241,7 +241,7 @@ def draw_figures(runs: dict, out: Path):
                 _DRAWING.clear()
         return draw_here
 
-    plots._pyplot()  # imported once, before the fork
+    plots.pyplot()  # imported once, before the fork
     pool = multiprocessing.get_context("fork").Pool(min(cpus, len(names)))
     pending = pool.map_async(_draw, names, chunksize=1)
     _DRAWING.clear()  # the workers have their copies

@@ -1,0 +1,77 @@
+"""Figure 10 at the paper's sizes, measured into the file the scorecard reads.
+
+    python -m sdcstudy.dev.figure10_entries --out docs/scorecards [--products 2] [--draws 8]
+
+`reproduce.abft_paper_scale.measure` for every paper node's attention faults (as
+`faults.profiles.paper_node` builds them) in o's product, inside the attention, or split
+between the two: at the tiny and small scorecards' o shapes (four times the draws: they are
+cheap) and at the paper's, tp = 1, 8 and 32. Writes OUT/abft_paper_scale.json, the entries
+`reproduce.scorecard.paper_scale_rows` scores, and prints those rows. 5 to 11 minutes on two
+busy CPU cores; numpy only. experiments/abft_paper_scale.py prints the study's tables from
+the same entries (docs/faults.md, section 5.4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+FILE = "abft_paper_scale.json"
+PLACEMENTS = ("o_proj", "inside", "split")
+NODES = range(1, 16)
+ANCHOR_DRAWS = 4  # the scorecards' sizes get this many times the draws
+
+
+def profile_of(node: int, placement: str, context_width: int):
+    """Paper node `node`'s profile with its attention faults at `placement`."""
+    from sdcstudy.faults import profiles as P
+
+    return P.paper_node(node, placement, context_width=context_width)
+
+
+def entries(products: int = 2, draws: int = 8, seed: int = 0) -> list[dict]:
+    """`measure`'s entries: the scorecards' o shapes first, then the paper's."""
+    from sdcstudy.reproduce import abft_paper_scale as A
+
+    return [*A.measure(profile_of, A.ANCHOR_SHAPES, NODES, PLACEMENTS, products,
+                       ANCHOR_DRAWS * draws, seed),
+            *A.measure(profile_of, A.paper_shapes(), NODES, PLACEMENTS, products, draws, seed)]
+
+
+def write(found: list[dict], out: Path) -> Path:
+    """`found` as OUT/abft_paper_scale.json (written atomically); returns its path."""
+    from sdcstudy.core import runfolder as RF
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / FILE
+    RF.atomic_write_text(path, json.dumps(found, indent=1))
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True,
+                   help=f"the folder of {FILE} (docs/scorecards for the scorecard's copy)")
+    p.add_argument("--products", type=int, default=2, help="products per shape (default 2)")
+    p.add_argument("--draws", type=int, default=8,
+                   help="fault draws per product at the paper's sizes (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.products < 1 or args.draws < 1:
+        p.error("--products and --draws must be at least 1.")
+    from sdcstudy.reproduce import abft_paper_scale as A
+
+    start = time.perf_counter()
+    found = entries(args.products, args.draws, args.seed)
+    path = write(found, args.out)
+    for row in A.figure10_paper_rows(found):
+        print(f"node {row.node:2d} | {row.quantity} | {row.published} | {row.ours:.3g} | "
+              f"{row.verdict} | {row.reason}")
+    print(f"{time.perf_counter() - start:.0f} s; entries in {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
