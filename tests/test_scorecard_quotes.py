@@ -195,3 +195,18 @@ def test_each_derived_scorecard_json_is_its_markdown():
         data = json.loads(path.read_text())
         card = _card(path.stem)
         assert data["rows"] == card["rows"] and data["counts"] == R.totals(card), path.name
+
+
+def test_the_figure10_tally_docs_quote_is_the_committed_measurements():
+    """docs/reproduction.md and fidelity.md give 17 passes and 10 failures (18 no events) for
+    Figure 10 at the paper's sizes over the 15 nodes, scored today from the committed
+    docs/scorecards/abft_paper_scale.json."""
+    from collections import Counter
+
+    from sdcstudy.reproduce import scorecard as S
+
+    plan = [{"name": f"n{n}", "node": n, "mode": "abft"} for n in range(1, 16)]
+    tally = Counter(r.verdict for r in S.paper_scale_rows(plan))
+    assert (tally["pass"], tally["fail"], tally["no events"]) == (17, 10, 18)
+    assert "(node 4 at tp 32 passes) | - | - | 17 | 10 | 18 |" in _doc(REPRODUCTION)
+    assert "now passes) | - | - | 17 | 10 | - |" in _doc(FIDELITY)
