@@ -156,3 +156,33 @@ def test_results_no_run_makes_are_rows_with_their_reason():
     assert all("scorecard" in r.reason for r in rows)
     assert S.counts(rows)[B.NOT_HERE] == 3
     assert set(S.ORDER) >= {r.source for r in rows}
+
+
+def test_figure10_run_passes_without_an_attention_fault_are_counted_apart():
+    """A "little or nothing" node whose ABFT run landed no attention-output fault passes
+    Figure 10 whatever its model: the row says it passes trivially and is tallied with the
+    rows fixed by construction; with one fwd/attn fault landed the same pass is held-out.
+    (Issue 55: all 7 Figure 10 run passes of tiny.md were such nodes.)"""
+    from report_runs import abft_rows
+
+    from sdcstudy.reproduce import training_rows as TR
+
+    def run(faults):
+        checks = abft_rows(4, 1, 1, lambda *cell: False)
+        return Run(path=Path("n"), config={"experiment": {"mode": "abft"}},
+                   summary={"faults/landed": 3}, metrics=pd.DataFrame({"step": [1, 2, 3, 4]}),
+                   mismatch=pd.DataFrame(), faults=pd.DataFrame(faults),
+                   abft=pd.DataFrame(checks))
+
+    entry = {"node": 1, "mode": "abft", "steps": 4, "active_steps": None,
+             "sites": {site: {"mismatches": 1.0 if site == "fwd/attn" else 0.0, "scale": 1.0}
+                       for site in ("fwd/attn", "fwd/ffn", "bwd/attn", "bwd/ffn")}}
+    quiet = TR.figure10_row(1, "n", run([{"step": 2, "site": "fwd/ffn", "kind": "additive",
+                                          "bit": -1}]), dict(entry, sites={
+                                              **entry["sites"], "fwd/attn": {"mismatches": 0.0,
+                                                                             "scale": 1.0},
+                                              "fwd/ffn": {"mismatches": 1.0, "scale": 1.0}}))
+    assert quiet.verdict == "pass" and quiet.reason.startswith(B.TRIVIAL) and B.fixed(quiet)
+    hit = TR.figure10_row(1, "n", run([{"step": 2, "site": "fwd/attn", "kind": "additive",
+                                        "bit": -1}]), entry)
+    assert hit.verdict == "pass" and not B.fixed(hit)
