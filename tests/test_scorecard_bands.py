@@ -144,3 +144,24 @@ def test_figure10_paper_rows_explain_each_failure_with_its_own_numbers():
         "of the checks at paper tp 32" in whys[1]
     assert "in bursts on 0.00025 of the run, flags 9.38e-05 of the checks at paper tp 32" in \
         whys[14]
+
+
+def test_layer_frequency_rows_state_the_chance_of_a_layer_at_table_1s_rate():
+    """Tables 6-7: a layer at Table 1's rate passes [min x 0.75, max x 1.25] of the paper's 16
+    layers with its count's probability of landing there: node 1 bwd/attn (Table 7 spans
+    1.4e-4 to 3.0e-4 around Table 1's 2.2e-4) at 1,000 expected mismatches a layer passes
+    almost surely, at 10 less often (0.97). If this failed, a layer row's P(pass) would not be
+    its count's."""
+    from sdcstudy.reproduce import mismatch_rows as M
+
+    paper = (1.0e-4, 3.0e-4)
+    entry = {"active_steps": None, "steps": 200}
+    site = {"mismatches": 2000.0, "scale": 1.0}
+    row = M._layer_row(1, "Table 7", "bwd/attn", 1, "freq", paper, 1.6e-4, 1000, site, 2, entry)
+    table1 = 1.56e-4  # Table 1, node 1, bwd/attn
+    assert row.pass_probability == pytest.approx(B.count_between(
+        1000 * 0.75e-4 / table1, 1000 * 3.75e-4 / table1, 1000, entry))
+    assert row.pass_probability > 0.999
+    few = M._layer_row(1, "Table 7", "bwd/attn", 1, "freq", paper, 1.6e-4, 10,
+                       dict(site, mismatches=20.0), 2, entry)
+    assert few.pass_probability < 0.99 < row.pass_probability

@@ -257,10 +257,15 @@ def count_pass_probability(expected: float, entry: dict) -> float:
     around `expected` events: its count X (Poisson, or Poisson given binomial bursts, as
     `count_check` reads it) within [(1 - FREQ_TOLERANCE) expected, (1 + FREQ_TOLERANCE)
     expected]."""
+    return count_between(expected * (1 - FREQ_TOLERANCE), expected * (1 + FREQ_TOLERANCE),
+                         expected, entry)
+
+
+def count_between(lo: float, hi: float, expected: float, entry: dict) -> float:
+    """P(lo <= X <= hi) for the run's count X of mean `expected` (as `count_check` reads it)."""
     if expected <= 0:
-        return 0.0
-    lo = math.ceil(expected * (1 - FREQ_TOLERANCE))
-    hi = math.floor(expected * (1 + FREQ_TOLERANCE))
+        return 1.0 if lo <= 0 <= hi else 0.0
+    lo, hi = math.ceil(lo), math.floor(hi)
     if hi < lo:
         return 0.0
     outside = (_count_tail(lo - 1, expected, entry, below=True)

@@ -112,20 +112,33 @@ def _layer_row(node, source, site, layer, stat, paper, ours, n, expected, layers
     if paper[1] == 0:
         return B.as_zero(node, source, quantity, published, n, ours)
     per_layer = expected["mismatches"] / max(layers, 1)
+    chance = None
     if stat == "freq":
         scale = expected["scale"]
         lo = paper[0] * scale * (1 - B.FREQ_TOLERANCE)
         hi = paper[1] * scale * (1 + B.FREQ_TOLERANCE)
+        chance = _layer_chance(node, site, lo / scale, hi / scale, per_layer, entry)
     else:
         lo, hi = paper[0] / B.SEVERITY_FACTOR, paper[1] * B.SEVERITY_FACTOR
     if wrong := B.count_check(n, per_layer, entry):
         return Row(node, source, quantity, published, ours, None, B.interval(lo, hi), "fail",
-                   f"{wrong} in this layer")
+                   f"{wrong} in this layer", pass_probability=chance)
     if stat == "freq" and (rare := B.too_rare(entry, per_layer, n, "in this layer")):
         return Row(node, source, quantity, published, ours, None, B.interval(lo, hi),
-                   B.TOO_RARE, rare)
+                   B.TOO_RARE, rare, pass_probability=chance)
     if stat != "freq" and n == 0:
         return Row(node, source, quantity, published, None, None, B.interval(lo, hi),
                    "no events", "no mismatch in this layer")
     return Row(node, source, quantity, published, ours, None, B.interval(lo, hi),
-               "pass" if B.within(ours, lo, hi) else "fail", f"{n} mismatches in this layer")
+               "pass" if B.within(ours, lo, hi) else "fail", f"{n} mismatches in this layer",
+               pass_probability=chance)
+
+
+def _layer_chance(node, site, lo, hi, per_layer, entry) -> float | None:
+    """The probability that a correct model (its layer's rate Table 1's, as the profiles' are)
+    passes a Tables 6-7 band [lo, hi] (before the time pattern): its count, of mean
+    `per_layer`, within per_layer x [lo, hi] / Table 1."""
+    table1 = float(PB.published(f"{PB.PAPER_PREFIX}{node}")["freq"][site])
+    if table1 <= 0:
+        return None
+    return B.count_between(per_layer * lo / table1, per_layer * hi / table1, per_layer, entry)
