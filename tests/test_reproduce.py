@@ -899,7 +899,9 @@ def test_reproduce_one_node_end_to_end(tmp_path, capsys):
     for name in (S.MARKDOWN, S.CSV, S.JSON):
         assert (out / name).is_file()
     rows = scorecard(out)
-    assert {r["source"] for r in rows} == set(S.ORDER)
+    # every source but Figure 3 (nodes 7 and 14), C.2 (two layers at least) and D.3 (node 10)
+    assert {r["source"] for r in rows} == set(S.ORDER) - {"Figure 3", "Appendix C.2",
+                                                          "Appendix D.3"}
     assert not [r for r in rows if r["verdict"] == "not run"]
     summary = RF.json_load(out / "runs" / "paper-node-11-paramsync" / RF.SUMMARY)
     (wcnts,) = [r for r in rows if r["source"] == "Figure 5" and r["quantity"] == "WCNTS"]
