@@ -267,8 +267,9 @@ UNSCORED = (
      "fine-tunes the tiny model on the synthetic multiple-choice task, which `finetune_row` "
      "scores"),
     ("Figure 7", "loss spikes while fine-tuning (nodes 4, 6, 7; node 6 to 0% accuracy)",
-     "a fine-tuning run's loss series, which the scorecard plans none of; `figure7_row` scores "
-     "one (the paper nodes' free runs here show none: Figure 6's rows)"),
+     "the scorecard plans no fine-tuning run; `figure7_row` scores any run's loss series (a "
+     "fine-tuning run, or a free run of a zoo regime made to spike the loss), and the paper "
+     "nodes' free runs here show no spike (Figure 6's rows)"),
     ("Appendix D.4", "bfloat16 ABFT false alarms on healthy nodes, none at float32",
      "the scorecard's ABFT runs check in float32, as appendix D.1 ran it; measured apart by "
      "`python experiments/abft_eval.py --out DIR` (docs/results/abft.md: the paper's threshold "
