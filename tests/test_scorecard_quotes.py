@@ -210,3 +210,17 @@ def test_the_figure10_tally_docs_quote_is_the_committed_measurements():
     assert (tally["pass"], tally["fail"], tally["no events"]) == (17, 10, 18)
     assert "(node 4 at tp 32 passes) | - | - | 17 | 10 | 18 |" in _doc(REPRODUCTION)
     assert "now passes) | - | - | 17 | 10 | - |" in _doc(FIDELITY)
+
+
+def test_the_reader_reads_what_the_scorecard_writes_today():
+    """`scorecard_read` on today's markdown (roles, fixed-by-construction columns, P(pass),
+    the rows across nodes) gives back every row and the tally `scorecard.counts` gives, so
+    re-run scorecards stay readable by these tests."""
+    from sdcstudy.reproduce import scorecard as S
+
+    plan = [{"name": "n", "node": 14, "mode": "abft", "steps": 10}]
+    rows = S.build(plan, {})
+    card = R.read(S.markdown(rows, {"preset": "tiny", "steps": 10, "modes": ["abft"]}))
+    assert len(card["rows"]) == len(rows) and R.totals(card) == S.counts(rows)
+    assert {r["node"] for r in card["rows"]} == {r.node for r in rows}
+    assert all(r["P(pass)"] is None for r in card["rows"])
