@@ -5,9 +5,14 @@
 - `bands`: the band and verdict of every kind of published number, and the scorecard row;
 - `mismatch_rows`: Tables 1, 2 and 6-9 from the lock-step runs;
 - `training_rows`: Figures 5, 6 and 10 from the parameter-sync, free and ABFT runs;
+- `exposure_rows`: Tables 2, 8 and 9 at the paper's exposure, with the scatter of its maximum;
 - `abft_paper_scale`: Figure 10 at the paper's sizes, the profiles' attention faults in
-  float32 products of the paper's shapes checked as ABFT does (numpy, no run);
-- `scorecard`: the rows of a folder of runs, as Markdown, CSV and JSON;
+  float32 products of the paper's shapes checked as ABFT does (numpy, no run), and
+  `figure10_paper` its rows, sampling noise left to the analytic estimate;
+- `claim_rows`: the published results beyond the bands (Figures 3-4, 5's shape, 6's gradient
+  norms, 7, C.2, D.3, Tables 3/5) and those no run makes;
+- `scorecard`: the rows of a folder of runs, as Markdown, CSV and JSON; `scorecard_read`
+  reads a scorecard.md back (tests of the numbers docs quote, derived JSON);
 - `figures`: ours against the published numbers, and the free runs over their steps;
 - `cli`: the command, `--resume`, `--shard` and `--merge`.
 
