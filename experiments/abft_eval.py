@@ -14,9 +14,14 @@ give three explanations for ABFT's misses; this experiment turns each into numbe
 
 Each trial is one forward and backward pass of the model (random tokens, the seed's initial
 weights) with ABFT on every matmul and exactly one flipped bit of one random element at one
-site and layer; the site, layer, bit and element are inputs of one compiled program per dtype,
-so thousands of trials take minutes. Healthy trials flip nothing. ABFT's records hold the
-residuals and norms, so every threshold is evaluated on the same trials.
+site and layer, injected by the fault engine (`faults.inject.inject_value`, the forward
+injection of every trainer: a `bitflip` spec of `count` 1 over any bit, straight-through
+gradient, the landed bit and values in its record). The site and layer (the spec's rate, 1
+there and 0 elsewhere) and the key the element and bit are drawn from are inputs of one
+compiled program per dtype, so thousands of trials take minutes. Each site gets (bits in its
+values) x --repeats trials; their bits are drawn, not enumerated. Healthy trials flip nothing.
+ABFT's records hold the residuals and norms, so every threshold is evaluated on the same
+trials.
 
 Definitions, per (dtype, threshold, site, bit class):
 - recall: faulty trials flagged at the faulted matmul (forward check, that layer) over
@@ -25,7 +30,8 @@ Definitions, per (dtype, threshold, site, bit class):
 - false alarms: healthy trials with any flag, and flagged checks over all healthy checks.
 
 Results: DIR/abft_eval.md (the tables, also printed), DIR/abft_eval.json (the same numbers),
-DIR/abft_eval_checks.parquet (every check of every trial) and DIR/abft_eval_ratios.png. About 5 minutes on 2 CPU cores.
+DIR/abft_eval_checks.parquet (every check of every trial) and DIR/abft_eval_ratios.png. 6 to 13
+minutes on 2 busy CPU cores (docs/results/abft.md).
 
 `--bounds` asks instead whether the rounding bound holds for the arithmetic a GPU uses, and
 what it costs in recall: the products of tiny's four linear shapes (q, up, down, head at 4 x
@@ -57,79 +63,72 @@ import pandas as pd  # noqa: E402
 from sdcstudy.abft import checker as A  # noqa: E402
 from sdcstudy.abft import emulate as E  # noqa: E402
 from sdcstudy.core import config as C  # noqa: E402
-from sdcstudy.faults import bits as FB  # noqa: E402
-from sdcstudy.faults.bits import bits_of_class  # noqa: E402
 from sdcstudy.core import model  # noqa: E402
 from sdcstudy.core import sites as S  # noqa: E402
+from sdcstudy.faults.bits import bits_of_class  # noqa: E402
+from sdcstudy.faults.inject import inject_value  # noqa: E402
+from sdcstudy.faults.records import decode_record  # noqa: E402
+from sdcstudy.faults.specs import FaultSpec  # noqa: E402
 
 INSIDE = tuple(A.MATMULS)  # the protected matmuls' output sites
 OUTSIDE = (S.ATTN_PROBS, S.ATTN_CONTEXT, S.FFN_ACT, S.ATTN_NORM, S.FFN_NORM)
 SITES = INSIDE + OUTSIDE
 RULES = A.HOST_THRESHOLDS
-
-
-@jax.custom_vjp
-def _flip(x, hit, bit):
-    return jnp.where(hit, FB.flip_bits(x, bit), x)
-
-
-def _flip_fwd(x, hit, bit):
-    return _flip(x, hit, bit), None
-
-
-def _flip_bwd(residuals, ct):
-    del residuals
-    return ct, None, None
-
-
-_flip.defvjp(_flip_fwd, _flip_bwd)
+# One flipped bit, any of the value's, of one element: the spec each site's trials fire.
+FLIPS = {site: FaultSpec(site=f"fwd/{site}", kind="bitflip", bit_class="any", count=1)
+         for site in SITES}
 
 
 def make_trial(dims, graphdef):
-    """A jitted function (params, tokens, site id, layer, bit, index) -> ABFT records and the
-    flipped element's value before and after."""
+    """A jitted function (params, tokens, site id, layer, key data) -> ABFT's forward and
+    backward records and the fault engine's records of every site and layer (stacked)."""
     checker = A.Checker(dims.n_layers, "rounding")  # records what every rule needs
 
-    def trial(params, tokens, site_id, layer, bit, index):
-        seen = {}
+    def trial(params, tokens, site_id, layer, key_data):
+        landed = []
 
         def corrupt(site, x, at_layer):
             if site not in SITES:
                 return x
-            hit_here = (site_id == SITES.index(site)) & (layer == at_layer)
-            flat = jnp.arange(x.size, dtype=jnp.int32).reshape(x.shape) == index % x.size
-            y = _flip(x, hit_here & flat, bit)
-            value = x.reshape(-1)[index % x.size].astype(jnp.float32)
-            bad = y.reshape(-1)[index % x.size].astype(jnp.float32)
-            seen[(site, at_layer)] = (hit_here, value, bad)
+            on = (site_id == SITES.index(site)) & (layer == at_layer)
+            y, record = inject_value(x, key_data, jnp.where(on, 1.0, 0.0), FLIPS[site], 1)
+            landed.append(record)
             return y
 
         def loss(params, sinks):
             hook = checker.hook(sinks, full=corrupt, fault=corrupt)
             total, count = model.token_losses(graphdef, params, tokens, hook=hook)
-            hit = jnp.stack([h for h, _, _ in seen.values()])
-            pick = lambda i: jnp.sum(jnp.where(  # noqa: E731
-                hit, lax.stop_gradient(jnp.stack([v[i] for v in seen.values()])), 0.0))
-            return total / count, (hook.records, pick(1), pick(2))
+            return total / count, (hook.records, lax.stop_gradient(jnp.stack(landed)))
 
-        (_, (fwd, original, corrupted)), (_, bwd) = jax.value_and_grad(
+        (_, (fwd, faults)), (_, bwd) = jax.value_and_grad(
             loss, argnums=(0, 1), has_aux=True)(params, checker.init_sinks())
-        return fwd, bwd, original, corrupted
+        return fwd, bwd, faults
 
     return jax.jit(trial)
 
 
+def the_flip(records) -> dict:
+    """The one corruption a faulty trial's fault records hold: {flat_index, bit, original,
+    corrupted} and the bit width of its site; a healthy trial's: no bit, values 0."""
+    found = [(hit, int(r[0, 2])) for r in records for hit in decode_record(r)[1]]
+    if not found:
+        return {"bit": 0, "width": 0, "original": 0.0, "corrupted": 0.0}
+    (hit, width), = found  # a count-1 spec fires at one site and layer of the trial
+    return {**hit, "width": width}
+
+
 def plan(dims, width: int, repeats: int, healthy: int, seed: int) -> list[dict]:
+    """The trials: `healthy`, then per site (bits of its values) x `repeats`, each with its
+    layer, the seed of its fault key and of its tokens."""
     rng = np.random.default_rng(seed)
-    trials = [{"site": "healthy", "layer": -1, "bit": 0} for _ in range(healthy)]
+    trials = [{"site": "healthy", "layer": -1} for _ in range(healthy)]
     for site in SITES:
         # The logits are float32 in a bfloat16 model: their flips range over 32 bits.
-        for bit in range(32 if site == S.LOGITS else width):
-            for _ in range(repeats):
-                layer = 0 if site in S.MODEL_SITES else int(rng.integers(1, dims.n_layers + 1))
-                trials.append({"site": site, "layer": layer, "bit": bit})
+        for _ in range((32 if site == S.LOGITS else width) * repeats):
+            layer = 0 if site in S.MODEL_SITES else int(rng.integers(1, dims.n_layers + 1))
+            trials.append({"site": site, "layer": layer})
     for t in trials:
-        t["index"] = int(rng.integers(0, 2**31 - 1))
+        t["fault_seed"] = int(rng.integers(0, 2**31 - 1))
         t["token_seed"] = int(rng.integers(0, 2**31 - 1))
     return trials
 
@@ -152,16 +151,16 @@ def run_dtype(dtype: str, args) -> pd.DataFrame:
         tokens = jax.random.randint(jax.random.key(t["token_seed"]),
                                     (args.batch, args.seq_len + 1), 0, dims.vocab_size)
         site_id = SITES.index(t["site"]) if t["site"] in SITES else -1
-        fwd, bwd, original, corrupted = jax.device_get(fn(
-            params, tokens, jnp.int32(site_id), jnp.int32(t["layer"]), jnp.int32(t["bit"]),
-            jnp.int32(t["index"])))
-        site_width = 32 if t["site"] == S.LOGITS else width
+        key_data = jax.random.key_data(jax.random.key(t["fault_seed"]))
+        fwd, bwd, faults = jax.device_get(fn(
+            params, tokens, jnp.int32(site_id), jnp.int32(t["layer"]), key_data))
+        flip = the_flip(faults)
         for r in A.Checker.rows(fwd, bwd, 0, 0):
             rows.append({**r, "trial": i, "dtype": dtype, "fault_site": t["site"],
-                         "fault_layer": t["layer"], "bit": t["bit"],
+                         "fault_layer": t["layer"], "bit": flip["bit"],
                          "bit_class": "none" if t["site"] == "healthy" else
-                         bit_class(t["bit"], site_width), "original": float(original),
-                         "corrupted": float(corrupted)})
+                         bit_class(flip["bit"], flip["width"]),
+                         "original": flip["original"], "corrupted": flip["corrupted"]})
         if (i + 1) % 200 == 0:
             print(f"{dtype}: {i + 1}/{len(trials)} trials, {time.perf_counter() - start:.0f} s",
                   file=sys.stderr, flush=True)
@@ -313,7 +312,8 @@ def write_bounds(args) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
-    p.add_argument("--repeats", type=int, default=3, help="trials per (site, bit)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="trials per site: this many times the bits of its values (default 3)")
     p.add_argument("--healthy", type=int, default=48, help="healthy trials per dtype")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--batch", type=int, default=4)
