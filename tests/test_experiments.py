@@ -16,6 +16,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 PACKAGE = "sdcstudy"
@@ -136,6 +138,20 @@ def test_no_study_edits_sys_path_or_imports_another():
 def test_studies_use_only_public_names_that_exist():
     assert name_violations() == [], \
         "make the name public in its module (and update the package's callers)"
+
+
+def test_the_scorecards_command_is_a_package_entry(capsys):
+    # The package points at no study: the command a scorecard prints for its missing Figure 10
+    # entries is a module of sdcstudy, and it parses that command's arguments (then refuses
+    # --products 0 before measuring anything).
+    from sdcstudy.reproduce import scorecard
+
+    words = scorecard.PAPER_SCALE_COMMAND.split()
+    assert words[:2] == ["python", "-m"] and words[2].startswith(f"{PACKAGE}."), words
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(words[2]).main([*words[3:], "--products", "0"])
+    assert stop.value.code == 2
+    assert "--products and --draws must be at least 1" in capsys.readouterr().err
 
 
 def test_the_checks_catch_each_violation(tmp_path):
