@@ -56,4 +56,46 @@ def by_name(features: list) -> dict:
     return {f.name: f for f in features}
 
 
-__all__ = ["FEATURES", "by_name", "from_config"]
+def active(topology) -> list:
+    """The features a topology (a trainer) carries, in install order: for each registered
+    name, its attribute of that name (None: off), else its entry in `topology.more` (the
+    features registered after the ones it names)."""
+    more = getattr(topology, "more", None) or {}
+    found = []
+    for name in FEATURES:
+        feature = getattr(topology, name, None)
+        feature = more.get(name) if feature is None else feature
+        if feature is not None:
+            found.append(feature)
+    return found
+
+
+def tables(features: list, reported=()) -> tuple[str, ...]:
+    """The run-folder tables of these features, and of the registered ones named in
+    `reported` (a topology that always reports them, on or off), in registry order."""
+    on = by_name(features)
+    names = [n for n in FEATURES if n in on or n in reported]
+    return tuple(dict.fromkeys(t for n in names for t in FEATURES[n].tables))
+
+
+def host(features: list, step: int, records: dict, places, microsteps: int, reported=()
+         ) -> tuple[dict, dict]:
+    """Host side, one step: ({table: rows}, counters) of every feature whose records the step
+    returned, each from its blocks at `places`; a feature named in `reported` that is off
+    gives its idle rows and counters (`idle`)."""
+    out_tables, counters = {}, {}
+    on = by_name(features)
+    for name in reported:
+        if name not in on:
+            t, c = FEATURES[name].idle()
+            out_tables.update(t)
+            counters.update(c)
+    for feature in features:
+        if feature.name in records:
+            t, c = feature.host(step, records[feature.name], places, microsteps)
+            out_tables.update(t)
+            counters.update(c)
+    return out_tables, counters
+
+
+__all__ = ["FEATURES", "active", "by_name", "from_config", "host", "tables"]

@@ -130,26 +130,93 @@ def long_modules(root: Path = PACKAGE) -> list[str]:
             if (n := len(p.read_text().splitlines())) > MAX_LINES]
 
 
-# The step's topologies (issue 54): a trainer gets its injector, fault key and fault rows from the
-# faults step feature (`faults/feature.py`), and random streams from `core.step.STREAMS`.
+# The step's topologies (issue 54): a trainer gets its features from the registry
+# (`sdcstudy/features.py`), its random streams from `core.step.STREAMS`, and runs the core step
+# (`core/compose.py`), which names no feature.
 TRAINERS = ("core/train.py", "faults/trainer.py", "paired/trainer.py", "finetune/trainer.py",
             "detect/trainer.py", "paft/trainer.py", "golden/workload.py")
+# What reads a step's output: the trainers, the host loop and the rollback.
+STEP_READERS = TRAINERS + ("runner.py", "detect/rollback.py")
+CORE_STEP = ("core/compose.py", "core/train.py")
+# The fault engine's own work, which a trainer leaves to the faults feature.
+FEATURE_ONLY_CALLS = ("Injector", "FaultContext", "corrupt_tree", "record_rows")
+# Calls that run a step (`x.compiled(...)`, a local `step(...)`): a `StepOut`, read by name.
+STEP_METHODS = ("train_step", "compiled", "_step", "_local_step")
+STEP_FUNCTIONS = ("train_step", "compiled", "step", "rollback")
+
+
+def _call_name(node) -> str | None:
+    return getattr(node.func, "attr", getattr(node.func, "id", None)) \
+        if isinstance(node, ast.Call) else None
 
 
 def step_violations(root: Path = PACKAGE) -> list[str]:
-    """A trainer that builds an `Injector` or a `FaultContext`, or folds a literal stream number
+    """A trainer that does the fault engine's work itself (builds an `Injector` or a
+    `FaultContext`, calls `corrupt_tree` or `record_rows`), or folds a literal stream number
     into a key (`fold_in(key, 1)`) instead of naming its stream."""
     found = []
     for rel in TRAINERS:
         for node in ast.walk(ast.parse((root / rel).read_text(), rel)):
-            if not isinstance(node, ast.Call):
-                continue
-            name = getattr(node.func, "attr", getattr(node.func, "id", None))
-            if name in ("Injector", "FaultContext"):
-                found.append(f"{rel}:{node.lineno} builds {name}(...)")
+            name = _call_name(node)
+            if name in FEATURE_ONLY_CALLS:
+                found.append(f"{rel}:{node.lineno} calls {name}(...)")
             elif name == "fold_in" and len(node.args) == 2 and \
                     isinstance(node.args[1], ast.Constant):
                 found.append(f"{rel}:{node.lineno} folds stream {node.args[1].value} into a key")
+    return found
+
+
+def _runs_step(node) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    if isinstance(node.func, ast.Attribute):
+        return node.func.attr in STEP_METHODS
+    return isinstance(node.func, ast.Name) and node.func.id in STEP_FUNCTIONS
+
+
+def positional_step_reads(root: Path = PACKAGE) -> list[str]:
+    """A step's output unpacked (`state, metrics, records = step(...)`) or indexed
+    (`step(...)[0]`) by position instead of read by name."""
+    found = []
+    for rel in STEP_READERS:
+        for node in ast.walk(ast.parse((root / rel).read_text(), rel)):
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and \
+                    _runs_step(node.value):
+                found.append(f"{rel}:{node.lineno} unpacks {_call_name(node.value)}(...)")
+            elif isinstance(node, ast.Subscript) and _runs_step(node.value) \
+                    and isinstance(node.slice, ast.Constant):
+                found.append(f"{rel}:{node.lineno} indexes {_call_name(node.value)}(...)")
+    return found
+
+
+def registered_feature_modules(root: Path = PACKAGE) -> set[str]:
+    """The modules the registry imports its features from."""
+    tree = ast.parse((root / "features.py").read_text())
+    return {node.module for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module and node.module != "__future__"}
+
+
+def feature_import_violations(root: Path = PACKAGE) -> list[str]:
+    """A trainer importing a registered feature's module instead of taking the feature from
+    the registry (`sdcstudy.features`)."""
+    graph, features = import_graph(root), registered_feature_modules(root)
+    return sorted(f"{rel} imports {dep}" for rel in TRAINERS
+                  for dep in graph[module_name(root / rel, root)] if dep in features)
+
+
+def named_features(root: Path = PACKAGE) -> list[str]:
+    """A name, attribute or string of the core step that is a registered feature's name."""
+    tree = ast.parse((root / "features.py").read_text())
+    names = {key.value for node in ast.walk(tree) if isinstance(node, ast.Dict)
+             for key in node.keys if isinstance(key, ast.Constant)}
+    found = []
+    for rel in CORE_STEP:
+        for node in ast.walk(ast.parse((root / rel).read_text(), rel)):
+            word = node.attr if isinstance(node, ast.Attribute) else \
+                node.id if isinstance(node, ast.Name) else \
+                node.value if isinstance(node, ast.Constant) else None
+            if word in names:
+                found.append(f"{rel}:{node.lineno} names the feature {word!r}")
     return found
 
 
@@ -182,7 +249,20 @@ def test_at_most_ten_modules_directly_in_the_package():
 
 
 def test_trainers_take_faults_and_streams_from_the_feature():
-    assert step_violations() == [], "use faults.feature.Faults and core.step.stream_key"
+    assert step_violations() == [], "use the faults feature and core.step.stream_key"
+
+
+def test_trainers_take_their_features_from_the_registry():
+    assert len(registered_feature_modules()) >= 3
+    assert feature_import_violations() == [], "use sdcstudy.features (FEATURES, from_config)"
+
+
+def test_step_outputs_are_read_by_name():
+    assert positional_step_reads() == [], "read a StepOut by name (.state, .metrics, .records)"
+
+
+def test_the_core_step_names_no_feature():
+    assert named_features() == [], "core/compose.py calls the step-feature protocol only"
 
 
 def test_step_records_keep_the_order_features_added_them():
@@ -257,11 +337,27 @@ def test_a_planted_long_module_is_named(copy):
 def test_a_planted_injector_and_stream_number_are_named(copy):
     _append(copy / "paft" / "trainer.py", "jax.random.fold_in(key, 1)")
     _append(copy / "golden" / "workload.py", "F.Injector(profile, 2)")
+    _append(copy / "paired" / "trainer.py", "self.injector.corrupt_tree(g, ctx, 'grad')")
     found = step_violations(copy)
-    assert len(found) == 2
-    assert found[0].startswith("paft/trainer.py:")
-    assert found[0].endswith("folds stream 1 into a key")
-    assert found[1].startswith("golden/workload.py:") and found[1].endswith("builds Injector(...)")
+    assert len(found) == 3
+    assert found[0].startswith("paired/trainer.py:") and found[0].endswith("corrupt_tree(...)")
+    assert found[1].startswith("paft/trainer.py:")
+    assert found[1].endswith("folds stream 1 into a key")
+    assert found[2].startswith("golden/workload.py:") and found[2].endswith("calls Injector(...)")
+
+
+def test_a_planted_feature_import_positional_read_and_named_feature_are_found(copy):
+    _append(copy / "detect" / "trainer.py", "from sdcstudy.abft.checker import Checker")
+    assert feature_import_violations(copy) == \
+        ["detect/trainer.py imports sdcstudy.abft.checker"]
+    _append(copy / "runner.py", "state, metrics, records = compiled(state, batch)")
+    _append(copy / "golden" / "workload.py", "return self.compiled(state, batch)[0]")
+    found = positional_step_reads(copy)
+    assert len(found) == 2 and "unpacks compiled(...)" in found[1] and \
+        "indexes compiled(...)" in found[0]
+    _append(copy / "core" / "compose.py", "return self.faults")
+    (found,) = named_features(copy)
+    assert found.startswith("core/compose.py:") and found.endswith("names the feature 'faults'")
 
 
 def test_the_feature_registry_names_each_feature_by_its_records_key_in_install_order():
@@ -269,5 +365,82 @@ def test_the_feature_registry_names_each_feature_by_its_records_key_in_install_o
     # whose `name` differed from its key would file its records and sinks under another name.
     from sdcstudy.features import FEATURES
 
-    assert list(FEATURES)[:3] == ["faults", "taps", "abft"]
+    order = list(FEATURES)
+    assert order[0] == "faults" and order.index("taps") < order.index("abft") == len(order) - 1
     assert all(cls.name == name and callable(cls.from_config) for name, cls in FEATURES.items())
+
+
+def test_the_detector_registry_matches_the_names_the_config_accepts():
+    # detect/plan.py validates detect.detectors without JAX; every name must have its class.
+    from sdcstudy.detect.detectors import DETECTORS
+    from sdcstudy.detect.plan import DETECTORS as NAMES
+
+    assert tuple(DETECTORS) == NAMES
+    assert all(cls.name == name for name, cls in DETECTORS.items())
+
+
+def test_the_core_step_runs_features_it_has_never_heard_of_in_install_order():
+    # Two toy features through core/compose.py: the first doubles the value at a site, adds 1
+    # to the gradient and records the update it corrupts; the second only observes, so it
+    # must see the doubled value. A core that skipped a feature, ran them out of order or
+    # filed records under the wrong name fails here. (Traces a three-element program.)
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from sdcstudy.core import compose
+    from sdcstudy.core.sites import compose as chain
+    from sdcstudy.core.step import StepFeature, Where
+
+    class Double(StepFeature):
+        name = "double"
+
+        def init_sinks(self, axes=()):
+            return {}
+
+        def install(self, hooks, ctx, sinks):
+            installed.append(self.name)
+            return hooks._replace(full=chain(lambda site, x, layer: 2 * x, hooks.full)), {}
+
+        def transform_grads(self, grads, ctx):
+            return jax.tree.map(lambda g: g + 1, grads)
+
+        def transform_updates(self, updates, ctx):
+            self.update = updates["w"]
+            return updates
+
+    class Observe(StepFeature):
+        name = "observe"
+
+        def init_sinks(self, axes=()):
+            return {}
+
+        def install(self, hooks, ctx, sinks):
+            installed.append(self.name)
+            seen = {}
+
+            def look(site, x, layer):
+                seen["x"] = x
+                return x
+            return hooks._replace(full=chain(hooks.full, look)), seen
+
+    installed = []
+    features = [Double(), Observe()]
+    model_loss = lambda params, batch, hook: (jnp.sum(hook("y", params["w"] * batch["x"], 0)),  # noqa: E731
+                                              jnp.float32(3))
+    where_of = lambda microstep: Where(jax.random.key(0), 1, microstep)  # noqa: E731
+    state = {"params": {"w": jnp.ones(3)}, "opt_state": optax.sgd(1.0).init({"w": jnp.ones(3)}),
+             "step": jnp.int32(0)}
+    batch = {"x": jnp.arange(3.0)[None]}
+    loss, grads, new_state, records = compose.feature_step(
+        features, optax.sgd(1.0), state, compose.feature_loss(features, model_loss, where_of),
+        batch, compose.init_sinks(features), where_of)
+    import numpy as np
+
+    expected = np.float32([0, 2, 4]) / np.float32(3) + np.float32(1)  # 2x / count, then + 1
+    assert installed == ["double", "observe"] and list(records) == ["double", "observe"]
+    assert records["observe"]["fwd"]["x"].tolist() == [[0.0, 2.0, 4.0]]  # after the doubling
+    assert float(loss) == 2.0
+    np.testing.assert_array_equal(grads["w"], expected)
+    np.testing.assert_array_equal(features[0].update, -expected)
+    np.testing.assert_array_equal(new_state["params"]["w"], np.float32(1) - expected)

@@ -49,7 +49,7 @@ from jax import lax
 from sdcstudy.core import mesh as M
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import sites as S
-from sdcstudy.core.step import SiteHooks
+from sdcstudy.core.step import SiteHooks, StepFeature
 from sdcstudy.abft import bound as B
 from sdcstudy.abft.tables import (
     COLUMNS, DIRECTIONS, EPS, EPS32, HOST_THRESHOLDS, MATMUL_OF_SITE, counters, detection_summary,
@@ -257,16 +257,6 @@ def parse_key(key: str) -> tuple[str, int]:
     return matmul, int(layer)
 
 
-def is_key(key: str) -> bool:
-    return key.startswith(PREFIX)
-
-
-def split(records: dict) -> tuple[dict, dict]:
-    """(other records, ABFT records) of a dict that holds both."""
-    return ({k: v for k, v in records.items() if not is_key(k)},
-            {k: v for k, v in records.items() if is_key(k)})
-
-
 class AbftHook:
     """A `sites.Hook` that also owns the protected matmuls (`sites.linear` calls `.linear`).
 
@@ -296,7 +286,7 @@ class AbftHook:
         return self.after(site, c, layer)
 
 
-class Checker:
+class Checker(StepFeature):
     """Static ABFT settings of a model: which records exist, their sinks, and the host rows;
     the ABFT step feature ("abft"; device half `init_sinks`, `install`; host half `host`)."""
 
@@ -340,10 +330,20 @@ class Checker:
              after: S.Hook = S.identity_hook) -> AbftHook:
         return AbftHook(self, sinks, full, fault, after)
 
-    def install(self, hooks: SiteHooks, sinks: dict) -> SiteHooks:
-        """The checked matmuls: fault, check, then `after`; `full` at every other site.
-        Installed last; its forward records fill `.full.records` while traced."""
-        return hooks._replace(full=self.hook(sinks, hooks.full, hooks.fault, hooks.after))
+    def install(self, hooks: SiteHooks, ctx, sinks: dict) -> tuple[SiteHooks, dict]:
+        """The checked matmuls (fault, check, then `after`; `full` at every other site) and
+        the forward records they fill while traced. Installed last."""
+        del ctx
+        hook = self.hook(sinks, hooks.full, hooks.fault, hooks.after)
+        return hooks._replace(full=hook), hook.records
+
+    @staticmethod
+    def flagged(records: dict):
+        """Whether any check of a step's records (`records`, {"fwd", "bwd"}) flagged."""
+        flag = jnp.bool_(False)
+        for record in jax.tree.leaves((records["fwd"], records["bwd"])):
+            flag |= jnp.any(record[..., FLAGGED] > 0)
+        return flag
 
     def host(self, step: int, records: dict, places, microsteps: int) -> tuple[dict, dict]:
         """abft.parquet rows of one step, each place's microsteps in order, and counters."""

@@ -1,7 +1,9 @@
 """The training step, the optimizer, and the thin host loop that writes a run folder.
 
 `train_step(state, batch)` is pure and jitted once, ahead of time, with the state donated; it
-returns a `core.step.StepOut` (state, metrics, records by feature name).
+returns a `core.step.StepOut` (state, metrics, records by feature name). The step itself is
+`core.compose`'s (accumulate -> features -> corrupt -> update); `Trainer` is its single-replica
+topology, with no features (subclasses add them: `faults.trainer.NodeTrainer`).
 Everything random derives from `experiment.seed`; the data position, the learning rate and
 any schedule are functions of the step number, so a checkpoint needs only the state.
 Steps count from 1 in metrics and files: step k is the k-th optimizer update.
@@ -13,7 +15,7 @@ import time
 from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +29,9 @@ from sdcstudy.core import mesh as M, model, runfolder as RF
 from sdcstudy.core.checkpoint import Checkpointer
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.sites import Hook, identity_hook
-from sdcstudy.core.step import StepOut, stream_key
+from sdcstudy.core.compose import (  # noqa: F401  (accumulate_gradients, apply_update: here too)
+    accumulate_gradients, apply_update, feature_loss, feature_step, init_sinks)
+from sdcstudy.core.step import StepOut, Where, stream_key
 
 
 STEP_ONLY = "step_only"  # a host_tables counter: values of this step, not summed (see there)
@@ -71,43 +75,6 @@ def make_optimizer(o: C.OptimConfig, steps: int, clip: bool = True
 # --- the step ---------------------------------------------------------------------------------
 
 
-def accumulate_gradients(loss_fn: Callable, params, batch_M: dict, sinks=None):
-    """Mean loss and its gradient over all microsteps' tokens.
-
-    `loss_fn(params, sinks, batch, microstep)` returns (sum of losses, (token count, aux)) for
-    one microstep's slice of `batch_M` (a dict of arrays with a leading microstep axis).
-    Gradients of the sums accumulate in float32 and are divided by the total count once.
-    `sinks` are zero inputs whose gradients carry backward records out of the step (see
-    `faults/inject.py`, `paired/lockstep.py`); they and `aux` come back stacked per microstep.
-    """
-    sinks = {} if sinks is None else sinks
-    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-
-    def micro(grads_acc, xs):
-        batch, microstep = xs
-        (loss, (count, aux)), (grads, sink_grads) = grad_fn(params, sinks, batch, microstep)
-        grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-        return grads_acc, (loss, count, aux, sink_grads)
-
-    # Inside shard_map the accumulator must vary over the mesh axes each gradient varies over,
-    # which are its parameter's (gradients of replicated parameters are reduced).
-    zeros = jax.tree.map(lambda p: M.vary(jnp.zeros(p.shape, jnp.float32), M.varying_axes(p)),
-                         params)
-    microsteps = jnp.arange(jax.tree.leaves(batch_M)[0].shape[0], dtype=jnp.int32)
-    grads, (loss_M, count_M, aux_M, sinks_M) = jax.lax.scan(micro, zeros, (batch_M, microsteps))
-    count = jnp.sum(count_M)
-    return jnp.sum(loss_M) / count, jax.tree.map(lambda g: g / count, grads), (aux_M, sinks_M)
-
-
-def apply_update(tx: optax.GradientTransformation, state: dict, grads,
-                 transform_updates: Callable = lambda u: u) -> dict:
-    params = state["params"]
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    updates, opt_state = tx.update(grads, state["opt_state"], params)
-    return {"params": optax.apply_updates(params, transform_updates(updates)),
-            "opt_state": opt_state, "step": state["step"] + 1}
-
-
 @dataclass
 class Trainer:
     """Everything static about a single-replica run: model, optimizer, schedule, and the hook
@@ -141,21 +108,33 @@ class Trainer:
         params = model.init_params(self.dims, stream_key(self.base_key, "params"))
         return {"params": params, "opt_state": self.tx.init(params), "step": jnp.int32(0)}
 
+    @property
+    def features(self) -> list:
+        """The step features of this topology, in install order (none: the plain step)."""
+        return []
+
+    def where(self, step, microstep=-1) -> Where:
+        """Where a (step, microstep) of this replica runs, as its features see it."""
+        return Where(self.base_key, step, microstep)
+
+    def model_loss(self, params, batch, hook):
+        return model.token_losses(self.graphdef, params, batch["tokens"], batch.get("mask"),
+                                  hook=hook)
+
     def loss(self, params, sinks, batch, microstep, step=0):
-        del sinks, microstep, step
-        loss_sum, count = model.token_losses(self.graphdef, params, batch["tokens"],
-                                             batch.get("mask"), hook=self.hook)
-        return loss_sum, (count, {})
+        """One microstep's loss with the features' hooks around `hook` (`core.compose`)."""
+        return feature_loss(self.features, self.model_loss, partial(self.where, step),
+                            self.hook)(params, sinks, batch, microstep)
 
     def init_sinks(self) -> dict:
-        return {}
+        return init_sinks(self.features)
 
     def train_step(self, state: dict, batch: dict) -> StepOut:
         step = state["step"] + 1
-        loss, grads, _ = accumulate_gradients(partial(self.loss, step=step), state["params"],
-                                              batch, self.init_sinks())
-        return StepOut(apply_update(self.tx, state, grads), self.step_metrics(state, loss, grads),
-                       {})
+        loss, grads, new_state, records = feature_step(
+            self.features, self.tx, state, partial(self.loss, step=step), batch,
+            self.init_sinks(), partial(self.where, step))
+        return StepOut(new_state, self.step_metrics(state, loss, grads), records)
 
     def step_metrics(self, state: dict, loss, grads) -> dict:
         return {"loss/healthy": loss, "grad/norm": optax.tree.norm(grads),

@@ -19,103 +19,39 @@ ranks computed, and `detect.rollback` (rollback.py) re-runs flagged steps.
 from __future__ import annotations
 
 import dataclasses
-import math
-import statistics
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
-from sdcstudy.abft import checker as A
-from sdcstudy.faults import inject as F
-from sdcstudy.core import runfolder as RF
+from sdcstudy import features as FT
+from sdcstudy.core.compose import apply_update, feature_grads
 from sdcstudy.core.config import Config
+from sdcstudy.core.step import Place, Records, StepOut, Where
+from sdcstudy.core.train import compile_step
+from sdcstudy.detect import detectors as DD
+from sdcstudy.detect import tables as DT
+from sdcstudy.detect.detectors import Monitor, mismatch_matrix, odd_one_out  # noqa: F401
 from sdcstudy.detect.plan import (DETECTORS, executions, needs_reference, parse_detectors,
                                   validate)
-from sdcstudy.core.step import Place, Records, StepOut
-from sdcstudy.core.train import accumulate_gradients, apply_update, compile_step
-from sdcstudy.faults.feature import Faults, counters
-from sdcstudy.faults.trainer import NodeTrainer
-from sdcstudy.detect import tables as DT
 from sdcstudy.detect.rollback import DetectionError, VerifiedRollback
-
-# --- the bitwise comparisons ------------------------------------------------------------------
-
-
-def flat_bits(grads_E) -> jax.Array:
-    """(E, N) uint32: every execution's gradient leaves as one row of bit patterns."""
-    return jnp.concatenate([lax.bitcast_convert_type(g.astype(jnp.float32), jnp.uint32)
-                            .reshape(g.shape[0], -1) for g in jax.tree.leaves(grads_E)], axis=1)
-
-
-def mismatch_matrix(bits_RN) -> jax.Array:
-    """(R, R) bool: do replicas i and j differ in any bit?"""
-    return jnp.any(bits_RN[:, None, :] != bits_RN[None, :, :], axis=-1)
-
-
-def odd_one_out(matrix: np.ndarray) -> int:
-    """The replica that differs from every other while the others all agree; -1 when all
-    agree, -2 when there is a mismatch but no single culprit (a pair, or two faulty)."""
-    matrix = np.asarray(matrix, bool)
-    if not matrix.any():
-        return -1
-    n = len(matrix)
-    if n < 3:  # two disagreeing replicas: either could be the faulty one
-        return -2
-    for i in range(n):
-        others = [j for j in range(n) if j != i]
-        if matrix[i, others].all() and not matrix[np.ix_(others, others)].any():
-            return i
-    return -2
-
-
-# --- the loss / gradient-norm monitor (host side) ---------------------------------------------
-
-
-@dataclass
-class Monitor:
-    """Flags a non-finite loss or gradient norm, a loss more than `loss_margin` nats above the
-    median of the last `window` accepted steps, or a gradient norm more than `grad_factor`
-    times theirs. Only accepted (verified) steps enter the history."""
-
-    window: int = 8
-    loss_margin: float = 0.5
-    grad_factor: float = 4.0
-    losses: deque = field(default_factory=deque)
-    norms: deque = field(default_factory=deque)
-
-    def flags(self, loss: float, grad_norm: float) -> bool:
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            return True
-        if not self.losses:
-            return False
-        return (loss > statistics.median(self.losses) + self.loss_margin
-                or grad_norm > self.grad_factor * statistics.median(self.norms))
-
-    def accept(self, loss: float, grad_norm: float) -> None:
-        if math.isfinite(loss) and math.isfinite(grad_norm):
-            self.losses.append(loss)
-            self.norms.append(grad_norm)
-            while len(self.losses) > self.window:
-                self.losses.popleft()
-                self.norms.popleft()
-
+from sdcstudy.faults.trainer import REPORTED, NodeTrainer
 
 # --- the trainer ------------------------------------------------------------------------------
 
 
-def _abft_checker(cfg: Config, n_layers: int, detectors) -> "A.Checker | None":
-    """The ABFT detector's checker, as `abft.*` configures it (docs/config.md)."""
+def _abft_checker(cfg: Config, n_layers: int, detectors):
+    """The ABFT detector's checker (the registry's "abft" feature), as `abft.*` configures
+    it (docs/config.md); None without the detector, whatever `abft.enabled` says."""
     if "abft" not in detectors:
         return None
     a = cfg.abft
-    return A.Checker(n_layers, a.threshold, a.recompute, operand_rounding=a.operand_rounding,
-                     output_partials=a.output_partials)
+    return FT.FEATURES["abft"](n_layers, a.threshold, a.recompute,
+                               operand_rounding=a.operand_rounding,
+                               output_partials=a.output_partials)
 
 
 @dataclass
@@ -147,12 +83,11 @@ class DetectTrainer(NodeTrainer):
             abft=_abft_checker(self.cfg, self.dims.n_layers, detectors),
             monitor=Monitor(d.spike_window, d.spike_loss, d.spike_grad))
 
-    def fault_context(self, step, microstep, sinks=None) -> F.FaultContext:
+    def where(self, step, microstep=-1) -> Where:
         if self.execution is None:
-            return super().fault_context(step, microstep, sinks)
+            return super().where(step, microstep)
         node, device, attempt = self.execution  # each device draws its own faults
-        return self.faults.context(self.base_key, step, microstep, sinks, fold=(device,),
-                                   node=node, attempt=attempt)
+        return Where(self.base_key, step, microstep, fold=(device,), node=node, attempt=attempt)
 
     @property
     def dp(self) -> int:
@@ -163,21 +98,12 @@ class DetectTrainer(NodeTrainer):
         return [i for i, e in enumerate(self.plan) if e.role == role and e.replica == replica]
 
     def _execute(self, params, step, tokens_M, node, device, attempt, sinks):
-        """One execution: mean loss, gradient, fault records, ABFT flag."""
+        """One execution: mean loss, gradient (with the features' transforms), records."""
         ex = dataclasses.replace(self, execution=(node, device, attempt))
-        loss, grads, (fwd_M, bwd_M) = accumulate_gradients(
-            partial(ex.loss, step=step), params, {"tokens": tokens_M}, sinks)
-        abft_flag = jnp.bool_(False)
-        if self.abft is not None:
-            (fwd_M, checks_fwd), (bwd_M, checks_bwd) = A.split(fwd_M), A.split(bwd_M)
-            for record in jax.tree.leaves((checks_fwd, checks_bwd)):
-                abft_flag |= jnp.any(record[..., A.FLAGGED] > 0)
-        records = {}
-        if self.faults is not None:
-            ctx = ex.fault_context(step, jnp.int32(-1))
-            grads = self.faults.transform_grads(grads, ctx)
-            records = Faults.records(ctx, fwd_M, bwd_M)
-        return loss, grads, records, abft_flag
+        loss, grads, features = feature_grads(ex.features, partial(ex.loss, step=step), params,
+                                              {"tokens": tokens_M}, sinks,
+                                              partial(ex.where, step))
+        return loss, grads, features.records()
 
     def train_step(self, state: dict, batch: dict):
         step = state["step"] + 1
@@ -194,34 +120,23 @@ class DetectTrainer(NodeTrainer):
         attempt_E = batch["attempt"] + jnp.asarray([e.attempt for e in self.plan], jnp.int32)
         n = len(self.plan)
         sinks_E = jax.tree.map(lambda z: jnp.zeros((n, *z.shape), z.dtype), self.init_sinks())
-        loss_E, grads_E, records_E, abft_E = jax.vmap(
-            partial(self._execute, state["params"], step))(
+        loss_E, grads_E, records_E = jax.vmap(partial(self._execute, state["params"], step))(
             shards_D[rank_E], node_E, device_E, attempt_E, sinks_E)
 
-        bits_E = flat_bits(grads_E)
         primary = self.roles("primary")
-        differ = lambda i, j: jnp.any(bits_E[i] != bits_E[j])  # noqa: E731
-        out = {"loss": jnp.mean(loss_E[jnp.asarray(primary)])}
         mean_of = lambda idx: jax.tree.map(  # noqa: E731
             lambda g: jnp.mean(g[jnp.asarray(idx)], axis=0), grads_E)
         grads = mean_of(primary)
-        out["grad_norm"] = optax.tree.norm(grads)
-        if "reexec" in self.detectors:
-            out["reexec"] = jnp.stack([differ(i, j) for i, j in
-                                       zip(primary, self.roles("reexec"))]).any()
-        if "shadow" in self.detectors:
-            (s,) = self.roles("shadow")
-            out["shadow"] = jnp.any(bits_E[jnp.asarray(primary)][shadow_rank] != bits_E[s])
-            out["shadow_rank"] = shadow_rank
-        if "abft" in self.detectors:
-            out["abft"] = jnp.any(abft_E[jnp.asarray(primary)])
+        out = {"loss": jnp.mean(loss_E[jnp.asarray(primary)]), "grad_norm": optax.tree.norm(grads)}
         metrics = {"loss/suspect": out["loss"], "grad/norm_suspect": out["grad_norm"]}
+        ex = DD.Executions(DD.flat_bits(grads_E), records_E, self.roles, None,
+                           shadow_rank, FT.by_name(self.features),
+                           [primary] + [self.roles("replica", j)
+                                        for j in range(1, self.cfg.detect.replicas)])
         if needs_reference(self.detectors, self.cfg.detect.advance):
             mirror = self.roles("replica", 1)
-            truth_D = jnp.stack([differ(i, j) for i, j in zip(primary, mirror)])
-            out["truth_rank"] = truth_D
-            if "lockstep" in self.detectors:
-                out["lockstep"] = truth_D.any()
+            ex.truth_D = out["truth_rank"] = jnp.stack([ex.differ(i, j)
+                                                        for i, j in zip(primary, mirror)])
             reference = mean_of(mirror)
             ref_norm = optax.tree.norm(reference)
             diff = optax.tree.norm(jax.tree.map(lambda a, b: a - b, grads, reference))
@@ -232,15 +147,16 @@ class DetectTrainer(NodeTrainer):
                 grads = reference
         else:
             metrics.update({"loss/healthy": out["loss"], "grad/norm": out["grad_norm"]})
-        if "localize" in self.detectors:
-            copies = [primary] + [self.roles("replica", j)
-                                  for j in range(1, self.cfg.detect.replicas)]
-            out["localize"] = jnp.stack([mismatch_matrix(bits_E[jnp.asarray(
-                [c[d] for c in copies])]) for d in range(self.dp)])
-        new_state = apply_update(self.tx, state, grads)
+        detectors = DD.build(self.detectors)
+        for detector in detectors:
+            out.update(detector.device(ex))
+        new_state = apply_update(self.tx, state, grads)  # no update faults in this topology
         metrics["lr"] = self.schedule(state["step"])
-        faults = {Faults.name: jax.tree.map(lambda r: r[jnp.asarray(primary)], records_E)}
-        return StepOut(new_state, metrics, Records(**(faults if self.faults else {}), detect=out))
+        consumed = {d.consumes for d in detectors}
+        records = Records((name, jax.tree.map(lambda r: r[jnp.asarray(primary)], r_E))
+                          for name, r_E in records_E.items() if name not in consumed)
+        records["detect"] = out
+        return StepOut(new_state, metrics, records)
 
     def make_batch(self, tokens_MBL1) -> dict:
         # The faulty device is data, so one compiled step serves any choice of it (a device
@@ -263,26 +179,14 @@ class DetectTrainer(NodeTrainer):
     def judge(self, out: dict) -> dict:
         """Host side: each detector's flag for one step (0/1), from the step's comparisons."""
         out = jax.device_get(out)
-        loss, norm = float(out["loss"]), float(out["grad_norm"])
-        verdict = {"loss": loss, "grad_norm": norm}
-        for name in self.detectors:
-            if name == "monitor":
-                verdict[name] = int(self.monitor.flags(loss, norm))
-            elif name == "localize":
-                named = [odd_one_out(m) for m in out["localize"]]
-                verdict[name] = int(any(k != -1 for k in named))
-                located = [self.replica_device(d, k) for d, k in enumerate(named) if k >= 0]
-                verdict["localized"] = located[0] if len(located) == 1 else \
-                    (-2 if verdict[name] else -1)
-            else:
-                verdict[name] = int(bool(out[name]))
+        verdict = {"loss": float(out["loss"]), "grad_norm": float(out["grad_norm"])}
+        for detector in DD.build(self.detectors):
+            verdict.update(detector.judge(out, self))
         if "truth_rank" in out:
             ranks = np.flatnonzero(out["truth_rank"])
             verdict["truth"] = int(len(ranks) > 0)
             verdict["truth_device"] = int(ranks[0]) if len(ranks) == 1 else \
                 (-2 if len(ranks) else -1)
-        if "shadow_rank" in out:
-            verdict["shadow_rank"] = int(out["shadow_rank"])
         return verdict
 
     def flagged(self, verdict: dict) -> bool:
@@ -313,23 +217,23 @@ class DetectTrainer(NodeTrainer):
 
     @property
     def TABLES(self):
-        return (RF.FAULTS, DT.DETECTIONS)
+        consumed = {d.consumes for d in DD.build(self.detectors)}
+        written = [f for f in self.features if f.name not in consumed]
+        return FT.tables(written, REPORTED) + (DT.DETECTIONS,)
 
     def host_tables(self, step: int, records: dict) -> tuple[dict, dict]:
-        """Host side: the primaries' fault rows, the verdict's detections row, counters."""
+        """Host side: the primaries' feature rows (only the faulty device's faults land), the
+        verdict's detections row, counters."""
         verdict = records["detect"]
         kind = DT.injected_kind(None if self.faults is None else self.faults.profile)
         detection = DT.detection_row(step, verdict, self.detectors, kind)
-        rows, overflow = [], 0
-        if self.faults is not None:  # the primaries' (only the faulty device's land)
-            primaries = [Place((i,)) for i in range(len(self.roles("primary")))]
-            rows, overflow = self.faults.rows(records[Faults.name], step, primaries,
-                                              self.cfg.experiment.microsteps)
-        step_counters = counters(len(rows), overflow)
+        primaries = [Place((i,)) for i in range(len(self.roles("primary")))]
+        tables, step_counters = FT.host(self.features, step, records, primaries,
+                                        self.cfg.experiment.microsteps, REPORTED)
         for key, value in verdict.items():
             if key not in ("loss", "grad_norm") and key not in PER_STEP:
                 step_counters[f"detect/{key}"] = value
-        return {RF.FAULTS: rows, DT.DETECTIONS: [detection] * bool(detection)}, step_counters
+        return {**tables, DT.DETECTIONS: [detection] * bool(detection)}, step_counters
 
 
 # Verdict entries that are per-step values, not counts: metrics.jsonl only, not summed.
@@ -381,10 +285,11 @@ def measure_overhead(cfg: Config, reps: int = 5, echo=print) -> dict:
         for name in order:
             trainer, step = compiled[name]
             start = time.perf_counter()
-            states[name], _, records = step(states[name], batch)
+            out = step(states[name], batch)
+            states[name] = out.state
             if name == "monitor":
-                trainer.judge(records["detect"])
-            jax.block_until_ready((states[name], records))
+                trainer.judge(out.records["detect"])
+            jax.block_until_ready((out.state, out.records))
             if rep:  # the first round warms up
                 times[name].append(time.perf_counter() - start)
     base_time = float(np.median(times["none"]))

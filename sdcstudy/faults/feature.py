@@ -1,9 +1,10 @@
 """Fault injection as a step feature: the one place a trainer gets its injector, its fault
 key and its fault rows from.
 
-Device half: `context` (the fault key from the run's "faults" stream, `core.step.STREAMS`),
-`hook` (forward and backward sites), `transform_grads` and `transform_updates` (the "grad" and
-"update" tree sites), `init_sinks` and `records` (what leaves the step under "faults").
+Device half (`core.step.DeviceHalf`): `context` (the fault key from the run's "faults" stream,
+`core.step.STREAMS`, at a `core.step.Where`), `install` (forward and backward sites),
+`transform_grads` and `transform_updates` (the "grad" and "update" tree sites), `init_sinks`
+and `records` (what leaves the step under "faults").
 Host half: `host` turns one step's records into faults.parquet rows and the
 `faults/landed` and `faults/unlogged` counters, for any layout of replicas (`core.step.Place`).
 """
@@ -11,15 +12,14 @@ Host half: `host` turns one step's records into faults.parquet rows and the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import ClassVar
 
 import jax
-import jax.numpy as jnp
 
+from sdcstudy.core import mesh as M
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import sites as S
-from sdcstudy.core.step import Place, SiteHooks, stream_key
+from sdcstudy.core.step import Place, SiteHooks, Where, stream_key
 from sdcstudy.faults import inject as F
 from sdcstudy.faults import profiles
 from sdcstudy.faults.specs import Profile
@@ -54,48 +54,43 @@ class Faults:
 
     # --- device half ------------------------------------------------------------------------
 
-    def context(self, run_key, step, microstep, sinks=None, *, fold=(), **where
-                ) -> F.FaultContext:
-        """The context of one (step, microstep): the run's fault stream, with `fold` (e.g. a
-        device number) folded in after it; `where`: FaultContext's axes, node and attempt."""
-        key = stream_key(run_key, "faults")
-        for value in fold:
+    def init_sinks(self, axes: tuple[str, ...] = ()) -> dict:
+        return M.vary(self.injector.init_sinks(), axes)
+
+    def context(self, where: Where, sinks=None) -> F.FaultContext:
+        """The context of one (step, microstep) at `where`: the run's fault stream, with
+        `where.fold` (e.g. a device number) folded in after it, and the topology's axes,
+        node and attempt."""
+        key = stream_key(where.key, "faults")
+        for value in where.fold:
             key = jax.random.fold_in(key, value)
-        return F.FaultContext(key, step, microstep, sinks, **where)
+        return F.FaultContext(key, where.step, where.microstep, sinks, node_axis=where.node_axis,
+                              tp_axis=where.tp_axis, dp_axis=where.dp_axis, node=where.node,
+                              attempt=where.attempt)
 
-    def step_context(self, run_key, step, **kwargs) -> F.FaultContext:
-        """The context of the step's tree sites (microstep -1)."""
-        return self.context(run_key, step, jnp.int32(-1), **kwargs)
-
-    def hook(self, ctx: F.FaultContext) -> S.Hook:
-        return self.injector.hook(ctx)
-
-    def install(self, hooks: SiteHooks, ctx: F.FaultContext) -> SiteHooks:
+    def install(self, hooks: SiteHooks, ctx: F.FaultContext, sinks=None
+                ) -> tuple[SiteHooks, dict]:
         """Corrupt first: every later hook (tap, check) sees the corrupted value."""
+        del sinks  # in `ctx`
         inject = self.injector.hook(ctx)
-        return hooks._replace(full=S.compose(inject, hooks.full), fault=inject)
+        return hooks._replace(full=S.compose(inject, hooks.full), fault=inject), ctx.records
 
     def direction_hooks(self, ctx: F.FaultContext) -> tuple[S.Hook, S.Hook]:
-        """(forward-only, backward-only) hooks with the same draws as `hook`."""
+        """(forward-only, backward-only) hooks with the same draws as `install`'s."""
         return tuple(_only(self.injector, d).hook(ctx) for d in ("fwd", "bwd"))
 
-    def init_sinks(self) -> dict:
-        return self.injector.init_sinks()
-
     def transform_grads(self, grads, ctx: F.FaultContext, site: str = "grad"):
+        """The faults of the tree site `site` (the gradient by default; a topology may name
+        one of its own, such as a collective's)."""
         return self.injector.corrupt_tree(grads, ctx, site)
 
-    def transform_updates(self, ctx: F.FaultContext):
-        return partial(self.injector.corrupt_tree, ctx=ctx, site="update")
+    def transform_updates(self, updates, ctx: F.FaultContext):
+        return self.injector.corrupt_tree(updates, ctx, "update")
 
-    @staticmethod
-    def records(ctx: F.FaultContext, *micro: dict) -> dict:
+    def records(self, ctx: F.FaultContext, fwd_M: dict, bwd_M: dict) -> dict:
         """What leaves the step: the microsteps' records (forward and backward, stacked per
-        microstep) and the step's own (tree sites)."""
-        merged = {}
-        for records in micro:
-            merged.update(records)
-        return {"micro": merged, "step": ctx.records}
+        microstep) and the step's own (tree sites), which fill until the step is traced."""
+        return {"micro": {**fwd_M, **bwd_M}, "step": ctx.records}
 
     # --- host half ----------------------------------------------------------------------------
 
@@ -124,6 +119,11 @@ class Faults:
              ) -> tuple[dict, dict]:
         rows, overflow = self.rows(records, step, places, microsteps)
         return {RF.FAULTS: rows}, counters(len(rows), overflow)
+
+    @staticmethod
+    def idle() -> tuple[dict, dict]:
+        """A step with no faults to inject: no rows, zero counters."""
+        return {RF.FAULTS: []}, counters()
 
 
 def counters(rows: int = 0, overflow: int = 0) -> dict:

@@ -19,10 +19,11 @@ import numpy as np
 import optax
 from jax import lax
 
+from sdcstudy import features as FT
 from sdcstudy.core import config as C
 from sdcstudy.faults import specs as FS
-from sdcstudy.core.step import Place
-from sdcstudy.faults.feature import Faults
+from sdcstudy.core.compose import open_step
+from sdcstudy.core.step import Place, Records, StepOut, Where
 from sdcstudy.core import model
 from sdcstudy.faults import profiles
 from sdcstudy.core import sites as S
@@ -129,7 +130,7 @@ class Workload:
         self.trainer = T.Trainer.from_config(cfg)
         self.initial = _initial_state(self.trainer, device)
         self.site_order, self.sites = self._layout()
-        self.faults = None if injection is None else Faults.from_profile(
+        self.faults = None if injection is None else FT.FEATURES["faults"].from_profile(
             injection.profile, self.trainer.dims.n_layers, cfg.suspect.log_limit)
         state = jax.device_put(self.initial, device)
         if sizing is not None:
@@ -175,60 +176,70 @@ class Workload:
             sinks["faults"] = self.faults.init_sinks()
         return sinks
 
-    def _fault_context(self, step, microstep, sinks):
-        if self.injection.microstep is not None and microstep is not None:
+    @property
+    def features(self) -> list:
+        """The golden step's features: the injection's faults, if any."""
+        return [] if self.faults is None else [self.faults]
+
+    def _where(self, step, microstep=None) -> Where:
+        """Where the injection's draws are made; microstep None: the step's tree sites."""
+        injection = self.injection
+        if injection is not None and injection.microstep is not None and microstep is not None:
             # A flip's `steps` pattern names step >= 1; step 0 in the other microsteps turns it off.
-            step = jnp.where(microstep == self.injection.microstep, step, 0)
-        return self.faults.context(self.trainer.base_key, step,
-                                   jnp.int32(-1) if microstep is None else microstep, sinks,
-                                   fold=(self.injection.seed,) if self.injection.seed else ())
+            step = jnp.where(microstep == injection.microstep, step, 0)
+        return Where(self.trainer.base_key, step,
+                     jnp.int32(-1) if microstep is None else microstep,
+                     fold=(injection.seed,) if injection is not None and injection.seed else ())
 
     def _loss(self, params, sinks, batch, microstep, step):
+        """The digests wrap the faults' own direction hooks at each site (`DigestHook`): a
+        backward fault is seen by its own site's backward digest, not the next one's."""
         records = {}
         if self.faults is None:
             hook = DigestHook(sinks["sites"])
         else:
-            ctx = self._fault_context(step, microstep, sinks["faults"])
+            ctx = self.faults.context(self._where(step, microstep), sinks["faults"])
             hook = DigestHook(sinks["sites"], *self.faults.direction_hooks(ctx))
             records = ctx.records
         loss_sum, count = model.token_losses(self.trainer.graphdef, params, batch["tokens"],
                                              batch.get("mask"), hook=hook)
         return loss_sum, (count, {"fwd": hook.values, "faults": records})
 
-    def _step(self, state: dict, batch: dict):
-        """One optimizer step; returns the new state and its digests (all uint32)."""
+    def _step(self, state: dict, batch: dict) -> StepOut:
+        """One optimizer step: the new state, the loss and gradient norm as bits ("loss",
+        "grad_norm", uint32), and the records: the digests ("golden": "fwd", "bwd",
+        "params", with a sizing "coverage", all uint32) and the injection's ("faults")."""
         step = state["step"] + 1
-        loss, grads, (aux_M, sinks_M) = T.accumulate_gradients(
+        loss, grads, records_M = T.accumulate_gradients(
             partial(self._loss, step=step), state["params"], batch, self._sinks())
-        transform = lambda u: u  # noqa: E731
-        faults = {}
-        if self.faults is not None:
-            ctx = self._fault_context(step, None, None)
-            grads = self.faults.transform_grads(grads, ctx)
-            transform = self.faults.transform_updates(ctx)
-            faults = Faults.records(ctx, aux_M["faults"], sinks_M["faults"])
-        new_state = T.apply_update(self.trainer.tx, state, grads, transform)
-        out = {"loss": lax.bitcast_convert_type(loss.astype(jnp.float32), jnp.uint32),
-               "grad_norm": lax.bitcast_convert_type(
-                   optax.tree.norm(grads).astype(jnp.float32), jnp.uint32),
-               "fwd": aux_M["fwd"],
-               "bwd": {k: _to_uint(v) for k, v in sinks_M["sites"].items()},
-               "params": _digest_tree(new_state["params"]),
-               "faults": faults}
+        features = open_step(self.features, self._where(step), records_M)
+        grads = features.transform_grads(grads)
+        new_state = T.apply_update(self.trainer.tx, state, grads, features.transform_updates)
+        aux_M, sinks_M = records_M
+        metrics = {"loss": lax.bitcast_convert_type(loss.astype(jnp.float32), jnp.uint32),
+                   "grad_norm": lax.bitcast_convert_type(
+                       optax.tree.norm(grads).astype(jnp.float32), jnp.uint32)}
+        digests = {"fwd": aux_M["fwd"],
+                   "bwd": {k: _to_uint(v) for k, v in sinks_M["sites"].items()},
+                   "params": _digest_tree(new_state["params"])}
         if self.sizing is not None:
-            new_state["coverage"], out["coverage"] = coverage.step(state["coverage"], step)
-        return new_state, out
+            new_state["coverage"], digests["coverage"] = coverage.step(state["coverage"], step)
+        return StepOut(new_state, metrics, Records(golden=digests, **features.records()))
 
     def run(self):
-        """Yields (step, digests as numpy, state), step 0 being the initial parameters.
+        """Yields (step, digests as numpy, state), step 0 being the initial parameters; a
+        step's digests: its metrics, its "golden" records and its "faults" records, by name.
 
         Each step's digests are fetched before the next step is dispatched (see the module
         docstring); the state yielded is valid until the generator is resumed."""
         state = self.initial_state()
         yield 0, {"params": jax.device_get(self._param_digests(state["params"]))}, state
         for step in range(1, self.steps + 1):
-            state, out = self.compiled(state, self._batch(step))
-            yield step, jax.device_get(out), state
+            out = self.compiled(state, self._batch(step))
+            state = out.state
+            metrics, records = jax.device_get((out.metrics, out.records))
+            yield step, {**metrics, **records["golden"], "faults": records.get("faults", {})}, \
+                state
 
     def fault_rows(self, faults: dict, step: int) -> list[dict]:
         """Ground truth of what the injection changed at one step."""

@@ -54,19 +54,19 @@ from jax.sharding import PartitionSpec as P
 
 from sdcstudy.core import config as C
 from sdcstudy.core import mesh as M
-from sdcstudy.core import runfolder as RF
 from sdcstudy.core import model
 from sdcstudy.paft import divergence as DV
 from sdcstudy.paft import packets
 from sdcstudy.paft.checks import check_config
-from sdcstudy.faults import profiles
-from sdcstudy.faults.feature import Faults, counters
+from sdcstudy import features as FT
+from sdcstudy.core.compose import (accumulate_gradients, apply_update, feature_loss,
+                                   init_sinks, open_step)
 from sdcstudy.core.config import Config, UserError
-from sdcstudy.core.step import Place, Records, StepOut, stream_key
-from sdcstudy.core.train import (
-    accumulate_gradients, apply_update, learning_rate_schedule, make_optimizer)
+from sdcstudy.core.step import Place, Records, StepOut, Where, stream_key
+from sdcstudy.core.train import learning_rate_schedule, make_optimizer
 
 LOSS_KEY = "loss/mean"
+REPORTED = ("faults",)  # the workers' fault counters, zeros when healthy
 GRAD_SITE = "collective/grad_allreduce"
 PAFT_SITES = ("grad", GRAD_SITE, "update")
 
@@ -90,7 +90,7 @@ class PaftTrainer:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     mesh: jax.sharding.Mesh
-    faults: Faults | None = None
+    faults: Any = None
     opt_floats: int = 0  # float elements of one worker's optimizer state
     loss_key: str = LOSS_KEY
 
@@ -100,14 +100,14 @@ class PaftTrainer:
         dims = C.model_dims(cfg.model)
         graphdef, abstract = model.abstract_init(dims)
         steps = cfg.experiment.steps
-        profile = profiles.load_for(cfg, fault_kind="profile")
-        bad = [s.site for s in profile.specs if s.base_rate > 0 and s.site not in PAFT_SITES]
+        faults = FT.FEATURES["faults"].from_config(cfg, dims, fault_kind="profile")
+        profile = None if faults is None else faults.profile
+        bad = [] if profile is None else [s.site for s in profile.specs
+                                          if s.base_rate > 0 and s.site not in PAFT_SITES]
         if bad:
             raise UserError(f"paft mode corrupts gradients in aggregation only, so profile "
                             f"{profile.name!r} may use the sites {', '.join(PAFT_SITES)}, "
                             f"not {bad[0]!r}.")
-        faults = Faults.from_profile(profile, dims.n_layers, cfg.suspect.log_limit,
-                                     cfg.suspect.fault_seed)
         tx = make_optimizer(cfg.optim, steps)
         opt_shapes = jax.eval_shape(tx.init, abstract)
         opt_floats = sum(math.prod(x.shape) for x in jax.tree.leaves(opt_shapes)
@@ -183,10 +183,13 @@ class PaftTrainer:
 
     # --- pieces of the step --------------------------------------------------------------
 
-    def _loss(self, params, sinks, batch, microstep):
-        del sinks, microstep
-        total, count = model.token_losses(self.graphdef, params, batch["tokens"])
-        return total, (count, {})
+    @property
+    def features(self) -> list:
+        """The workers' step features (faults at the tree sites only: `PAFT_SITES`)."""
+        return FT.active(self)
+
+    def _model_loss(self, params, batch, hook):
+        return model.token_losses(self.graphdef, params, batch["tokens"], hook=hook)
 
     def _noise_state(self) -> dict:
         """The error levels as state, not constants: runs that differ only in them share one
@@ -236,16 +239,15 @@ class PaftTrainer:
         average_before_update = c.overlap and self.averages
         applied = ctl["pending"] > 0
 
-        loss, grads, _ = accumulate_gradients(self._loss, params, batch)
+        where_of = lambda microstep: Where(key, step, microstep, dp_axis=M.DATA)  # noqa: E731
+        loss, grads, records_M = accumulate_gradients(
+            feature_loss(self.features, self._model_loss, where_of), params, batch,
+            init_sinks(self.features))
         # Summed over the workers together with the gradients: each worker's loss in its own
-        # slot, and the norm of its own gradient.
+        # slot, and the norm of its own gradient (before its faults).
         stats = {"loss_M": DV.in_slot(loss, m), "norm": optax.tree.norm(grads)}
-        records = {}
-        transform_updates = lambda u: u  # noqa: E731
-        ctx = None
-        if self.faults is not None:
-            ctx = self.faults.step_context(key, step, dp_axis=M.DATA)
-            grads = self.faults.transform_grads(grads, ctx)
+        features = open_step(self.features, where_of(jnp.int32(-1)), records_M)
+        grads = features.transform_grads(grads)
 
         if average_before_update:
             # The average's all-reduce comes first, so the divergence it removed rides in the
@@ -265,14 +267,12 @@ class PaftTrainer:
             pre_div, pre_max = DV.divergence_stats(stats["sq_M"], m)
         grad_norm = stats["norm"] / m  # the mean over workers of ||g_m||
         grads = self._noise(grads, ctl, key, step, me)
-        if ctx is not None:
-            grads = self.faults.transform_grads(grads, ctx, GRAD_SITE)
-            transform_updates = self.faults.transform_updates(ctx)
-            records[Faults.name] = {"step": ctx.records}
+        if self.faults is not None:  # this topology's own site: the received aggregate
+            grads = self.faults.transform_grads(grads, features.context("faults"), GRAD_SITE)
 
         opt_in = opt_in if sync_opt else opt
         new = apply_update(self.tx, {"params": params_in, "opt_state": opt_in,
-                                     "step": state["step"]}, grads, transform_updates)
+                                     "step": state["step"]}, grads, features.transform_updates)
         new_params, new_opt = new["params"], new["opt_state"]
         if c.loss.param_p is not None:
             new_params = self._broadcast(new_params, params, key, step, me)
@@ -319,22 +319,26 @@ class PaftTrainer:
                    "paft/sync": applied.astype(jnp.float32), "paft/H": h.astype(jnp.float32),
                    "paft/sigma2_est": sigma2_est, "grad/norm": grad_norm, "lr": lr}
         flags = {"sync": applied.astype(jnp.int32)}
-        records = jax.tree.map(lambda x: M.vary(x, (M.DATA,))[None], records)
-        return StepOut(out_state, metrics, Records(**records, paft=flags))
+        records = Records((name, jax.tree.map(lambda x: M.vary(x, (M.DATA,))[None], r))
+                          for name, r in features.records().items())
+        records["paft"] = flags
+        return StepOut(out_state, metrics, records)
 
     def train_step(self, state, batch):
         specs = self.state_specs(state)
         step = jax.shard_map(self._local_step, mesh=self.mesh,
                              in_specs=(specs, {"tokens": P(None, M.DATA)}),
                              out_specs=StepOut(specs, P(), Records(
-                                 **({Faults.name: P(M.DATA)} if self.faults else {}),
-                                 paft=P())),
+                                 [*((f.name, P(M.DATA)) for f in self.features),
+                                  ("paft", P())])),
                              check_vma=True)
         return step(state, batch)
 
     # --- host-loop interface (shared with train.Trainer and paired.PairedTrainer) ---------
 
-    TABLES = (RF.FAULTS,)
+    @property
+    def TABLES(self):
+        return FT.tables(self.features, REPORTED)
 
     def shardings(self, state, batch):
         return self.state_shardings(state), {k: NamedSharding(self.mesh, P(None, M.DATA))
@@ -355,16 +359,14 @@ class PaftTrainer:
         return {"grad": round(grad), "sync": round(sync), "broadcast": round(broadcast)}
 
     def host_tables(self, step: int, records: dict) -> tuple[dict, dict]:
-        """Host side, one step: the workers' fault rows (node: the worker), bytes sent."""
-        rows, overflow = [], 0
-        if self.faults is not None:
-            rows, overflow = self.faults.rows(records[Faults.name], step,
-                                              [Place((m,), node=m) for m in range(self.workers)],
-                                              self.cfg.experiment.microsteps)
+        """Host side, one step: the workers' feature rows (node: the worker), bytes sent."""
+        tables, counters = FT.host(self.features, step, records,
+                                   [Place((m,), node=m) for m in range(self.workers)],
+                                   self.cfg.experiment.microsteps, REPORTED)
         b = self.bytes_per_step()
-        return {RF.FAULTS: rows}, {
+        return tables, {
             "bytes/grad": b["grad"], "bytes/sync": b["sync"] * int(records["paft"]["sync"]),
-            "bytes/broadcast": b["broadcast"], **counters(len(rows), overflow)}
+            "bytes/broadcast": b["broadcast"], **counters}
 
     def summarize(self, rows: list[dict]) -> dict:
         """Run-level PAFT numbers for summary.json."""

@@ -50,7 +50,7 @@ from sdcstudy.core import mesh as M
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import sites as S
 from sdcstudy.core.mesh import HEALTHY, NODE
-from sdcstudy.core.step import SiteHooks
+from sdcstudy.core.step import SiteHooks, StepFeature
 from sdcstudy.core.train import STEP_ONLY
 from sdcstudy.paired.mismatch import ROW_STATS, STATS_LEN, compare, decode, merge
 
@@ -180,9 +180,10 @@ def site_frequencies(rows: list[dict]) -> dict:
     return {f"freq/{site}": n / e for site, (n, e) in totals.items() if e}
 
 
-class LockstepTaps:
+class LockstepTaps(StepFeature):
     """The taps of one model, and the host-side decoding of their statistics: the lock-step
-    step feature ("taps"; device half `init_sinks`, `install`; host half `host`).
+    step feature ("taps"; device half `init_sinks`, `install`, with `core.step.StepFeature`'s
+    defaults; host half `host`).
 
     Inside the shard_mapped step (mesh axes node, and dp / tp where given)::
 
@@ -224,8 +225,10 @@ class LockstepTaps:
         return [stat_key(site, layer) for layer in range(1, self.n_layers + 1)
                 for site in SITE_NAMES if site.startswith(direction)]
 
-    def init_sinks(self) -> dict[str, jax.Array]:
-        """Zero sinks, one per (bwd site, layer); call inside shard_map, differentiate by them."""
+    def init_sinks(self, axes: tuple[str, ...] = ()) -> dict[str, jax.Array]:
+        """Zero sinks, one per (bwd site, layer), varying over the taps' own axes (`axes`
+        aside); call inside shard_map, differentiate by them."""
+        del axes
         return {k: M.vary(jnp.zeros((STATS_LEN,), jnp.float32), self.stats_axes)
                 for k in self.keys("bwd")}
 
@@ -233,10 +236,13 @@ class LockstepTaps:
         """A fresh hook for one traced forward pass; read `.fwd_stats` after it."""
         return TapHook(self, sinks)
 
-    def install(self, hooks: SiteHooks, tap: TapHook) -> SiteHooks:
-        """`tap` (a fresh `hook(sinks)`) placed where it sees the faults installed before it
-        (`compose_with_injector`), and after a checked matmul."""
-        return hooks._replace(full=compose_with_injector(tap, hooks.fault), after=tap)
+    def install(self, hooks: SiteHooks, ctx, sinks: dict) -> tuple[SiteHooks, dict]:
+        """A fresh tap placed where it sees the faults installed before it
+        (`compose_with_injector`), and after a checked matmul; its forward statistics."""
+        del ctx
+        tap = self.hook(sinks)
+        return hooks._replace(full=compose_with_injector(tap, hooks.fault), after=tap), \
+            tap.fwd_stats
 
     def host(self, step: int, records: dict, places, microsteps: int) -> tuple[dict, dict]:
         """mismatch.parquet rows of one step's (node, dp, tp, microstep) records, the

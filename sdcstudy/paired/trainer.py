@@ -31,17 +31,14 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdcstudy.abft import checker as A
+from sdcstudy import features as FT
 from sdcstudy.core import config as C
-from sdcstudy.paired import lockstep as LS
 from sdcstudy.core import mesh as M
 from sdcstudy.core import model
-from sdcstudy.core import runfolder as RF
+from sdcstudy.core.compose import apply_update, feature_grads, feature_loss, init_sinks
 from sdcstudy.core.config import Config, UserError
-from sdcstudy.core.step import Place, Records, SiteHooks, StepOut, stream_key
-from sdcstudy.faults.feature import Faults
-from sdcstudy.core.train import (
-    accumulate_gradients, apply_update, learning_rate_schedule, make_optimizer)
+from sdcstudy.core.step import Place, Records, StepOut, Where, stream_key
+from sdcstudy.core.train import learning_rate_schedule, make_optimizer
 
 PAIRED_MODES = ("lockstep", "paramsync", "free")
 SYNCED_MODES = ("lockstep", "paramsync")
@@ -136,11 +133,12 @@ class PairedTrainer:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     mesh: jax.sharding.Mesh
-    faults: Faults | None = None
-    taps: LS.LockstepTaps | None = None
+    faults: Any = None
+    taps: Any = None
     mode: str = "lockstep"
     specs: dict = field(default_factory=dict)
-    abft: A.Checker | None = None
+    abft: Any = None
+    more: dict = field(default_factory=dict)  # features registered after these, by name
 
     @classmethod
     def from_config(cls, cfg: Config, mesh=None, dims: C.ModelDims | None = None
@@ -157,13 +155,11 @@ class PairedTrainer:
                 raise UserError(f"{what} ({n}) must be a multiple of mesh.tp ({tp}).")
         graphdef, _ = model.abstract_init(dims)
         steps = cfg.experiment.steps
-        faults = Faults.from_config(cfg, dims)
-        taps = LS.LockstepTaps(dims.n_layers, tp_axis=M.TP, dp_axis=M.DATA) \
-            if mode == "lockstep" else None
+        built = FT.by_name(FT.from_config(cfg, dims))
         mesh = mesh or M.make_node_mesh(2, dp, tp)
         return cls(cfg, dims, graphdef, make_optimizer(cfg.optim, steps, clip=False),
-                   learning_rate_schedule(cfg.optim, steps), mesh, faults, taps, mode,
-                   abft=A.Checker.from_config(cfg, dims))
+                   learning_rate_schedule(cfg.optim, steps), mesh, built.pop("faults", None),
+                   built.pop("taps", None), mode, abft=built.pop("abft", None), more=built)
 
     # --- state ---------------------------------------------------------------------------
 
@@ -201,53 +197,35 @@ class PairedTrainer:
 
     # --- the step ------------------------------------------------------------------------
 
-    def _loss(self, params, sinks, batch, microstep, step):
-        aux, hooks = {}, SiteHooks()  # each feature's forward records fill while traced
-        if self.faults is not None:
-            ctx = self.faults.context(self.base_key, step, microstep, sinks.get("faults"),
-                                      **PAIR_AXES)
-            hooks, aux["faults"] = self.faults.install(hooks, ctx), ctx.records
-        if self.taps is not None:
-            tap = self.taps.hook(sinks["taps"])
-            hooks, aux["taps"] = self.taps.install(hooks, tap), tap.fwd_stats
-        if self.abft is not None:  # at a matmul's output: fault, check, then the tap
-            hooks = self.abft.install(hooks, sinks["abft"])
-            aux["abft"] = hooks.full.records
-        total, count = model.sequence_losses(self.graphdef, params, batch["inputs"],
-                                             batch["targets"], batch.get("mask"),
-                                             hook=hooks.full, tp_axis=M.TP)
-        axes = (M.DATA, M.TP)
-        return lax.psum(total, axes), (lax.psum(count, axes), aux)
+    @property
+    def features(self) -> list:
+        """The step features of the pair, in install order (`sdcstudy/features.py`)."""
+        return FT.active(self)
 
-    def _sinks(self):
-        sinks = {}
-        if self.faults is not None:
-            sinks["faults"] = M.vary(self.faults.init_sinks(), M.AXES)
-        if self.taps is not None:
-            sinks["taps"] = self.taps.init_sinks()
-        if self.abft is not None:
-            sinks["abft"] = self.abft.init_sinks(M.AXES)
-        return sinks
+    def where(self, step, microstep) -> Where:
+        return Where(self.base_key, step, microstep, **PAIR_AXES)
+
+    def _model_loss(self, params, batch, hook):
+        total, count = model.sequence_losses(self.graphdef, params, batch["inputs"],
+                                             batch["targets"], batch.get("mask"), hook=hook,
+                                             tp_axis=M.TP)
+        axes = (M.DATA, M.TP)
+        return lax.psum(total, axes), lax.psum(count, axes)
 
     def _local_step(self, state, batch):
         params, opt_state = _squeeze(state["params"]), _squeeze(state["opt_state"])
         step = state["step"] + 1
-        loss, grads, (aux_M, sinks_M) = accumulate_gradients(
-            partial(self._loss, step=step), params, batch, self._sinks())
-        faults = None
-        transform_updates = lambda u: u  # noqa: E731
-        if self.faults is not None:
-            ctx = self.faults.step_context(self.base_key, step, **PAIR_AXES)
-            grads = self.faults.transform_grads(grads, ctx)
-            transform_updates = self.faults.transform_updates(ctx)
-            faults = Faults.records(ctx, aux_M["faults"], sinks_M["faults"])
+        where_of = partial(self.where, step)
+        loss, grads, features = feature_grads(
+            self.features, feature_loss(self.features, self._model_loss, where_of), params,
+            batch, init_sinks(self.features, M.AXES), where_of)
 
         grad_sq = _sum_squares(grads)
         diff_sq = _sum_squares(jax.tree.map(lambda g, h: g - h, grads, _healthy_copy(grads)))
         if self.cfg.optim.clip_norm:
             grads = _clip(grads, jnp.sqrt(grad_sq), self.cfg.optim.clip_norm)
         new = apply_update(self.tx, {"params": params, "opt_state": opt_state,
-                                     "step": state["step"]}, grads, transform_updates)
+                                     "step": state["step"]}, grads, features.transform_updates)
         param_diff_sq = _sum_squares(jax.tree.map(lambda p, h: p - h, new["params"],
                                                   _healthy_copy(new["params"])))
         if self.mode in SYNCED_MODES:
@@ -263,17 +241,8 @@ class PairedTrainer:
                    "lr": self.schedule(state["step"])}
         out_state = {"params": _unsqueeze(new["params"]), "opt_state": _unsqueeze(new["opt_state"]),
                      "step": new["step"]}
-        # Each device's records as blocks: taps, ABFT, then faults, the order the step has
-        # always traced them in (and its outputs: taps, faults, ABFT), so its program is kept.
-        records = Records()
-        if self.taps is not None:
-            records["taps"] = {"fwd": _block(aux_M["taps"]), "bwd": _block(sinks_M["taps"])}
-        checks = None if self.abft is None else _block({"fwd": aux_M["abft"],
-                                                        "bwd": sinks_M["abft"]})
-        if faults is not None:
-            records[Faults.name] = _block(faults)
-        if checks is not None:
-            records[A.Checker.name] = checks
+        # Each device's records as (1, 1, 1, ...) blocks, by feature.
+        records = Records((name, _block(r)) for name, r in features.records().items())
         return StepOut(out_state, metrics, records)
 
     def train_step(self, state, batch):
@@ -289,8 +258,7 @@ class PairedTrainer:
 
     @property
     def TABLES(self):
-        tables = (RF.FAULTS, RF.MISMATCH) if self.taps is not None else (RF.FAULTS,)
-        return tables + ((RF.ABFT,) if self.abft is not None else ())
+        return FT.tables(self.features, ("faults",))  # faults.parquet even when healthy
 
     def shardings(self, state, batch):
         del batch
@@ -307,11 +275,4 @@ class PairedTrainer:
     def host_tables(self, step: int, records: dict) -> tuple[dict, dict]:
         """Host side, one step: each feature's rows and counters (mismatch rows, bit
         histograms and frequencies; fault rows; ABFT checks), from every device's block."""
-        tables, counters = {RF.FAULTS: []}, {}
-        for feature in (self.taps, self.faults, self.abft):
-            if feature is not None:
-                rows, feature_counters = feature.host(step, records[feature.name],
-                                                      self.places(), self.cfg.experiment.microsteps)
-                tables.update(rows)
-                counters.update(feature_counters)
-        return tables, counters
+        return FT.host(self.features, step, records, self.places(), self.cfg.experiment.microsteps)
