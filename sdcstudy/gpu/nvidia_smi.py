@@ -1,5 +1,5 @@
 """The GPU's state beside the acceptance's figures, read from `nvidia-smi` (used by
-experiments/gpu_acceptance.py; no JAX, nothing changed on the device).
+`sdcstudy accept-gpu`; no JAX, nothing changed on the device).
 
 - `snapshot()` runs `nvidia-smi -q -d CLOCK,POWER,TEMPERATURE,ECC,PERFORMANCE,ROW_REMAPPER`
   and `summary()` reads from its text, per GPU: the performance state, clocks (current and

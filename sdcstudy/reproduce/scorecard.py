@@ -46,7 +46,7 @@ ORDER = ["Figure 3", "Figure 4", *[source for sources in SOURCES.values() for so
 COLUMNS = ("node", "source", "quantity", "published", "ours", "ratio", "band", "verdict",
            "reason", "expected", "why", "role", "pass_probability")
 ROLES = (B.CALIBRATION, B.HELD_OUT, B.FIXED)
-# Figure 10 at the paper's sizes: `measure`'s entries, as experiments/abft_paper_scale.py writes
+# Figure 10 at the paper's sizes: `measure`'s entries, as `python -m sdcstudy.dev.figure10_entries` writes
 # them (docs/faults.md 5.4).
 PAPER_SCALE = (Path(__file__).resolve().parents[2] / "docs" / "scorecards" /
                "abft_paper_scale.json")
