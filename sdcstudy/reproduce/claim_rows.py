@@ -267,9 +267,11 @@ UNSCORED = (
      "fine-tunes the tiny model on the synthetic multiple-choice task, which `finetune_row` "
      "scores"),
     ("Figure 7", "loss spikes while fine-tuning (nodes 4, 6, 7; node 6 to 0% accuracy)",
-     "the scorecard plans no fine-tuning run; `figure7_row` scores any run's loss series (a "
-     "fine-tuning run, or a free run of a zoo regime made to spike the loss), and the paper "
-     "nodes' free runs here show no spike (Figure 6's rows)"),
+     "the scorecard plans no fine-tuning run; `figure7_row` scores any run's loss series. "
+     "Node 6 as published makes no spike here (its faults land in the weight gradient, which "
+     "clipping and Adam absorb); the zoo regime `paper-node-6-loss-spike` (node 6 plus rare "
+     "errors in the parameter update) does: `python experiments/loss_spike.py --out DIR`, "
+     "docs/faults.md section 7"),
     ("Appendix D.4", "bfloat16 ABFT false alarms on healthy nodes, none at float32",
      "the scorecard's ABFT runs check in float32, as appendix D.1 ran it; measured apart by "
      "`python experiments/abft_eval.py --out DIR` (docs/results/abft.md: the paper's threshold "
