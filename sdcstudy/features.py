@@ -19,11 +19,13 @@ Adding a step feature is one folder holding its class and one line here
 from __future__ import annotations
 
 from sdcstudy.abft.checker import Checker
+from sdcstudy.collectives.feature import Collectives
 from sdcstudy.faults.feature import Faults
 from sdcstudy.paired.lockstep import LockstepTaps
 
 FEATURES = {
     "faults": Faults,
+    "collectives": Collectives,  # before the taps: it sees what a tap overwrites
     "taps": LockstepTaps,
     "abft": Checker,
 }
