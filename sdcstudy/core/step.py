@@ -21,7 +21,7 @@ golden device) maps that over its mesh axes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import jax
 
