@@ -159,3 +159,14 @@ def test_the_gradient_norm_is_compared_to_the_bit():
     assert "grad_norm is 0x40000008" in GRep._sentence(entry)
     out["grad_norm"] = np.uint32(0x40000000)
     assert GC.step_differences(2, out, arrays, meta) == []
+
+
+@pytest.mark.parametrize("site", ["grad", "collective/all_gather", "collective/reduce_scatter"])
+def test_a_flip_outside_the_models_sites_is_one_sentence(site):
+    # A flip strikes a forward or backward model site; the golden device has no gradient tree
+    # to strike and no tensor parallelism, so its collectives have no wire: one sentence that
+    # says so, not a later error about layers.
+    from sdcstudy.core.errors import UserError
+    from sdcstudy.golden import workload
+    with pytest.raises(UserError, match="a flip strikes a model site"):
+        workload.parse_injection(f"flip:step=1,site={site},layer=1,bit=3")

@@ -82,7 +82,8 @@ def parse_injection(text: str) -> Injection:
         spec.validate(f"--inject {text!r}")
     except FS.FaultSpecError as e:
         raise UserError(str(e)) from None
-    if spec.direction not in ("fwd", "bwd"):
+    if spec.direction not in ("fwd", "bwd") or spec.site in FS.MODEL_COLLECTIVES:
+        # a collective of tensor parallelism: the golden device has none to strike
         raise UserError(f"--inject {text!r}: a flip strikes a model site (fwd/... or bwd/...); "
                         f"use a YAML profile for {spec.site!r}.")
     if spec.resolve()[1] not in S.MODEL_SITES and "layer" not in flip:
