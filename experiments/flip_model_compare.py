@@ -16,7 +16,6 @@ scorecard's Tables 8-9 band.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -35,18 +34,6 @@ from sdcstudy.reproduce import plan
 AMPLITUDES = (0, 3, 10)
 
 
-def profile_dict(profile) -> dict:
-    """A profile as the YAML `profiles.load` reads."""
-    def plain(value):
-        return list(value) if isinstance(value, tuple) else value
-    specs = []
-    for spec in profile.specs:
-        fields = {k: plain(v) for k, v in dataclasses.asdict(spec).items()}
-        fields["pattern"] = {k: plain(v) for k, v in fields["pattern"].items()}
-        specs.append(fields)
-    return {"name": profile.name, "description": profile.description, "specs": specs}
-
-
 def write_profiles(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for mode, steps in (("paramsync", 200), ("lockstep", 40)):
@@ -56,7 +43,7 @@ def write_profiles(folder: Path) -> None:
         for amplitude in AMPLITUDES:
             profile = P.paper_node(node, fault_model="flip", spike_amplitude=amplitude)
             path = folder / f"{profile.name}.yaml"
-            path.write_text(yamlsafe.dump(profile_dict(profile), sort_keys=False))
+            path.write_text(yamlsafe.dump(P.to_dict(profile), sort_keys=False))
             print(path)
 
 

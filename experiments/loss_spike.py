@@ -107,15 +107,7 @@ def at_step(profile, step: int):
 
 def profile_yaml(profile) -> str:
     """A profile as the YAML `profiles.load` reads."""
-    def plain(value):
-        return list(value) if isinstance(value, tuple) else value
-    specs = []
-    for spec in profile.specs:
-        fields = {k: plain(v) for k, v in dataclasses.asdict(spec).items()}
-        fields["pattern"] = {k: plain(v) for k, v in fields["pattern"].items()}
-        specs.append(fields)
-    return yamlsafe.dump({"name": profile.name, "description": profile.description,
-                          "specs": specs}, sort_keys=False)
+    return yamlsafe.dump(P.to_dict(profile), sort_keys=False)
 
 
 def one_step(name: str, step: int, specs: list[dict], what: str) -> str:

@@ -601,3 +601,16 @@ def test_bits_a_bfloat16_site_lacks_are_one_sentence_and_exit_2(tmp_path, capsys
     assert code == 2 and "Traceback" not in err
     (line,) = [x for x in err.splitlines() if x.startswith("sdcstudy: error:")]
     assert "none of bits [20] exist in the 16-bit values" in line
+
+
+def test_a_profile_written_from_to_dict_loads_as_itself(tmp_path):
+    # What a study writes to hand a changed profile to a run (experiments/loss_spike.py,
+    # flip_model_compare.py) must load back as the same profile: every spec and its pattern.
+    from sdcstudy.core import yamlsafe
+    from sdcstudy.faults import profiles
+    for name in ("paper-node-6-loss-spike", "paper-node-7", "stuck-lane"):
+        profile = profiles.load(name)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yamlsafe.dump(profiles.to_dict(profile), sort_keys=False))
+        loaded = profiles.load(str(path))
+        assert (loaded.name, loaded.specs) == (profile.name, profile.specs)

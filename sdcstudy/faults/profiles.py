@@ -318,6 +318,19 @@ def _load(name_or_path: str) -> Profile:
                     f"them, or give a .yaml file.")
 
 
+def to_dict(profile: Profile) -> dict:
+    """A profile as the mapping `load` reads from a YAML file (tuples as lists): write it with
+    `core.yamlsafe.dump` to hand a changed profile to a run."""
+    def plain(value):
+        return list(value) if isinstance(value, tuple) else value
+    specs = []
+    for spec in profile.specs:
+        fields = {k: plain(v) for k, v in dataclasses.asdict(spec).items()}
+        fields["pattern"] = {k: plain(v) for k, v in fields["pattern"].items()}
+        specs.append(fields)
+    return {"name": profile.name, "description": profile.description, "specs": specs}
+
+
 def listing() -> str:
     rows = [(name, p.description) for name, p in {**zoo(), **flip_variants()}.items()]
     width = max(len(n) for n, _ in rows)
