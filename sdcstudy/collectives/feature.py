@@ -5,7 +5,8 @@ Device half (`core.step.DeviceHalf`): `install` places the checksums (`checksum.
 the faults and before the lock-step taps, so they see each collective's input as the suspect
 computed it (a fault included) and what it received, in the forward and, for the transposed
 collectives, in the backward. A forward checksum is one uint32 per device, layer, collective
-and point; a backward one leaves as the cotangent of its zero sink. No context, no transforms.
+and point; a backward one leaves as the cotangent of its zero sink. No context, no transforms,
+the records as they came (`core.step.StepFeature`'s defaults).
 Host half: `host` turns one step's checksums into collectives.parquet rows and counters
 (`verdicts.py`).
 """
@@ -22,13 +23,13 @@ from sdcstudy.collectives.verdicts import COLUMNS, TABLE, counters, decode, verd
 from sdcstudy.core import mesh as M
 from sdcstudy.core import sites as S
 from sdcstudy.core.errors import UserError
-from sdcstudy.core.step import SiteHooks
+from sdcstudy.core.step import SiteHooks, StepFeature
 
 # The modes whose step is the pair of nodes (`paired/trainer.py`), which this compares.
 PAIRED_MODES = ("lockstep", "paramsync", "free")
 
 
-class Collectives:
+class Collectives(StepFeature):
     """The collectives' checksums of a model of `n_layers` blocks, as a step feature."""
 
     name: ClassVar[str] = "collectives"
@@ -60,10 +61,6 @@ class Collectives:
         return {k: M.vary(jnp.zeros((2,), jnp.float32), axes)
                 for k in CS.sink_keys(self.n_layers)}
 
-    def context(self, where, sinks):
-        del where, sinks
-        return None
-
     def install(self, hooks: SiteHooks, ctx=None, sinks=None) -> tuple[SiteHooks, dict]:
         """The checksums around the faults installed before them, in `fault` too, where a
         lock-step tap (installed after) and a checked matmul look for the value as computed;
@@ -75,20 +72,6 @@ class Collectives:
         around = lambda hook: S.compose(backward, hook, forward)  # noqa: E731
         return hooks._replace(full=around(hooks.full), fault=around(hooks.fault)), \
             forward.records
-
-    def transform_grads(self, grads, ctx):
-        del ctx
-        return grads
-
-    def transform_updates(self, updates, ctx):
-        del ctx
-        return updates
-
-    def records(self, ctx, fwd_M: dict, bwd_M: dict) -> dict:
-        """The checksums, stacked per microstep: forward, and backward as their sinks'
-        cotangents."""
-        del ctx
-        return {"fwd": fwd_M, "bwd": bwd_M}
 
     # --- host half ------------------------------------------------------------------------
 
