@@ -26,19 +26,10 @@ DPI = 100
 MARKERS = dict(zip(PB.SITES, ("o", "s", "^", "D")))
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _save(fig, path: Path) -> Path:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=DPI)
-    _pyplot().close(fig)
+    P.pyplot().close(fig)
     RF.atomic_write_bytes(path, buffer.getvalue())
     return path
 
@@ -54,7 +45,7 @@ def wcnts(rows, path: Path) -> Path | None:
     chosen = _numbers(rows, "Figure 5")
     if not chosen:
         return None
-    plt = _pyplot()
+    plt = P.pyplot()
     fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * len(chosen) + 2), 3.5))
     x = np.arange(len(chosen))
     floor = min([r.expected for r in chosen] + [r.ours for r in chosen if r.ours > 0]) / 10
@@ -78,7 +69,7 @@ def sites(rows, path: Path) -> Path | None:
               for source in ("Table 1", "Table 2")]
     if not any(chosen for _, chosen in panels):
         return None
-    plt = _pyplot()
+    plt = P.pyplot()
     nodes = sorted({r.node for _, chosen in panels for r in chosen})
     colour = {node: style["color"] for node, style in P.styles(nodes).items()}
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
@@ -117,7 +108,7 @@ def free_runs(runs: dict, path: Path) -> Path | None:
               if {"loss/healthy", "loss/suspect", "param/diff_l2"} <= set(run.metrics)}
     if not chosen:
         return None
-    plt = _pyplot()
+    plt = P.pyplot()
     style = P.styles(list(chosen))
     fig, (gap_ax, diff_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for label, run in chosen.items():
