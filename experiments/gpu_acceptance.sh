@@ -8,7 +8,8 @@
 # DIR/gpu_acceptance.txt. `sdcstudy accept-gpu` does the work (sdcstudy/gpu/, docs/gpu.md);
 # this script picks the Python: $PYTHON if set, else this checkout's .venv, else python3 (on
 # a machine where jax with CUDA is installed system-wide, sdcstudy runs from this checkout
-# without being installed). Exit 0 PASS, 1 FAIL or INCOMPLETE, 2 bad arguments or no GPU.
+# without being installed). Exit 0 PASS, 1 FAIL, 2 INCOMPLETE (a check skipped), bad arguments or
+# no GPU, 3 COULD NOT RUN (a check's child crashed: never a FAIL).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -n "${PYTHON:-}" ]]; then

@@ -286,8 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("accept-gpu", help="acceptance of one NVIDIA GPU against the project's "
-                                          "targets: exit 0 PASS, 1 FAIL or INCOMPLETE, 2 no "
-                                          "GPU or bad arguments (docs/gpu.md)")
+                                          "targets: exit 0 PASS, 1 FAIL, 2 INCOMPLETE, no GPU "
+                                          "or bad arguments, 3 a check could not run "
+                                          "(docs/gpu.md)")
     from sdcstudy.gpu.acceptance import add_arguments as add_gpu_arguments
     from sdcstudy.gpu.acceptance import run as run_gpu_acceptance
 

@@ -391,16 +391,26 @@ def test_missing_preset_is_skipped_with_a_reason():
     assert reason.startswith("the model preset no-such-preset is not defined")
 
 
-def test_verdict_tells_failed_from_skipped():
-    """FAIL beats INCOMPLETE: a skipped floor is not a met one, and not a missed one."""
-    assert GS.verdict({"a": {"pass": True}, "b": {"pass": True}}) == "PASS"
-    assert GS.verdict({"a": {"pass": True}, "b": {"pass": None}}) == "INCOMPLETE"
-    assert GS.verdict({"a": {"pass": False}, "b": {"pass": None}}) == "FAIL"
+def test_verdict_tells_failed_from_broken_from_skipped():
+    """FAIL beats COULD NOT RUN beats INCOMPLETE: a skipped floor is not a met one, and a check
+    that broke (its child crashed) is not a missed one; each verdict has its exit code."""
+    ok, skip, crash = {"pass": True}, GS.skipped("no time"), GS.broke({"exit_code": 3})
+    assert GS.verdict({"a": ok, "b": ok}) == "PASS"
+    assert GS.verdict({"a": ok, "b": skip}) == "INCOMPLETE"
+    assert GS.verdict({"a": ok, "b": skip, "c": crash}) == "COULD NOT RUN"
+    assert GS.verdict({"a": {"pass": False}, "b": skip, "c": crash}) == "FAIL"
+    assert crash["error"] == "the child exited 3"
+    assert GS.broke({"exit_code": None, "timed_out": True})["error"] == "timed out"
+    assert GS.VERDICT_EXIT == {"FAIL": 1, "COULD NOT RUN": 3, "INCOMPLETE": 2, "PASS": 0}
+    table = GS.table({"verdict": "COULD NOT RUN", "checks": {"c": crash, "b": skip}})
+    assert "c                                  ERROR" in table and "the child exited 3" in table
+    assert "b                                  SKIPPED" in table
 
 
-def test_a_check_that_breaks_fails_alone(tmp_path, monkeypatch):
-    """An exception while one check reads its child's files fails that check, with the
-    error, and the JSON is written: the one GPU run must still report every other check."""
+def test_a_check_that_breaks_is_an_error_alone(tmp_path, monkeypatch):
+    """An exception while one check reads its child's files marks that check ERROR (not a
+    FAIL: nothing was judged), with the error, and the JSON is written: the one GPU run must
+    still report every other check."""
     monkeypatch.setattr(GS, "versions", lambda: {})
     args = SimpleNamespace(out=tmp_path, stage="full", budget=540)
     acc = GC.Acceptance(args, sys.executable, {"device_kind": H100}, tmp_path)
@@ -409,9 +419,10 @@ def test_a_check_that_breaks_fails_alone(tmp_path, monkeypatch):
         raise KeyError("abft/detection")
 
     result = acc.check("abft_recall_float32", broken)
-    assert result == {"pass": False, "error": "KeyError: 'abft/detection'"}
+    assert result == {"pass": None, "error": "KeyError: 'abft/detection'"}
     saved = json.loads((tmp_path / GS.RESULT).read_text())
-    assert saved["checks"]["abft_recall_float32"]["pass"] is False
+    assert saved["checks"]["abft_recall_float32"]["pass"] is None
+    assert GS.state(saved["checks"]["abft_recall_float32"]) == "ERROR"
 
 
 # The figures issue 53 added: fake results for each verdict, pass and fail per floor.
@@ -577,6 +588,34 @@ def test_every_check_of_a_stage_is_wired(tmp_path, monkeypatch, stage):
         assert saved["checks"]["bench_1b_float32"]["pass"] is False
     else:
         assert code == 0 and saved["verdict"] == "PASS"
+
+
+def test_a_crashed_child_is_an_error_never_a_fail(tmp_path, monkeypatch):
+    """Every check whose child crashes (exit 3, a timeout, no results) reports ERROR with the
+    reason, never FAIL, and the acceptance ends COULD NOT RUN with exit 3; only the doctor's
+    own FAIL (exit 1 with its report) is a FAIL."""
+    monkeypatch.setattr(GS, "versions", lambda: {})
+    args = SimpleNamespace(out=tmp_path, stage="full", budget=540)
+    acc = GC.Acceptance(args, sys.executable, {"device_kind": H100}, tmp_path)
+    crashed = {"exit_code": 3, "seconds": 1.0, "timed_out": False, "command": []}
+    monkeypatch.setattr(acc, "sdcstudy", lambda *a, **k: dict(crashed))
+    monkeypatch.setattr(acc, "child", lambda *a, **k: dict(crashed))
+    results = {"doctor": acc.doctor(), "abft_healthy": acc.abft_healthy("float32"),
+               "abft_recall": acc.abft_recall("float32"), "golden_full": acc.golden_full(),
+               "attention_repeat": acc.attention_repeat(),
+               "bench": acc.bench("b", ("tiny", 1, 16, 1, 1), "float32", cap=60),
+               "torch_ratio": acc.torch_ratio({"tokens_per_s": 1.0})}
+    for name, result in results.items():
+        assert GS.state(result) == "ERROR" and "exited 3" in result["error"], name
+    for name, result in results.items():
+        acc.record(name, result)
+    assert acc.finish() == 3 and acc.report["verdict"] == "COULD NOT RUN"
+    # The doctor's own verdict: exit 1 with its report is a FAIL of the check.
+    (tmp_path / "doctor.json").write_text(json.dumps({
+        "verdict": "FAIL", "problems": ["bits differ"], "steps": 2, "param_digest": "x",
+        "env": {"compiled_step_sha256": "y", "xla_flags": ""}}))
+    monkeypatch.setattr(acc, "sdcstudy", lambda *a, **k: {**crashed, "exit_code": 1})
+    assert GS.state(acc.doctor()) == "FAIL"
 
 
 def test_children_get_absolute_folders(tmp_path, monkeypatch):

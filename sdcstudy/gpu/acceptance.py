@@ -35,8 +35,10 @@ in bfloat16 with cuDNN's fused attention in two processes, the same bits [40];
 Results: DIR/gpu_acceptance.json (each check's verdict and figures, the device's state,
 versions, wall time; rewritten after every check), DIR/gpu_acceptance.txt (the short table),
 DIR/gpu_acceptance.log (every command's output) and DIR/gpu_acceptance_hlo.tar.gz (each bench
-train step's optimized HLO). Exit 0 every check passed; 1 one failed or was skipped
-(INCOMPLETE); 2 bad arguments or no usable GPU. JAX is only ever imported in child processes.
+train step's optimized HLO). Exit 0 every check passed; 1 one failed (FAIL); 3 none failed and
+one could not measure, its child crashed or wrote nothing (COULD NOT RUN: ERROR is never a FAIL);
+2 one was skipped (INCOMPLETE), bad arguments or no usable GPU. JAX is only ever imported in
+child processes.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from sdcstudy.gpu import floors as GF
 from sdcstudy.gpu import nvidia_smi as SMI
-from sdcstudy.gpu.session import ROOT, Session, child_env, skipped, with_flags
+from sdcstudy.gpu.session import ROOT, Session, broke, child_env, skipped, with_flags
 from sdcstudy.gpu.session import without_determinism
 
 DTYPES = ("float32", "bfloat16")
@@ -47,6 +47,8 @@ class Acceptance(Session):
         run = self.sdcstudy("doctor", ["doctor", "--json", path], cap=240)
         if "skipped" in run:
             return run
+        if run["exit_code"] not in (0, 1) or not path.exists():  # 1: the doctor's FAIL
+            return broke(run)
         out = {"pass": run["exit_code"] == 0, **run}
         if path.exists():
             d = json.loads(path.read_text())
@@ -71,7 +73,7 @@ class Acceptance(Session):
         out = {"pass": False, **run, "dtype": dtype,
                "device_during": SMI.samples_summary(_read(self.work / f"{name}.samples.csv"))}
         if not self.ran(run, path):
-            return out
+            return broke(out)
         self.pack_hlo()
         report = json.loads(path.read_text())
         out.update(GF.bench_figures(report),
@@ -141,7 +143,7 @@ class Acceptance(Session):
         if "skipped" in run:
             return run
         if not self.ran(run, path):
-            return {"pass": False, **run}
+            return broke(run)
         return {**run, **GF.judge_torch_ratio(ours, json.loads(path.read_text()))}
 
     def abft(self, dtype: str, profile: str, steps: int, preset: str = "tiny") -> tuple:
@@ -158,7 +160,7 @@ class Acceptance(Session):
         preset, steps = ABFT_HEALTHY
         run, folder = self.abft(dtype, "healthy", steps, preset)
         if "skipped" in run or folder is None:
-            return run if "skipped" in run else {"pass": False, **run}
+            return run if "skipped" in run else broke(run)
         summary = json.loads((folder / "summary.json").read_text())
         return {**run, "dtype": dtype, "preset": preset, "device_rule": "rounding",
                 **GF.judge_healthy_abft(summary), "rules": host_rule_rates(folder)}
@@ -166,7 +168,7 @@ class Acceptance(Session):
     def abft_recall(self, dtype: str) -> dict:
         run, folder = self.abft(dtype, RECALL_PROFILE, RECALL_STEPS)
         if "skipped" in run or folder is None:
-            return run if "skipped" in run else {"pass": False, **run}
+            return run if "skipped" in run else broke(run)
         summary = json.loads((folder / "summary.json").read_text())
         return {**run, "dtype": dtype, "profile": RECALL_PROFILE,
                 **GF.judge_recall(summary, _records(folder / "faults.parquet"),
@@ -181,14 +183,17 @@ class Acceptance(Session):
         if "skipped" in rec:
             return rec
         if not self.ran(rec, folder / "golden.json"):
-            return {"pass": False, "record": rec, "seconds": rec["seconds"]}
+            return broke({"record": rec, "seconds": rec["seconds"]}, broke(rec)["error"])
         chk = self.sdcstudy("golden check full", ["golden", "check", folder, "--repeat", 1,
                                                   "--json", path, "--no-progress"], cap=240)
         check_verdict = json.loads(path.read_text())["verdict"] if path.exists() else None
         meta = json.loads((folder / "golden.json").read_text())
-        return {"record": rec, "check": chk,
-                "seconds": round(rec["seconds"] + chk.get("seconds", 0), 1),
-                **GF.judge_golden_full(meta, rec["seconds"], check_verdict)}
+        judged = {"record": rec, "check": chk,
+                  "seconds": round(rec["seconds"] + chk.get("seconds", 0), 1),
+                  **GF.judge_golden_full(meta, rec["seconds"], check_verdict)}
+        if check_verdict is None and all(judged[k] for k in ("every_sm", "memory_ok", "time_ok")):
+            return broke(judged, f"golden check gave no verdict ({broke(chk)['error']})")
+        return judged
 
     def attention_repeat(self) -> dict:
         """The tiny training in bfloat16 with fused attention (cuDNN on a GPU: head dim 16)
@@ -205,8 +210,9 @@ class Acceptance(Session):
                 return run
             runs.append(run)
             summary = folder / "summary.json"
-            digests.append(json.loads(summary.read_text())["param_digest"]
-                           if self.ran(run, summary) else None)
+            if not self.ran(run, summary):
+                return broke({"runs": runs}, f"run {i}: {broke(run)['error']}")
+            digests.append(json.loads(summary.read_text())["param_digest"])
         return {"runs": runs, "seconds": round(sum(r["seconds"] for r in runs), 1),
                 **GF.judge_repeat(digests)}
 
@@ -224,7 +230,7 @@ class Acceptance(Session):
 
     def device_health(self, before: dict, after: dict) -> dict:
         if "error" in before or "error" in after:
-            return {"pass": False, "note": before.get("error") or after.get("error")}
+            return broke({}, before.get("error") or after.get("error"))
         return {"pass": not SMI.ecc_problems(before, after),
                 "problems": SMI.ecc_problems(before, after),
                 "clock_event_reasons_during_us": SMI.counters_during(before, after)}

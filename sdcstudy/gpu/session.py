@@ -80,12 +80,37 @@ def skipped(reason: str, **fields) -> dict:
     return {"pass": None, "skipped": reason, "seconds": 0.0, **fields}
 
 
+def broke(run: dict, why: str = "") -> dict:
+    """A check that could not measure: its child crashed, timed out or wrote nothing, or
+    reading its files raised. Neither PASS nor FAIL: no target was judged (a crash is not a
+    verdict on the GPU)."""
+    if not why:
+        why = ("timed out" if run.get("timed_out") else
+               f"the child exited {run.get('exit_code')}" if run.get("exit_code") else
+               "the child wrote no results")
+    return {**run, "pass": None, "error": why}
+
+
+# The acceptance's verdicts, strongest first, and their exit codes (core/errors.py's contract).
+VERDICT_EXIT = {"FAIL": 1, "COULD NOT RUN": 3, "INCOMPLETE": 2, "PASS": 0}
+
+
+def state(check: dict) -> str:
+    """One check's verdict: PASS, FAIL, ERROR (could not measure) or SKIPPED."""
+    if check["pass"] is None:
+        return "ERROR" if "error" in check else "SKIPPED"
+    return "PASS" if check["pass"] else "FAIL"
+
+
 def verdict(checks: dict) -> str:
-    """PASS: every check passed; FAIL: one failed; INCOMPLETE: none failed, one skipped."""
-    states = [c["pass"] for c in checks.values()]
-    if any(s is False for s in states):
-        return "FAIL"
-    return "INCOMPLETE" if any(s is None for s in states) else "PASS"
+    """FAIL: a target was missed; else COULD NOT RUN: a check broke; else INCOMPLETE: one was
+    skipped; else PASS."""
+    states = {state(c) for c in checks.values()}
+    for name, needs in (("FAIL", "FAIL"), ("COULD NOT RUN", "ERROR"),
+                        ("INCOMPLETE", "SKIPPED")):
+        if needs in states:
+            return name
+    return "PASS"
 
 
 def table(report: dict) -> str:
@@ -94,11 +119,11 @@ def table(report: dict) -> str:
              f"(stage {report.get('stage')}, {report.get('wall_s')} s)",
              f"{'check':34} {'verdict':10} {'s':>6}  figure"]
     for name, c in report["checks"].items():
-        state = {True: "PASS", False: "FAIL", None: "SKIPPED"}[c["pass"]]
+        shown = state(c)
         figure = next((f"{k} {c[k]:.4g}" for k in HEADLINE
                        if isinstance(c.get(k), (int, float))), "")
         note = c.get("skipped") or c.get("error") or c.get("note") or ""
-        lines.append(f"{name:34} {state:10} {c.get('seconds') or 0:6.0f}  "
+        lines.append(f"{name:34} {shown:10} {c.get('seconds') or 0:6.0f}  "
                      f"{figure}{'; ' if figure and note else ''}{note}".rstrip())
     return "\n".join(lines) + "\n"
 
@@ -162,12 +187,12 @@ class Session:
         return run.get("exit_code") == 0 and all(p.exists() for p in paths)
 
     def check(self, name: str, measure, *args, **kwargs) -> dict:
-        """Run one check and record it; an exception while it reads its child's output fails
-        that check, with the error, instead of ending the acceptance."""
+        """Run one check and record it; an exception while it reads its child's output marks
+        that check ERROR, with the error, instead of ending the acceptance."""
         try:
             result = measure(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - any surprise in one check's files
-            result = {"pass": False, "error": f"{type(e).__name__}: {e}"}
+            result = broke({}, f"{type(e).__name__}: {e}")
         return self.record(name, result)
 
     def record(self, name: str, result: dict) -> dict:
@@ -175,7 +200,8 @@ class Session:
         self.report["wall_s"] = round(time.monotonic() - self.start, 1)
         write_json(self.args.out / RESULT, self.report)
         if result["pass"] is None:
-            print(f"[{name}] SKIPPED: {result['skipped']}", file=sys.stderr, flush=True)
+            print(f"[{name}] {state(result)}: {result.get('skipped') or result.get('error')}",
+                  file=sys.stderr, flush=True)
             return result
         figures = {k: round(v, 4) for k, v in result.items()
                    if k in HEADLINE and isinstance(v, (int, float))}
@@ -202,19 +228,21 @@ class Session:
 
     def finish(self) -> int:
         """The verdict, the JSON's last rewrite, the table and one line on stdout; the exit
-        code (0 PASS, 1 FAIL or INCOMPLETE)."""
+        code (`VERDICT_EXIT`: 0 PASS, 1 FAIL, 2 INCOMPLETE, 3 COULD NOT RUN)."""
         checks = self.report["checks"]
         self.report["verdict"] = verdict(checks)
         self.report["wall_s"] = round(time.monotonic() - self.start, 1)
         write_json(self.args.out / RESULT, self.report)
         (self.args.out / TABLE).write_text(table(self.report))
         self.log.close()
-        failed = [k for k, c in checks.items() if c["pass"] is False]
-        missing = [k for k, c in checks.items() if c["pass"] is None]
+        failed = [k for k, c in checks.items() if state(c) == "FAIL"]
+        broken = [k for k, c in checks.items() if state(c) == "ERROR"]
+        missing = [k for k, c in checks.items() if state(c) == "SKIPPED"]
         print(table(self.report), end="")
         print(f"gpu acceptance {self.report['verdict']} on {self.report['device_kind']} in "
               f"{self.report['wall_s']:.0f} s" +
               (f"; failed: {', '.join(failed)}" if failed else "") +
+              (f"; could not measure: {', '.join(broken)}" if broken else "") +
               (f"; skipped: {', '.join(missing)}" if missing else "") +
               f"; {self.args.out / RESULT}", flush=True)
-        return 0 if self.report["verdict"] == "PASS" else 1
+        return VERDICT_EXIT[self.report["verdict"]]
