@@ -21,8 +21,10 @@ maximum over U units has the median c U / ln 2. So:
   row states the probability that a correct model passes (`pass_probability`: at least
   `SCATTER_LEVEL`, whatever our estimate's error within its spread). A band of
   `EXPOSURE_SPREAD` alone, as before, passed a correct model 36% of the time.
-Fewer than `MIN_TAIL_UNITS` units above 0.5 fit no tail: "too rare for this run". Imports no
-JAX.
+Fewer than `MIN_TAIL_UNITS` units above 0.5 fit no tail: "too rare for this run". A run under
+the flip model, whose units reach 0.5 too rarely to fit, has instead the rows of
+`flip_exposure`: the law of the maximum that the model's bit law and the run's recorded hits
+give over the paper's units. Imports no JAX.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from sdcstudy.faults import flip_model as FM
 from sdcstudy.faults import published as PB
 from sdcstudy.faults import published_layers as PL
 from sdcstudy.reproduce import bands as B
+from sdcstudy.reproduce import flip_exposure as FX
 from sdcstudy.reproduce.bands import Row
 
 SUFFIX = ", at the paper's exposure"
@@ -105,7 +108,10 @@ def tail_fit(run, site: str) -> tuple[float, int, int]:
 
 
 def rows(node: int, run) -> list[Row]:
-    """One row a site with a Table 2 value: c U / ln 2 against it (module docstring)."""
+    """One row a site with a Table 2 value: c U / ln 2 against it (module docstring); a run
+    under the flip model has `flip_exposure.rows` instead."""
+    if FX.is_flip_run(run):
+        return FX.rows(node, run, QUANTITY)
     paper = PB.published(f"{PB.PAPER_PREFIX}{node}")
     out = []
     for site in PB.SITES:
@@ -138,7 +144,10 @@ def layer_rows(node: int, run) -> list[Row]:
     """Tables 8-9 at the paper's exposure: each of our layers' tail, fitted to its (step,
     microstep) groups (the rollup's `tail_*` sums), carried to the median of the paper's
     per-layer units at the site, against the paper's range over its 16 layers widened by
-    `LAYER_EXPOSURE_SPREAD` either way."""
+    `LAYER_EXPOSURE_SPREAD` either way; a run under the flip model has one row a site instead
+    (`flip_exposure.layer_rows`)."""
+    if FX.is_flip_run(run):
+        return FX.layer_rows(node, run, SUFFIX)
     by_layer = run.mismatch_rollup.by_layer
     out = []
     for (layer, site), at in by_layer.iterrows():
