@@ -1,34 +1,37 @@
-"""Table 2 at the paper's exposure under the flip model: the law of the maximum its hits give
-over the paper's units, from the bit law and what a lock-step run recorded (docs/reproduction.md,
-"At the paper's exposure"; docs/faults.md 6.3).
+"""Tables 2, 8 and 9 at the paper's exposure under the flip model: the law of the maximum its
+hits give over the paper's units, from the bit law and what a lock-step run recorded
+(docs/reproduction.md, "Table 2 at the paper's exposure"; docs/faults.md 6.3).
 
 The additive rows (`exposure_rows.rows`) fit a tail to the run's own units, which needs units
 above 0.5; the flip model's are bit flips of at most 0.5 averaged with hundreds of others, so
 a tiny run has none ("too rare"). But the flip model's law of one unit is known:
-- a unit with one hit (a share lambda e^-lambda / (1 - e^-lambda) of the units of a layer with
-  lambda hits a unit) is that hit: with probability 1 - p_tail a flip of mantissa bit j,
-  uniform on 0-6 (the engine's bit law), relative error 2^(j-7) / s for the value's
-  significand s; with probability p_tail an accumulator error (`kind: additive`);
-- an accumulator error exceeds t >> 1 with probability A / t, and so does a unit of k hits at
-  k t: P(S > t) = p_tail A / t whatever k (docs/faults.md 6.3); means of two or more flips
-  (at most 0.5 each) reach the largest single flips with a far smaller probability and are
-  left out.
-So over the paper's units P(max <= t) = exp(-(N1 (1 - p_tail) P(B > t) + p_tail A U / t)), U the
-site's units with a mismatch and N1 those with one hit (`flip_model.paper_units`' exposure),
-P(B > t) averaged over the 7 bits exactly and over the significands of the run's recorded flips
-(faults.parquet's `original`; values spread evenly over octaves where it recorded none). It is
-exact in the bulk and needs no sampling: a Monte Carlo of the engine's draws would estimate
-the same sum, and not at the 1e-7 probabilities a maximum over 10^7 units reads. The one
-number a run must measure is A, the accumulator errors' tail on its values: fitted to the
-recorded relative errors of the site's additive hits, or of the four sites' together where
-the site has fewer than `MIN_TAIL_HITS` above the floor `HIT_FLOOR` (where the 1/t law is
-within some 10% of the additive kind's exact tail), by the maximum likelihood of a tail
-P(r > t) = A / t above the floor: A = the floor x the share of hits above it; our error in it
-is the Poisson 90% range of the count above (`count_spread`).
-The row passes when Table 2 lies within the central `SCATTER_LEVEL` of this law, the law taken
-at the low end of A's range for the lower quantile and at its high end for the upper one, and
-states the probability that a correct model passes (`pass_probability`, at least
-`SCATTER_LEVEL` up to the discreteness of the recorded significands). Imports no JAX.
+- a unit with one hit (lambda e^-lambda of a layer's microstep-rank slots, lambda its hits a
+  slot at the layer's Table 6 or 7 frequency) is that hit: with probability 1 - p_tail a flip
+  of mantissa bit j, uniform on 0-6 (the engine's bit law), relative error 2^(j-7) / s for the
+  value's significand s; with probability p_tail an accumulator error (`kind: additive`),
+  which exceeds t with probability A / t;
+- a unit of k >= 2 hits is the mean of its flips, about E[B] = E[2^(j-7)] E[1 / s] (0.102),
+  moved past t > E[B] by an accumulator error above k (t - E[B]): with probability p_tail A /
+  (t - E[B]) whatever k (docs/faults.md 6.3; the mean of k - 1 flips is taken as E[B], which
+  errs high for small k). Means of two or more flips alone are left out: they reach the
+  largest single flips with a far smaller probability.
+Over the paper's U units of a site (as many as its frequencies measured: Table 2 has at least
+one) P(max <= t) = (1 - n(t) / U)^U, n(t) the expected units above t (`MaximumLaw`), exact in the
+bulk: over the 7 bits and over the significands of the run's recorded flips (faults.parquet's
+`original`; spread evenly over octaves where it recorded none). No sampling: a Monte Carlo of
+the engine's draws would estimate the same sums, and not at the 1e-7 probabilities a maximum
+over 10^7 units reads. The one number a run must measure is A, the accumulator errors' tail on
+its values: fitted to the recorded relative errors of the site's additive hits, or of the four
+sites' together where the site has fewer than `MIN_TAIL_HITS` above the floor `HIT_FLOOR`
+(where the 1/t law is within some 10% of the additive kind's exact tail), by the maximum
+likelihood of a tail P(r > t) = A / t above the floor: A = the floor x the share of hits above
+it; our error in it is the Poisson 90% range of the count above (`count_spread`).
+Table 2's row passes when Table 2 lies within the central `SCATTER_LEVEL` of this law, the law
+taken at the low end of A's range for the lower quantile and at its high end for the upper
+one, and states the probability that a correct model passes (`pass_probability`, at least
+`SCATTER_LEVEL` up to the discreteness of the recorded significands). Tables 8-9 have one row
+a site, each of the paper's layer maxima against its own layer's law (`layer_rows`). Imports
+no JAX.
 """
 
 from __future__ import annotations
