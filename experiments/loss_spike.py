@@ -18,14 +18,14 @@ one run per case, each with one corrupting event at step `--at`:
 - `paper-node-6-loss-spike`: the zoo's regime (node 6 as published plus such update errors,
   sdcstudy/faults/profiles.py), its rare events placed at step `--at`.
 
-The spike criterion (`spikes`): at least MIN_STEPS (2) consecutive steps flagged by the
-`monitor` detector's rule (`spike_steps`, docs/metrics.md): a loss that is not finite, or
-exceeds the median of the previous WINDOW (8) steps' losses by more than NATS (0.5) nats. Two
-steps, because Figure 7's spikes last (the loss comes down only as "training is again
-stabilized"), while a corrupted forward pass raises the loss read at its own step only. It is
-applied to each node's loss curve; the healthy node's must show none. Also reported: the
-largest gap loss/suspect - loss/healthy after the event, and the step the gap is back under
-NATS (the recovery; "never" within the run).
+The spike criterion is the study's one (sdcstudy/core/metrics.py, `loss_spike_spans`;
+docs/metrics.md, "Loss spikes"): a step is flagged when the suspect's loss is not finite or
+exceeds the healthy node's at the same step by more than 0.5 nats (summary.json's
+`loss_spikes`), and a loss spike is at least 2 consecutive flagged steps. Two, because Figure
+7's spikes last (the loss comes down only as "training is again stabilized"), while a
+corrupted forward pass raises the loss read at its own step only. Also reported: the largest
+gap loss/suspect - loss/healthy after the event, and the first step after the first flagged
+one that is not flagged (the recovery; "never" within the run).
 
 What it should show: no spike from node 6 as published (no fault at its four sites in a run of
 this size) nor from the ceiling (the loss read at the event's own step up, the model not), none
@@ -34,11 +34,11 @@ recovering or not by its size. Results in DIR: loss_spike.md and loss_spike.csv,
 folders. Two to four minutes a run on the loaded 2-core machine, most of it compiling.
 
 Measured (defaults, 2026-11-29, docs/results/faults.md "Loss spikes"): node 6 as published, a
-largest loss gap of 8e-5 nats; the ceiling 0.58 nats at its own step (0.47 over the running
-median), 0.011 the next; gradient errors 0.009; update errors at 1e-5 and 1e-4 at most 0.019
-nats, at 1e-3 a spike at steps 41-43 of 1.8 nats back under 0.5 at step 44, at 1e-2 one of 27.6
-nats still 7.7 up at step 60; the regime (1e-2) a spike at steps 41-45 of 14.7 nats, still 3.8
-up at step 60.
+largest loss gap of 8e-5 nats; the ceiling 0.58 nats at its own step (flagged), 0.011 the next
+(no spike); gradient errors 0.009; update errors at 1e-5 and 1e-4 at most 0.019 nats, at 1e-3
+a spike at steps 41-43 of 1.8 nats back under 0.5 at step 44, at 1e-2 one of 27.6 nats at
+steps 41-60, still 7.7 up at step 60; the regime (1e-2) a spike of 14.7 nats at steps 41-60,
+still 3.8 up at step 60.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import argparse
 import dataclasses
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -56,46 +55,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from sdcstudy import runner  # noqa: E402
 from sdcstudy.core import config as C  # noqa: E402
+from sdcstudy.core import metrics as MX  # noqa: E402
 from sdcstudy.core import runfolder as RF  # noqa: E402
 from sdcstudy.core import yamlsafe  # noqa: E402
 from sdcstudy.faults import profiles as P  # noqa: E402
 from sdcstudy.faults.specs import TimePattern  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-WINDOW = 8  # steps of history (detect.spike_window's default)
-NATS = 0.5  # nats above their median (detect.spike_loss's default)
-MIN_STEPS = 2  # consecutive flagged steps: the model carries the spike past the step that made it
+NATS = MX.SPIKE_NATS  # the criterion's per-step threshold, for the table's words
 UPDATE_FRACTIONS = (1e-5, 1e-4, 1e-3, 1e-2)
 REGIME = "paper-node-6-loss-spike"
-
-
-def spike_steps(steps, losses, window: int = WINDOW, nats: float = NATS) -> list[int]:
-    """The steps whose loss is not finite or exceeds the median of the previous `window`
-    finite losses by more than `nats` (steps with fewer than `window` before them are judged
-    on those they have; the first only if it is not finite)."""
-    found, history = [], []
-    for step, loss in zip(steps, losses):
-        if not math.isfinite(loss):
-            found.append(step)
-            continue
-        if history and loss > statistics.median(history[-window:]) + nats:
-            found.append(step)
-        history.append(loss)
-    return found
-
-
-def spikes(steps, losses, window: int = WINDOW, nats: float = NATS,
-           min_steps: int = MIN_STEPS) -> list[tuple[int, int]]:
-    """(first, last) of each run of at least `min_steps` consecutive `spike_steps`: a loss
-    spike of the model, not the reading of one corrupted step."""
-    flagged, runs, previous = set(spike_steps(steps, losses, window, nats)), [], None
-    for step in steps:
-        if step in flagged and runs and runs[-1][1] == previous:
-            runs[-1][1] = step
-        elif step in flagged:
-            runs.append([step, step])
-        previous = step
-    return [(a, b) for a, b in runs if b - a + 1 >= min_steps]
 
 
 def at_step(profile, step: int):
@@ -136,7 +105,7 @@ def cases(at: int) -> dict[str, str]:
 
 
 def measure(run_dir: Path, at: int) -> dict:
-    """The spike figures of one run folder (metrics.jsonl)."""
+    """The spike figures of one run folder (metrics.jsonl, summary.json) from step `at` on."""
     rows = RF.read_jsonl(run_dir / RF.METRICS)  # a non-finite value is written as a string
     steps = [r["step"] for r in rows]
     healthy = [float(r["loss/healthy"]) for r in rows]
@@ -144,12 +113,11 @@ def measure(run_dir: Path, at: int) -> dict:
     gap = {s: b - a for s, a, b in zip(steps, healthy, suspect)}
     after = [s for s in steps if s >= at]
     largest = max((gap[s] for s in after), key=lambda g: g if math.isfinite(g) else math.inf)
-    over = [s for s in after if not gap[s] < NATS]
-    recovered = next((s for s in after if over and s > over[0] and gap[s] < NATS), None)
+    flagged = MX.loss_spikes(rows)
+    over = [s for s in flagged if s >= at]
+    recovered = next((s for s in after if over and s > over[0] and s not in flagged), None)
     summary = RF.json_load(run_dir / RF.SUMMARY)
-    return {"spikes/suspect": spikes(steps, suspect), "spikes/healthy": spikes(steps, healthy),
-            "flagged/suspect": spike_steps(steps, suspect),
-            "flagged/healthy": spike_steps(steps, healthy),
+    return {"spikes": MX.loss_spike_spans(flagged), "flagged": flagged,
             "gap/at": gap.get(at, math.nan), "gap/largest": largest,
             "gap/first_over": over[0] if over else None,
             "recovered_at": recovered if over else None,
@@ -159,18 +127,24 @@ def measure(run_dir: Path, at: int) -> dict:
 
 
 def table(results: dict[str, dict]) -> str:
-    head = ("| run | faults landed | spikes (suspect) | spikes (healthy) | gap at the event | "
-            "largest gap | back under 0.5 nats | gap at the end | param/diff_l2 at the end |")
+    head = ("| run | faults landed | flagged steps | spikes | gap at the event | largest gap | "
+            f"back under {NATS:g} nats | gap at the end | param/diff_l2 at the end |")
     lines = [head, "|" + "---|" * 9]
     for name, r in results.items():
         back = ("-" if r["gap/first_over"] is None else
                 f"step {r['recovered_at']}" if r["recovered_at"] else "never")
-        spans = ", ".join(f"{a}-{b}" for a, b in r["spikes/suspect"]) or "none"
+        spans = ", ".join(f"{a}-{b}" for a, b in r["spikes"]) or "none"
         end = r["loss/suspect_last"] - r["loss/healthy_last"]
-        lines.append(f"| {name} | {r['faults/landed']} | {spans} | "
-                     f"{r['spikes/healthy'] or 'none'} | {r['gap/at']:.3g} | "
-                     f"{r['gap/largest']:.3g} | {back} | {end:.3g} | {r['param/diff_l2']:.3g} |")
+        lines.append(f"| {name} | {r['faults/landed']} | {steps_text(r['flagged'])} | {spans} | "
+                     f"{r['gap/at']:.3g} | {r['gap/largest']:.3g} | {back} | {end:.3g} | "
+                     f"{r['param/diff_l2']:.3g} |")
     return "\n".join(lines)
+
+
+def steps_text(steps: list[int]) -> str:
+    """Steps as ranges: [11, 12, 13, 20] -> "11-13, 20"."""
+    spans = MX.loss_spike_spans(steps, min_steps=1)
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans) or "none"
 
 
 def main(argv=None) -> int:

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 from report_runs import grid_rows
 
+from sdcstudy.core import metrics as MX
 from sdcstudy.paired import summary as PS
 from sdcstudy.report.runs import Run
 from sdcstudy.reproduce import bands as B
@@ -120,22 +121,36 @@ def test_d3_is_node_10s_frequency_times_its_severity_at_the_papers_exposure():
     assert CR.d3_row(_rows_of_node10(4.78e-3, 1120.0)[:1]) is None
 
 
-def test_figure7_spike_is_the_runs_own_criterion():
-    """A suspect loss 0.6 nats above the healthy one at one step is node 6's spike (pass); 0.4
-    is none (fail); on node 1, where the paper shows none, the verdicts turn round. A NaN loss
-    is a spike. The criterion is the one the runs' summary.json `loss_spikes` uses."""
-    assert CR.SPIKE_NATS == PS.SPIKE_THRESHOLD
-    healthy = np.linspace(3.0, 1.0, 40)
+def test_figure7_spike_is_the_one_criterion():
+    """Node 6's spike (pass) is a suspect loss 0.6 nats over the healthy one at two consecutive
+    steps, or a NaN from some step on; at one step only (a corrupted reading), 0.4 nats, or
+    with the healthy loss up as much, there is none (fail). On node 1, where the paper shows
+    none, the verdicts turn round. The steps it judges are the ones summary.json's
+    `loss_spikes` flags, by the same functions."""
+    assert (CR.SPIKE_NATS, CR.SPIKE_MIN_STEPS) == (MX.SPIKE_NATS, MX.SPIKE_MIN_STEPS) == (0.5, 2)
+    base = np.linspace(3.0, 1.0, 40)
 
-    def row(node, bump):
-        suspect = healthy.copy()
-        suspect[30] += bump
-        return CR.figure7_row(node, _paired(loss__healthy=healthy, loss__suspect=suspect),
-                              "the synthetic multiple-choice task, tiny")
-    assert (row(6, 0.6).verdict, row(6, 0.4).verdict) == ("pass", "fail")
-    assert (row(1, 0.6).verdict, row(1, 0.4).verdict) == ("fail", "pass")
-    assert "step 31 of 40" in row(6, 0.6).reason and "tiny" in row(6, 0.6).quantity
-    assert row(6, float("nan")).verdict == "pass"
+    def run(bump, steps=(30,), healthy_too=False):
+        healthy, suspect = base.copy(), base.copy()
+        suspect[list(steps)] += bump
+        if healthy_too:
+            healthy[list(steps)] += bump
+        return _paired(loss__healthy=healthy, loss__suspect=suspect)
+
+    def verdicts(case):
+        return tuple(CR.figure7_row(node, case, "the synthetic multiple-choice task, "
+                                    "tiny").verdict for node in (6, 1))
+    assert verdicts(run(0.6, (30, 31))) == ("pass", "fail")
+    assert verdicts(run(float("nan"), range(30, 40))) == ("pass", "fail")
+    for no_spike in (run(0.6), run(0.4, (30, 31)), run(0.6, (30, 31), healthy_too=True)):
+        assert verdicts(no_spike) == ("fail", "pass")
+    spike = CR.figure7_row(6, run(0.6, (30, 31)), "tiny")
+    assert "steps 31-32" in spike.reason and "step 31 of 40" in spike.reason
+    assert "tiny" in spike.quantity and spike.ours == pytest.approx(0.6)
+    assert "no spike" in CR.figure7_row(6, run(0.6), "tiny").reason
+    # summary.json's field for the same losses flags the same steps
+    rows = run(0.6, (30, 31)).metrics.to_dict("records")
+    assert PS.paired_summary(rows, {}, {}, "float32")["loss_spikes"] == [31, 32]
 
 
 def test_tables_3_5_pass_above_the_unfine_tuned_model_and_near_the_other_seed():

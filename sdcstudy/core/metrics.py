@@ -7,6 +7,7 @@ Ma et al., "Understanding Silent Data Corruption in LLM Training":
 - severity of a site at a microstep, eqs. (3)-(4): the max over tp ranks and layers of the
   rows' severity; `max_severity[site]` is its max over microsteps;
 - WCNTS, eq. (5): the max over steps of ||g' - g||_2 / ||g||_2.
+Loss spikes are the study's, not the paper's (it gives no rule): `loss_spike_spans`.
 """
 
 from __future__ import annotations
@@ -84,9 +85,17 @@ def wcnts(metric_rows: list[dict]) -> float | None:
     return max(values) if values else None
 
 
-def loss_spikes(metric_rows: list[dict], threshold: float) -> list[int]:
-    """Steps where the suspect's loss exceeds the healthy one's by more than `threshold` nats
-    (or is not finite): the paired form of a loss-spike detector."""
+# The loss-spike criterion (docs/metrics.md, "Loss spikes"), stated once: every report, row and
+# study that judges a loss spike reads these.
+SPIKE_NATS = 0.5  # a suspect loss this far above the healthy one at the same step is flagged
+SPIKE_MIN_STEPS = 2  # consecutive flagged steps: the model carries the rise, not one reading
+
+
+def loss_spikes(metric_rows: list[dict], threshold: float = SPIKE_NATS) -> list[int]:
+    """The steps the loss-spike criterion flags (`loss_spike_spans` says when they make a
+    spike): those whose suspect loss is not finite or exceeds the healthy node's loss at the
+    same step by more than `threshold` nats. Rows without both losses are skipped; a
+    non-finite healthy loss flags nothing. summary.json's `loss_spikes`."""
     spikes = []
     for r in metric_rows:
         s, h = r.get("loss/suspect"), r.get("loss/healthy")
@@ -96,6 +105,25 @@ def loss_spikes(metric_rows: list[dict], threshold: float) -> list[int]:
         if not math.isfinite(s) or s - float(h) > threshold:
             spikes.append(int(r["step"]))
     return spikes
+
+
+def loss_spike_spans(flagged_steps, min_steps: int = SPIKE_MIN_STEPS) -> list[tuple[int, int]]:
+    """The loss spikes, as (first, last) step: each run of at least `min_steps` consecutive
+    steps that `loss_spikes` flags.
+
+    The criterion of the study: the pair gives what the paper's single node lacked, a reference
+    at the same step, so the suspect is judged against the healthy loss (a spike both nodes
+    make, from the data, is none), and a rise counts only when the model carries it into the
+    next step: one corrupted forward pass raises the loss read at its own step only, while a
+    corrupted model stays up (Ma et al., Figure 7: until "training is again stabilized").
+    `flagged_steps` may be summary.json's `loss_spikes` as written."""
+    spans: list[list[int]] = []
+    for step in sorted(set(int(s) for s in flagged_steps)):
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return [(first, last) for first, last in spans if last - first + 1 >= min_steps]
 
 
 def merge_histograms(total: dict, new: dict) -> dict:

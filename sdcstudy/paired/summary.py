@@ -1,6 +1,8 @@
 """summary.json fields of a paired run, from its metrics rows and mismatch table (no JAX):
-WCNTS (eq. 5), the final parameter difference, loss spikes, the per-site frequency and severity
-aggregates (eqs. 1-4) and the per-site histograms of mismatching bit positions.
+WCNTS (eq. 5), the final parameter difference, the steps the loss-spike criterion flags
+(`loss_spikes`, by `metrics.loss_spikes`; `metrics.loss_spike_spans` tells which of them make a
+spike, at report time), the per-site frequency and severity aggregates (eqs. 1-4) and the
+per-site histograms of mismatching bit positions.
 """
 
 from __future__ import annotations
@@ -11,13 +13,11 @@ from sdcstudy.core import metrics as MX
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.stats import bit_width, class_counts
 
-SPIKE_THRESHOLD = 0.5  # nats: a suspect loss this far above the healthy one is a spike
-
 
 def paired_summary(rows: list[dict], tables: dict, histograms: dict, dtype: str) -> dict:
     out = {"wcnts": MX.wcnts(rows),
            "param/diff_l2": rows[-1].get("param/diff_l2") if rows else None,
-           "loss_spikes": MX.loss_spikes(rows, SPIKE_THRESHOLD)}
+           "loss_spikes": MX.loss_spikes(rows)}
     if RF.MISMATCH in tables:
         out.update(MX.site_aggregates_of_parts(
             tables[RF.MISMATCH].frames(MX.AGGREGATE_COLUMNS)))
