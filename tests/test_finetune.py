@@ -374,7 +374,9 @@ def test_report_table3_rows_dp_of_the_other_seed_and_spike_flags(tmp_path):
     _fake_finetune_run(tmp_path / "a", "healthy", 0, ref, ref)
     _fake_finetune_run(tmp_path / "b", "paper-node-6", 0, ref, late, spikes=(4, 5))
     _fake_finetune_run(tmp_path / "c", "healthy", 7, other, other)
-    result = report.write_report([tmp_path / d for d in "abc"], tmp_path / "report")
+    # One flagged step is a corrupted reading, not a loss spike (core/metrics.py): no star.
+    _fake_finetune_run(tmp_path / "d", "paper-node-4", 0, ref, ref, spikes=(3,))
+    result = report.write_report([tmp_path / d for d in "abcd"], tmp_path / "report")
     assert {"table3_finetune.csv", "finetune_loss_spikes.csv",
             "fig7_finetune_loss.png"} <= set(result["files"])
     md = result["markdown"]
@@ -383,5 +385,6 @@ def test_report_table3_rows_dp_of_the_other_seed_and_spike_flags(tmp_path):
     assert "| Unhealthy Node 6 | 0.00 (87.50) * |" in md
     assert "| without fine-tuning | 10.00 (90.00) |" in md
     assert "LOSS SPIKE: Node 6 at steps 4-5" in md
+    assert "| Unhealthy Node 4 | 50.00 (0.00) |" in md and "Node 4 at steps" not in md
     table = pd.read_csv(tmp_path / "report" / "table3_finetune.csv", index_col=0)
     assert table.loc["Healthy Node (seed=7)", "synthetic DP"] == pytest.approx(25.0)

@@ -7,10 +7,12 @@
   `update` sites compile another step, whose healthy node may differ in rounding from the
   other runs'); the healthy node of a run with another shuffle seed against the reference
   run's, through both runs' `predictions.parquet`.
-- The loss-spike table: steps where a suspect's training loss exceeded the healthy node's by
-  more than the spike threshold (`summary.json` `loss_spikes`), the largest gap, and the TA
-  they left; a Table 3 cell whose run had a spike is marked with *.
-- Figure 7: training loss of the healthy and suspect nodes during fine-tuning, spikes marked.
+- The loss-spike table: the steps the loss-spike criterion flags (`summary.json`
+  `loss_spikes`: a suspect's training loss more than 0.5 nats above the healthy node's), the
+  loss spikes among them (at least 2 consecutive flagged steps, `core.metrics.loss_spike_spans`),
+  the largest gap, and the TA they left; a Table 3 cell whose run had a spike is marked with *.
+- Figure 7: training loss of the healthy and suspect nodes during fine-tuning, flagged steps
+  marked.
 
 Imports no JAX.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from sdcstudy.core import metrics as MX
 from sdcstudy.core import runfolder as RF
 from sdcstudy.faults import published as PB
 from sdcstudy.report import tables as T
@@ -73,8 +76,13 @@ def reference_seed(runs: list) -> int:
     return min(counts, key=lambda s: (-counts[s], s))
 
 
+def _spans(run) -> list[tuple[int, int]]:
+    """The run's loss spikes, (first, last) step, by the one criterion."""
+    return MX.loss_spike_spans(run.summary.get("loss_spikes") or [])
+
+
 def _spiked(run) -> bool:
-    return bool(run.summary.get("loss_spikes"))
+    return bool(_spans(run))
 
 
 def table3(runs: dict) -> pd.DataFrame:
@@ -136,7 +144,8 @@ def table3_markdown(table: pd.DataFrame) -> str:
 
 
 def spike_table(runs: dict, threshold: float | None = None) -> pd.DataFrame:
-    """One row per fine-tuning run with a suspect: spike steps, the largest loss gap, TA."""
+    """One row per fine-tuning run with a suspect: flagged steps, loss spikes (the first
+    one's first step, the last one's last), the largest loss gap, TA."""
     records = []
     for label, run in finetune_runs(runs).items():
         if T.run_profile(run) == "healthy":
@@ -145,11 +154,11 @@ def spike_table(runs: dict, threshold: float | None = None) -> pd.DataFrame:
         gap = (pd.to_numeric(m["loss/suspect"], errors="coerce")
                - pd.to_numeric(m["loss/healthy"], errors="coerce")) \
             if {"loss/suspect", "loss/healthy"} <= set(m.columns) else pd.Series(dtype=float)
-        spikes = list(run.summary.get("loss_spikes") or [])
+        flagged, spans = list(run.summary.get("loss_spikes") or []), _spans(run)
         records.append({"run": label, "task": _task(run), "profile": T.run_profile(run),
-                        "spike steps": len(spikes),
-                        "first spike": spikes[0] if spikes else None,
-                        "last spike": spikes[-1] if spikes else None,
+                        "flagged steps": len(flagged), "spikes": len(spans),
+                        "first spike": spans[0][0] if spans else None,
+                        "last spike": spans[-1][1] if spans else None,
                         "max loss gap (nats)": float(np.nanmax(gap)) if len(gap) else None,
                         "TA suspect": run.summary.get("qa/ta/suspect"),
                         "TA healthy": run.summary.get("qa/ta/healthy"),
@@ -170,13 +179,15 @@ def sections(runs: dict) -> tuple[list[str], dict]:
             f"whose suspect had a loss spike.\n"]
     files = {TABLE3_CSV: T.csv(table, ["configuration"])}
     if not spikes.empty:
-        flagged = spikes[spikes["spike steps"] > 0]
-        note = ("No suspect had a loss spike." if flagged.empty else
+        spiked = spikes[spikes["spikes"] > 0]
+        note = ("No suspect had a loss spike (at least 2 consecutive steps more than 0.5 nats "
+                "above the healthy loss)." if spiked.empty else
                 "LOSS SPIKE: " + "; ".join(
                     f"{run} at steps {int(r['first spike'])}-{int(r['last spike'])} "
-                    f"({int(r['spike steps'])} steps, up to {r['max loss gap (nats)']:.3g} nats "
-                    f"above the healthy loss), TA {r['TA suspect']:.2f} against "
-                    f"{r['TA healthy']:.2f}" for run, r in flagged.iterrows()) + ".")
+                    f"({int(r['spikes'])} spike(s), {int(r['flagged steps'])} flagged steps, "
+                    f"up to {r['max loss gap (nats)']:.3g} nats above the healthy loss), TA "
+                    f"{r['TA suspect']:.2f} against {r['TA healthy']:.2f}"
+                    for run, r in spiked.iterrows()) + ".")
         text.append(f"## Loss spikes during fine-tuning\n\n"
                     f"{T.markdown(spikes, ['run'])}\n\n{note}\n\n[{SPIKES_CSV}]({SPIKES_CSV})\n")
         files[SPIKES_CSV] = T.csv(spikes, ["run"])
@@ -185,7 +196,8 @@ def sections(runs: dict) -> tuple[list[str], dict]:
 
 def loss_figure(runs: dict, path: Path) -> Path | None:
     """Figure 7: training loss during fine-tuning, one panel per task; the healthy node in
-    black, each suspect in colour, spike steps marked with x. Log y: a spike spans decades."""
+    black, each suspect in colour, flagged steps marked with x. Log y: a spike spans
+    decades."""
     from sdcstudy.report import plots
 
     runs = finetune_runs(runs)

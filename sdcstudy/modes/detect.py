@@ -49,7 +49,9 @@ class DetectMode(Mode):
         "faults/unlogged": "corruptions made but not logged",
         "wcnts": "eq. (5): max over steps of grad/nts (null without a mirror)",
         "param/diff_l2": "null: a detect run has no second node",
-        "loss_spikes": "steps whose loss/suspect exceeds loss/healthy by 0.5 nats",
+        "loss_spikes": "steps the loss-spike criterion flags (loss/suspect over loss/healthy "
+                       "by more than 0.5 nats; core/metrics.py); a spike is 2 or more "
+                       "consecutive",
     }
 
     @classmethod

@@ -26,7 +26,9 @@ METRICS = {
 SUMMARY = {
     "wcnts": "eq. (5): max over steps of grad/nts",
     "param/diff_l2": "the last step's parameter difference",
-    "loss_spikes": "steps whose suspect loss exceeds the healthy one by 0.5 nats",
+    "loss_spikes": "steps the loss-spike criterion flags (suspect loss over the healthy one "
+                   "by more than 0.5 nats; core/metrics.py); a spike is 2 or more "
+                   "consecutive",
     "faults/landed": "corruptions made over the run",
     "faults/unlogged": "corruptions made but not logged",
 }

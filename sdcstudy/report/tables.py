@@ -241,7 +241,8 @@ def runs_table(runs: dict) -> pd.DataFrame:
             "loss/healthy": last.get("loss/healthy", math.nan),
             "loss/suspect": last.get("loss/suspect", math.nan),
             "param/diff_l2": last.get("param/diff_l2", math.nan),
-            "loss spikes": len(spikes) if isinstance(spikes, list) else math.nan,
+            "loss spikes": len(MX.loss_spike_spans(spikes)) if isinstance(spikes, list)
+            else math.nan,
         }
     return pd.DataFrame.from_dict(rows, orient="index")
 
