@@ -16,6 +16,7 @@ from sdcstudy.report.runs import Run
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import claim_rows as CR
 from sdcstudy.reproduce import exposure_rows as X
+from sdcstudy.reproduce import flip_exposure as FX
 from sdcstudy.reproduce import scorecard as S
 from sdcstudy.reproduce.bands import Row
 
@@ -119,6 +120,20 @@ def test_d3_is_node_10s_frequency_times_its_severity_at_the_papers_exposure():
     assert CR.d3_row(_rows_of_node10(4.78e-3, 112000.0)).verdict == "fail"
     assert CR.d3_row(_rows_of_node10(4.78e-3, None)).verdict == B.TOO_RARE
     assert CR.d3_row(_rows_of_node10(4.78e-3, 1120.0)[:1]) is None
+
+
+def test_d3_under_the_flip_model_takes_the_severity_rows_own_band():
+    """A flip-model Table 2 row carries its own band (flip_exposure); D.3 multiplies by it,
+    not by the additive band factors: with a band of [0.5, 2] x 1120, 4.78e-3 x 3000 (2.7x
+    the published product) fails, though it lies inside the additive factors' band."""
+    def flip_rows(severity):
+        freq, sev = _rows_of_node10(4.78e-3, severity)
+        sev.band, sev.reason = B.interval(560.0, 2240.0), FX.FLIP_REASON + " 1e7 units"
+        return [freq, sev]
+    lo, hi = X.band_factors()
+    assert lo < 3000 / 1120 < hi  # the additive band would pass it
+    assert CR.d3_row(flip_rows(3000.0)).verdict == "fail"
+    assert CR.d3_row(flip_rows(1500.0)).verdict == "pass"
 
 
 def test_figure7_spike_is_the_one_criterion():

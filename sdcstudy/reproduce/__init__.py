@@ -6,6 +6,7 @@
 - `mismatch_rows`: Tables 1, 2 and 6-9 from the lock-step runs;
 - `training_rows`: Figures 5, 6 and 10 from the parameter-sync, free and ABFT runs;
 - `exposure_rows`: Tables 2, 8 and 9 at the paper's exposure, with the scatter of its maximum;
+  `flip_exposure` the same under the flip model, from the law of the maximum its bit law gives;
 - `abft_paper_scale`: Figure 10 at the paper's sizes, the profiles' attention faults in
   float32 products of the paper's shapes checked as ABFT does (numpy, no run), and
   `figure10_paper` its rows, sampling noise left to the analytic estimate;

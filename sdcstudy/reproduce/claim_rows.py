@@ -42,6 +42,7 @@ from sdcstudy.core import metrics as MX
 from sdcstudy.faults import published as PB
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import exposure_rows as X
+from sdcstudy.reproduce import flip_exposure as FX
 from sdcstudy.reproduce.bands import Row
 from sdcstudy.reproduce.training_rows import series
 
@@ -193,6 +194,17 @@ def layer_trend_rows(node: int, run) -> list[Row]:
     return rows
 
 
+def _severity_factors(severity: Row) -> tuple[float, float]:
+    """(lo, hi) of a Table 2 row at the paper's exposure as factors of the published value:
+    the additive model's `exposure_rows.band_factors`, or the flip model's own band
+    (`flip_exposure`: the band on ours that holds the published value in the law's central
+    range, read back from the row at its three significant digits)."""
+    bounds = B.bounds(severity.band)
+    if severity.reason.startswith(FX.FLIP_REASON) and bounds is not None:
+        return bounds[0] / severity.published, bounds[1] / severity.published
+    return X.band_factors()
+
+
 def d3_row(rows: list[Row]) -> Row | None:
     """D.3 from node 10's scored rows: Table 1's fwd/attn frequency x Table 2's fwd/attn
     severity at the paper's exposure, against 5.35 in the product of the two bands."""
@@ -202,7 +214,7 @@ def d3_row(rows: list[Row]) -> Row | None:
                      and r.quantity == "fwd/attn" + X.SUFFIX), None)
     if freq is None or severity is None:
         return None
-    lo_s, hi_s = X.band_factors()
+    lo_s, hi_s = _severity_factors(severity)
     lo = D3_PUBLISHED * (1 - B.FREQ_TOLERANCE) * lo_s
     hi = D3_PUBLISHED * (1 + B.FREQ_TOLERANCE) * hi_s
     quantity = "node 10's worst-case row-sum factor, frequency x severity (fwd/attn)"

@@ -54,6 +54,7 @@ BULK_KIND, TAIL_KIND = "bitflip", "additive"  # faults.parquet's kinds of the tw
 HIT_FLOOR = 1.0
 MIN_TAIL_HITS = 5
 SCATTER_LEVEL = 0.90
+FLIP_REASON = "flip model over the paper's"  # how a row of this law's reason starts
 COUNT_LEVEL = 0.90  # the Poisson range of the fitted tail's hits above the floor
 
 
@@ -276,7 +277,7 @@ def site_row(node: int, published: float, quantity: str, freqs, given: SiteTail)
     return Row(node, "Table 2", quantity, published, ours, B.ratio(ours, published),
                B.interval(published * ours / hi, published * ours / lo),
                "pass" if lo <= published <= hi else "fail",
-               f"flip model over the paper's {_units(units)} units ({_units(single)} with one "
+               f"{FLIP_REASON} {_units(units)} units ({_units(single)} with one "
                f"hit): {given.words()}; Table 2 is one draw of the maximum, "
                f"{SCATTER_LEVEL:.0%} of them in [{B.g(lo)}, {B.g(hi)}]", published,
                pass_probability=pass_probability(law, lo, hi, given.spread))
