@@ -14,6 +14,7 @@ import pytest
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import exposure_rows as X
 from sdcstudy.reproduce import flip_exposure as FX
+from sdcstudy.reproduce.bands import Row
 
 EVEN = np.array([])  # significands spread evenly over octaves
 
@@ -147,3 +148,22 @@ def test_flip_runs_get_the_laws_rows_and_the_bulk_nodes_maxima_are_judged():
     (layer,) = X.layer_rows(13, _run(13, empty))
     assert layer.source == "Table 9" and layer.verdict == "fail" and X.is_exposure_row(layer)
     assert not FX.is_flip_run(_run(13, empty, "")) and not FX.is_flip_run(None)
+
+
+def test_failing_flip_rows_are_explained_by_the_flip_law_not_the_additive_tail():
+    """A flip Table 2 row failing with the paper's maximum below the law (ours above it) is the
+    bit law's heavy bulk; above the law, too little A / t tail; the same row of an additive run
+    keeps the additive model's finding."""
+    from sdcstudy.reproduce import findings as F
+
+    def row(ours, published):
+        return Row(5, "Table 2", "bwd/ffn" + X.SUFFIX, published, ours, ours / published,
+                   B.interval(ours / 2, ours * 2), "fail", FX.FLIP_REASON + " 1e6 units")
+
+    heavy, light = row(0.49, 0.0908), row(0.3, 40.0)
+    F.explain([heavy, light], {"fault_model": "flip"}, None)
+    assert "bit law is too heavy" in heavy.why and "6.3" in heavy.why
+    assert "more accumulator errors" in light.why
+    additive = row(0.49, 0.0908)
+    F.explain([additive], {"fault_model": "additive"}, None)
+    assert additive.why.startswith("docs/faults.md 5.3")
