@@ -275,8 +275,8 @@ def _single_fault_ratio(shape: A.Shape) -> float:
 
 
 FINDINGS: tuple[Callable[[Row, dict, object], str | None], ...] = (
-    flip_law_at_exposure, tail_at_exposure, severity_tail, last_bit, wcnts_from_table1, wcnts_few_faults,
-    loss_gap_of_one_batch, loss_gap_from_table1, abft_checks_our_faults)
+    flip_law_at_exposure, tail_at_exposure, severity_tail, last_bit, wcnts_from_table1,
+    wcnts_few_faults, loss_gap_of_one_batch, loss_gap_from_table1, abft_checks_our_faults)
 
 
 def explain(rows: list[Row], entry: dict, run) -> list[Row]:
