@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_batching import custom_vmap
 from jax.extend.random import threefry2x32_p
 
 from sdcstudy.core.mesh import vary, varying_axes
@@ -39,12 +40,29 @@ def hashes(requests):
     low = jnp.concatenate([jnp.arange(n, dtype=jnp.uint32) for _, n in requests])
     # The hash keeps no record of the mesh axes its operands vary over (inside `shard_map`).
     axes = frozenset().union(*(varying_axes(key) for key, _ in requests))
-    w1, w2 = vary(threefry2x32_p.bind(k1, k2, jnp.zeros_like(low), low), axes)
+    w1, w2 = vary(_threefry(k1, k2, low), axes)
     out, start = [], 0
     for _, n in requests:
         out.append((w1[start:start + n], w2[start:start + n]))
         start += n
     return out
+
+
+@custom_vmap
+def _threefry(k1, k2, low):
+    """The two words of H((k1, k2), low) for uint32 vectors, the counters' high words 0."""
+    return tuple(threefry2x32_p.bind(k1, k2, jnp.zeros_like(low), low))
+
+
+@_threefry.def_vmap
+def _threefry_stack(size: int, batched, k1, k2, low):
+    """A stack of hashes as one hash of their counters laid end to end: XLA's CPU backend
+    unrolls the loops of a (stack, few counters) hash for each stacked row, which made the
+    stacked draws of small keys (splits of 2 and 3) compile for seconds."""
+    rows = [a if b else jnp.broadcast_to(a, (size, *a.shape)) for a, b in
+            zip((k1, k2, low), batched)]
+    w1, w2 = _threefry(*(a.reshape(-1) for a in rows))
+    return (w1.reshape(rows[0].shape), w2.reshape(rows[0].shape)), (True, True)
 
 
 def as_keys(words):
