@@ -10,7 +10,7 @@ from pathlib import Path
 
 from sdcstudy.gpu import floors as GF
 from sdcstudy.gpu import nvidia_smi as SMI
-from sdcstudy.gpu.session import ROOT, Session, broke, child_env, skipped, with_flags
+from sdcstudy.gpu.session import ROOT, Session, broke, child_env, failure, skipped, with_flags
 from sdcstudy.gpu.session import without_determinism
 
 DTYPES = ("float32", "bfloat16")
@@ -49,13 +49,11 @@ class Acceptance(Session):
             return run
         if run["exit_code"] not in (0, 1) or not path.exists():  # 1: the doctor's FAIL
             return broke(run)
-        out = {"pass": run["exit_code"] == 0, **run}
-        if path.exists():
-            d = json.loads(path.read_text())
-            out.update(verdict=d["verdict"], problems=d["problems"], steps=d["steps"],
-                       compiled_step_sha256=d["env"]["compiled_step_sha256"],
-                       param_digest=d["param_digest"], xla_flags=d["env"]["xla_flags"])
-        return out
+        d = json.loads(path.read_text())
+        return {"pass": run["exit_code"] == 0, **run, "verdict": d["verdict"],
+                "problems": d["problems"], "steps": d["steps"],
+                "compiled_step_sha256": d["env"]["compiled_step_sha256"],
+                "param_digest": d["param_digest"], "xla_flags": d["env"]["xla_flags"]}
 
     def bench(self, name: str, workload: tuple, dtype: str, cap: float,
               env: dict | None = None, floor: GF.Floor | None = None) -> dict:
@@ -183,7 +181,7 @@ class Acceptance(Session):
         if "skipped" in rec:
             return rec
         if not self.ran(rec, folder / "golden.json"):
-            return broke({"record": rec, "seconds": rec["seconds"]}, broke(rec)["error"])
+            return broke({"record": rec, "seconds": rec["seconds"]}, failure(rec))
         chk = self.sdcstudy("golden check full", ["golden", "check", folder, "--repeat", 1,
                                                   "--json", path, "--no-progress"], cap=240)
         check_verdict = json.loads(path.read_text())["verdict"] if path.exists() else None
@@ -192,7 +190,7 @@ class Acceptance(Session):
                   "seconds": round(rec["seconds"] + chk.get("seconds", 0), 1),
                   **GF.judge_golden_full(meta, rec["seconds"], check_verdict)}
         if check_verdict is None and all(judged[k] for k in ("every_sm", "memory_ok", "time_ok")):
-            return broke(judged, f"golden check gave no verdict ({broke(chk)['error']})")
+            return broke(judged, f"golden check gave no verdict ({failure(chk)})")
         return judged
 
     def attention_repeat(self) -> dict:
@@ -211,7 +209,7 @@ class Acceptance(Session):
             runs.append(run)
             summary = folder / "summary.json"
             if not self.ran(run, summary):
-                return broke({"runs": runs}, f"run {i}: {broke(run)['error']}")
+                return broke({"runs": runs}, f"run {i}: {failure(run)}")
             digests.append(json.loads(summary.read_text())["param_digest"])
         return {"runs": runs, "seconds": round(sum(r["seconds"] for r in runs), 1),
                 **GF.judge_repeat(digests)}

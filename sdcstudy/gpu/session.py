@@ -80,15 +80,18 @@ def skipped(reason: str, **fields) -> dict:
     return {"pass": None, "skipped": reason, "seconds": 0.0, **fields}
 
 
+def failure(run: dict) -> str:
+    """Why a child gave no results: it timed out, exited non-zero, or wrote nothing."""
+    return ("timed out" if run.get("timed_out") else
+            f"the child exited {run.get('exit_code')}" if run.get("exit_code") else
+            "the child wrote no results")
+
+
 def broke(run: dict, why: str = "") -> dict:
-    """A check that could not measure: its child crashed, timed out or wrote nothing, or
-    reading its files raised. Neither PASS nor FAIL: no target was judged (a crash is not a
-    verdict on the GPU)."""
-    if not why:
-        why = ("timed out" if run.get("timed_out") else
-               f"the child exited {run.get('exit_code')}" if run.get("exit_code") else
-               "the child wrote no results")
-    return {**run, "pass": None, "error": why}
+    """A check that could not measure: its child crashed, timed out or wrote nothing
+    (`failure`), or reading its files raised (`why`). Neither PASS nor FAIL: no target was
+    judged (a crash is not a verdict on the GPU)."""
+    return {**run, "pass": None, "error": why or failure(run)}
 
 
 # The acceptance's verdicts, strongest first, and their exit codes (core/errors.py's contract).

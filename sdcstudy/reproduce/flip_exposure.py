@@ -192,7 +192,7 @@ def pass_probability(law: MaximumLaw, lo: float, hi: float, spread: float) -> fl
 def is_flip_run(run) -> bool:
     """Whether a run's profile is a paper node's under the flip model."""
     profile = str(((getattr(run, "config", None) or {}).get("suspect") or {}).get("profile", ""))
-    return profile.startswith(PB.PAPER_PREFIX) and profile.endswith(PB.FLIP_SUFFIX)
+    return PB.paper_node_number(profile) is not None and profile.endswith(PB.FLIP_SUFFIX)
 
 
 @dataclass(frozen=True)
