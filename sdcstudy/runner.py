@@ -86,6 +86,15 @@ class _Signals:
         for s, handler in self._before.items():  # None: not set from Python
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
+    def agreed(self) -> int | None:
+        """The signal to stop on at this safe point: the one received here, or in a run of
+        several processes any process's (`distributed.stop_signal`; every process asks at the
+        same steps, so all stop at the same one and save the same checkpoint together)."""
+        agreed = distributed.stop_signal(self.received)
+        if self.received is None:  # a signal that lands during the call counts at the next
+            self.received = agreed
+        return agreed
+
     def _handle(self, signum, _frame):
         if not (self.deferring and self.received is None):
             raise Interrupted(signum)
@@ -341,13 +350,13 @@ def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int
                 pending = (step, out.metrics, out.records)
                 # Safe points: the state is whole, every earlier step (after the save, this one
                 # too) recorded. A signal after a look is seen at the next; the last step ends.
-                stopped = signals.received is not None and step < end
+                stopped = step < end and signals.agreed() is not None
                 if stopped or step == end or (e.checkpoint_every and
                                               step % e.checkpoint_every == 0):
                     log.record(*pending)
                     pending = None
                     save(step)
-                    stopped = signals.received is not None and step < end
+                    stopped = step < end and signals.agreed() is not None
                 if stopped:
                     break
         finally:

@@ -12,6 +12,7 @@ persistent compilation cache lets the dead-peer run reuse the two-process progra
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -314,3 +315,29 @@ def test_the_meeting_binds_the_address_given_and_names_a_ports_holder(monkeypatc
         assert rendezvous.listeners(server.getsockname()[1]) == []
         server.listen()
         assert rendezvous.listeners(server.getsockname()[1]) == [("127.0.0.1", os.getpid())]
+
+
+def test_a_signal_to_one_process_stops_both_at_the_same_checkpoint(setup, processes):
+    """A scheduler may signal the processes of a run at different moments, or only one. The
+    one signalled must not stop alone: its peer would wait in the next step's collective and
+    the save would wait for the peer, until the timeout ends both as lost peers (exit 3) with
+    nothing checkpointed. Every process asks the others at each safe point
+    (`distributed.stop_signal`), so both finish the same step, save it together and exit 143."""
+    out, port = setup / "signalled", _free_port()
+    first, second = _pair(processes, "signal", out, port, "--set", "experiment.steps=2000",
+                          "--set", "experiment.checkpoint_every=5")
+    end = time.monotonic() + DEADLINE_S
+    while not (out / RF.CHECKPOINTS / "5").is_dir():
+        assert first.poll() is None and second.poll() is None, processes.logs()
+        assert time.monotonic() < end, "the pair never reached step 5:\n" + processes.logs()
+        time.sleep(0.1)
+    os.kill(second.pid, signal.SIGTERM)
+    codes = processes.wait()
+    assert codes == {"signal-p0": 143, "signal-p1": 143}, processes.logs()
+    stopped = [re.search(r"the latest checkpoint is step (\d+)", processes.log(f"signal-p{i}"))
+               for i in range(2)]
+    assert all(stopped), processes.logs()
+    step = int(stopped[0].group(1))
+    assert int(stopped[1].group(1)) == step and 5 <= step < 2000
+    assert (out / RF.CHECKPOINTS / str(step)).is_dir()
+    assert [r["step"] for r in _metrics(out)] == list(range(1, step + 1))

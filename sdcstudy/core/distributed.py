@@ -292,6 +292,23 @@ def fetch(tree):
     return jax.tree.unflatten(treedef, [host(x) for x in leaves])
 
 
+def stop_signal(signum: int | None) -> int | None:
+    """The stop signal to act on at a safe point of the run: this process's own (None: none),
+    and in a run of several processes the largest any process received, so that a signal that
+    reached one process only (or each at a different step) stops them all at the same step.
+
+    Every process must call it at the same safe points (a collective); one process alone
+    costs nothing."""
+    import jax
+
+    if jax.process_count() == 1:
+        return signum
+    from jax.experimental import multihost_utils
+
+    received = multihost_utils.process_allgather(np.int32(signum or 0))
+    return int(np.max(received)) or None
+
+
 # --- ending a run --------------------------------------------------------------------------
 
 
@@ -305,8 +322,9 @@ def _describe(error: BaseException) -> tuple[int, str]:
     me = f"process {jax.process_index()} of {jax.process_count()}"
     if isinstance(error, UserError):
         return errors.EXIT_BAD_INPUT, f"{me}: {error}"
-    if isinstance(error, KeyboardInterrupt):
-        return errors.EXIT_SIGINT, f"{me}: {error or 'interrupted'}"
+    if isinstance(error, KeyboardInterrupt):  # runner.Interrupted: 143 for SIGTERM
+        return (getattr(error, "exit_code", errors.EXIT_SIGINT),
+                f"{me}: {error or 'interrupted'}")
     if isinstance(error, NonFiniteError):
         return errors.EXIT_FAIL, f"{me}: {error}"
     if isinstance(error, errors.CouldNotRun):
