@@ -7,8 +7,8 @@ monitor, ABFT, a shadow data-parallel replica (round robin over ranks), same-dev
 re-execution, the lock-step mirror (the reference) and localization with three replicas. The
 state advances on the mirror's clean gradient (`detect.advance: reference`), so every step's
 faults are an independent event, as in lock-step. After each run the same process times each
-detector alone against no detector (interleaved repetitions, median) and reads XLA's planned
-memory of each compiled step (`detect_overhead.json` in the run folder).
+detector alone against no detector as `sdcstudy bench detect` does (interleaved repetitions,
+median) with the peak memory of each compiled step (`detect_overhead.json` in the run folder).
 
 What it should show: re-execution misses repeatable faults; the shadow replica catches what
 lands on the rank it checks (about one step in `mesh.dp` under round robin); the lock-step
@@ -49,6 +49,18 @@ def base_config(args, profile: str, kind: str) -> C.Config:
         "detect": {"detectors": "all", "advance": "reference"}})
 
 
+def overhead(cfg: C.Config, repeats: int) -> dict:
+    """Each detector alone against none on `cfg`'s model and mesh, advancing on the ranks
+    without rollback (so none runs the ranks' executions and nothing else), one step a
+    repetition: `sdcstudy bench detect`'s timing (`bench/detect.py`), its overheads."""
+    from sdcstudy.bench import detect as bench_detect
+
+    timed = C.from_dict(C.to_dict(cfg), ["detect.advance=primary", "detect.rollback=false"])
+    result = bench_detect.time_detectors(
+        timed, 1, argparse.Namespace(repeats=repeats, compile_threads=None), timed.experiment.name)
+    return bench_detect.overheads(result)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     p.add_argument("--out", type=Path, required=True)
@@ -68,7 +80,6 @@ def main(argv=None) -> int:
             print(f"detectors: {str(args.out)!r} is not empty; give a new --out.",
                   file=sys.stderr)
             return 2
-        from sdcstudy.detect import trainer as detect
         from sdcstudy import runner
 
         for name, (profile, kind) in zip(names, (("healthy", "profile"), *PROFILES)):
@@ -77,7 +88,7 @@ def main(argv=None) -> int:
             runner.run(cfg, args.out / name)
             if args.overhead_reps:
                 RF.atomic_write_json(args.out / name / DT.OVERHEAD,
-                                     detect.measure_overhead(cfg, args.overhead_reps))
+                                     overhead(cfg, args.overhead_reps))
     runs, problems = report.load_runs([args.out / name for name in names])
     table = DT.benchmark_table(runs)
     text = f"# {DT.TITLE}\n\n" + tables.markdown(DT.indexed(table), DT.INDEX) + "\n"

@@ -67,13 +67,21 @@ class DetectRunner(BT.StepRunner):
 
 
 def measure_detect(preset: str, args, echo=B.echo_stderr) -> dict:
+    cfg, steps = detect_config(preset, args)
+    return time_detectors(cfg, steps, args, preset, echo)
+
+
+def time_detectors(cfg, steps: int, args, label: str, echo=B.echo_stderr) -> dict:
+    """Each detector of `cfg`'s detect step alone against none, compiled, warmed up and timed
+    in rotation (`args.repeats` repetitions of `steps` steps), with its executions, warm-up
+    flags and compiled memory. `cfg` should advance on the primary ranks without rollback, so
+    that `none` runs the ranks' executions and nothing else."""
     from sdcstudy.detect.trainer import DetectTrainer
     from sdcstudy.detect.plan import DETECTORS
 
-    cfg, steps = detect_config(preset, args)
     full = DetectTrainer.from_config(cfg)
     trainers = {BASE: full.variant(())} | {name: full.variant((name,)) for name in DETECTORS}
-    runners, warmup, variants, result = BT.time_variants(preset, args, cfg, steps, trainers, BASE,
+    runners, warmup, variants, result = BT.time_variants(label, args, cfg, steps, trainers, BASE,
                                                          "{}", echo, DetectRunner)
     base_memory = runners[BASE].memory()
     for name, runner in runners.items():
@@ -85,7 +93,19 @@ def measure_detect(preset: str, args, echo=B.echo_stderr) -> dict:
             "memory_ratio": (memory["peak"] / base_memory["peak"]
                              if memory and base_memory and base_memory["peak"] else None),
         })
-    return {**result, "ranks": RANKS, "replicas": cfg.detect.replicas, "variants": variants}
+    return {**result, "ranks": cfg.mesh.dp, "replicas": cfg.detect.replicas,
+            "variants": variants}
+
+
+def overheads(result: dict) -> dict:
+    """Per detector, from a `time_detectors` result, its cost against none as the detectors
+    study records it (`detect_overhead.json`): the median step time and ratio to none, and the
+    compiled step's peak memory and its ratio."""
+    return {name: {"step_s": v["seconds_per_step"]["median"],
+                   "time_ratio": v["ratio"]["median"],
+                   "memory_bytes": v["memory"]["peak"] if v["memory"] else None,
+                   "memory_ratio": v["memory_ratio"]}
+            for name, v in result["variants"].items() if name != BASE}
 
 
 def detect_table(results: list[dict]) -> str:

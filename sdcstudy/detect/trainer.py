@@ -31,7 +31,6 @@ from sdcstudy import features as FT
 from sdcstudy.core.compose import apply_update, feature_grads
 from sdcstudy.core.config import Config
 from sdcstudy.core.step import Place, Records, StepOut, Where
-from sdcstudy.core.train import compile_step
 from sdcstudy.detect import detectors as DD
 from sdcstudy.detect import tables as DT
 from sdcstudy.detect.detectors import Monitor, mismatch_matrix, odd_one_out  # noqa: F401
@@ -244,62 +243,5 @@ def per_step(verdict: dict) -> dict:
     return {f"detect/{k}": verdict[k] for k in PER_STEP if k in verdict}
 
 
-# --- overhead ---------------------------------------------------------------------------------
-
-
-def measure_overhead(cfg: Config, reps: int = 5, echo=print) -> dict:
-    """Step time and compiled memory of each detector alone against no detector at all.
-
-    Each variant is compiled once, warmed up, and trains its own state on; the repetitions
-    are interleaved (variant order rotates every round) and the median is taken. Memory is
-    XLA's planned temporary plus output size of the compiled step. The monitor adds host work
-    only (fetching the loss and gradient norm every step).
-    """
-    import time
-
-    from sdcstudy.core import data as D
-
-    base = DetectTrainer.from_config(dataclasses.replace(
-        cfg, detect=dataclasses.replace(cfg.detect, advance="primary", rollback=False)))
-    batches = D.TokenBatches(D.prepare(cfg.data, cfg.experiment.seed), cfg.experiment.batch_size,
-                             cfg.experiment.microsteps)
-    batch = base.make_batch(batches.batch(0))
-    variants = {"none": ()} | {name: (name,) for name in DETECTORS}
-    compiled, memory = {}, {}
-    for name, detectors in variants.items():
-        trainer = base.variant(detectors)
-        if name == "monitor":  # the same device program as no detector; the host judges it
-            compiled[name], memory[name] = (trainer, compiled["none"][1]), memory["none"]
-            continue
-        echo(f"overhead: compiling the step with {name}")
-        step, _, _ = compile_step(trainer.train_step, trainer.init_state(), batch)
-        stats = step.memory_analysis()
-        memory[name] = (stats.temp_size_in_bytes + stats.output_size_in_bytes) if stats else None
-        compiled[name] = (trainer, step)
-    times = {name: [] for name in variants}
-    states = {name: jax.block_until_ready(trainer.init_state())
-              for name, (trainer, _) in compiled.items()}
-    names = list(variants)
-    for rep in range(reps + 1):
-        order = names[rep % len(names):] + names[:rep % len(names)]
-        for name in order:
-            trainer, step = compiled[name]
-            start = time.perf_counter()
-            out = step(states[name], batch)
-            states[name] = out.state
-            if name == "monitor":
-                trainer.judge(out.records["detect"])
-            jax.block_until_ready((out.state, out.records))
-            if rep:  # the first round warms up
-                times[name].append(time.perf_counter() - start)
-    base_time = float(np.median(times["none"]))
-    return {name: {"step_s": float(np.median(times[name])),
-                   "time_ratio": float(np.median(times[name])) / base_time,
-                   "memory_bytes": memory[name],
-                   "memory_ratio": memory[name] / memory["none"]
-                   if memory[name] and memory["none"] else None}
-            for name in DETECTORS}
-
-
-__all__ = ["DetectTrainer", "DetectionError", "Monitor", "measure_overhead", "mismatch_matrix",
+__all__ = ["DetectTrainer", "DetectionError", "Monitor", "mismatch_matrix",
            "odd_one_out"]
