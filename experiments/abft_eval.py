@@ -64,6 +64,7 @@ from sdcstudy.abft import checker as A  # noqa: E402
 from sdcstudy.abft import emulate as E  # noqa: E402
 from sdcstudy.core import config as C  # noqa: E402
 from sdcstudy.core import model  # noqa: E402
+from sdcstudy.core import reports  # noqa: E402
 from sdcstudy.core import sites as S  # noqa: E402
 from sdcstudy.faults.bits import bits_of_class  # noqa: E402
 from sdcstudy.faults.inject import inject_value  # noqa: E402
@@ -238,10 +239,7 @@ def plot_ratios(frame: pd.DataFrame, path: Path) -> None:
     healthy trials and at the faulted matmul of exponent and mantissa flips. A check flags
     where the ratio exceeds 1, so healthy mass right of the line is false alarms and faulty
     mass left of it is misses."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = reports.pyplot()
 
     fwd = frame[frame["direction"] == "fwd"]
     healthy = fwd[fwd["bit_class"] == "none"]

@@ -41,12 +41,10 @@ def run_one(out: Path, preset: str, node: int) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from sdcstudy.core import reports
     from sdcstudy.faults.published import WCNTS
+
+    plt = reports.pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.8), dpi=120)
     for node in sorted({r["node"] for r in rows}):

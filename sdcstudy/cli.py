@@ -71,7 +71,7 @@ def cmd_run(args) -> int:
 
             summary = runner.run(cfg, args.out, resume=args.resume, stop_after=args.stop_after,
                                  progress=_progress(args) and distributed.is_writer())
-    except KeyboardInterrupt as stop:  # runner.Interrupted: SIGINT 130, SIGTERM 143
+    except KeyboardInterrupt as stop:  # interrupts.Interrupted: SIGINT 130, SIGTERM 143
         if not hasattr(stop, "exit_code"):
             raise
         again = (_run_command(args, stop.run_dir, resume=True) if stop.kept else

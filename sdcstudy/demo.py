@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sdcstudy.core import config as C
+from sdcstudy.core import reports
 from sdcstudy.faults import profiles
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
@@ -58,10 +59,7 @@ def mismatch_table(summary: dict, profile: str) -> str:
 
 def plot_frequency(mismatch, path: Path, title: str) -> None:
     """Mismatch frequency per optimizer step and site, log scale (zero steps left out)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = reports.pyplot()
 
     fig, ax = plt.subplots(figsize=(6.5, 3.6), dpi=120)
     for site in SITES:

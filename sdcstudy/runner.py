@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import shlex
 import signal
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -33,75 +29,12 @@ from sdcstudy.core import runlock
 from sdcstudy.core.checkpoint import (Checkpointer, CheckpointWriteError, check_resumable,
                                      config_hash, saved_steps, write_reason)
 from sdcstudy.core.config import Config, UserError
+from sdcstudy.core.interrupts import Interrupted, Signals
 from sdcstudy.core.train import STEP_ONLY, NonFiniteError, compile_step
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
 
 class WriteError(Exception):
     """The run folder could not be written (disk full, permission, the folder gone): the run
     stopped; the message names the folder, its last good checkpoint and how to continue."""
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM stopped a run (`exit_code` 128 + its number); `run_dir`, its latest
-    `checkpoint` and `kept` (False: a new run that left no folder behind) say how to go on."""
-
-    def __init__(self, signum: int = signal.SIGINT, run_dir: Path | None = None):
-        self.signum, self.run_dir, self.exit_code = signum, run_dir, 128 + signum
-        steps = [] if run_dir is None else saved_steps(run_dir / RF.CHECKPOINTS)
-        self.checkpoint = steps[-1] if steps else None
-        self.kept = run_dir is not None and (run_dir / RF.CONFIG).is_file()
-        super().__init__(self.sentence())
-
-    def sentence(self, command: str | None = None) -> str:
-        """What stopped, and `command` to go on (default: the folder's config.yaml, resumed)."""
-        what = f"interrupted by {signal.Signals(self.signum).name}"
-        if self.run_dir is None:
-            return what
-        if not self.kept:
-            return (f"{what} before its first step, so {str(self.run_dir)!r} was not kept: run "
-                    f"{'it again' if command is None else f'again with: {command}'}")
-        done = (f"the latest checkpoint is step {self.checkpoint}" if self.checkpoint is not None
-                else "it has no checkpoint yet (--resume starts it over)")
-        command = command or shlex.join(["sdcstudy", "run", str(self.run_dir / RF.CONFIG),
-                                         "--out", str(self.run_dir), "--resume"])
-        return f"{what}; {done}: continue with: {command}"
-
-
-class _Signals:
-    """SIGINT and SIGTERM while a run holds its folder (main thread only). Inside the loop
-    (`deferring`) the first one is only noted in `received`, and the loop stops at its next
-    safe point; elsewhere, or the second time, one raises `Interrupted` at once."""
-
-    received: int | None = None
-    deferring = False
-
-    def __enter__(self):
-        self._before = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS
-                        if threading.current_thread() is threading.main_thread()}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self._before.items():  # None: not set from Python
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
-
-    def agreed(self) -> int | None:
-        """The signal to stop on at this safe point: the one received here, or in a run of
-        several processes any process's (`distributed.stop_signal`; every process asks at the
-        same steps, so all stop at the same one and save the same checkpoint together)."""
-        agreed = distributed.stop_signal(self.received)
-        if self.received is None:  # a signal that lands during the call counts at the next
-            self.received = agreed
-        return agreed
-
-    def _handle(self, signum, _frame):
-        if not (self.deferring and self.received is None):
-            raise Interrupted(signum)
-        self.received = signum
-        with contextlib.suppress(OSError, ValueError):  # unbuffered: never inside a print
-            os.write(sys.stderr.fileno(), f"\nsdcstudy: {signal.Signals(signum).name}: finishing "
-                     f"and checkpointing this step (a second signal stops at once)\n".encode())
 
 
 def _put(tree, shardings):
@@ -127,7 +60,7 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
     if out_dir is None and jax.process_count() > 1:
         raise UserError("a run on several processes needs --out RUN_DIR, the same on each.")
     run_dir = None
-    with _Signals() as signals:
+    with Signals() as signals:
         try:
             with contextlib.ExitStack() as held:
                 # With several processes only process 0 writes the run folder (orbax has each
@@ -285,7 +218,7 @@ def _close_all(*closers) -> BaseException | None:
 
 
 def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int | None,
-         progress: bool, echo, signals: _Signals) -> dict:
+         progress: bool, echo, signals: Signals) -> dict:
     e = cfg.experiment
     pinned = determinism.autotune_options(run_dir, jax.default_backend(), dump=writes)
     mode = modes.build(cfg)

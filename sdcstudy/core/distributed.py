@@ -322,7 +322,7 @@ def _describe(error: BaseException) -> tuple[int, str]:
     me = f"process {jax.process_index()} of {jax.process_count()}"
     if isinstance(error, UserError):
         return errors.EXIT_BAD_INPUT, f"{me}: {error}"
-    if isinstance(error, KeyboardInterrupt):  # runner.Interrupted: 143 for SIGTERM
+    if isinstance(error, KeyboardInterrupt):  # interrupts.Interrupted: 143 for SIGTERM
         return (getattr(error, "exit_code", errors.EXIT_SIGINT),
                 f"{me}: {error or 'interrupted'}")
     if isinstance(error, NonFiniteError):

@@ -78,6 +78,17 @@ def write_report_json(path, obj: Any, what: str = "JSON report",
     return write_report_file(path, RF.dumps(obj) + "\n", what, warn)
 
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display), imported when first
+    drawn: the commands that draw nothing never import matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_png(fig, path: Path, **savefig_options) -> Path:
     """`fig` as the PNG `path`, atomically: written beside it under a temporary name, then
     renamed, and the temporary removed if anything fails. The caller closes the figure."""

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from sdcstudy.core import reports
 from sdcstudy.core import runfolder as RF
 from sdcstudy.detect.plan import DETECTORS
 from sdcstudy.report.sections import Section
@@ -186,10 +187,7 @@ def recall_figure(table: pd.DataFrame, path: Path) -> Path | None:
     """Recall per detector (bars) for each profile, with each detector's step-time overhead."""
     if table.empty:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = reports.pyplot()
 
     table = table.assign(case=table["profile"] + " / " + table["fault_kind"])
     cases = list(dict.fromkeys(table["case"]))

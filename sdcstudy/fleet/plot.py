@@ -22,26 +22,17 @@ def fleet_sizes(points: int = 31) -> np.ndarray:
     return np.unique(np.round(np.logspace(0, np.log10(MAX_NODES), points)).astype(int))
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _save(fig, path: Path) -> Path:
     try:
         return reports.save_png(fig, path, dpi=DPI)
     finally:
-        _pyplot().close(fig)
+        reports.pyplot().close(fig)
 
 
 def plot_goodput(cfg: FleetConfig, rows: list[dict], path: Path,
                  sizes: np.ndarray | None = None) -> Path:
     """Goodput of each strategy in `rows` (cli.simulate's output) against the fleet size."""
-    plt = _pyplot()
+    plt = reports.pyplot()
     sizes = fleet_sizes() if sizes is None else sizes
     names = [row["name"] for row in rows]
     curves = goodput_curve(cfg, names, sizes)

@@ -30,14 +30,7 @@ DPI = 100
 LEGEND_WIDTH = 1.6  # inches per column of a legend beside the axes
 
 
-def pyplot():
-    """matplotlib.pyplot on the Agg backend (files only, no display)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+pyplot = reports.pyplot
 
 
 def styles(labels) -> dict:
