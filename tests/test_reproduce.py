@@ -183,6 +183,18 @@ def test_layer_rows_judge_each_layer_against_the_papers_range():
                     "fwd/ffn layer 1") == ["fail"]
 
 
+def test_layer_rows_of_a_run_that_ends_before_the_faults_start():
+    """A time pattern that starts after the run (node 13's onset at step 450 in a 200-step
+    run) scales Table 1 by 0: the layer rows are judged, not divided by that 0 (the tiny
+    scorecard's merge of 2026-11-29 stopped on it): a layer that expects no mismatch is too
+    rare to judge, and one with a mismatch fails as an excess event."""
+    rows = M.layer_rows(1, "n", lockstep_run({"fwd/ffn": 0.0}, {}), entry(scale=0.0))
+    assert verdicts(rows, "Table 6", "fwd/ffn layer 1") == [B.TOO_RARE]
+    rows = M.layer_rows(1, "n", lockstep_run({"fwd/ffn": 4e-7}, {"fwd/ffn": 10.0}),
+                        entry(scale=0.0))
+    assert verdicts(rows, "Table 6", "fwd/ffn layer 1") == ["fail"]
+
+
 def _row(rows, source, quantity):
     (row,) = [r for r in rows if r.source == source and r.quantity == quantity]
     return row

@@ -114,10 +114,9 @@ def _layer_row(node, source, site, layer, stat, paper, ours, n, expected, layers
     per_layer = expected["mismatches"] / max(layers, 1)
     chance = None
     if stat == "freq":
-        scale = expected["scale"]
-        lo = paper[0] * scale * (1 - B.FREQ_TOLERANCE)
-        hi = paper[1] * scale * (1 + B.FREQ_TOLERANCE)
-        chance = _layer_chance(node, site, lo / scale, hi / scale, per_layer, entry)
+        before_pattern = paper[0] * (1 - B.FREQ_TOLERANCE), paper[1] * (1 + B.FREQ_TOLERANCE)
+        lo, hi = (bound * expected["scale"] for bound in before_pattern)
+        chance = _layer_chance(node, site, *before_pattern, per_layer, entry)
     else:
         lo, hi = paper[0] / B.SEVERITY_FACTOR, paper[1] * B.SEVERITY_FACTOR
     if wrong := B.count_check(n, per_layer, entry):
