@@ -82,8 +82,24 @@ def test_figure5_shape_is_larger_before_step_100_and_held_out():
     assert "before step 100" in falling.quantity
     assert B.role(1, falling.source) == B.HELD_OUT and B.role(1, "Figure 5") == B.CALIBRATION
     short = CR.figure5_shape_row(1, _paired(grad__diff_l2=[3.0, 2.0, 1.0, 1.0],
-                                            grad__norm=[1.0] * 4))
+                                            grad__norm=[2.0, 2.0, 1.0, 1.0]))
     assert "before step 2" in short.quantity and short.verdict == "pass"
+
+
+def test_figure5_shape_needs_something_that_falls():
+    """A healthy gradient norm 5% lower after step 100, and as many corruptions a step, give
+    the difference nothing to follow: not applicable, whichever way it moves (tiny's 200
+    steps); where the corruptions a step fall threefold (Figure 4's initial spike) a rising
+    difference is judged, and fails."""
+    norm = np.r_[np.full(99, 1.05), np.ones(101)]
+    for diff in (0.04 * norm, 0.04 / norm):
+        row = CR.figure5_shape_row(1, _paired(grad__diff_l2=diff, grad__norm=norm,
+                                              faults__landed=np.full(200, 50.0)))
+        assert row.verdict == "not applicable" and "1.05x its norm after" in row.reason
+    spike = np.r_[np.full(99, 150.0), np.full(101, 50.0)]
+    row = CR.figure5_shape_row(10, _paired(grad__diff_l2=0.04 / norm, grad__norm=norm,
+                                           faults__landed=spike))
+    assert row.verdict == "fail"
 
 
 def test_figure6_gradient_norms_follow_the_healthy_ones():
@@ -120,6 +136,22 @@ def test_d3_is_node_10s_frequency_times_its_severity_at_the_papers_exposure():
     assert CR.d3_row(_rows_of_node10(4.78e-3, 112000.0)).verdict == "fail"
     assert CR.d3_row(_rows_of_node10(4.78e-3, None)).verdict == B.TOO_RARE
     assert CR.d3_row(_rows_of_node10(4.78e-3, 1120.0)[:1]) is None
+
+
+def test_d3_takes_the_frequency_back_to_the_papers_time_pattern():
+    """A run whose time pattern doubles Table 1's rate (Figure 4's initial spike over a short
+    run: the Table 1 row expects 2 x 4.78e-3) enters D.3 at 4.78e-3, and passes; failing above
+    with its severity row failing above, it carries that row's finding."""
+    freq, severity = _rows_of_node10(2 * 4.78e-3, 1120.0)
+    freq.expected = 2 * 4.78e-3
+    row = CR.d3_row([freq, severity])
+    assert row.verdict == "pass" and row.ours == pytest.approx(5.35, rel=1e-3)
+    severity.ours, severity.ratio = 112000.0, 100.0
+    severity.verdict, severity.why = "fail", "docs/faults.md 5.3, the tail"
+    row = CR.d3_row([freq, severity])
+    assert row.verdict == "fail" and row.why.endswith("docs/faults.md 5.3, the tail")
+    freq.verdict = "fail"
+    assert CR.d3_row([freq, severity]).why == ""
 
 
 def test_d3_under_the_flip_model_takes_the_severity_rows_own_band():
