@@ -22,6 +22,7 @@ from sdcstudy.faults import published_layers as PL
 from sdcstudy.report.runs import Run
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import cli as RC
+from sdcstudy.reproduce import figures as FG
 from sdcstudy.reproduce import findings as F
 from sdcstudy.reproduce import mismatch_rows as M
 from sdcstudy.reproduce import plan as P
@@ -308,6 +309,8 @@ def test_figure5_rms_of_grad_nts_is_judged_beside_its_maximum():
     assert {r.role for r in rows} == {B.role(1, "Figure 5")}
     big = paired_run("paramsync", {"grad/nts": [0.5, 0.5, 0.5]})
     assert TR.figure5_rms_row(1, "n", big, e).verdict == "fail"
+    # the WCNTS figure draws one pair of bars a node, the WCNTS row's, not the rms beside it
+    assert FG.wcnts_rows(rows) == rows[:1]
 
 
 def free_rows(healthy, suspect, diff, node=1, landed=5, onset=None):

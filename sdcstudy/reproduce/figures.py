@@ -40,9 +40,14 @@ def _numbers(rows, source: str) -> list:
             and r.ours is not None]
 
 
+def wcnts_rows(rows) -> list:
+    """Figure 5's WCNTS rows, one a node (not its rms of `grad/nts`, which shares the band)."""
+    return [r for r in _numbers(rows, "Figure 5") if r.quantity == "WCNTS"]
+
+
 def wcnts(rows, path: Path) -> Path | None:
     """Bars per node: our WCNTS and Figure 5's, log scale."""
-    chosen = _numbers(rows, "Figure 5")
+    chosen = wcnts_rows(rows)
     if not chosen:
         return None
     plt = P.pyplot()
