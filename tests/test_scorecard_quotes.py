@@ -75,8 +75,9 @@ BF16_NOW = "(0.010, 0.017, 0.014, 0.0012)"
 # The latest tally line of each scorecard in docs/results/fidelity.md ("Scorecards"), and the
 # one RESULTS.md gives.
 TALLIES = {
-    "tiny": "| the same runs, with Figure 6's drift rates across nodes (1 row more) | 189 | 106 | "
-            "81 | 150 | 1 | 0 | 0 |",
+    "tiny": "| the same, re-run (2026-11-29), with the rows the others predate (Figures 3-4, 5's "
+            "shape, 6's gradient norms, C.2, D.3, the claim rows) | 225 | 106 | 84 | 150 | 12 | 0 "
+            "| 3 |",
     "tiny-flip": "| tiny, every node, 200 steps, float32, the flip model | 167 | 56 | 64 | 194 | "
                  "1 | 15 | 0 |",
     "tiny-chosen": "| tiny, every node, each node's chosen model (flip: nodes 1, 8, 10) | 189 | 74 "
@@ -91,7 +92,7 @@ TALLIES = {
                   "norms, the claim rows) | 27 | 19 | 0 | 0 | 0 | 35 | 4 |",
 }
 TALLY_ORDER = ("pass", "fail", "no events", "too rare for this run", "not applicable", "not run")
-RESULTS_TINY = "189 rows pass, 106 fail, 81 no events, 150 too rare"
+RESULTS_TINY = "225 rows pass (87 calibration, 88 held-out, 50 fixed by construction), 106 fail, 84 no events, 150 too rare"
 
 
 def _doc(name: str) -> str:
@@ -152,8 +153,10 @@ def test_each_tally_quoted_is_the_scorecards(card):
 
 
 def test_results_quotes_the_tiny_scorecards_tally():
-    totals = R.totals(_card("tiny"))
-    assert RESULTS_TINY == (f"{totals['pass']} rows pass, {totals['fail']} fail, "
+    totals, tally = R.totals(_card("tiny")), _card("tiny")["tally"]["all"]
+    roles = (f"{tally['calibration pass']} calibration, {tally['held-out pass']} held-out, "
+             f"{tally['fixed by construction pass']} fixed by construction")
+    assert RESULTS_TINY == (f"{totals['pass']} rows pass ({roles}), {totals['fail']} fail, "
                             f"{totals['no events']} no events, "
                             f"{totals['too rare for this run']} too rare")
     assert RESULTS_TINY in _doc(RESULTS)
