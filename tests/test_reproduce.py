@@ -21,6 +21,7 @@ from sdcstudy.faults import published as PB
 from sdcstudy.faults import published_layers as PL
 from sdcstudy.report.runs import Run
 from sdcstudy.reproduce import bands as B
+from sdcstudy.reproduce import exposure_rows as X
 from sdcstudy.reproduce import cli as RC
 from sdcstudy.reproduce import figures as FG
 from sdcstudy.reproduce import findings as F
@@ -973,7 +974,6 @@ def test_table2_at_the_papers_exposure_carries_the_fitted_tail_to_its_units(monk
     """c is recovered from 400 units (within 25%), carried to the paper's units of the site as
     c U / ln 2 and judged in the measured spread; too few units above 0.5 are too rare."""
     from sdcstudy.faults import flip_model as FM
-    from sdcstudy.reproduce import exposure_rows as X
 
     (row,) = [r for r in X.rows(1, _tail_run(0.2)) if "bwd/attn" in r.quantity]
     c, above, units = X.tail_fit(_tail_run(0.2), "bwd/attn")
@@ -987,6 +987,22 @@ def test_table2_at_the_papers_exposure_carries_the_fitted_tail_to_its_units(monk
     (rare,) = [r for r in X.rows(1, _tail_run(1e-4)) if "bwd/attn" in r.quantity]
     assert rare.verdict == B.TOO_RARE and rare.ours is None
     assert X.spread([1.0, 2.0, 4.0]) == 2.0 and X.spread([1.0, 4.0]) == 2.0
+
+
+def test_the_comparison_of_models_leaves_out_the_rows_the_flip_tail_is_fitted_to():
+    """A flip-model pass at the paper's exposure (a calibration row under it) does not count
+    for the flip model; the same quantity at the run's exposure does."""
+    from sdcstudy.reproduce import model_choice as MC
+
+    def rows(verdict_here, verdict_there):
+        return [{"node": 1, "source": "Table 9", "quantity": "bwd/ffn layer 1",
+                 "verdict": verdict_here},
+                {"node": 1, "source": "Table 9", "quantity": "bwd/ffn layer 1" + X.SUFFIX,
+                 "verdict": verdict_there}]
+    assert MC.choose({"additive": rows("fail", "fail"),
+                      "flip": rows("fail", "pass")})[1]["model"] == "additive"
+    assert MC.choose({"additive": rows("fail", "fail"),
+                      "flip": rows("pass", "fail")})[1]["model"] == "flip"
 
 
 def test_the_kept_models_are_the_committed_comparisons():
@@ -1011,7 +1027,6 @@ def test_tables_8_9_at_the_papers_exposure_fit_each_layers_tail():
     floor is the flip model's largest bulk error."""
     from sdcstudy.faults import flip_model as FM
     from sdcstudy.report import rollups as R
-    from sdcstudy.reproduce import exposure_rows as X
 
     assert R.TAIL_FLOOR == FM.BULK_MAX
     run = _tail_run(0.2)

@@ -78,10 +78,10 @@ TALLIES = {
     "tiny": "| the same, re-run (2026-11-29), with the rows the others predate (Figures 3-4, 5's "
             "shape, 6's gradient norms, C.2, D.3, the claim rows) | 225 | 106 | 84 | 150 | 12 | 0 "
             "| 3 |",
-    "tiny-flip": "| tiny, every node, 200 steps, float32, the flip model | 167 | 56 | 64 | 194 | "
-                 "1 | 15 | 0 |",
-    "tiny-chosen": "| tiny, every node, each node's chosen model (flip: nodes 1, 8, 10) | 189 | 74 "
-                   "| 82 | 172 | 1 | 3 | 0 |",
+    "tiny-flip": "| tiny, the flip model, re-run (2026-11-29) with the rows it predated (the paper's "
+                 "exposure judged, the claim rows) | 227 | 77 | 67 | 110 | 12 | 15 | 3 |",
+    "tiny-chosen": "| tiny, each node's chosen model, re-run (2026-11-29), the same | 241 | 74 | 85 "
+                   "| 144 | 12 | 3 | 3 |",
     "tiny-bf16": "| the same, exact sampler, the new rows (rms `grad/nts`, drift across nodes, "
                  "Figure 10 at the paper's sizes) | 64 | 17 | 25 | 0 | 1 | 105 | 0 |",
     "small": "| the same, exact sampler, chosen models (flip: nodes 1, 10), the new rows | 20 | "
