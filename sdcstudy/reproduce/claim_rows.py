@@ -14,7 +14,8 @@ Ma et al., "Understanding Silent Data Corruption in LLM Training":
   Poisson noise. Both are inputs of the profiles' time patterns: calibration rows;
 - Figure 5's shape: "the L2 norm of the gradient difference is large before the 100-th step
   ... and continues to decrease as the norm of the ground-truth gradients decreases": its mean
-  before `EARLY_STEP` (half the run where shorter) above its mean after;
+  before `EARLY_STEP` (half the run where shorter) above its mean after; not applicable where
+  neither the healthy gradient norm nor the corruptions a step fall (docs/faults.md 5.7);
 - Figure 6's gradient norms, plotted and given no number: the suspect's `grad/norm_suspect`
   within `GRAD_NORM_GAP` of the healthy `grad/norm` at the median step (our reading, as the
   loss curves are "identical");
@@ -22,7 +23,8 @@ Ma et al., "Understanding Silent Data Corruption in LLM Training":
   are consistent with one rate (a chi-square test at `TREND_LEVEL`). The profiles' rates are
   uniform over layers, so the row is fixed by construction;
 - D.3: node 10's worst case, Table 1's fwd/attn frequency x Table 2's severity, 4.78e-3 x 1120
-  = 5.35: ours from the node's two rows at the paper's exposure, in the product of their bands;
+  = 5.35: ours from the node's two rows at the paper's exposure (the frequency taken back to
+  the paper's time pattern), in the product of their bands;
 - Figure 7: a loss spike by the study's one criterion (`core.metrics.loss_spike_spans`; the
   steps it flags are the runs' summary.json `loss_spikes`): the suspect's loss not finite or
   more than `SPIKE_NATS` above the healthy one's at the same step, at `SPIKE_MIN_STEPS`
