@@ -48,7 +48,7 @@ QUOTES = [
      "Figure 5", "WCNTS", "ratio"),
     (FAULTS, "healthy one by up to 3.8% in float32 (step 127 of 200", "0.038", "tiny", 11,
      "Figure 6", "loss gap", "ours"),
-    (FAULTS, "and 3.8% in bfloat16 (step 124", "0.038", "tiny-bf16", 11, "Figure 6", "loss gap",
+    (FAULTS, "and 4.1% in bfloat16 (step 124", "0.041", "tiny-bf16", 11, "Figure 6", "loss gap",
      "ours"),
     (FIDELITY, "node 11 reaches 7.0% in Figure 4's initial spike", "0.070", "small-bf16", 11,
      "Figure 6", "loss gap", "ours"),
@@ -71,7 +71,7 @@ QUOTES = [
 OVERSHOOT = {15: "2.9", 2: "5.0", 12: "5.0", 6: "2.6", 8: "2.4", 7: "2.1", 5: "2.3", 9: "1.7",
              4: "1.6", 14: "1.3", 1: "1.2"}
 # docs/results/fidelity.md's bfloat16 WCNTS now (tiny-bf16.md), nodes 6, 7, 8 and 15.
-BF16_NOW = "(0.010, 0.017, 0.014, 0.0012)"
+BF16_NOW = "(0.0104, 0.0176, 0.0141, 0.00115)"
 # The latest tally line of each scorecard in docs/results/fidelity.md ("Scorecards"), and the
 # one RESULTS.md gives.
 TALLIES = {
@@ -82,8 +82,8 @@ TALLIES = {
                  "exposure judged, the claim rows) | 227 | 77 | 67 | 110 | 12 | 15 | 3 |",
     "tiny-chosen": "| tiny, each node's chosen model, re-run (2026-11-29), the same | 241 | 74 | 85 "
                    "| 144 | 12 | 3 | 3 |",
-    "tiny-bf16": "| the same, exact sampler, the new rows (rms `grad/nts`, drift across nodes, "
-                 "Figure 10 at the paper's sizes) | 64 | 17 | 25 | 0 | 1 | 105 | 0 |",
+    "tiny-bf16": "| the same, re-run (2026-11-29) with every row the scorer has (Figure 5's shape, "
+                 "Figure 6's gradient norms, the claim rows) | 79 | 19 | 27 | 0 | 12 | 105 | 3 |",
     "small": "| the same, exact sampler, chosen models (flip: nodes 1, 10), the new rows | 20 | "
              "10 | 0 | 0 | 0 | 37 | 0 |",
     "small-lockstep": "| the same, exact sampler, chosen models, the exposure rows | 166 | 117 | "
