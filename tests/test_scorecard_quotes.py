@@ -86,8 +86,8 @@ TALLIES = {
                  "Figure 6's gradient norms, the claim rows) | 79 | 19 | 27 | 0 | 12 | 105 | 3 |",
     "small": "| the same, exact sampler, chosen models (flip: nodes 1, 10), the new rows | 20 | "
              "10 | 0 | 0 | 0 | 37 | 0 |",
-    "small-lockstep": "| the same, exact sampler, chosen models, the exposure rows | 166 | 117 | "
-                      "47 | 215 | 1 | 12 | 0 |",
+    "small-lockstep": "| the same, re-run (2026-11-29) with every row the scorer has | 193 | 120 | "
+                      "49 | 143 | 1 | 12 | 0 |",
     "small-bf16": "| the same, exact sampler, the new rows (Figure 5's shape, Figure 6's gradient "
                   "norms, the claim rows) | 27 | 19 | 0 | 0 | 0 | 35 | 4 |",
 }
