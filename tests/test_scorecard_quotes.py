@@ -246,4 +246,7 @@ def test_the_reader_reads_what_the_scorecard_writes_today():
     card = R.read(S.markdown(rows, {"preset": "tiny", "steps": 10, "modes": ["abft"]}))
     assert len(card["rows"]) == len(rows) and R.totals(card) == S.counts(rows)
     assert {r["node"] for r in card["rows"]} == {r.node for r in rows}
-    assert all(r["P(pass)"] is None for r in card["rows"])
+    stated = sorted((r.pass_probability is not None, float(f"{r.pass_probability:.3g}")
+                     if r.pass_probability is not None else 0.0) for r in rows)
+    assert sorted((r["P(pass)"] is not None, r["P(pass)"] or 0.0) for r in card["rows"]) == stated
+    assert any(flag for flag, _ in stated)  # the paper-size rows the draws decide state one

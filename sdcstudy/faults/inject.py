@@ -1,6 +1,7 @@
 """Fault injection: seeded, replayable corruptions inside the jitted step, logged as ground truth.
 
-What a fault is (`FaultSpec`, `TimePattern`, `Profile`, their YAML form): `faults/specs.py`;
+What a fault is (`FaultSpec`, `Profile`, their YAML form): `faults/specs.py`, its `TimePattern`
+`faults/time_patterns.py`;
 how one tensor is corrupted and recorded: `faults/corrupt.py`. The `Injector` turns a profile
 into a `sites.Hook`: forward sites are corrupted where they are computed, backward sites
 (`bwd/...`) through a custom VJP that corrupts the cotangent.
@@ -28,7 +29,7 @@ from sdcstudy.faults.bits import to_bits
 from sdcstudy.faults.corrupt import corrupt_and_record, corrupt_and_record_stacked
 from sdcstudy.faults.records import RECORD_WIDTH, decode_record
 from sdcstudy.faults.specs import (
-    COLLECTIVE_SITES, MODEL_COLLECTIVES, TREE_SITES, FaultSpec, Profile)
+    COLLECTIVE_SITES, MODEL_COLLECTIVES, TREE_SITES, FaultSpec, Profile, pattern_multiplier)
 
 
 # --- the injector -----------------------------------------------------------------------------
@@ -173,7 +174,8 @@ class Injector:
         # One burst draw per step and spec.
         pattern_key = H.fold_in(jax.random.key_data(ctx.key),
                                 [*self._prefix(ctx, index, spec), ctx.step])
-        multiplier = spec.pattern.multiplier(ctx.step, jax.random.wrap_key_data(pattern_key))
+        multiplier = pattern_multiplier(spec.pattern, ctx.step,
+                                        jax.random.wrap_key_data(pattern_key))
         if spec.repeatable and spec.pattern.kind == "constant":
             multiplier = jnp.float32(1)
         enabled = jnp.bool_(True)

@@ -46,19 +46,13 @@ from sdcstudy.faults.specs import FaultSpec, FaultSpecError, Profile, TimePatter
 from sdcstudy.faults.specs import profile_from_dict
 from sdcstudy.faults.published import SITES, TABLE1_FREQUENCY, TABLE2_MAX_SEVERITY, WCNTS
 from sdcstudy.faults.published import FLIP_SUFFIX, published
+from sdcstudy.faults.time_patterns import NODE_PATTERNS
 
 # An accumulator fault's error in units of its row's RMS: log-uniform over the top 8 bits of a
 # float32 accumulator's mantissa, the ones a bfloat16 result keeps (docs/faults.md, section 2).
 MAGNITUDE = (2.0 ** -8, 1.0)
 PAPER_STEPS = 4500  # Ma et al. section 4: M = 4500 optimizer steps in the lock-step runs
-# Time patterns (see the module docstring for the sources).
-PATTERNS = {
-    7: TimePattern("burst", p_active=0.05),  # Figure 3: occasional spikes
-    14: TimePattern("burst", p_active=1 / 4000),  # Figure 3: about one spike in 4000 steps
-    10: TimePattern("decay", amplitude=10.0, decay_steps=20.0),  # Figure 4: initial peak
-    11: TimePattern("decay", amplitude=10.0, decay_steps=20.0),
-    13: TimePattern("onset", onset_step=450),  # section 6.2: clean before step 450
-}
+PATTERNS = NODE_PATTERNS  # the nodes' time patterns (faults/time_patterns.py)
 # The weight-gradient faults' time patterns: node 14 "shows mismatched gradient norms at every
 # step" under parameter synchronization (section 7), so its bursts are not theirs.
 GRAD_PATTERNS = {13: PATTERNS[13]}

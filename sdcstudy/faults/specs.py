@@ -1,4 +1,5 @@
-"""What a fault is: a `FaultSpec`, its `TimePattern`, a `Profile`, and their YAML form.
+"""What a fault is: a `FaultSpec`, its `TimePattern` (`faults/time_patterns.py`, with the traced
+multiplier `pattern_multiplier` here), a `Profile`, and their YAML form.
 
 Faults are data. A `FaultSpec` names a site, a corruption kind, a per-element rate, the bits or
 value model, the layers, tp ranks and node it strikes, and a time pattern; a profile is a named
@@ -13,12 +14,12 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sdcstudy.core import sites as S
 from sdcstudy.core.bounds import AT_LEAST_0, AT_LEAST_1, INT_MAX, NON_NEGATIVE, POSITIVE, PROBABILITY
 from sdcstudy.core.bounds import Range
 from sdcstudy.core.errors import UserError
+from sdcstudy.faults.time_patterns import TimePattern
 
 KINDS = ("bitflip", "scale", "additive", "random", "zero", "nan", "inf")
 PATTERNS = ("constant", "burst", "onset", "steps", "decay", "periodic")
@@ -54,57 +55,20 @@ class FaultSpecError(UserError, ValueError):
 # --- specs ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TimePattern:
-    """How a spec's rate varies with the optimizer step (counted from 1).
-
-    constant: always `rate`. steps: only at the listed steps. burst: each step is active with
-    probability `p_active` (then the spec's rate applies; otherwise nothing). onset: nothing
-    before `onset_step`. decay: rate times (1 + `amplitude` * exp(-(step - 1) / `decay_steps`)),
-    a spike at the start of the run.
-    periodic: every `period`-th step the rate is multiplied by `amplitude`.
-    """
-
-    kind: str = "constant"
-    p_active: float = 1.0
-    onset_step: int = 0
-    amplitude: float = 0.0
-    decay_steps: float = 1.0
-    period: int = 0
-    steps: tuple[int, ...] = ()
-
-    def mean_multiplier(self, steps: int) -> float:
-        """Average rate multiplier over steps 1..steps (for calibration and descriptions)."""
-        s = np.arange(1, steps + 1, dtype=np.float64)
-        return float(np.mean(self._multiplier_np(s)))
-
-    def _multiplier_np(self, step):
-        if self.kind == "constant":
-            return np.ones_like(step)
-        if self.kind == "burst":
-            return np.full_like(step, self.p_active)
-        if self.kind == "onset":
-            return (step >= self.onset_step).astype(np.float64)
-        if self.kind == "steps":
-            return np.isin(step, self.steps).astype(np.float64)
-        if self.kind == "decay":
-            return 1 + self.amplitude * np.exp(-(step - 1) / self.decay_steps)
-        return np.where(step % self.period == 0, self.amplitude, 1.0)
-
-    def multiplier(self, step, key):
-        """Rate multiplier at a traced step; `key` drives the burst draw."""
-        step_f = jnp.asarray(step, jnp.float32)
-        if self.kind == "constant":
-            return jnp.float32(1)
-        if self.kind == "burst":
-            return jax.random.bernoulli(key, self.p_active).astype(jnp.float32)
-        if self.kind == "onset":
-            return (step >= self.onset_step).astype(jnp.float32)
-        if self.kind == "steps":
-            return jnp.isin(step, jnp.asarray(self.steps or (-1,))).astype(jnp.float32)
-        if self.kind == "decay":
-            return 1 + self.amplitude * jnp.exp(-(step_f - 1) / self.decay_steps)
-        return jnp.where(step % self.period == 0, jnp.float32(self.amplitude), jnp.float32(1))
+def pattern_multiplier(pattern: TimePattern, step, key):
+    """`pattern`'s rate multiplier at a traced step; `key` drives the burst draw."""
+    step_f = jnp.asarray(step, jnp.float32)
+    if pattern.kind == "constant":
+        return jnp.float32(1)
+    if pattern.kind == "burst":
+        return jax.random.bernoulli(key, pattern.p_active).astype(jnp.float32)
+    if pattern.kind == "onset":
+        return (step >= pattern.onset_step).astype(jnp.float32)
+    if pattern.kind == "steps":
+        return jnp.isin(step, jnp.asarray(pattern.steps or (-1,))).astype(jnp.float32)
+    if pattern.kind == "decay":
+        return 1 + pattern.amplitude * jnp.exp(-(step_f - 1) / pattern.decay_steps)
+    return jnp.where(step % pattern.period == 0, jnp.float32(pattern.amplitude), jnp.float32(1))
 
 
 @dataclass(frozen=True)

@@ -98,8 +98,8 @@ class Row:
     why: str = ""  # for a failing row, the measured finding that explains it (`findings`)
     role: str = HELD_OUT  # CALIBRATION: a quantity the profile was fitted to (`role`)
     pass_probability: float | None = None  # the probability that a correct model passes
-    # this row's band (`count_pass_probability`, `exposure_rows.pass_probability`); None where
-    # the row states none
+    # this row's band (`count_pass_probability`, `exposure_rows.pass_probability`,
+    # `pass_chance`), exact or a lower bound; None where the row states none
 
 
 def role(node: int, source: str, fault_model: str = "additive") -> str:

@@ -11,7 +11,9 @@ all the nodes' free runs (`drift_rows`, listed under "across nodes"); a failing 
 a measured finding explains names it (`findings`), except a row failed by its event count
 (excess or missing events: the engine's doing, whatever a finding says). Calibration rows
 (the quantities the profiles are fitted to) are tallied and listed apart from the held-out
-ones, and so are held-out rows whose verdict the profile fixes (`bands.FIXED`). Figure 10 at
+ones, and so are held-out rows whose verdict the profile fixes (`bands.FIXED`); the rows
+that state no chance of a correct model passing get theirs from `pass_chance`, and the summary
+counts the judged rows whose band a correct model rarely passes (`LOW_CHANCE`). Figure 10 at
 the paper's sizes (`figure10_paper.rows`) joins the rows
 of the planned ABFT runs' nodes, from the measurement committed in `PAPER_SCALE`. Imports no
 JAX.
@@ -31,6 +33,7 @@ from sdcstudy.reproduce import exposure_rows as X
 from sdcstudy.reproduce import figure10_paper as F10
 from sdcstudy.reproduce import findings as F
 from sdcstudy.reproduce import mismatch_rows as M
+from sdcstudy.reproduce import pass_chance as PC
 from sdcstudy.reproduce import provenance as PV
 from sdcstudy.reproduce import training_rows as TR
 from sdcstudy.reproduce.bands import Row
@@ -50,6 +53,7 @@ ROLES = (B.CALIBRATION, B.HELD_OUT, B.FIXED)
 # them (docs/faults.md 5.4).
 PAPER_SCALE = (Path(__file__).resolve().parents[2] / "docs" / "scorecards" /
                "abft_paper_scale.json")
+LOW_CHANCE = 0.05  # a band a correct model passes less often than this decides nothing
 PAPER_ROWS = "fwd o flagged checks"  # the quantity of every row of Figure 10 at the paper's sizes
 PAPER_SCALE_COMMAND = "python -m sdcstudy.dev.figure10_entries --out docs/scorecards"
 
@@ -78,6 +82,7 @@ def _judged(entry: dict, run) -> list[Row]:
     """The run's rows with their roles, and the findings' whys on the failing rows that their
     event counts did not fail."""
     rows = _rows_of(entry, run)
+    PC.annotate(rows, entry, run)
     for row in rows:
         row.role = B.role(row.node, row.source, _model(entry))
         if row.role == B.HELD_OUT and B.fixed(row):
@@ -135,6 +140,7 @@ def build(plan: list[dict], runs: dict, stopped: dict | None = None,
     rows += paper_scale_rows(plan, paper_scale) + D.rows(plan, runs)
     if d3 := CR.d3_row(rows):
         d3.role = B.HELD_OUT
+        d3.pass_probability = PC.d3_chance(d3, rows)
         rows.append(d3)
     rows += CR.unscored_rows()
     return sorted(rows, key=lambda r: (r.node == B.ACROSS_NODES, r.node,
@@ -160,6 +166,20 @@ def unexplained(rows: list[Row]) -> int:
 def engine_failures(rows: list[Row]) -> int:
     """Rows failed by their event count (excess or missing events)."""
     return sum(B.count_failed(r) for r in rows)
+
+
+def chance_words(rows: list[Row]) -> str:
+    """What the judged rows' P(pass) says: how many state one, and the passes and failures
+    whose band a correct model passes with a chance below `LOW_CHANCE`."""
+    judged = [r for r in rows if r.verdict in ("pass", "fail")]
+    stated = [r for r in judged if r.pass_probability is not None]
+    low = {v: sum(r.verdict == v and r.pass_probability < LOW_CHANCE for r in stated)
+           for v in ("pass", "fail")}
+    return (f"Of the {len(judged)} judged rows, {len(stated)} state the chance that a correct "
+            f"model passes them (P(pass), docs/reproduction.md); {low['fail']} failing and "
+            f"{low['pass']} passing rows have a band a correct model passes less than "
+            f"{LOW_CHANCE:.0%} of the time: such a failure is no evidence against the model, "
+            f"and such a pass no support for it.")
 
 
 def _cell(value) -> str:
@@ -247,6 +267,7 @@ def markdown(rows: list[Row], request: dict, facts: dict | None = None) -> str:
                   f"events), {failing - unexplained(rows)} name the measurement that explains "
                   f"them (docs/faults.md, section 5) and "
                   f"{unexplained(rows) - engine_failures(rows)} do neither."]
+    lines[-1] += " " + chance_words(rows)
     if any(r.quantity.startswith(PAPER_ROWS) for r in rows):
         lines[-1] += (f" The Figure 10 rows of \"{PAPER_ROWS}\" at the paper's sizes are not "
                       f"from these runs: they score these nodes in the measurement of "

@@ -1,0 +1,219 @@
+"""The probability that a correct model passes a judged row (`Row.pass_probability`), for the
+rows whose band is a test or a rule rather than a count band (`bands.count_pass_probability`)
+or an exposure band (`exposure_rows`, `flip_exposure`). "A correct model" is the node's profile
+taken as the truth: the chance is that of its own runs passing. Each value is exact or a lower
+bound (docs/reproduction.md, "The chance a correct model passes"). Imports no JAX.
+
+- A band fixed by construction (`bands.ZERO_BAND`, `bands.ONSET_BAND`): 1, the profile fires
+  nothing there;
+- appendix C.2, one rate over the layers: 1 - `claim_rows.TREND_LEVEL`, the test's level
+  (the profiles' rate is the same in every layer);
+- Figures 3 and 4, the over-dispersion and initial-spike tests: the share of `DRAWS` runs of
+  the profile's per-step counts at the site (its time pattern, `faults.time_patterns`, with
+  the run's expected mismatches) that the test passes, as its one-sided `CONFIDENCE` lower
+  bound (Clopper-Pearson);
+- Figure 10's run rows of the "little or nothing" nodes: at least the probability that at most
+  `bands.ABFT_LITTLE` of the steps hold an attention-output fault (every step with one taken
+  as flagged; a healthy float32 check flags nothing, docs/results/abft.md), over the steps'
+  own fault probabilities (Poisson-binomial);
+- appendix D.3, frequency x severity in the product of their bands: at least the chance both
+  rows pass, P(A) + P(B) - 1, whatever their dependence;
+- Table 2 and Tables 8-9 at the run's exposure (our maximum within 3x of the paper's, or of its
+  layers' range), additive model: the unit severity's tail c / t (docs/faults.md 6.3) makes a
+  maximum over U units c U / E, E exponential, whatever c; ours over the run's units against
+  the paper's over its own (`flip_model.layer_fit`, `flip_model.paper_units`) passes with a
+  chance that depends only on their ratio (`maximum_band_chance`, `layer_band_chance`).
+  Stated where the band's lower edge is above the bulk (`flip_model.BULK_MAX`), where the law
+  holds; these rows' chance is small wherever the paper's units outnumber ours.
+Rows without one (Figures 5-6) are left None: their bands are the paper's words, with no law
+of a correct model's value in this run (docs/reproduction.md says which).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+
+from sdcstudy.faults import flip_model as FM
+from sdcstudy.faults import published_layers as PL
+from sdcstudy.faults.time_patterns import node_pattern
+from sdcstudy.reproduce import bands as B
+from sdcstudy.reproduce import claim_rows as CR
+from sdcstudy.reproduce import exposure_rows as X
+from sdcstudy.reproduce import flip_exposure as FX
+from sdcstudy.reproduce.bands import Row
+from sdcstudy.reproduce.plan import PAPER_STEPS
+
+DRAWS = 400  # simulated runs a test's chance is measured on
+CONFIDENCE = 0.95  # of the lower bound a simulated share states
+SEED = 0
+
+
+def lower_bound(passed: int, draws: int, confidence: float = CONFIDENCE) -> float:
+    """The one-sided Clopper-Pearson lower bound of a share `passed` / `draws`: the p at which
+    P(X >= passed) = 1 - confidence for X ~ Binomial(draws, p) (bisection)."""
+    if passed <= 0:
+        return 0.0
+    lo, hi = 0.0, passed / draws
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if 1 - B.binomial_below(passed - 1, draws, mid) < 1 - confidence:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def step_means(node: int, entry: dict, site: str = CR.FIGURE_SITE) -> np.ndarray | None:
+    """The profile's expected events at `site` at each step of the run (a bursty step's mean
+    given it fires is this over `p_active`), from the entry's expected total and the node's time
+    pattern; None where the entry's time-pattern scale is not that pattern's (another
+    profile)."""
+    expected = entry["sites"].get(site)
+    steps = int(entry.get("steps") or 0)
+    if expected is None or steps <= 0:
+        return None
+    pattern = node_pattern(node)
+    weights = pattern.expected_multipliers(steps)
+    paper = pattern.mean_multiplier(PAPER_STEPS)
+    scale = float(weights.mean()) / paper if paper > 0 else 1.0
+    if not math.isclose(scale, expected.get("scale", 1.0), rel_tol=1e-6) or weights.sum() <= 0:
+        return None
+    return expected["mismatches"] * weights / weights.sum()
+
+
+def simulated_counts(node: int, means: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One run's per-step counts: Poisson at `means`, a bursty node's steps firing with its
+    `p_active` (then at means / p_active)."""
+    pattern = node_pattern(node)
+    if pattern.kind == "burst":
+        fired = rng.random(len(means)) < pattern.p_active
+        return np.where(fired, rng.poisson(means / pattern.p_active), 0)
+    return rng.poisson(means)
+
+
+def passes_test(node: int, counts: np.ndarray) -> bool:
+    """Whether Figure 3's or 4's test (`claim_rows.burst_row`) passes these per-step counts."""
+    if counts.sum() == 0:
+        return False  # "no events"
+    if node in CR.BURST_NODES:
+        return CR.dispersion_p_value(counts) < CR.BURST_LEVEL
+    first = max(1, round(CR.INITIAL_SHARE * len(counts)))
+    early, late = counts[:first], counts[first:]
+    if not len(late) or late.mean() == 0:
+        return early.sum() > 0
+    late_rate = late.mean()
+    return (early.mean() / late_rate > 1
+            and B.poisson_above(int(early.sum()), late_rate * first) < CR.BURST_LEVEL)
+
+
+def figure_test_chance(node: int, entry: dict) -> float | None:
+    """Figures 3-4: the lower bound of the share of `DRAWS` simulated runs that pass."""
+    means = step_means(node, entry)
+    if means is None:
+        return None
+    rng = np.random.default_rng(SEED)
+    passed = sum(passes_test(node, simulated_counts(node, means, rng)) for _ in range(DRAWS))
+    return lower_bound(passed, DRAWS)
+
+
+def at_most_steps(probabilities: np.ndarray, k: int) -> float:
+    """P(at most k of independent steps occur), the steps occurring with `probabilities`
+    (Poisson-binomial, by its distribution over counts 0..k)."""
+    dist = np.zeros(k + 2)
+    dist[0] = 1.0
+    for p in probabilities:
+        dist[1:] = dist[1:] * (1 - p) + dist[:-1] * p
+        dist[0] *= 1 - p
+    return float(min(1.0, dist[:k + 1].sum()))
+
+
+def figure10_little_chance(node: int, entry: dict) -> float | None:
+    """A "little or nothing" node's Figure 10 run row: at least the chance that at most
+    `bands.ABFT_LITTLE` of the steps hold an attention-output fault."""
+    means = step_means(node, entry, "fwd/attn")
+    if means is None:
+        return 1.0 if "fwd/attn" not in entry["sites"] else None
+    pattern = node_pattern(node)
+    p_fire = pattern.p_active if pattern.kind == "burst" else 1.0
+    with_fault = p_fire * -np.expm1(-means / p_fire)
+    return at_most_steps(with_fault, math.floor(B.ABFT_LITTLE * len(means)))
+
+
+def maximum_band_chance(paper_over_ours: float, lo: float, hi: float) -> float:
+    """P(lo <= M_ours / M_paper <= hi) for the maxima of a tail c / t over U_ours and U_paper
+    units (`paper_over_ours` = U_paper / U_ours): M = c U / E, so the ratio is E_paper / E_ours
+    over that, and P(E_paper / E_ours <= r) = r / (1 + r)."""
+    r = paper_over_ours
+    return hi * r / (1 + hi * r) - lo * r / (1 + lo * r)
+
+
+def layer_band_chance(paper_over_ours: float, factor: float = B.SEVERITY_FACTOR,
+                      layers: int = PL.PAPER_LAYERS) -> float:
+    """P(min / factor <= M_ours <= max x factor) of `layers` paper layer maxima and ours (units
+    as in `maximum_band_chance`): E[exp(-min E / (factor r)) - exp(-factor max E / r)], the
+    least of n exponentials exponential of rate n, the largest a sum of E_k / k."""
+    r = paper_over_ours
+    largest = math.prod(k / (k + factor / r) for k in range(1, layers + 1))
+    return layers / (layers + 1 / (factor * r)) - largest
+
+
+def raw_maximum_chance(row: Row, run) -> float | None:
+    """A Table 2 or Tables 8-9 row at the run's exposure under the additive model (module
+    docstring); None for the flip model, a band reaching into the bulk, or no units."""
+    if FX.is_flip_run(run) or row.quantity.endswith(X.SUFFIX):
+        return None
+    site, _, layer = row.quantity.partition(" layer ")
+    floor = B.SEVERITY_FACTOR * FM.BULK_MAX
+    if row.source == "Table 2" and not layer:
+        ours_units = X.tail_fit(run, site)[2]
+        if row.published is None or row.published < floor or ours_units <= 0:
+            return None
+        ratio = FM.layer_fit(row.node, site)["units"] / ours_units
+        return maximum_band_chance(ratio, 1 / B.SEVERITY_FACTOR, B.SEVERITY_FACTOR)
+    severity_table, freq_table = PL.tables_for(site)[1], PL.tables_for(site)[0]
+    maxima, freqs = (PL.layer_values(severity_table, row.node, site),
+                     PL.layer_values(freq_table, row.node, site))
+    by_layer = run.mismatch_rollup.by_layer
+    key = (int(layer), site)
+    if not maxima or not freqs or min(maxima) < floor or key not in by_layer.index:
+        return None
+    ours_units = float(by_layer.at[key, "units"])
+    if ours_units <= 0:
+        return None
+    paper_units = statistics.median(FM.paper_units(f) for f in freqs)
+    return layer_band_chance(paper_units / ours_units)
+
+
+def row_chance(row: Row, entry: dict, run) -> float | None:
+    """The chance of one judged row of `run`, planned as `entry` (module docstring), or None."""
+    if row.band in (B.ZERO_BAND, B.ONSET_BAND):
+        return 1.0
+    if row.source in ("Table 2", "Table 8", "Table 9"):
+        return raw_maximum_chance(row, run)
+    if row.source == "Appendix C.2":
+        return 1 - CR.TREND_LEVEL
+    if row.source in ("Figure 3", "Figure 4"):
+        return figure_test_chance(row.node, entry)
+    if row.source == "Figure 10" and row.published == "little or nothing":
+        return figure10_little_chance(row.node, entry)
+    return None
+
+
+def annotate(rows: list[Row], entry: dict, run) -> None:
+    """Fill in `pass_probability` on the run's judged rows that state none (`row_chance`)."""
+    for row in rows:
+        if row.pass_probability is None and row.verdict in ("pass", "fail"):
+            row.pass_probability = row_chance(row, entry, run)
+
+
+def d3_chance(d3: Row, rows: list[Row]) -> float | None:
+    """D.3's chance: at least P(frequency row passes) + P(severity row passes) - 1."""
+    parts = [next((r.pass_probability for r in rows if r.node == d3.node and r.source == src
+                   and r.quantity == quantity), None)
+             for src, quantity in (("Table 1", "fwd/attn"), ("Table 2", "fwd/attn" + X.SUFFIX))]
+    if any(p is None for p in parts):
+        return None
+    return max(0.0, sum(parts) - 1.0)

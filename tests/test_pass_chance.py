@@ -1,0 +1,131 @@
+"""The chance that a correct model passes a scorecard row (`reproduce.pass_chance`): each closed
+form against a simulation of the law it stands for, within a named tolerance, and each rule on
+hand-made entries and rows. Imports no JAX."""
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sdcstudy.faults.time_patterns import node_pattern
+from sdcstudy.reproduce import bands as B
+from sdcstudy.reproduce import exposure_rows as X
+from sdcstudy.reproduce import pass_chance as PC
+from sdcstudy.reproduce import scorecard as S
+from sdcstudy.reproduce.bands import Row
+from sdcstudy.reproduce.plan import PAPER_STEPS
+
+SIMULATED = 200_000
+TOLERANCE = 0.005  # five standard errors of a share over SIMULATED draws, at most
+
+
+def _maxima(rng, units: int, draws: int, c: float = 0.3) -> np.ndarray:
+    """Maxima over `units` units of the tail P(S > t) = c / t (S = c / V, V uniform): c over
+    the least of `units` uniforms, a Beta(1, units) draw."""
+    return c / rng.beta(1.0, units, size=draws)
+
+
+@pytest.mark.parametrize("ours, paper", [(50, 500), (40, 4000), (100, 100)])
+def test_maximum_band_chance_is_the_share_of_simulated_maxima_in_the_band(ours, paper):
+    rng = np.random.default_rng(1)
+    ratio = _maxima(rng, ours, SIMULATED) / _maxima(rng, paper, SIMULATED)
+    simulated = float(np.mean((ratio >= 1 / 3) & (ratio <= 3)))
+    assert PC.maximum_band_chance(paper / ours, 1 / 3, 3) == pytest.approx(simulated,
+                                                                            abs=TOLERANCE)
+
+
+@pytest.mark.parametrize("ours, paper", [(50, 500), (20, 2000)])
+def test_layer_band_chance_is_the_share_of_simulated_layer_ranges_that_hold_ours(ours, paper):
+    rng = np.random.default_rng(2)
+    draws = SIMULATED // 4
+    layers = _maxima(rng, paper, draws * 16).reshape(draws, 16)
+    mine = _maxima(rng, ours, draws)
+    inside = (mine >= layers.min(axis=1) / 3) & (mine <= layers.max(axis=1) * 3)
+    assert PC.layer_band_chance(paper / ours, 3.0, 16) == pytest.approx(float(inside.mean()),
+                                                                       abs=2 * TOLERANCE)
+
+
+def test_a_maximum_over_far_fewer_units_than_the_papers_almost_never_passes():
+    assert PC.maximum_band_chance(2e4, 1 / 3, 3) < 2e-4
+    assert PC.layer_band_chance(1e4) < 1e-2
+
+
+def test_lower_bound_is_clopper_pearsons():
+    assert PC.lower_bound(400, 400) == pytest.approx(0.05 ** (1 / 400), rel=1e-9)
+    assert PC.lower_bound(0, 400) == 0.0
+    p = PC.lower_bound(30, 100)
+    assert 1 - B.binomial_below(29, 100, p) == pytest.approx(0.05, rel=1e-6)
+
+
+def test_at_most_steps_is_the_binomial_when_every_step_is_alike():
+    for k in (0, 2, 5):
+        assert PC.at_most_steps(np.full(200, 0.01), k) == pytest.approx(
+            B.binomial_below(k, 200, 0.01), rel=1e-9)
+
+
+def _entry(node: int, mismatches: float, steps: int = 200, site: str = "fwd/attn") -> dict:
+    pattern = node_pattern(node)
+    scale = pattern.mean_multiplier(steps) / pattern.mean_multiplier(PAPER_STEPS)
+    return {"steps": steps, "sites": {site: {"mismatches": mismatches, "scale": scale}}}
+
+
+def test_the_initial_spike_test_passes_a_spiking_profile_and_not_a_silent_one():
+    assert PC.figure_test_chance(10, _entry(10, 1e5)) > 0.99
+    assert PC.figure_test_chance(10, _entry(10, 0.0)) == 0.0
+
+
+def test_the_over_dispersion_test_needs_bursts_that_fire():
+    assert PC.figure_test_chance(7, _entry(7, 5e3)) > 0.99
+    # node 14 fires in one step of 4000: in 200 steps it is mostly silent ("no events")
+    assert PC.figure_test_chance(14, _entry(14, 5e3)) < 0.1
+
+
+def test_a_profile_whose_time_pattern_is_not_the_nodes_states_no_chance():
+    entry = _entry(10, 1e5)
+    entry["sites"]["fwd/attn"]["scale"] = 1.0  # a constant pattern, not node 10's spike
+    assert PC.figure_test_chance(10, entry) is None
+
+
+def test_figure10_little_is_certain_without_attention_faults_and_hopeless_with_many():
+    assert PC.figure10_little_chance(4, _entry(4, 1.0, site="fwd/ffn")) == 1.0
+    assert PC.figure10_little_chance(1, _entry(1, 1e4)) < 1e-6
+    rare = PC.figure10_little_chance(1, _entry(1, 0.5))
+    assert rare == pytest.approx(B.binomial_below(2, 200, -math.expm1(-0.5 / 200)), rel=1e-9)
+
+
+def _row(source, quantity, verdict, chance=None, node=10, band="-"):
+    return Row(node, source, quantity, 1.0, 1.0, 1.0, band, verdict, pass_probability=chance)
+
+
+def test_d3_chance_is_at_least_both_rows_passing():
+    rows = [_row("Table 1", "fwd/attn", "pass", 0.99),
+            _row("Table 2", "fwd/attn" + X.SUFFIX, "fail", 0.93)]
+    d3 = _row("Appendix D.3", "x", "fail")
+    assert PC.d3_chance(d3, rows) == pytest.approx(0.92)
+    assert PC.d3_chance(d3, rows[:1]) is None
+
+
+def test_fixed_bands_and_c2_state_their_chance():
+    entry = _entry(4, 1.0)
+    assert PC.row_chance(_row("Table 1", "fwd/ffn", "pass", band=B.ZERO_BAND), entry,
+                         None) == 1.0
+    assert PC.row_chance(_row("Appendix C.2", "fwd/attn", "pass"), entry, None) == 0.999
+
+
+def test_chance_words_count_the_rows_a_correct_model_rarely_passes():
+    rows = [_row("Table 2", "a", "fail", 1e-4), _row("Table 2", "b", "pass", 1e-4),
+            _row("Table 1", "c", "pass", 0.99), _row("Figure 5", "d", "fail"),
+            _row("Table 1", "e", B.TOO_RARE, 0.5)]
+    words = S.chance_words(rows)
+    assert "Of the 4 judged rows, 3 state" in words
+    assert "1 failing and 1 passing rows" in words
+
+
+def test_the_scorer_imports_no_jax_with_the_time_patterns():
+    code = ("import sys; import sdcstudy.reproduce.pass_chance, sdcstudy.reproduce.scorecard; "
+            "print('jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
