@@ -92,6 +92,11 @@ TALLIES = {
                   "norms, the claim rows) | 27 | 19 | 0 | 0 | 0 | 35 | 4 |",
 }
 TALLY_ORDER = ("pass", "fail", "no events", "too rare for this run", "not applicable", "not run")
+# docs/results/fidelity.md's table of the chance a correct model passes: judged rows, those
+# stating P(pass), the failing and the passing ones under 5%.
+CHANCES = {"tiny": (331, 223, 30, 16), "tiny-flip": (304, 171, 6, 0),
+           "tiny-chosen": (315, 199, 19, 12), "tiny-bf16": (98, 13, 0, 0),
+           "small-lockstep": (313, 222, 28, 12), "small-bf16": (46, 9, 0, 0)}
 RESULTS_TINY = "225 rows pass (87 calibration, 88 held-out, 50 fixed by construction), 106 fail, 84 no events, 150 too rare"
 
 
@@ -150,6 +155,16 @@ def test_each_tally_quoted_is_the_scorecards(card):
     cells = [int(c) for c in TALLIES[card].strip("| ").split(" | ")[1:-1]]
     totals = R.totals(_card(card))
     assert cells == [totals[v] for v in TALLY_ORDER]
+
+
+@pytest.mark.parametrize("card", sorted(CHANCES))
+def test_fidelitys_chance_table_is_the_scorecards(card):
+    judged = [r for r in _card(card)["rows"] if r["verdict"] in ("pass", "fail")]
+    stated = [r for r in judged if r["P(pass)"] is not None]
+    low = [sum(r["verdict"] == v and r["P(pass)"] < 0.05 for r in stated)
+           for v in ("fail", "pass")]
+    assert CHANCES[card] == (len(judged), len(stated), *low)
+    assert f"| {card} | {' | '.join(map(str, CHANCES[card]))} |" in (ROOT / FIDELITY).read_text()
 
 
 def test_results_quotes_the_tiny_scorecards_tally():
