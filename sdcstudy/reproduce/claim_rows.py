@@ -120,13 +120,29 @@ def burst_row(node: int, run) -> Row | None:
     if not len(late) or counts.sum() == 0:
         return Row(node, "Figure 4", quantity, "initial spike", None, None, band, "no events",
                    "no fwd/attn mismatch in the run" if len(late) else "a run of one step")
-    late_rate = late.mean()
-    ratio = early.mean() / late_rate if late_rate else math.inf
-    p = B.poisson_above(int(early.sum()), late_rate * first) if late_rate else 0.0
+    ratio, p = initial_spike(counts)
     return Row(node, "Figure 4", quantity, "initial spike", ratio, None, band,
-               "pass" if ratio > 1 and p < BURST_LEVEL else "fail",
+               "pass" if spiked(ratio, p) else "fail",
                f"{int(early.sum())} mismatches in the first {first} steps against "
-               f"{B.g(late_rate * first)} at the later rate, p = {p:.2g}")
+               f"{B.g(late.mean() * first)} at the later rate, p = {p:.2g}")
+
+
+def initial_spike(counts) -> tuple[float, float]:
+    """(the first `INITIAL_SHARE` of the steps' mean count over the rest's, the one-sided
+    Poisson p-value of the early sum at the later rate) of per-step counts, at least two steps
+    long."""
+    counts = np.asarray(counts, float)
+    first = max(1, round(INITIAL_SHARE * len(counts)))
+    early, late_rate = counts[:first], counts[first:].mean()
+    if not late_rate:
+        return math.inf, 0.0
+    return (float(early.mean() / late_rate),
+            B.poisson_above(int(early.sum()), late_rate * first))
+
+
+def spiked(ratio: float, p: float) -> bool:
+    """Figure 4's verdict on `initial_spike`'s numbers."""
+    return ratio > 1 and p < BURST_LEVEL
 
 
 def shape_split(steps: pd.Index) -> int:

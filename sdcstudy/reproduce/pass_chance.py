@@ -100,13 +100,7 @@ def passes_test(node: int, counts: np.ndarray) -> bool:
         return False  # "no events"
     if node in CR.BURST_NODES:
         return CR.dispersion_p_value(counts) < CR.BURST_LEVEL
-    first = max(1, round(CR.INITIAL_SHARE * len(counts)))
-    early, late = counts[:first], counts[first:]
-    if not len(late) or late.mean() == 0:
-        return early.sum() > 0
-    late_rate = late.mean()
-    return (early.mean() / late_rate > 1
-            and B.poisson_above(int(early.sum()), late_rate * first) < CR.BURST_LEVEL)
+    return len(counts) > 1 and CR.spiked(*CR.initial_spike(counts))
 
 
 def figure_test_chance(node: int, entry: dict) -> float | None:
