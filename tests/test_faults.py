@@ -234,7 +234,8 @@ def test_burst_and_decay_multipliers():
     assert set(active) == {0.0, 1.0} and abs(np.mean(active) - 0.25) < 5 * math.sqrt(.25 * .75 / 400)
     decay = FS.TimePattern("decay", amplitude=10.0, decay_steps=20.0)
     assert float(FS.pattern_multiplier(decay, 1, None)) == pytest.approx(11.0)
-    assert float(decay.multiplier(201, None)) == pytest.approx(1 + 10 * math.exp(-10), rel=1e-5)
+    assert float(FS.pattern_multiplier(decay, 201, None)) == pytest.approx(1 + 10 * math.exp(-10),
+                                                                       rel=1e-5)
     assert decay.mean_multiplier(4500) == pytest.approx(1 + 10 * 20 / 4500, rel=0.01)
 
 

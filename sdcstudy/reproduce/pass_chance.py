@@ -167,7 +167,7 @@ def raw_maximum_chance(row: Row, run) -> float | None:
             return None
         ratio = FM.layer_fit(row.node, site)["units"] / ours_units
         return maximum_band_chance(ratio, 1 / B.SEVERITY_FACTOR, B.SEVERITY_FACTOR)
-    severity_table, freq_table = PL.tables_for(site)[1], PL.tables_for(site)[0]
+    freq_table, severity_table = PL.tables_for(site)
     maxima, freqs = (PL.layer_values(severity_table, row.node, site),
                      PL.layer_values(freq_table, row.node, site))
     by_layer = run.mismatch_rollup.by_layer
