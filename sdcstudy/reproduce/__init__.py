@@ -10,6 +10,8 @@
 - `abft_paper_scale`: Figure 10 at the paper's sizes, the profiles' attention faults in
   float32 products of the paper's shapes checked as ABFT does (numpy, no run), and
   `figure10_paper` its rows, sampling noise left to the analytic estimate;
+- `pass_chance`: the chance a correct model passes the rows that are tests or maxima;
+  `seed_scatter` Figures 5-6's, from the verdicts of runs with other fault seeds;
 - `claim_rows`: the published results beyond the bands (Figures 3-4, 5's shape, 6's gradient
   norms, 7, C.2, D.3, Tables 3/5) and those no run makes;
 - `scorecard`: the rows of a folder of runs, as Markdown, CSV and JSON; `scorecard_read`

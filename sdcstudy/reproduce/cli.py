@@ -209,12 +209,13 @@ def write_scorecard(root: Path) -> dict:
     from sdcstudy.report.runs import load_run
     from sdcstudy.reproduce import figures as F
     from sdcstudy.reproduce import scorecard as S
+    from sdcstudy.reproduce import seed_scatter as SS
 
     manifest = read_manifest(root)
     plan = manifest["plan"]
     runs = {e["name"]: load_run(root / RUNS / e["name"], strict=False) for e in plan
             if RF.finished(root / RUNS / e["name"])}
-    rows = S.build(plan, runs, _stopped(root))
+    rows = S.build(plan, runs, _stopped(root), scatter=SS.entry_for(manifest["request"]))
     result = S.write(root, rows, manifest["request"], plan, runs)
     by_mode = {mode: {f"Node {e['node']}": runs[e["name"]] for e in plan
                       if e["mode"] == mode and e["name"] in runs} for mode in P.MODES}

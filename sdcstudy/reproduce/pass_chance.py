@@ -25,8 +25,8 @@ bound (docs/reproduction.md, "The chance a correct model passes"). Imports no JA
   chance that depends only on their ratio (`maximum_band_chance`, `layer_band_chance`).
   Stated where the band's lower edge is above the bulk (`flip_model.BULK_MAX`), where the law
   holds; these rows' chance is small wherever the paper's units outnumber ours.
-Rows without one (Figures 5-6) are left None: their bands are the paper's words, with no law
-of a correct model's value in this run (docs/reproduction.md says which).
+Rows without one (Figures 5-6) are left None here: no law of a correct model's value in the
+run is at hand; `seed_scatter` measures theirs from runs with other fault seeds.
 """
 
 from __future__ import annotations
@@ -64,6 +64,12 @@ def lower_bound(passed: int, draws: int, confidence: float = CONFIDENCE) -> floa
         else:
             hi = mid
     return lo
+
+
+def upper_bound(passed: int, draws: int, confidence: float = CONFIDENCE) -> float:
+    """The one-sided Clopper-Pearson upper bound of a share `passed` / `draws`: the p at which
+    P(X <= passed) = 1 - confidence (`lower_bound` of the failures, from the other side)."""
+    return 1.0 - lower_bound(draws - passed, draws, confidence)
 
 
 def step_means(node: int, entry: dict, site: str = CR.FIGURE_SITE) -> np.ndarray | None:

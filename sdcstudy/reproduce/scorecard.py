@@ -35,6 +35,7 @@ from sdcstudy.reproduce import findings as F
 from sdcstudy.reproduce import mismatch_rows as M
 from sdcstudy.reproduce import pass_chance as PC
 from sdcstudy.reproduce import provenance as PV
+from sdcstudy.reproduce import seed_scatter as SS
 from sdcstudy.reproduce import training_rows as TR
 from sdcstudy.reproduce.bands import Row
 
@@ -47,7 +48,7 @@ SOURCES = {"lockstep": ("Table 1", "Table 2", "Table 6", "Table 7", "Table 8", "
 ORDER = ["Figure 3", "Figure 4", *[source for sources in SOURCES.values() for source in sources],
          CR.SHAPE_SOURCE, "Appendix C.2", "Appendix D.3", "Figure 7", "Tables 3/5", "Appendix D.4"]
 COLUMNS = ("node", "source", "quantity", "published", "ours", "ratio", "band", "verdict",
-           "reason", "expected", "why", "role", "pass_probability")
+           "reason", "expected", "why", "role", "pass_probability", "pass_probability_max")
 ROLES = (B.CALIBRATION, B.HELD_OUT, B.FIXED)
 # Figure 10 at the paper's sizes: `measure`'s entries, as `python -m sdcstudy.dev.figure10_entries` writes
 # them (docs/faults.md 5.4).
@@ -117,10 +118,11 @@ def paper_scale_rows(plan: list[dict], path: Path | None = None) -> list[Row]:
 
 
 def build(plan: list[dict], runs: dict, stopped: dict | None = None,
-          paper_scale: Path | None = None) -> list[Row]:
+          paper_scale: Path | None = None, scatter: dict | None = None) -> list[Row]:
     """Rows for every planned run: judged from `runs` ({name: report.runs.Run} of the finished
     runs), "fail" for a run in `stopped` ({name: why it stopped}), else "not run"; then
-    `paper_scale_rows` from `paper_scale`."""
+    `paper_scale_rows` from `paper_scale`. Figures 5-6 take their chances from `scatter`, the
+    command's `seed_scatter` entry, where given."""
     stopped = stopped or {}
     rows = []
     for entry in plan:
@@ -142,6 +144,7 @@ def build(plan: list[dict], runs: dict, stopped: dict | None = None,
         d3.role = B.HELD_OUT
         d3.pass_probability = PC.d3_chance(d3, rows)
         rows.append(d3)
+    SS.annotate(rows, scatter)
     rows += CR.unscored_rows()
     return sorted(rows, key=lambda r: (r.node == B.ACROSS_NODES, r.node,
                                        ORDER.index(r.source)))
@@ -168,12 +171,28 @@ def engine_failures(rows: list[Row]) -> int:
     return sum(B.count_failed(r) for r in rows)
 
 
+def most_chance(row: Row) -> float:
+    """The most the row's chance can be: its upper bound where it states one."""
+    if row.pass_probability_max is not None:
+        return row.pass_probability_max
+    return row.pass_probability
+
+
+def chance_cell(row: Row) -> str:
+    """P(pass) as the table shows it: the value, or its bounds where it is a measured share."""
+    if row.pass_probability is None:
+        return "-"
+    if row.pass_probability_max is None:
+        return f"{row.pass_probability:.3g}"
+    return f"{row.pass_probability:.2g} to {row.pass_probability_max:.2g}"
+
+
 def chance_words(rows: list[Row]) -> str:
     """What the judged rows' P(pass) says: how many state one, and the passes and failures
     whose band a correct model passes with a chance below `LOW_CHANCE`."""
     judged = [r for r in rows if r.verdict in ("pass", "fail")]
     stated = [r for r in judged if r.pass_probability is not None]
-    low = {v: sum(r.verdict == v and r.pass_probability < LOW_CHANCE for r in stated)
+    low = {v: sum(r.verdict == v and most_chance(r) < LOW_CHANCE for r in stated)
            for v in ("pass", "fail")}
     return (f"Of the {len(judged)} judged rows, {len(stated)} state the chance that a correct "
             f"model passes them (P(pass), docs/reproduction.md); {low['fail']} failing and "
@@ -208,7 +227,7 @@ def _row_table(rows: list[Row]) -> list[str]:
     for r in rows:
         verdict = f"**{r.verdict}**" if r.verdict == "fail" else r.verdict
         reason = f"{r.reason}. Why: {r.why}" if r.why else r.reason
-        chance = "-" if r.pass_probability is None else f"{r.pass_probability:.3g}"
+        chance = chance_cell(r)
         lines.append(f"| {r.source} | {r.quantity} | {_cell(r.published)} | {_cell(r.ours)} "
                      f"| {_cell(r.ratio)} | {r.band} | {chance} | {verdict} | {reason} |")
     return lines

@@ -38,6 +38,14 @@ def _value(cell: str):
     return number if number is not None and not text.startswith("[") else text
 
 
+def _chance_bounds(row: dict) -> None:
+    """A measured share's P(pass), "LOW to HIGH", as "P(pass)" LOW and "P(pass) max" HIGH."""
+    chance = row.get("P(pass)")
+    if isinstance(chance, str) and " to " in chance:
+        low, high = chance.split(" to ")
+        row["P(pass)"], row["P(pass) max"] = B.num(low), B.num(high)
+
+
 def read(text: str) -> dict:
     """{"tally": {node label: {column: count}}, "rows": [{column: value, "node", "role"}],
     "header": the lines before the tally}."""
@@ -67,6 +75,7 @@ def read(text: str) -> dict:
             row = {c: _value(v) for c, v in zip(columns, cells)}
             row["verdict"] = cells[columns.index("verdict")].strip("*")
             row["reason"] = cells[columns.index("reason")]
+            _chance_bounds(row)
             rows.append({"node": node, "role": role, **row})
     return {"tally": tally, "rows": rows, "header": [h for h in header if h.strip()]}
 
