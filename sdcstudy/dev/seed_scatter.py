@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from sdcstudy.core import runfolder as RF
     from sdcstudy.reproduce import cli as RC
+    from sdcstudy.reproduce import provenance as PV
     from sdcstudy.reproduce import seed_scatter as SS
 
     start = time.perf_counter()
@@ -60,6 +61,7 @@ def main(argv=None) -> int:
         return 2
     path = args.out / SS.SCATTER.name
     args.out.mkdir(parents=True, exist_ok=True)
+    entry["scored_by"] = PV.commit()  # the version whose verdicts these are
     RF.atomic_write_json(path, {"schema": SS.SCHEMA,
                                 "entries": SS.with_entry(SS.read(path), entry)})
     for row in entry["rows"]:
