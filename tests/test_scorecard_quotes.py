@@ -19,6 +19,18 @@ REPRODUCTION, RESULTS = "docs/reproduction.md", "RESULTS.md"
 
 # (doc, the quoted words, the number in them, scorecard, node, source, quantity, column)
 QUOTES = [
+    *[(doc, words, number, "small", node, "Figure 6", "gradient norm, median relative gap",
+       "ours") for doc, words in (
+        (REPRODUCTION, "nodes 10, 11 and 14 are 4.9%, 7.0% and 2.6% apart"),
+        (FAULTS, "nodes 10, 11 and 14 (4.9%, 7.0%, 2.6%;"),
+        (FIDELITY, "nodes 10, 11 and 14 fail (4.9%, 7.0%, 2.6%;"),
+        (RESULTS, "Figure 6's gradient norms 4.9%, 7.0% and 2.6% apart on nodes 10, 11, 14"))
+      for node, number in ((10, "0.049"), (11, "0.070"), (14, "0.026"))],
+    *[(REPRODUCTION, words, number, "small", node, "Figure 6", "loss gap", "ours")
+      for words, node, number in (("Nodes 1 and 14 reach 3.3% and 3.8%", 1, "0.033"),
+                                  ("Nodes 1 and 14 reach 3.3% and 3.8%", 14, "0.038"),
+                                  ("reach 7.2% (step 96) and 6.8% (step 13)", 10, "0.072"),
+                                  ("reach 7.2% (step 96) and 6.8% (step 13)", 11, "0.068"))],
     (FAULTS, "tiny WCNTS 0.0452 and 0.0478", "0.0452", "tiny", 1, "Figure 5", "WCNTS", "ours"),
     (FAULTS, "tiny WCNTS 0.0452 and 0.0478", "0.0478", "tiny", 14, "Figure 5", "WCNTS", "ours"),
     (FAULTS, "Node 10's Table 1 rates alone reach 0.108", "0.108", "tiny", 10, "Figure 5",
@@ -84,8 +96,8 @@ TALLIES = {
                    "| 144 | 12 | 3 | 3 |",
     "tiny-bf16": "| the same, re-run (2026-11-29) with every row the scorer has (Figure 5's shape, "
                  "Figure 6's gradient norms, the claim rows) | 79 | 19 | 27 | 0 | 12 | 105 | 3 |",
-    "small": "| the same, exact sampler, chosen models (flip: nodes 1, 10), the new rows | 20 | "
-             "10 | 0 | 0 | 0 | 37 | 0 |",
+    "small": "| the same, re-run (2026-11-29) with every row the scorer has (Figure 5's shape, "
+             "Figure 6's gradient norms, the claim rows) | 27 | 13 | 0 | 0 | 0 | 37 | 3 |",
     "small-lockstep": "| the same, re-run (2026-11-29) with every row the scorer has | 193 | 120 | "
                       "49 | 143 | 1 | 12 | 0 |",
     "small-bf16": "| the same, exact sampler, the new rows (Figure 5's shape, Figure 6's gradient "
@@ -95,7 +107,7 @@ TALLY_ORDER = ("pass", "fail", "no events", "too rare for this run", "not applic
 # docs/results/fidelity.md's table of the chance a correct model passes: judged rows, those
 # stating P(pass), the failing and the passing ones under 5%.
 CHANCES = {"tiny": (331, 223, 30, 16), "tiny-flip": (304, 171, 6, 0),
-           "tiny-chosen": (315, 199, 19, 12), "tiny-bf16": (98, 13, 0, 0),
+           "tiny-chosen": (315, 199, 19, 12), "tiny-bf16": (98, 13, 0, 0), "small": (40, 6, 0, 0),
            "small-lockstep": (313, 222, 28, 12), "small-bf16": (46, 9, 0, 0)}
 RESULTS_TINY = "225 rows pass (87 calibration, 88 held-out, 50 fixed by construction), 106 fail, 84 no events, 150 too rare"
 
