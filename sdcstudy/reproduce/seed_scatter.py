@@ -80,7 +80,7 @@ def collect(scored: list[tuple[dict, list[Row]]]) -> dict:
                                  f"{entry['band']!r} under another; score all folders with "
                                  f"one version.")
             entry["verdicts"][i] = row.verdict
-            entry["values"][i] = row.ours if isinstance(row.ours, (int, float)) else None
+            entry["values"][i] = float(row.ours) if isinstance(row.ours, (int, float)) else None
     return {**key, "fault_seeds": seeds, "rows": list(table.values())}
 
 
