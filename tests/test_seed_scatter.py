@@ -80,7 +80,7 @@ def test_rows_take_the_entrys_bounds_only_where_their_band_is_its():
     rows = [wcnts_row(0.045), wcnts_row(0.02, node=2, band="[0.01, 0.1]"),
             wcnts_row(0.04, node=3), wcnts_row(0.04, chance=0.5),
             Row(1, "Table 1", "fwd/attn", 1e-6, 1e-6, 1.0, "[x]", "pass")]
-    SS.annotate(rows, entry)
+    SS.annotate(rows, {1: entry, 2: entry, 3: entry})
     assert rows[0].pass_probability == pytest.approx(PC.lower_bound(2, 3))
     assert rows[0].pass_probability_max == pytest.approx(PC.upper_bound(2, 3))
     assert rows[1].pass_probability is None  # another band: the seeds did not judge this one
@@ -88,6 +88,21 @@ def test_rows_take_the_entrys_bounds_only_where_their_band_is_its():
     assert (rows[3].pass_probability, rows[3].pass_probability_max) == (0.5, None)  # kept
     assert rows[4].pass_probability is None  # not a row the scatter measures
     SS.annotate(rows, None)  # no entry: nothing to do
+
+
+def test_each_node_takes_the_entry_of_its_own_runs(tmp_path):
+    """Under --fault-model chosen a node kept additive ran the additive command's runs and takes
+    its entry; a flip node, and the row across nodes of mixed models, take none."""
+    path = tmp_path / SS.SCATTER.name
+    additive = SS.collect([(request(), [wcnts_row(0.045)]), (request(1), [wcnts_row(0.05)])])
+    path.write_text(json.dumps({"schema": SS.SCHEMA, "entries": [additive]}))
+    nodes = {"nodes": [1, 2, 10]}
+    assert SS.by_node(request(**nodes), path) == {1: additive, 2: additive, 10: additive,
+                                                  B.ACROSS_NODES: additive}
+    chosen = SS.by_node(request(fault_model="chosen", **nodes), path)
+    assert chosen == {2: additive}  # nodes 1 and 10 keep the flip model
+    assert SS.by_node(request(fault_model="flip", **nodes), path) == {}
+    assert SS.by_node(request(**nodes), tmp_path / "missing.json") == {}
 
 
 def test_a_measured_share_is_rare_only_by_its_upper_bound():

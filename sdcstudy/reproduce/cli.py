@@ -215,7 +215,7 @@ def write_scorecard(root: Path) -> dict:
     plan = manifest["plan"]
     runs = {e["name"]: load_run(root / RUNS / e["name"], strict=False) for e in plan
             if RF.finished(root / RUNS / e["name"])}
-    rows = S.build(plan, runs, _stopped(root), scatter=SS.entry_for(manifest["request"]))
+    rows = S.build(plan, runs, _stopped(root), scatter=SS.by_node(manifest["request"]))
     result = S.write(root, rows, manifest["request"], plan, runs)
     by_mode = {mode: {f"Node {e['node']}": runs[e["name"]] for e in plan
                       if e["mode"] == mode and e["name"] in runs} for mode in P.MODES}

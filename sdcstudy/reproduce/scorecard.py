@@ -118,11 +118,11 @@ def paper_scale_rows(plan: list[dict], path: Path | None = None) -> list[Row]:
 
 
 def build(plan: list[dict], runs: dict, stopped: dict | None = None,
-          paper_scale: Path | None = None, scatter: dict | None = None) -> list[Row]:
+          paper_scale: Path | None = None, scatter: dict[int, dict] | None = None) -> list[Row]:
     """Rows for every planned run: judged from `runs` ({name: report.runs.Run} of the finished
     runs), "fail" for a run in `stopped` ({name: why it stopped}), else "not run"; then
-    `paper_scale_rows` from `paper_scale`. Figures 5-6 take their chances from `scatter`, the
-    command's `seed_scatter` entry, where given."""
+    `paper_scale_rows` from `paper_scale`. Figures 5-6 take their chances from `scatter`, each
+    node's `seed_scatter` entry (`seed_scatter.by_node`), where given."""
     stopped = stopped or {}
     rows = []
     for entry in plan:

@@ -8,9 +8,10 @@ bounds (`pass_chance.lower_bound`, `upper_bound`).
 
 The measurement is committed (`SCATTER`, written by `python -m sdcstudy.dev.seed_scatter`):
 one entry per reproduce command (`command_key`: preset, steps, dtype, fault model and the
-other overrides), each holding every seed's verdict and value of each row. A scorecard whose
-command has an entry takes its rows' chances from it (`annotate`); a row's band must be the
-entry's. Imports no JAX.
+other overrides), each holding every seed's verdict and value of each row. A scorecard's node
+takes its rows' chances from the entry of its own runs' command (`by_node`: under
+`--fault-model chosen` a node's runs are those of its kept model's command); a row's band must
+be the entry's. Imports no JAX.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 from sdcstudy.core import runfolder as RF
 from sdcstudy.reproduce import claim_rows as CR
 from sdcstudy.reproduce import pass_chance as PC
+from sdcstudy.reproduce import plan as P
+from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce.bands import Row
 
 SCATTER = Path(__file__).resolve().parents[2] / "docs" / "scorecards" / "seed_scatter.json"
@@ -96,6 +99,22 @@ def entry_for(request: dict, path: Path | None = None) -> dict | None:
     return next((e for e in read(path) if {k: e[k] for k in key} == key), None)
 
 
+def by_node(request: dict, path: Path | None = None) -> dict[int, dict]:
+    """{node: the committed entry of that node's runs} for the request's nodes, and for the
+    across-nodes row (`bands.ACROSS_NODES`) where every node ran one model: a `--fault-model
+    chosen` node ran what its kept model's command runs."""
+    entries, found = read(path), {}
+    for node in request.get("nodes", []):
+        key = command_key({**request, "fault_model": P.node_model(request, node)})
+        entry = next((e for e in entries if {k: e[k] for k in key} == key), None)
+        if entry is not None:
+            found[node] = entry
+    if request.get("fault_model", P.DEFAULT_FAULT_MODEL) != P.CHOSEN:
+        if (entry := entry_for(request, path)) is not None:
+            found[B.ACROSS_NODES] = entry
+    return found
+
+
 def with_entry(entries: list[dict], entry: dict) -> list[dict]:
     """`entries` with `entry` in place of any of its command's."""
     key = command_key(entry)
@@ -108,15 +127,14 @@ def share(counted: dict) -> tuple[int, int]:
     return sum(v == "pass" for v in judged), len(judged)
 
 
-def annotate(rows: list[Row], entry: dict | None) -> None:
-    """Set the chance of the judged rows of `SOURCES` that state none from `entry`'s seeds:
-    the Clopper-Pearson bounds of their share passing, where `MIN_SEEDS` judged it and the
-    row's band is the entry's."""
-    if entry is None:
-        return
-    table = {_row_key(e): e for e in entry["rows"]}
+def annotate(rows: list[Row], entries: dict[int, dict] | None) -> None:
+    """Set the chance of the judged rows of `SOURCES` that state none from the seeds of their
+    node's entry (`by_node`): the Clopper-Pearson bounds of their share passing, where
+    `MIN_SEEDS` judged it and the row's band is the entry's."""
+    tables = {node: {_row_key(e): e for e in entry["rows"]}
+              for node, entry in (entries or {}).items()}
     for row in rows:
-        counted = table.get(_row_key(row))
+        counted = tables.get(row.node, {}).get(_row_key(row))
         if (row.source not in SOURCES or row.verdict not in ("pass", "fail")
                 or row.pass_probability is not None or counted is None
                 or counted["band"] != row.band):
