@@ -36,7 +36,7 @@ MIN_SEEDS = 2  # judged seeds a row needs before its share says anything
 def command_key(request: dict) -> dict:
     """What a scatter's runs share with a scorecard's: the request without its fault seed."""
     return {"preset": request["preset"], "steps": request["steps"],
-            "dtype": request.get("dtype"), "fault_model": request.get("fault_model", "additive"),
+            "dtype": request.get("dtype"), "fault_model": request.get("fault_model", P.DEFAULT_FAULT_MODEL),
             "overrides": sorted(o for o in request.get("overrides", [])
                                 if not o.startswith(SEED_KEY))}
 
@@ -93,10 +93,15 @@ def read(path: Path | None = None) -> list[dict]:
     return RF.json_load(path)["entries"] if path.is_file() else []
 
 
+def _matching(entries: list[dict], request: dict) -> dict | None:
+    """The entry of `request`'s command among `entries`, or None."""
+    key = command_key(request)
+    return next((e for e in entries if {k: e[k] for k in key} == key), None)
+
+
 def entry_for(request: dict, path: Path | None = None) -> dict | None:
     """The committed entry of `request`'s command, or None."""
-    key = command_key(request)
-    return next((e for e in read(path) if {k: e[k] for k in key} == key), None)
+    return _matching(read(path), request)
 
 
 def by_node(request: dict, path: Path | None = None) -> dict[int, dict]:
@@ -105,12 +110,11 @@ def by_node(request: dict, path: Path | None = None) -> dict[int, dict]:
     chosen` node ran what its kept model's command runs."""
     entries, found = read(path), {}
     for node in request.get("nodes", []):
-        key = command_key({**request, "fault_model": P.node_model(request, node)})
-        entry = next((e for e in entries if {k: e[k] for k in key} == key), None)
+        entry = _matching(entries, {**request, "fault_model": P.node_model(request, node)})
         if entry is not None:
             found[node] = entry
     if request.get("fault_model", P.DEFAULT_FAULT_MODEL) != P.CHOSEN:
-        if (entry := entry_for(request, path)) is not None:
+        if (entry := _matching(entries, request)) is not None:
             found[B.ACROSS_NODES] = entry
     return found
 
