@@ -203,3 +203,60 @@ def test_rows_judge_per_check_shares_against_appendix_d():
                                                    (2, "no events")]
     assert all(r.source == "Figure 10" and "tp 8" in r.quantity for r in rows)
     assert dataclasses.asdict(rows[0])["published"] == "frequently"
+
+
+def test_a_shape_measured_again_alone_keeps_its_draws():
+    """`measure(..., first_index=s)` on shape s alone gives bitwise the entries that shape has in
+    its series, and more draws keep the first ones (the same flags among them: node 9's faults
+    flag every draw at the tiny shape, none where none landed). If this failed, a row measured
+    again with more draws (`figure10_entries.decide`) would not extend the committed draws."""
+    shapes = [A.Shape("one", 256, 32, 64), A.Shape("two", 256, 64, 64)]
+    series = A.measure(_profile, shapes, [9], draws=2)
+    alone = A.measure(_profile, shapes[1:], [9], draws=2, first_index=1)
+    assert alone == [e for e in series if e["shape"] == "two"]
+    assert A.measure(_profile, shapes[1:], [9], draws=2) != alone  # the index seeds the draws
+    more = A.measure(_profile, shapes[1:], [9], draws=4, first_index=1)
+    assert more[1]["checks"] == 2 * alone[1]["checks"]
+
+
+def test_decide_measures_an_undecided_row_again_until_its_draws_decide(monkeypatch):
+    """`figure10_entries.decide`: an undecided paper-size row is measured again alone (its own
+    shape index, o's placement), first with the draws `draws_to_decide` asks at its analytic
+    rate, then twice as many, until decided or over the cap; decided rows, healthy entries and
+    other placements stay as they were. Here the analytic rate a draw is 0.2 against a 0.1 edge
+    (node 4, fault share 0.1): 2 of 16 is undecided; the fake flags 13% of any count of draws,
+    which the first re-measurement does not decide."""
+    from sdcstudy.dev import figure10_entries as FE
+    from sdcstudy.reproduce import figure10_paper as F10
+
+    def entry(node, flagged, checks, placement="o_proj", shape="paper tp 8"):
+        return {"shape": shape, "m": 4096, "k": 512, "n": 4096, "node": node,
+                "placement": placement, "checks": checks, "active": 1.0,
+                "fault_share": 0.1, "o_faults": 0.1, "context_faults": 0.0,
+                "single_fault_ratio": 0.24, "sparse_prediction": 0.02,
+                "flagged_active_paper": 0.1 * flagged / checks,
+                "flagged_paper": 0.1 * flagged / checks}
+
+    calls = []
+
+    def fake_measure(profile_of, shapes, nodes, placements, products, draws, seed,
+                     first_index=0):
+        calls.append((shapes[0].name, nodes, placements, products, draws, first_index))
+        checks = products * draws
+        return [entry(0, 0, products), entry(nodes[0], round(0.13 * checks), checks)]
+
+    monkeypatch.setattr(A, "measure", fake_measure)
+    undecided = entry(4, 2, 16)
+    assert not F10.decided(undecided)
+    found = [entry(0, 0, 2), undecided, entry(4, 2, 16, placement="split"),
+             entry(6, 16, 16)]
+    said = []
+    out = FE.decide(found, products=2, seed=0, cap=4096, say=said.append)
+    assert out[0] is found[0] and out[2] is found[2] and out[3] is found[3]
+    assert F10.decided(out[1]) and out[1]["checks"] > 16
+    needed = F10.draws_to_decide(0.2, F10.edge_probability(undecided))
+    assert calls[0] == ("paper tp 8", [4], ("o_proj",), 2, math.ceil(1.2 * needed / 2), 1)
+    assert len(calls) > 1 and all(c[4] == 2 * p[4] for p, c in zip(calls, calls[1:]))
+    assert len(said) == len(calls) and "decided" in said[-1]
+    capped = FE.decide(found, products=2, seed=0, cap=20, say=said.append)
+    assert capped[1] is undecided  # a cap below the first re-measurement leaves the row

@@ -132,6 +132,19 @@ def test_figure10_paper_rows_leave_sampling_noise_to_the_analytic_estimate():
     assert F10.decided(quiet) and F10.rows([quiet])[0].verdict == "pass"
 
 
+def test_draws_to_decide_never_asks_fewer_than_decide_a_count_of_none():
+    """At a rate of 0 the normal approximation asks for 1 draw; a count of none decides only
+    when (1 - edge)^n < DECIDE_LEVEL / 2. The draws asked for decide a zero count and one
+    fewer do not (likewise every draw flagged above the edge). If this failed, a row would
+    say that fewer draws than it already has would decide it."""
+    edge = F10.edge_probability(_entry(4, 0, 0.0616))  # 0.162
+    for p, flagged in ((0.0, lambda n: 0), (1.0, lambda n: n)):
+        needed = F10.draws_to_decide(p, edge)
+        assert needed > 1
+        for n, decides in ((needed, True), (needed - 1, False)):
+            assert F10.decided(_entry(4, flagged(n), 0.0616, checks=n)) == decides
+
+
 def test_figure10_paper_rows_explain_each_failure_with_its_own_numbers():
     """A failing row's why names its node, shape and what the other placements measured there
     (node 1: none inside the attention); node 14's names the share its bursts leave on.

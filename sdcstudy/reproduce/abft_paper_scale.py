@@ -297,7 +297,7 @@ def sparse_prediction(expected_faults: float, ratio: float,
 
 
 def measure(profile_of, shapes, nodes, placements=("o_proj",), products: int = 2,
-            draws: int = 10, seed: int = 0) -> list[dict]:
+            draws: int = 10, seed: int = 0, first_index: int = 0) -> list[dict]:
     """One entry per shape, node and placement (and a healthy one per shape, node 0): faults
     expected and landed per check, the share of checks flagged under each rule while the
     node's pattern is on and over the run, and the sparse prediction.
@@ -305,9 +305,11 @@ def measure(profile_of, shapes, nodes, placements=("o_proj",), products: int = 2
     `profile_of(node, placement, context_width)` is `faults.profiles.paper_node`; each shape
     takes `products` pairs of operands and `draws` fault draws on each, seeded by `seed`. A
     node that expects under one fault a check is drawn given one fault at least, and weighed
-    by the probability of one (`fault_share`): its rare flags are then measured, not missed."""
+    by the probability of one (`fault_share`): its rare flags are then measured, not missed.
+    `first_index` is the index of `shapes[0]` in the series the seeds number (a shape
+    measured again alone, with more draws, keeps its first draws)."""
     entries = []
-    for s, shape in enumerate(shapes):
+    for s, shape in enumerate(shapes, first_index):
         ratio = single_fault_ratio(shape, np.random.default_rng([seed, s, 0, 1]))
         tally: dict[tuple, list[dict]] = {}
         for p in range(products):

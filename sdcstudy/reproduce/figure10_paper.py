@@ -62,11 +62,17 @@ def decided(entry: dict, rule: str = "paper") -> bool:
 
 def draws_to_decide(flag_probability: float, edge: float) -> int | None:
     """Draws whose flag share tells `flag_probability` from `edge` at `DECIDE_LEVEL` (normal
-    approximation: Z^2 p (1 - p) / (edge - p)^2); None where they are equal."""
+    approximation: Z^2 p (1 - p) / (edge - p)^2), and never fewer than the least that decide
+    even the farthest count (none flagged below the edge, every draw above it: (1 - edge)^n or
+    edge^n under DECIDE_LEVEL / 2), where the approximation fails; None where they are equal."""
     if flag_probability == edge:
         return None
     p = flag_probability
-    return max(1, math.ceil(Z_DECIDE ** 2 * p * (1 - p) / (edge - p) ** 2))
+    normal = math.ceil(Z_DECIDE ** 2 * p * (1 - p) / (edge - p) ** 2)
+    farthest = 1 - edge if p < edge else edge
+    floor = (math.ceil(math.log(DECIDE_LEVEL / 2) / math.log(farthest))
+             if 0 < farthest < 1 else 1)
+    return max(1, normal, floor)
 
 
 def rows(entries: list[dict], placement: str = "o_proj", rule: str = "paper") -> list[Row]:
