@@ -95,6 +95,32 @@ def test_figure10_little_is_certain_without_attention_faults_and_hopeless_with_m
     assert rare == pytest.approx(B.binomial_below(2, 200, -math.expm1(-0.5 / 200)), rel=1e-9)
 
 
+def test_at_least_steps_is_the_binomial_tail_even_where_it_is_tiny():
+    """P(at least k of 200 alike steps) against 1 - P(at most k - 1), and far out in the tail
+    (where that difference is 0 in floats) against the leading term C(200, k) p^k, within 1%.
+    If this failed, node 14's Figure 10 bound would be lost to rounding."""
+    for k in (0, 1, 5):
+        assert PC.at_least_steps(np.full(200, 0.01), k) == pytest.approx(
+            1 - B.binomial_below(k - 1, 200, 0.01) if k else 1.0, rel=1e-9)
+    p = 1e-6
+    assert PC.at_least_steps(np.full(200, p), 20) == pytest.approx(
+        math.comb(200, 20) * p ** 20, rel=0.01)
+
+
+def test_figure10_frequent_is_bounded_by_the_steps_that_hold_a_fault():
+    """Node 14 ("frequently", at least 10% of steps flagged): at most the chance that 20 of 200
+    steps hold an attention fault: none without attention faults, all but certain with many,
+    all but impossible at its bursts (one step in 4,000 on). `annotate` states it as 0 to that."""
+    assert PC.figure10_frequent_bound(14, _entry(14, 1.0, site="fwd/ffn")) == 0.0
+    assert PC.figure10_frequent_bound(1, _entry(1, 1e4)) > 1 - 1e-9
+    assert PC.figure10_frequent_bound(14, _entry(14, 5.0)) < 1e-30
+    row = Row(14, "Figure 10", "fwd o flagged steps", "frequently", 0.0, None,
+              ">= 10% of steps flagged", "fail")
+    PC.annotate([row], _entry(14, 5.0), run=None)
+    assert row.pass_probability == 0.0 and row.pass_probability_max < 1e-30
+    assert S.chance_cell(row).startswith("0 to ")
+
+
 def _row(source, quantity, verdict, chance=None, node=10, band="-"):
     return Row(node, source, quantity, 1.0, 1.0, 1.0, band, verdict, pass_probability=chance)
 

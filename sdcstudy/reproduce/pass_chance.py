@@ -16,6 +16,9 @@ bound (docs/reproduction.md, "The chance a correct model passes"). Imports no JA
   `bands.ABFT_LITTLE` of the steps hold an attention-output fault (every step with one taken
   as flagged; a healthy float32 check flags nothing, docs/results/abft.md), over the steps'
   own fault probabilities (Poisson-binomial);
+- Figure 10's run row of the "frequently" node (14): between 0 and at most the probability that
+  at least `bands.ABFT_FREQUENT` of the steps hold an attention-output fault (a step without
+  one flags nothing), an upper bound (`Row.pass_probability_max`);
 - appendix D.3, frequency x severity in the product of their bands: at least the chance both
   rows pass, P(A) + P(B) - 1, whatever their dependence;
 - Table 2 and Tables 8-9 at the run's exposure (our maximum within 3x of the paper's, or of its
@@ -136,10 +139,40 @@ def figure10_little_chance(node: int, entry: dict) -> float | None:
     means = step_means(node, entry, "fwd/attn")
     if means is None:
         return 1.0 if "fwd/attn" not in entry["sites"] else None
+    return at_most_steps(_steps_with_fault(node, means), math.floor(B.ABFT_LITTLE * len(means)))
+
+
+def at_least_steps(probabilities: np.ndarray, k: int) -> float:
+    """P(at least k of independent steps occur), the steps occurring with `probabilities`
+    (Poisson-binomial over counts 0..k, the last absorbing: exact where it is tiny)."""
+    if k <= 0:
+        return 1.0
+    dist = np.zeros(k + 1)
+    dist[0] = 1.0
+    for p in probabilities:
+        top = dist[k] + dist[k - 1] * p
+        dist[1:k] = dist[1:k] * (1 - p) + dist[:k - 1] * p
+        dist[0] *= 1 - p
+        dist[k] = top
+    return float(min(1.0, dist[k]))
+
+
+def figure10_frequent_bound(node: int, entry: dict) -> float | None:
+    """The "frequently" node's Figure 10 run row: at most the chance that at least
+    `bands.ABFT_FREQUENT` of the steps hold an attention-output fault."""
+    means = step_means(node, entry, "fwd/attn")
+    if means is None:
+        return 0.0 if "fwd/attn" not in entry["sites"] else None
+    return at_least_steps(_steps_with_fault(node, means),
+                          math.ceil(B.ABFT_FREQUENT * len(means)))
+
+
+def _steps_with_fault(node: int, means: np.ndarray) -> np.ndarray:
+    """Each step's probability of an attention-output fault (a bursty step fires with
+    `p_active`, then at means / p_active)."""
     pattern = node_pattern(node)
     p_fire = pattern.p_active if pattern.kind == "burst" else 1.0
-    with_fault = p_fire * -np.expm1(-means / p_fire)
-    return at_most_steps(with_fault, math.floor(B.ABFT_LITTLE * len(means)))
+    return p_fire * -np.expm1(-means / p_fire)
 
 
 def maximum_band_chance(paper_over_ours: float, lo: float, hi: float) -> float:
@@ -203,10 +236,17 @@ def row_chance(row: Row, entry: dict, run) -> float | None:
 
 
 def annotate(rows: list[Row], entry: dict, run) -> None:
-    """Fill in `pass_probability` on the run's judged rows that state none (`row_chance`)."""
+    """Fill in `pass_probability` on the run's judged rows that state none (`row_chance`), and
+    the bounds of the "frequently" node's Figure 10 run row (0 to `figure10_frequent_bound`)."""
     for row in rows:
-        if row.pass_probability is None and row.verdict in ("pass", "fail"):
-            row.pass_probability = row_chance(row, entry, run)
+        if row.pass_probability is not None or row.verdict not in ("pass", "fail"):
+            continue
+        if row.source == "Figure 10" and row.published == "frequently":
+            most = figure10_frequent_bound(row.node, entry)
+            if most is not None:
+                row.pass_probability, row.pass_probability_max = 0.0, most
+            continue
+        row.pass_probability = row_chance(row, entry, run)
 
 
 def d3_chance(d3: Row, rows: list[Row]) -> float | None:
