@@ -23,6 +23,7 @@ from sdcstudy.report.runs import Run
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import exposure_rows as X
 from sdcstudy.reproduce import cli as RC
+from sdcstudy.reproduce import figure10_paper as F10
 from sdcstudy.reproduce import figures as FG
 from sdcstudy.reproduce import findings as F
 from sdcstudy.reproduce import mismatch_rows as M
@@ -615,7 +616,8 @@ def test_figure10_at_the_papers_sizes_without_its_measurement_is_not_run(tmp_pat
 def test_the_committed_figure10_measurement_is_the_one_docs_describe():
     """docs/scorecards/abft_paper_scale.json holds docs/faults.md 5.4's table: no node flags at
     tp 1, node 14 flags at most 9.4e-5 of the checks (fails at every tp), nodes 10 and 11 flag
-    every check at tp 8. If this failed, the committed file and the docs' table disagree."""
+    every check at tp 8, node 4 at tp 32 passes on 20 of 226 draws, and every judged row is
+    decided by its draws. If this failed, the committed file and the docs' table disagree."""
     plan = [entry(node=n, mode="abft") for n in range(1, 16)]
     rows = S.paper_scale_rows(plan)
     tp = {(r.node, r.quantity.partition(" (")[0].rsplit(" ", 1)[1]): r for r in rows}
@@ -625,6 +627,11 @@ def test_the_committed_figure10_measurement_is_the_one_docs_describe():
     assert max(tp[14, t].ours for t in ("1", "8", "32")) == pytest.approx(F.NODE14_MOST_FLAGGED,
                                                                          rel=0.01)
     assert tp[10, "8"].ours == tp[11, "8"].ours == 1.0
+    # every judged row decided by its draws (re-measured where 16 could not), none by the
+    # analytic estimate: each states the draws' chance
+    judged = [r for r in rows if r.verdict in ("pass", "fail")]
+    assert judged and all(r.pass_probability == F10.DECIDED_CHANCE for r in judged)
+    assert tp[4, "32"].verdict == "pass" and "20 of 226 fault draws flagged" in tp[4, "32"].reason
 
 
 # --- plan and shards ------------------------------------------------------------------------------
