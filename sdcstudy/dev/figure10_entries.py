@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 FILE = "abft_paper_scale.json"
+# o_proj first: a placement's index seeds its draws, and `decide` measures o_proj again alone.
 PLACEMENTS = ("o_proj", "inside", "split")
 NODES = range(1, 16)
 ANCHOR_DRAWS = 4  # the scorecards' sizes get this many times the draws
