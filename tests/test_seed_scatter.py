@@ -11,6 +11,7 @@ from report_runs import write_run
 
 from sdcstudy import cli, runner
 from sdcstudy.core import config as C
+from sdcstudy.core.errors import UserError
 from sdcstudy.dev import seed_scatter as DS
 from sdcstudy.faults import published as PB
 from sdcstudy.reproduce import bands as B
@@ -173,3 +174,21 @@ def test_seeds_collected_then_merged_state_the_figures_chances(monkeypatch, tmp_
         err = capsys.readouterr().err.strip()
         assert err.startswith("seed_scatter: ") and err.count("\n") == 0
         assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"schema": "other/1", "entries": []}',
+                                  '{"schema": "sdcstudy-seed-scatter/1", "entries": 3}'])
+def test_a_file_that_is_not_a_scatter_is_refused_in_one_sentence(tmp_path, capsys, text):
+    """A damaged or foreign seed_scatter.json: `read` refuses it (UserError, one sentence naming
+    the file and the command that writes one), and the collector exits 2 before scoring
+    anything, leaving the file as it was. If this failed, a traceback would end the collector
+    or the scorecard, or the file would be overwritten with one entry."""
+    path = tmp_path / SS.SCATTER.name
+    path.write_text(text)
+    with pytest.raises(UserError, match="is not a seed scatter sdcstudy wrote") as caught:
+        SS.read(path)
+    assert "\n" not in str(caught.value) and "sdcstudy.dev.seed_scatter" in str(caught.value)
+    assert DS.main([str(tmp_path / "no-such-folder"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a seed scatter" in err
+    assert path.read_text() == text

@@ -50,7 +50,9 @@ def main(argv=None) -> int:
     from sdcstudy.reproduce import seed_scatter as SS
 
     start = time.perf_counter()
+    path = args.out / SS.SCATTER.name
     try:
+        existing = SS.read(path)  # refused before any scoring if it is not a scatter
         found = []
         for folder in args.folders:
             print(f"scoring {folder} ...", flush=True)
@@ -59,11 +61,10 @@ def main(argv=None) -> int:
     except (ValueError, RC.UserError) as e:
         print(f"seed_scatter: {e}", file=sys.stderr)
         return 2
-    path = args.out / SS.SCATTER.name
     args.out.mkdir(parents=True, exist_ok=True)
     entry["scored_by"] = PV.commit()  # the version whose verdicts these are
     RF.atomic_write_json(path, {"schema": SS.SCHEMA,
-                                "entries": SS.with_entry(SS.read(path), entry)})
+                                "entries": SS.with_entry(existing, entry)})
     for row in entry["rows"]:
         passed, judged = SS.share(row)
         print(f"node {row['node']:2d} | {row['source']} | {row['quantity']} | {row['band']} | "

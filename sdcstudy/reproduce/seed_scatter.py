@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core.errors import UserError
 from sdcstudy.reproduce import claim_rows as CR
 from sdcstudy.reproduce import pass_chance as PC
 from sdcstudy.reproduce import plan as P
@@ -88,9 +89,20 @@ def collect(scored: list[tuple[dict, list[Row]]]) -> dict:
 
 
 def read(path: Path | None = None) -> list[dict]:
-    """The committed entries at `path` (default `SCATTER`); none where it is missing."""
+    """The committed entries at `path` (default `SCATTER`); none where it is missing; a file
+    that is not one `python -m sdcstudy.dev.seed_scatter` wrote is refused in one sentence."""
     path = Path(path or SCATTER)
-    return RF.json_load(path)["entries"] if path.is_file() else []
+    if not path.is_file():
+        return []
+    try:
+        found = RF.json_load(path)
+        entries = found.get("entries") if found.get("schema") == SCHEMA else None
+    except (ValueError, AttributeError):  # not JSON (a ValueError), or not an object
+        entries = None
+    if not isinstance(entries, list):
+        raise UserError(f"{str(path)!r} is not a seed scatter sdcstudy wrote ({SCHEMA}); "
+                        f"restore it or write it again with python -m sdcstudy.dev.seed_scatter.")
+    return entries
 
 
 def _matching(entries: list[dict], request: dict) -> dict | None:
