@@ -207,9 +207,10 @@ def test_rows_judge_per_check_shares_against_appendix_d():
 
 def test_a_shape_measured_again_alone_keeps_its_draws():
     """`measure(..., first_index=s)` on shape s alone gives bitwise the entries that shape has in
-    its series, and more draws keep the first ones (the same flags among them: node 9's faults
-    flag every draw at the tiny shape, none where none landed). If this failed, a row measured
-    again with more draws (`figure10_entries.decide`) would not extend the committed draws."""
+    its series (and not those of index 0), and more draws give as many more checks: the draws'
+    seeds are (seed, shape index, product, node, placement, draw), so the first ones are the
+    same. If this failed, a row measured again with more draws (`figure10_entries.decide`)
+    would not extend the committed draws."""
     shapes = [A.Shape("one", 256, 32, 64), A.Shape("two", 256, 64, 64)]
     series = A.measure(_profile, shapes, [9], draws=2)
     alone = A.measure(_profile, shapes[1:], [9], draws=2, first_index=1)

@@ -37,7 +37,8 @@ MIN_SEEDS = 2  # judged seeds a row needs before its share says anything
 def command_key(request: dict) -> dict:
     """What a scatter's runs share with a scorecard's: the request without its fault seed."""
     return {"preset": request["preset"], "steps": request["steps"],
-            "dtype": request.get("dtype"), "fault_model": request.get("fault_model", P.DEFAULT_FAULT_MODEL),
+            "dtype": request.get("dtype"),
+            "fault_model": request.get("fault_model", P.DEFAULT_FAULT_MODEL),
             "overrides": sorted(o for o in request.get("overrides", [])
                                 if not o.startswith(SEED_KEY))}
 
