@@ -17,9 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sdcstudy.core import determinism
 from sdcstudy.core import model as M
 from sdcstudy.core import sites as S
 from sdcstudy.core.config import ModelDims
+from sdcstudy.core.errors import UserError
 
 U32 = 2.0 ** -24  # unit roundoff of float32: scores, softmax and accumulation in both paths
 UBF16 = 2.0 ** -8  # unit roundoff of bfloat16
@@ -99,20 +101,56 @@ def test_hooks_on_scores_probabilities_or_context_keep_the_unfused_path(hook, ex
     read scores, probabilities or the context: a fault at `attn_probs` or a tap at
     `attn_scores` on the fused path would see a tensor that does not exist."""
     for mode in (M.AUTO, M.FUSED):
-        assert M.attention_path(mode, hook, jnp.bfloat16, 64, platform="gpu") == expected
+        assert M.attention_path(mode, hook, jnp.bfloat16, 64, platform="gpu",
+                                cudnn_fails=False) == expected
 
 
 def test_where_each_mode_runs_what():
     """`unfused` always; `auto` unfused off a GPU (CPU bits as before); float32 and head dims
     cuDNN does not take fall back to XLA's composition; a mode that is not one is refused."""
     hook = S.identity_hook
-    assert M.attention_path(M.UNFUSED, hook, jnp.bfloat16, 64, platform="gpu") == M.UNFUSED
-    assert M.attention_path(M.AUTO, hook, jnp.bfloat16, 64, platform="cpu") == M.UNFUSED
-    assert M.attention_path(M.FUSED, hook, jnp.bfloat16, 64, platform="cpu") == M.XLA
-    assert M.attention_path(M.FUSED, hook, jnp.float32, 64, platform="gpu") == M.XLA
-    assert M.attention_path(M.FUSED, hook, jnp.bfloat16, 12, platform="gpu") == M.XLA
+    for fails in (False, True):
+        where = dict(platform="gpu", cudnn_fails=fails)
+        assert M.attention_path(M.UNFUSED, hook, jnp.bfloat16, 64, **where) == M.UNFUSED
+        assert M.attention_path(M.FUSED, hook, jnp.float32, 64, **where) == M.XLA
+        assert M.attention_path(M.FUSED, hook, jnp.bfloat16, 12, **where) == M.XLA
+        assert M.attention_path(M.AUTO, hook, jnp.bfloat16, 64, platform="cpu",
+                                cudnn_fails=fails) == M.UNFUSED
+        assert M.attention_path(M.FUSED, hook, jnp.bfloat16, 64, platform="cpu",
+                                cudnn_fails=fails) == M.XLA
     with pytest.raises(ValueError, match="model.attention must be one of"):
         M.attention_path("flash", hook, jnp.float32, 64)
+
+
+def test_where_cudnn_cannot_launch_auto_runs_unfused_and_fused_is_refused():
+    """Under the determinism flags jaxlib 0.11.2's XLA fails to launch cuDNN's fused attention
+    (an H200, 2026-11-30): there `auto` runs the unfused path, and `fused` is refused in one
+    sentence (a UserError: exit 2) instead of failing at the first step."""
+    hook = S.identity_hook
+    assert M.attention_path(M.AUTO, hook, jnp.bfloat16, 64, platform="gpu",
+                            cudnn_fails=True) == M.UNFUSED
+    assert M.attention_path(M.AUTO, hook, jnp.bfloat16, 64, platform="gpu",
+                            cudnn_fails=False) == M.CUDNN
+    with pytest.raises(UserError, match="model.attention=fused would run cuDNN's fused "
+                                        "attention.*jaxlib 0.11.2 and earlier"):
+        M.attention_path(M.FUSED, hook, jnp.bfloat16, 64, platform="gpu", cudnn_fails=True)
+
+
+@pytest.mark.parametrize("flags, jaxlib, fails", [
+    ("--xla_gpu_deterministic_ops=true --xla_gpu_exclude_nondeterministic_ops=true", "0.11.2",
+     True),
+    ("--xla_gpu_exclude_nondeterministic_ops=true", "0.10.2", True),  # either flag
+    ("--xla_gpu_deterministic_ops=true", "0.11.2.dev20261101", True),
+    ("--xla_gpu_deterministic_ops=true", "0.11.3", False),  # not measured: cuDNN is tried
+    ("--xla_gpu_deterministic_ops=true", "0.12.0", False),
+    ("--xla_gpu_deterministic_ops=false --xla_gpu_exclude_nondeterministic_ops=false",
+     "0.11.2", False),  # the flags off: cuDNN launched (the acceptance's free step)
+    ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false", "0.11.2", False),
+    ("", "0.11.2", False),
+])
+def test_cudnn_attention_fails_under_either_determinism_flag_through_jaxlib_0_11_2(
+        flags, jaxlib, fails):
+    assert determinism.cudnn_attention_fails(flags, jaxlib) is fails
 
 
 DIMS = ModelDims(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,

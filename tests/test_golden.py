@@ -592,6 +592,39 @@ def test_memory_digest_localizes_a_flipped_bit():
     assert differ.any(-1).tolist() == [False, False, True, False] and differ[2].all()
 
 
+@pytest.mark.parametrize("chunks", [2, 3, 7])
+def test_the_buffer_read_back_in_blocks_keeps_every_bit(monkeypatch, chunks):
+    """`sweep` reads the buffer in blocks of BLOCK_CHUNKS (here 3: no full block, one, two and
+    a rest) and rewrites it after: bit for bit the whole-buffer digest and next pattern."""
+    monkeypatch.setattr(GCov, "BLOCK_CHUNKS", 3)
+    buffer = np.asarray(jax.jit(GCov._mix)(np.arange(chunks * 512, dtype=np.uint32)))
+    buffer = buffer.reshape(chunks, 512)
+    salt = np.uint32(0x9E3779B9)
+    pattern, digest = jax.jit(GCov.sweep)(buffer, salt)
+    np.testing.assert_array_equal(np.asarray(digest), np.asarray(GCov.chunk_digest(buffer)))
+    np.testing.assert_array_equal(np.asarray(pattern), np.asarray(GCov._mix(buffer ^ salt)))
+
+
+def test_the_full_workload_step_keeps_no_buffer_sized_temporary(monkeypatch):
+    """The buffer is most of the device's memory, so the compiled coverage step may hold no
+    second copy of it (an H200 ran out of memory asking for one): XLA:CPU's own measure of
+    the step's temporaries stays under the buffer's size (written over the whole buffer at
+    once it kept two buffers' worth; read in blocks, two blocks' worth of digest lanes)."""
+    from sdcstudy.golden.sizing import CHUNK_WORDS, DeviceDescription, size_full
+
+    monkeypatch.setattr(GCov, "BLOCK_CHUNKS", 5)  # three blocks and one chunk
+    description = DeviceDescription("cpu", "cpu", sms=1, memory_bytes=22 * CHUNK_WORDS * 4,
+                                    dtypes=("bfloat16", "float32"))
+    sizing = size_full(description)
+    assert sizing.buffer_chunks == 16
+    device = jax.devices("cpu")[0]
+    compiled = jax.jit(GCov.step, donate_argnums=0).lower(
+        GCov.abstract_state(sizing, device), jnp.uint32(1)).compile()
+    memory = compiled.memory_analysis()
+    assert memory.alias_size_in_bytes >= sizing.buffer_bytes  # rewritten in place
+    assert memory.temp_size_in_bytes < sizing.buffer_bytes
+
+
 @pytest.fixture(scope="module")
 def full_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("golden") / "full"

@@ -551,12 +551,15 @@ def test_the_runs_plan_fits_the_window():
     assert sum(GA.STAGES.values()) <= 15 * 60 - 120
 
 
+@pytest.mark.parametrize("cudnn_fails", [False, True])
 @pytest.mark.parametrize("stage", ["full", "quick"])
-def test_every_check_of_a_stage_is_wired(tmp_path, monkeypatch, stage):
+def test_every_check_of_a_stage_is_wired(tmp_path, monkeypatch, stage, cudnn_fails):
     """The checks' order and wiring, with each child replaced by a fake result: every check
     of the stage lands in the JSON and the table, the judges get the medium step's census
     (pinned over untuned), and one fake miss makes the verdict FAIL. A typo here would only
-    show on the GPU, whose minutes are scarce."""
+    show on the GPU, whose minutes are scarce. Where cuDNN's attention cannot launch under
+    the flags, `fused_attention` is skipped with the reason."""
+    monkeypatch.setattr(GC, "cudnn_fails_here", lambda: cudnn_fails)
     monkeypatch.setattr(GS, "versions", lambda: {})
     monkeypatch.setattr(SMI, "snapshot", lambda: ("", SMI.summary(SMI_SAMPLE)))
     args = SimpleNamespace(out=tmp_path, stage=stage, budget=540)
@@ -582,18 +585,43 @@ def test_every_check_of_a_stage_is_wired(tmp_path, monkeypatch, stage):
     assert (tmp_path / GS.TABLE).read_text() == GS.table(saved)
     if stage == "full":
         assert code == 1 and saved["verdict"] == "FAIL"  # the fake 1B benches miss
-        for name in ("pinned_autotune", "determinism_cost", "kernel_census", "fused_attention",
-                     "torch_ratio"):
+        for name in ("pinned_autotune", "determinism_cost", "kernel_census", "torch_ratio"):
             assert saved["checks"][name]["pass"] is True, name
+        fused = saved["checks"]["fused_attention"]
+        assert fused["pass"] is (None if cudnn_fails else True)
+        assert ("skipped" in fused) is cudnn_fails
         assert saved["checks"]["bench_1b_float32"]["pass"] is False
     else:
         assert code == 0 and saved["verdict"] == "PASS"
+
+
+@pytest.mark.parametrize("cudnn_fails, attention", [(True, "unfused"), (False, "auto")])
+def test_the_tuned_step_runs_the_attention_the_flags_leave(tmp_path, monkeypatch, cudnn_fails,
+                                                           attention):
+    """The tuned step (flags off) must be the pinned step's program: where cuDNN's attention
+    cannot launch under the flags, `auto` runs unfused there, so the tuned step names
+    unfused; and the fused attention's repeat check is skipped with the reason, its children
+    never started."""
+    monkeypatch.setattr(GC, "cudnn_fails_here", lambda: cudnn_fails)
+    monkeypatch.setattr(GS, "versions", lambda: {})
+    args = SimpleNamespace(out=tmp_path, stage="full", budget=540)
+    acc = GC.Acceptance(args, sys.executable, {"device_kind": H100}, tmp_path)
+    seen = {}
+    monkeypatch.setattr(acc, "bench", lambda name, *a, **k: seen.setdefault(name, k) and {})
+    acc.bench_tuned()
+    assert seen["bench_medium_bfloat16_tuned"]["sets"] == (f"model.attention={attention}",)
+    started = []
+    monkeypatch.setattr(acc, "sdcstudy", lambda *a, **k: started.append(a) or {"skipped": "x"})
+    repeat = acc.attention_repeat()
+    assert ("skipped" in repeat and repeat["skipped"] == GC.CUDNN_FAILS) is cudnn_fails
+    assert (started == []) is cudnn_fails
 
 
 def test_a_crashed_child_is_an_error_never_a_fail(tmp_path, monkeypatch):
     """Every check whose child crashes (exit 3, a timeout, no results) reports ERROR with the
     reason, never FAIL, and the acceptance ends COULD NOT RUN with exit 3; only the doctor's
     own FAIL (exit 1 with its report) is a FAIL."""
+    monkeypatch.setattr(GC, "cudnn_fails_here", lambda: False)  # the repeat check's child runs
     monkeypatch.setattr(GS, "versions", lambda: {})
     args = SimpleNamespace(out=tmp_path, stage="full", budget=540)
     acc = GC.Acceptance(args, sys.executable, {"device_kind": H100}, tmp_path)
@@ -627,3 +655,26 @@ def test_children_get_absolute_folders(tmp_path, monkeypatch):
     GA.check_arguments(args)
     assert args.out == tmp_path / "acc" and args.work == tmp_path / "work"
     assert args.budget == GA.STAGES["quick"] and args.checks == GA.QUICK_CHECKS
+
+
+def test_a_healthy_abft_run_says_where_its_checks_flagged(tmp_path):
+    """The result of a healthy ABFT run names where its false alarms were (matmul and
+    direction, layer, tenth of the run), each matmul's largest residual over its bound, and
+    the worst flagged checks: what a GPU run's 2 and 3,957 flags of 102,600 did not keep."""
+    import pandas as pd
+
+    rows = [  # step, layer, matmul, direction, row ratio, column ratio
+        (1, 0, "q", "fwd", 0.5, 0.2), (3, 1, "q", "fwd", 1.5, 0.1),
+        (9, 1, "down", "bwd_x", 0.3, 2.5), (10, 0, "down", "bwd_x", 0.9, 0.99)]
+    pd.DataFrame([{"step": s, "microstep": 0, "layer": layer, "matmul": m, "direction": d,
+                   "tp_rank": 0, "row_ratio": r, "col_ratio": c, "max_residual": 1e-3,
+                   "k": 64} for s, layer, m, d, r, c in rows]).to_parquet(
+        tmp_path / "abft.parquet")
+    where = GC.where_flagged(tmp_path, steps=10)
+    assert where["flags"] == 2
+    assert where["by_matmul"] == {"down/bwd_x": 1, "q/fwd": 1}
+    assert where["by_layer"] == {"1": 2}
+    assert where["by_tenth_of_steps"] == {"2": 1, "8": 1}
+    assert where["largest_ratio"] == {"down/bwd_x": 2.5, "q/fwd": 1.5}
+    assert [(w["step"], w["ratio"]) for w in where["worst"]] == [(9, 2.5), (3, 1.5)]
+    json.dumps(where)  # the result file takes it

@@ -129,6 +129,50 @@ def flag_value(flags: str, name: str) -> str | None:
     return value
 
 
+# XLA cannot launch cuDNN's fused attention under either determinism flag once two layers'
+# attention share a shape: the step compiles, and its first launch fails with "IndexError:
+# raw_hash_map<>::at" (XLA writes the backward's determinism into its backend config only on
+# the first of two identical calls, so the second's compiled graph is looked up under a key
+# that was never stored). Measured with jaxlib 0.11.2 on an H200 (docs/results/gpu.md,
+# 2026-11-30); a later jaxlib is not measured, so there cuDNN is tried.
+CUDNN_ATTENTION_FAILS_THROUGH = (0, 11, 2)
+
+
+def determinism_on(flags: str) -> bool:
+    """Whether an XLA_FLAGS string turns on either determinism flag (`configure` adds both
+    unless the environment names them)."""
+    return any((flag_value(flags, flag.partition("=")[0]) or "").lower() in ("true", "1")
+               for flag in DETERMINISM_XLA_FLAGS)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version string: "0.11.2" and "0.11.2.dev1" are (0, 11, 2)."""
+    numbers = []
+    for part in version.split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        numbers.append(int(digits.group()))
+        if digits.group() != part:
+            break
+    return tuple(numbers)
+
+
+def cudnn_attention_fails(flags: str | None = None, jaxlib_version: str | None = None) -> bool:
+    """Whether cuDNN's fused attention would fail to launch here (`CUDNN_ATTENTION_FAILS_THROUGH`):
+    a determinism flag on (`flags`: XLA_FLAGS, by default this process's) and a jaxlib that
+    is not later than the last one measured to fail (by default the installed one)."""
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    if not determinism_on(flags):
+        return False
+    if jaxlib_version is None:
+        try:
+            jaxlib_version = metadata.version("jaxlib")
+        except metadata.PackageNotFoundError:
+            return True  # no jaxlib to tell: assume the measured one
+    return version_tuple(jaxlib_version) <= CUDNN_ATTENTION_FAILS_THROUGH
+
+
 def autotune_results(flags: str, run_dir: Path | None = None) -> dict:
     """The pinned kernel choices: the SHA-256 of the file XLA_FLAGS loads (or that it is
     unreadable), else of the run folder's own `AUTOTUNE_FILE` with its name; {} when neither."""

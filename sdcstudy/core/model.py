@@ -23,8 +23,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from sdcstudy.core import determinism
 from sdcstudy.core import sites as S
 from sdcstudy.core.config import ModelDims
+from sdcstudy.core.errors import UserError
 from sdcstudy.core.sites import Hook, identity_hook
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -132,7 +134,7 @@ CUDNN, XLA = "cudnn", "xla"
 
 
 def attention_path(mode: str, hook: Hook, dtype, head_dim: int,
-                   platform: str | None = None) -> str:
+                   platform: str | None = None, cudnn_fails: bool | None = None) -> str:
     """UNFUSED, CUDNN or XLA: the attention a layer runs under `model.attention` = `mode`.
 
     Unfused wherever a hook may read scores, probabilities or the context (a hook that does
@@ -140,6 +142,8 @@ def attention_path(mode: str, hook: Hook, dtype, head_dim: int,
     every bit they had. Otherwise `jax.nn.dot_product_attention`: cuDNN's fused kernel on a
     GPU where cuDNN takes the shape (bfloat16, head dim a multiple of 8 up to 128), XLA's
     composition elsewhere (in jax 0.10 `implementation=None` means XLA's, even on a GPU).
+    Where cuDNN's kernel cannot launch under the determinism flags (`cudnn_fails`, by default
+    `determinism.cudnn_attention_fails()`), `auto` runs unfused and `fused` is refused.
     """
     if mode not in ATTENTION_MODES:
         raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_MODES)}, "
@@ -150,7 +154,17 @@ def attention_path(mode: str, hook: Hook, dtype, head_dim: int,
     if S.reads_attention_internals(hook):
         return UNFUSED
     cudnn_takes = jnp.dtype(dtype) == jnp.bfloat16 and head_dim % 8 == 0 and head_dim <= 128
-    return CUDNN if platform == "gpu" and cudnn_takes else XLA
+    if platform != "gpu" or not cudnn_takes:
+        return XLA
+    if not (determinism.cudnn_attention_fails() if cudnn_fails is None else cudnn_fails):
+        return CUDNN
+    if mode == AUTO:
+        return UNFUSED
+    last = ".".join(map(str, determinism.CUDNN_ATTENTION_FAILS_THROUGH))
+    raise UserError(f"model.attention=fused would run cuDNN's fused attention, which XLA in "
+                    f"jaxlib {last} and earlier cannot launch under the determinism flags "
+                    f"(the step fails at its first launch); use model.attention=auto or "
+                    f"unfused.")
 
 
 @functools.partial(jax.jit, static_argnames=("implementation",))

@@ -32,9 +32,10 @@ class ModelConfig:
     rope_theta: float | None = None  # RoPE base frequency (finite, positive or null)
     norm_eps: float | None = None  # RMSNorm epsilon (finite, positive or null)
     tie_embeddings: bool | None = None  # output projection shares the embedding
-    # auto (cuDNN's fused attention on a GPU, einsum + softmax elsewhere), fused (also off a
-    # GPU) or unfused; fused runs only where no hook reads attn_scores, attn_probs or
-    # attn_context (docs/gpu.md).
+    # auto (cuDNN's fused attention on a GPU, einsum + softmax elsewhere and where cuDNN's
+    # cannot launch under the determinism flags: jaxlib 0.11.2 and earlier), fused (also off a
+    # GPU; refused where cuDNN's cannot launch) or unfused; fused runs only where no hook
+    # reads attn_scores, attn_probs or attn_context (docs/gpu.md).
     attention: str = "auto"
 
 

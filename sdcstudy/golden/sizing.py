@@ -34,6 +34,7 @@ WAVES = 4  # thread blocks per SM of each main product, at least
 MEMORY_SHARE = 0.75  # of the device's memory, written and read back every step
 MAX_MEMORY_SHARE = 0.9  # what is left holds the model, its activations and the runtime
 CHUNK_WORDS = 1 << 20  # the memory buffer's digest unit: 4 MiB of uint32 words
+BLOCK_CHUNKS = 64  # chunks the memory buffer is read back in per loop iteration: 256 MiB
 GPU_MIN_SECONDS = 60.0  # repeated at least this long: clocks, power and temperature settle
 MiB = 1 << 20
 BLOCKS = 64  # digest blocks per tensor (golden/digest.py)

@@ -26,6 +26,9 @@ RECALL_STEPS = 20
 ABFT_RULES = ("rounding", "paper", "paper-dtype")  # abft/tables.py HOST_THRESHOLDS
 ATTENTION_REPEAT_STEPS = 6
 AUTOTUNE_FILE = "autotune_medium_bfloat16.txt"  # text: XLA writes text for a .txt name
+CUDNN_FAILS = ("this jaxlib's XLA cannot launch cuDNN's fused attention under the determinism "
+               "flags (core/determinism.py CUDNN_ATTENTION_FAILS_THROUGH), so the step runs "
+               "unfused attention")
 
 
 def preset_problem(name: str) -> str | None:
@@ -56,15 +59,17 @@ class Acceptance(Session):
                 "param_digest": d["param_digest"], "xla_flags": d["env"]["xla_flags"]}
 
     def bench(self, name: str, workload: tuple, dtype: str, cap: float,
-              env: dict | None = None, floor: GF.Floor | None = None) -> dict:
+              env: dict | None = None, floor: GF.Floor | None = None,
+              sets: tuple[str, ...] = ()) -> dict:
         """bench train of one workload (our step alone), its figures and census, judged by
-        `floor` (None: MFU measured is enough)."""
+        `floor` (None: MFU measured is enough); `sets`: more `--set` overrides."""
         preset, batch, seq_len, steps, repeats = workload
         path, hlo = self.work / f"{name}.json", self.work / "hlo" / name
+        overrides = [a for s in (f"model.dtype={dtype}", *sets) for a in ("--set", s)]
         run = self.sdcstudy(name, [
             "bench", "train", "--no-torch", "--presets", preset, "--batch", batch,
-            "--seq-len", seq_len, "--steps", steps, "--repeats", repeats,
-            "--set", f"model.dtype={dtype}", "--json", path, "--hlo", hlo], cap=cap, env=env,
+            "--seq-len", seq_len, "--steps", steps, "--repeats", repeats, *overrides,
+            "--json", path, "--hlo", hlo], cap=cap, env=env,
             sample=self.work / f"{name}.samples.csv")
         if "skipped" in run:
             return run
@@ -89,7 +94,10 @@ class Acceptance(Session):
 
         env = with_flags(without_determinism(child_env()),
                          f"{AUTOTUNE_DUMP_FLAG}={self.autotune_path()}")
-        out = self.bench("bench_medium_bfloat16_tuned", MEDIUM, "bfloat16", cap=200, env=env)
+        # The attention the flags leave (`auto` under them), so that both steps are one program.
+        attention = "unfused" if cudnn_fails_here() else "auto"
+        out = self.bench("bench_medium_bfloat16_tuned", MEDIUM, "bfloat16", cap=200, env=env,
+                         sets=(f"model.attention={attention}",))
         if out.get("pass") is not None and "tokens_per_s" in out:
             out["pass"] = self.autotune_path().is_file()
             out["autotune_file_bytes"] = (self.autotune_path().stat().st_size
@@ -161,7 +169,8 @@ class Acceptance(Session):
             return run if "skipped" in run else broke(run)
         summary = json.loads((folder / "summary.json").read_text())
         return {**run, "dtype": dtype, "preset": preset, "device_rule": "rounding",
-                **GF.judge_healthy_abft(summary), "rules": host_rule_rates(folder)}
+                **GF.judge_healthy_abft(summary), "rules": host_rule_rates(folder),
+                "where_flagged": where_flagged(folder, steps)}
 
     def abft_recall(self, dtype: str) -> dict:
         run, folder = self.abft(dtype, RECALL_PROFILE, RECALL_STEPS)
@@ -197,6 +206,8 @@ class Acceptance(Session):
         """The tiny training in bfloat16 with fused attention (cuDNN on a GPU: head dim 16)
         twice, in two processes: the same final parameters, bit for bit (the doctor trains
         in float32, which cuDNN's attention does not take)."""
+        if cudnn_fails_here():
+            return skipped(CUDNN_FAILS)
         runs, digests = [], []
         for i in (1, 2):
             folder = self.work / f"attention-repeat-{i}"
@@ -234,6 +245,14 @@ class Acceptance(Session):
                 "clock_event_reasons_during_us": SMI.counters_during(before, after)}
 
 
+def cudnn_fails_here() -> bool:
+    """Whether this Python's jaxlib fails to launch cuDNN's fused attention under the
+    determinism flags (`determinism.cudnn_attention_fails`); read without importing JAX."""
+    from sdcstudy.core import determinism
+
+    return determinism.cudnn_attention_fails(" ".join(determinism.DETERMINISM_XLA_FLAGS))
+
+
 def host_rule_rates(folder: Path) -> dict:
     """Flagged checks over all checks under each rule, from the recorded residuals."""
     from sdcstudy.abft.tables import host_flags
@@ -246,6 +265,46 @@ def host_rule_rates(folder: Path) -> dict:
         out[rule] = {"flags": flags, "checks": len(frame),
                      "false_alarm_rate": flags / len(frame) if len(frame) else None}
     return out
+
+
+FLAGGED_ROWS_KEPT = 20  # the flagged checks a healthy run's result lists, worst first
+
+
+def where_flagged(folder: Path, steps: int, rule: str = "rounding") -> dict:
+    """Where a healthy run's checks flagged under `rule`: counts by matmul and direction, by
+    layer and by tenth of the run's steps, each matmul and direction's largest ratio of
+    residual to bound (1 is the bound), and the worst flagged checks with their figures."""
+    import numpy as np
+
+    from sdcstudy.abft.tables import host_ratios
+    from sdcstudy.core.runfolder import read_table
+
+    frame = read_table(folder / "abft.parquet")
+    row, col = host_ratios(frame, rule)
+    frame = frame.assign(ratio=np.fmax(row, col))
+    flagged = frame[frame["ratio"] > 1]
+    tenth = (flagged["step"] - 1) * 10 // max(steps, 1)
+    columns = [c for c in ("step", "microstep", "layer", "matmul", "direction", "tp_rank",
+                           "ratio", "max_residual", "k") if c in frame]
+    worst = flagged.sort_values("ratio", ascending=False).head(FLAGGED_ROWS_KEPT)
+    return {"rule": rule, "flags": len(flagged),
+            "by_matmul": _counts(flagged, ["matmul", "direction"]),
+            "by_layer": _counts(flagged, ["layer"]),
+            "by_tenth_of_steps": {str(k): int(v)
+                                  for k, v in tenth.value_counts().sort_index().items()},
+            "largest_ratio": {f"{m}/{d}": float(r) for (m, d), r in
+                              frame.groupby(["matmul", "direction"])["ratio"].max().items()},
+            "worst": [{c: _plain(r[c]) for c in columns} for r in worst.to_dict("records")]}
+
+
+def _counts(frame, keys: list[str]) -> dict:
+    return {"/".join(map(str, k if isinstance(k, tuple) else (k,))): int(v)
+            for k, v in frame.groupby(keys).size().items()}
+
+
+def _plain(value):
+    """A table cell as JSON takes it."""
+    return value.item() if hasattr(value, "item") else value
 
 
 def _read(path: Path) -> str:
