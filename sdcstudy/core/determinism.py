@@ -129,11 +129,12 @@ def flag_value(flags: str, name: str) -> str | None:
     return value
 
 
-# XLA cannot launch cuDNN's fused attention under either determinism flag once two layers'
-# attention share a shape: the step compiles, and its first launch fails with "IndexError:
-# raw_hash_map<>::at" (XLA writes the backward's determinism into its backend config only on
-# the first of two identical calls, so the second's compiled graph is looked up under a key
-# that was never stored). Measured with jaxlib 0.11.2 on an H200 (docs/results/gpu.md,
+# XLA cannot launch cuDNN's fused attention under either determinism flag in our models (every
+# one has layers of one shape): the step compiles, and its first launch fails with "IndexError:
+# raw_hash_map<>::at" (as we read XLA's source, not measured: it writes the backward's
+# determinism into the backend config of only the first of two identical calls, so the
+# second's compiled graph is looked up under a key never stored). Measured: the failure, with
+# jaxlib 0.11.2 on an H200, only with cuDNN's attention and a flag on (docs/results/gpu.md,
 # 2026-11-30); a later jaxlib is not measured, so there cuDNN is tried.
 CUDNN_ATTENTION_FAILS_THROUGH = (0, 11, 2)
 
