@@ -42,12 +42,14 @@ def _new(a32, b32, c32, dtypes, arithmetic):
 
 
 def _old_formula(a, b, c, u_out):
-    """1.01 [(u_out + n u) (|C| w)_i + (2k + n) u (|A| (|B| w))_i] in float64, per row."""
+    """1.01 [(u_out + n u) (|C| w)_i + (2k + n) u (|A| (|B| w))_i + underflow_i] in float64,
+    per row, underflow_i = eta [(2k + 3) n + 2k + 3 n (|A| w)_i + 2 w^T |B| w]."""
     a, b, c = (np.asarray(x, np.float64) for x in (a, b, c))
     (_, k), n = a.shape, b.shape[1]
-    u = 2.0 ** -24
+    u, eta = 2.0 ** -24, 2.0 ** -126
     spread = np.abs(a) @ np.abs(b).sum(1)
-    return 1.01 * ((u_out + n * u) * np.abs(c).sum(1) + (2 * k + n) * u * spread)
+    underflow = eta * ((2 * k + 3) * n + 2 * k + 3 * n * np.abs(a).sum(1) + 2 * np.abs(b).sum())
+    return 1.01 * ((u_out + n * u) * np.abs(c).sum(1) + (2 * k + n) * u * spread + underflow)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -65,6 +67,30 @@ def test_on_the_cpu_the_bound_is_todays_formula(dtype):
     # float32 evaluation of the bound against float64: 1e-5 relative.
     assert record[A.ROW_THRESHOLD] == pytest.approx(bound, rel=1e-5)
     assert record[A.OPERAND_ROUNDING] == 0 and record[A.ACC_BITS] == 24
+
+
+@pytest.mark.parametrize("scale", [1e-35, 1e-36, 1e-37, 1e-38, 1e-39])
+def test_a_row_near_underflow_is_not_a_false_alarm_and_a_fault_there_is_caught(scale):
+    """A bfloat16 input-gradient row of about 1e-37 (the last position's key and value late in
+    training) underflows in the product, and flushing to zero loses up to 2^-126 whatever
+    the row's size: without the bound's underflow term such rows flagged a healthy run
+    (ratio up to inf: a bound that underflowed to 0). A corruption of 1e-30 there still
+    flags: the term is about 3e-33 here."""
+    rng = np.random.default_rng(0)
+    m, k, n = 64, 256, 512
+    a = rng.standard_normal((m, k)).astype(np.float32) * 1e-3
+    a[3] = rng.standard_normal(k) * scale
+    a[7] = rng.standard_normal(k) * scale * 1e-3
+    a[7, 10] = scale
+    b = rng.standard_normal((k, n)).astype(np.float32) * 0.05
+    a16, b16 = jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16)
+    c = jnp.einsum("mk,kn->mn", a16, b16, preferred_element_type=jnp.float32
+                   ).astype(jnp.bfloat16)
+    check = jax.jit(lambda c: A.check(a16, b16, c, "rounding", B.CPU))
+    healthy = np.asarray(check(c))
+    assert healthy[A.FLAGGED] == 0 and healthy[A.ROW_RATIO] <= 1
+    faulty = np.asarray(check(c.at[3, 100].add(jnp.bfloat16(1e-30))))
+    assert faulty[A.FLAGGED] == 1 and int(faulty[A.ROW]) == 3
 
 
 def test_auto_follows_platform_and_precision_and_bad_settings_are_one_sentence():

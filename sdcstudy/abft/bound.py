@@ -34,10 +34,11 @@ so for row i
                                  + (k u_acc + (k + n) u + (2s - 2) u_out) (|A^| (|B^| w))_i
                                  + (rho_A (|B^| w))_i + ((|A^| + rho_A) (rho_B w))_i]
 
-and for column j the same with m for n, A^ and B^ transposed. The 1.01 covers the
-second-order terms (products of two unit roundoffs, and |A~| <= |A^| + rho_A inside the
-accumulation term). With s = 1, rho = 0 and u_acc = u this is the bound of the CPU, where
-float32 is IEEE arithmetic rounding to nearest: (2k + n) u.
+plus, for underflow, 1.01 eta [(2k + 2s + 1) n + 2k + 3 n (|A^| w)_i + 2 w^T |B^| w]
+(eta = 2^-126, `ETA`; below), and for column j the same with m for n, A^ and B^ transposed.
+The 1.01 covers the second-order terms (products of two unit roundoffs, and
+|A~| <= |A^| + rho_A inside the accumulation term). With s = 1, rho = 0 and u_acc = u this is
+the bound of the CPU, where float32 is IEEE arithmetic rounding to nearest: (2k + n) u.
 
 u_acc is 2^-24 on the CPU and 2^-23 on every other platform: tensor cores may truncate
 instead of rounding to nearest and skip normalization between partial sums, and products of
@@ -47,6 +48,18 @@ truncated additions in any order, and float32 hardware that rounds to nearest as
 The checked products compute their dots with a float32 result and cast it to the output
 dtype (`checker._product`), so a split-K GEMM keeps float32 partials and s = 1 holds; s > 1
 (`abft.output_partials`) is for a compiler that stores partials in the output dtype anyway.
+
+Underflow. The terms above are relative: they hold while every value stays normal. Where a
+row of A or C is tiny (a cotangent of about 1e-37, as the last position's key and value in a
+causal attention get late in training: a healthy bfloat16 run flagged such rows, 2026-11-30),
+a product, a sum or the output may underflow, and a platform that flushes to zero (or treats a
+subnormal input as zero) loses up to eta = 2^-126, float32's and bfloat16's smallest normal,
+each time, whatever the values' size. Per element of C that is at most k products, k - 1 sums,
+2s - 1 roundings of the output and its partials, and the operands' own subnormals flushed
+(eta |B^| and eta |A^| summed); the checksums add n sums of C w, k products and k sums of
+A^ (B^ w), and B^ w's own n sums, each times |A^|. Summed over the row: the eta term above,
+about 3e-33 for k = 256 and n = 512 (more with large operands), far below any corruption the
+check is for.
 
 Not covered: accumulators narrower than float32 (FP8 paths), operand rounding other than
 TF32 of float32 (a TPU's DEFAULT precision multiplies in bfloat16 passes), and a platform
@@ -65,6 +78,7 @@ from jax import lax
 from sdcstudy.core.errors import ConfigError
 
 U32 = 2.0 ** -24  # float32 unit roundoff, round to nearest
+ETA = 2.0 ** -126  # the most one underflow can lose: float32's (and bfloat16's) smallest normal
 MARGIN = 1.01  # second-order rounding terms (Golub and Van Loan, eq. 2.7.11)
 UNIT_ROUNDOFF = {32: 0.0, 16: 2.0 ** -8}  # rounding of a float32 accumulator to the output
 # What the GEMM does to float32 operands of a float32 product; the record's code is the index.
@@ -192,4 +206,12 @@ def bound(abs_c_sum, abs_x, abs_y_sum, rho_x, rho_y_sum, *, k: int, other: int,
     if rho_x is not None:
         total = total + jnp.dot(rho_x, abs_y_sum, precision=hi) + jnp.dot(
             abs_x + rho_x, rho_y_sum, precision=hi)
-    return MARGIN * total
+    return MARGIN * (total + underflow(abs_x, abs_y_sum, k=k, other=other,
+                                       output_partials=arithmetic.output_partials))
+
+
+def underflow(abs_x, abs_y_sum, *, k: int, other: int, output_partials: int = 1):
+    """What underflow may add to a row's residual (module docstring, "Underflow"): eta times
+    the operations that may flush, and the operands' subnormals flushed."""
+    per_row = (2 * k + 2 * output_partials + 1) * other + 2 * k
+    return ETA * (per_row + 3 * other * jnp.sum(abs_x, axis=-1) + 2 * jnp.sum(abs_y_sum))

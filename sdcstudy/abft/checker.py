@@ -18,11 +18,12 @@ Thresholds (`abft.threshold`):
   bound is only safe for k >= 2**15.
 - `rounding` (ours): a bound, row by row and column by column, on everything rounding can do
   to the residual, for the arithmetic the product runs in (`abft/bound.py` derives it and
-  states what it assumes: operand rounding, float32 accumulation, output rounding, split-K).
+  states what it assumes: operand rounding, float32 accumulation, output rounding, split-K,
+  underflow).
   On the CPU it is 1.01 [(u_out + n u) (|C| w)_i + (2k + n) u (|A| (|B| w))_i]. No rounding
-  pattern of that arithmetic can exceed it, so a healthy product of it never flags (yet a
-  healthy `small` run in bfloat16 flags the input-gradient checks of q, k and v from step 80
-  on, on the CPU and on a GPU: docs/results/gpu.md, 2026-11-30, not explained); being per row
+  pattern of that arithmetic can exceed it, nor can underflow (its own term, about 3e-33: a
+  row of about 1e-37, the last position's key and value cotangent late in training, flagged
+  healthy bfloat16 runs without it), so a healthy run never flags; being per row
   rather than through the norms it is about sqrt(k) tighter than the norm form, so it still
   catches corruptions larger than the bfloat16 rounding of their own row. The checksums
   reproduce the operands the GEMM multiplies (`abft.operand_rounding`: TF32 on a GPU at
