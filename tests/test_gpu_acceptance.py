@@ -635,6 +635,7 @@ def test_a_crashed_child_is_an_error_never_a_fail(tmp_path, monkeypatch):
                "torch_ratio": acc.torch_ratio({"tokens_per_s": 1.0})}
     for name, result in results.items():
         assert GS.state(result) == "ERROR" and "exited 3" in result["error"], name
+        assert result["seconds"] == 1.0, name  # the crashed child's time, for the table
     for name, result in results.items():
         acc.record(name, result)
     assert acc.finish() == 3 and acc.report["verdict"] == "COULD NOT RUN"

@@ -220,7 +220,8 @@ class Acceptance(Session):
             runs.append(run)
             summary = folder / "summary.json"
             if not self.ran(run, summary):
-                return broke({"runs": runs}, f"run {i}: {failure(run)}")
+                return broke({"runs": runs, "seconds": round(sum(r["seconds"] for r in runs), 1)},
+                             f"run {i}: {failure(run)}")
             digests.append(json.loads(summary.read_text())["param_digest"])
         return {"runs": runs, "seconds": round(sum(r["seconds"] for r in runs), 1),
                 **GF.judge_repeat(digests)}
