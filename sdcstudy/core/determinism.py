@@ -17,6 +17,7 @@ requiring a GPU: a part that cannot be found is left out, never guessed.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -166,12 +167,19 @@ def cudnn_attention_fails(flags: str | None = None, jaxlib_version: str | None =
     flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
     if not determinism_on(flags):
         return False
+    jaxlib_version = jaxlib_version or _installed_jaxlib()
     if jaxlib_version is None:
-        try:
-            jaxlib_version = metadata.version("jaxlib")
-        except metadata.PackageNotFoundError:
-            return True  # no jaxlib to tell: assume the measured one
+        return True  # no jaxlib to tell: assume the measured one
     return version_tuple(jaxlib_version) <= CUDNN_ATTENTION_FAILS_THROUGH
+
+
+@functools.cache
+def _installed_jaxlib() -> str | None:
+    """jaxlib's installed version, read once (every layer's attention asks when traced)."""
+    try:
+        return metadata.version("jaxlib")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def autotune_results(flags: str, run_dir: Path | None = None) -> dict:

@@ -96,7 +96,9 @@ def checksums(a: np.ndarray, b: np.ndarray) -> Checksums:
 
 
 def _rounding_bound(abs_c_sum, spread, k: int, other: int):
-    """abft/checker.py's bound for a float32 product (no output rounding)."""
+    """abft/checker.py's bound for a float32 product (no output rounding), less its underflow
+    term (`abft.bound.underflow`, about 1e-30 here): these operands are standard normal draws,
+    whose bounds that term cannot move in float32."""
     return np.float32(MARGIN) * (np.float32(other * U32) * abs_c_sum +
                                  np.float32((2 * k + other) * U32) * spread)
 
