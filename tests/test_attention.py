@@ -1,5 +1,5 @@
-"""The fused attention path (`model.attention`, core/model.py) against the unfused one, and which
-path a hook selects.
+"""The fused and Pallas attention paths (`model.attention`, core/model.py) against the unfused
+one, and which path a hook selects.
 
 The fused path is `jax.nn.dot_product_attention` (cuDNN's kernel on a GPU, XLA's composition
 here); it never materializes the scores or probabilities, so a hook that reads them, or the
@@ -77,6 +77,77 @@ def test_fused_equals_unfused_within_the_rounding_bound(dtype):
     assert np.abs(no_mask - unfused).max() > bound  # a wrong mask misses it: the bound can fail
 
 
+def flash_bound(q, k, v, dtype, block: int) -> float:
+    """`error_bound` plus what the Pallas kernel's online softmax adds (`pallas_attention`).
+
+    It scales scores by a rounded log2(e)/sqrt(E) and takes exp2: the same 2u relative error
+    per score `error_bound` allows. Per block of `block` keys it rescales the running sum and
+    output by exp2(m_old - m_new) (one rounding of the factor, one of each product) and
+    divides once at the end: (2 n_blocks + 4) u max|v| more. In bfloat16 it rounds the
+    unnormalized probabilities to bfloat16 before the product with v while its normalizer
+    sums the float32 ones, so the weights may sum to 1 +- UBF16, on top of each weight's own
+    rounding (UBF16): 2 UBF16 max|v| beyond `error_bound`'s."""
+    blocks = -(-q.shape[1] // block)
+    max_v = float(np.abs(np.asarray(v, np.float32)).max())
+    bound = error_bound(q, k, v, dtype) + (2 * blocks + 4) * U32 * max_v
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        bound += 2 * UBF16 * max_v
+    return bound
+
+
+def _qkv(dtype, b=2, length=32, h=4, kv=2, e=24):
+    rng = np.random.default_rng(7)
+    return tuple(jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+                 for shape in [(b, length, h, e), (b, length, kv, e), (b, length, kv, e)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pallas_equals_unfused_within_the_rounding_bound(dtype):
+    """The Pallas path (its interpreter here, the kernels' own arithmetic) computes the
+    unfused path's attention: grouped-query heads, causal mask and scale as there, every
+    element within `flash_bound`; attention without the mask misses it (the test can fail).
+    Length 32 is one forward block; 256 is two, so the online rescaling runs."""
+    for length in (32, 256):
+        q, k, v = _qkv(dtype, b=1, length=length)
+        unfused = np.asarray(M._unfused_attention(q, k, v, S.identity_hook, 1), np.float32)
+        pallas = np.asarray(M.pallas_attention(q, k, v).reshape(unfused.shape), np.float32)
+        no_mask = np.asarray(jax.nn.dot_product_attention(q, k, v), np.float32)
+        bound = flash_bound(q, k, v, dtype, block=128)
+        diff = np.abs(pallas - unfused).max()
+        assert diff <= bound, f"{dtype}, L={length}: |pallas - unfused| {diff:.3g} > {bound:.3g}"
+        assert np.abs(no_mask.reshape(unfused.shape) - unfused).max() > bound
+
+
+def test_pallas_gradients_equal_unfused_within_the_accumulation_term():
+    """The Pallas backward kernel (dq, dk, dv) against autodiff of the unfused path, float32:
+    each gradient within (L + 2) u of its largest element, the bound's accumulation-order term
+    (its sums over L run in another order); the gradient of attention without the mask misses
+    it."""
+    q, k, v = _qkv("float32")
+    do = jnp.asarray(np.random.default_rng(8).standard_normal((2, 32, 4 * 24), np.float32))
+    length = q.shape[1]
+
+    def grads(attend):
+        return jax.vjp(attend, q, k, v)[1](do)
+
+    unfused = grads(lambda q, k, v: M._unfused_attention(q, k, v, S.identity_hook, 1))
+    pallas = grads(lambda q, k, v: M.pallas_attention(q, k, v).reshape(do.shape))
+    no_mask = grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v).reshape(do.shape))
+    for name, want, got, wrong in zip("qkv", unfused, pallas, no_mask):
+        tolerance = (length + 2) * U32 * float(jnp.abs(want).max())
+        diff = float(jnp.abs(got - want).max())
+        assert diff <= tolerance, f"d{name}: {diff:.3g} > {tolerance:.3g}"
+        assert float(jnp.abs(wrong - want).max()) > tolerance
+
+
+@pytest.mark.parametrize("length", [8, 48, 96, 200])
+def test_pallas_refuses_lengths_its_tiles_cannot_cover(length):
+    q, k, v = _qkv("float32", b=1, length=length, e=16)
+    with pytest.raises(UserError, match=f"model.attention=pallas needs a sequence length "
+                                        f"that is a power of two .* not {length};"):
+        M.pallas_attention(q, k, v)
+
+
 def _declared(*sites):
     return S.only(sites, lambda site, x, layer: x)
 
@@ -103,6 +174,21 @@ def test_hooks_on_scores_probabilities_or_context_keep_the_unfused_path(hook, ex
     for mode in (M.AUTO, M.FUSED):
         assert M.attention_path(mode, hook, jnp.bfloat16, 64, platform="gpu",
                                 cudnn_fails=False) == expected
+
+
+@pytest.mark.parametrize("platform", ["gpu", "cpu"])
+def test_pallas_runs_wherever_no_hook_reads_the_internals(platform):
+    """`pallas` runs its kernels on any platform, in any dtype, whether or not cuDNN can launch
+    under the flags; a hook that may read scores, probabilities or the context keeps the
+    unfused path there too."""
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for fails in (False, True):
+            where = dict(platform=platform, cudnn_fails=fails)
+            assert M.attention_path(M.PALLAS, S.identity_hook, dtype, 64, **where) == M.PALLAS
+            assert M.attention_path(M.PALLAS, _declared(S.ATTN_OUT), dtype, 64,
+                                    **where) == M.PALLAS
+            for hook in (_declared(S.ATTN_PROBS), _declared(S.ATTN_CONTEXT), _undeclared):
+                assert M.attention_path(M.PALLAS, hook, dtype, 64, **where) == M.UNFUSED
 
 
 def test_where_each_mode_runs_what():
@@ -167,12 +253,16 @@ def _jaxpr(attention: str, hook=S.identity_hook) -> str:
 def test_the_traced_step_runs_the_selected_path():
     """Read from the traced model (no compile): `fused` with no hook calls `fused_attention`
     in every layer; a hook on `attn_probs` removes it; `auto` on this CPU traces exactly the
-    program `unfused` does, so no CPU run changes a bit."""
+    program `unfused` does, so no CPU run changes a bit; `pallas` calls the Pallas kernels
+    (with their own backward) in every layer, and not under a hook on `attn_scores`."""
     assert _jaxpr(M.FUSED).count("name=fused_attention") == DIMS.n_layers
     assert "fused_attention" not in _jaxpr(M.FUSED, _declared(S.ATTN_PROBS))
     assert "fused_attention" in _jaxpr(M.FUSED, _declared(S.ATTN_OUT))
     assert _jaxpr(M.AUTO) == _jaxpr(M.UNFUSED)
     assert "fused_attention" not in _jaxpr(M.UNFUSED)
+    assert _jaxpr(M.PALLAS).count("bwd=_mha_backward") == DIMS.n_layers
+    assert "mha_backward" not in _jaxpr(M.PALLAS, _declared(S.ATTN_SCORES))
+    assert "mha_backward" not in _jaxpr(M.UNFUSED) + _jaxpr(M.FUSED)
 
 
 def test_a_declared_hook_is_not_called_at_sites_the_fused_path_has_not():
@@ -187,3 +277,29 @@ def test_a_declared_hook_is_not_called_at_sites_the_fused_path_has_not():
     _jaxpr(M.FUSED, S.declare({S.ATTN_OUT}, spy))
     assert S.ATTN_OUT in seen and S.ATTN_CONTEXT in seen
     assert not seen & {S.ATTN_SCORES, S.ATTN_PROBS}
+
+
+@pytest.mark.slow
+def test_a_pallas_training_repeats_its_bits_and_tracks_the_unfused_one(tmp_path):
+    """Three steps of the tiny training under `model.attention=pallas`, twice: every metric and
+    the final parameters bit for bit the same; each step's loss and gradient norm within 1e-5
+    (relative) of the unfused training's (float32; the attention's own differences are about
+    1e-6 of its output)."""
+    from sdcstudy import runner
+    from sdcstudy.core import config as C
+    from sdcstudy.core import runfolder as RF
+
+    def train(attention: str, name: str):
+        cfg = C.from_dict({"experiment": {"steps": 3, "batch_size": 4},
+                           "data": {"seq_len": 32}}, [f"model.attention={attention}"])
+        runner.run(cfg, tmp_path / name, progress=False)
+        rows = [{k: v for k, v in r.items() if not k.startswith("time/")}
+                for r in RF.read_jsonl(tmp_path / name / RF.METRICS)]
+        return rows, RF.json_load(tmp_path / name / RF.SUMMARY)["param_digest"]
+
+    first, again, unfused = train("pallas", "a"), train("pallas", "b"), train("unfused", "u")
+    assert first == again
+    assert first[1] != unfused[1]  # a different program: the comparison below is not trivial
+    for ours, theirs in zip(first[0], unfused[0]):
+        assert ours["loss/healthy"] == pytest.approx(theirs["loss/healthy"], rel=1e-5)
+        assert ours["grad/norm"] == pytest.approx(theirs["grad/norm"], rel=1e-5)

@@ -67,7 +67,8 @@ def test_attention_scatters_and_loops(gpu_census):
     """cuDNN's fused attention forward and backward; of the three scatters one kept, one
     expanded into a 16,384-trip serial loop and one sorted; the microstep loop (not from a
     scatter) listed with its trip count but not counted as a serialized scatter."""
-    assert gpu_census["attention"] == {"cudnn_fmha_forward": 1, "cudnn_fmha_backward": 1}
+    assert gpu_census["attention"] == {"cudnn_fmha_forward": 1, "cudnn_fmha_backward": 1,
+                                       "pallas_forward": 0, "pallas_backward": 0}
     assert gpu_census["scatters"] == {"native": 1, "while_loops": 1, "sort_based": 1}
     trips = {loop["trip_count"]: loop["op_name"] for loop in gpu_census["while_loops"]}
     assert set(trips) == {16384, 4}
@@ -85,6 +86,37 @@ def test_fusions_count_where_they_launch(gpu_census):
     assert gpu_census["custom_calls"] == {"__cublas$gemm": 1, "__cublas$lt$matmul": 1,
                                           "__cudnn$fmhaSoftmax": 1,
                                           "__cudnn$fmhaSoftmaxBackward": 1}
+
+
+# The Pallas flash attention's kernels as XLA:GPU prints Triton custom calls: the kernel's
+# name in the backend config (in either spelling), beside another Triton kernel, and the
+# kernel names again in op_name metadata, which must not count (a backslash joins lines).
+PALLAS_STEP = """HloModule jit_train_step
+
+ENTRY %main.9 (p: bf16[4,128,12,64]) -> bf16[4,128,12,64] {
+  %p = bf16[4,128,12,64]{3,2,1,0} parameter(0)
+  %fwd = (bf16[4,128,12,64]{3,2,1,0}, f32[4,12,128]{2,1,0}) custom-call(%p, %p, %p), \
+custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(train_step)/mha_forward"}, \
+backend_config={name = "mha_forward", ir = "payload"}
+  %other = bf16[4,128,12,64]{3,2,1,0} custom-call(%p), \
+custom_call_target="__gpu$xla.gpu.triton", \
+metadata={op_name="jit(train_step)/mha_backward/pallas_call"}, \
+backend_config={ir="x", name="rms_norm"}
+  %bwd = (bf16[4,128,12,64]{3,2,1,0}, bf16[4,128,12,64]{3,2,1,0}) custom-call(%p, %other), \
+custom_call_target="__gpu$xla.gpu.triton", backend_config={ir="payload", name="mha_backward"}
+  ROOT %out = bf16[4,128,12,64]{3,2,1,0} get-tuple-element(%bwd), index=0
+}
+"""
+
+
+def test_pallas_attention_kernels_are_counted_by_name():
+    """The Pallas path's forward and backward kernels, by the name in their backend config;
+    another Triton kernel and kernel names in metadata count as neither."""
+    c = C.census(PALLAS_STEP)
+    assert c["custom_calls"] == {"__gpu$xla.gpu.triton": 3}
+    assert c["attention"] == {"cudnn_fmha_forward": 0, "cudnn_fmha_backward": 0,
+                              "pallas_forward": 1, "pallas_backward": 1}
+    assert "Pallas attention 1 forward, 1 backward" in C.describe(c)
 
 
 def test_older_quoted_backend_configs_read_the_same():
@@ -105,7 +137,7 @@ def test_describe_names_every_count(gpu_census):
     assert line.startswith("GEMMs 6: cuBLAS 1 (2.416 GFLOP), cuBLASLt 1 (2.416 GFLOP), "
                            "Triton 3 (5.436 GFLOP), cuDNN 1 (0.604 GFLOP)")
     assert "32x32x32 split_k 1 stages 1 warps 4: 1" in line
-    assert "cuDNN attention 1 forward, 1 backward" in line
+    assert "cuDNN attention 1 forward, 1 backward" in line and "Pallas" not in line
     assert line.endswith("scatters 1 kept, 1 as while loops, 1 sorted; 7 fusions")
 
 
@@ -153,7 +185,8 @@ def test_cpu_step_census_matches_the_traced_program():
     dims = config_module.model_dims(cfg.model)
     assert c["gemm_gflop"]["xla"] == pytest.approx(roofline.step_flops(dims, 4, 16) / 1e9,
                                                    rel=1e-9)
-    assert c["triton_tiles"] == [] and c["attention"] == {"cudnn_fmha_forward": 0,
-                                                          "cudnn_fmha_backward": 0}
+    assert c["triton_tiles"] == [] and c["attention"] == {
+        "cudnn_fmha_forward": 0, "cudnn_fmha_backward": 0, "pallas_forward": 0,
+        "pallas_backward": 0}
     assert c["scatters"] == {"native": traced["scatters"], "while_loops": 0, "sort_based": 0}
     assert c["fusions"] > 0 and not any(t.startswith("__cublas") for t in c["custom_calls"])

@@ -28,6 +28,7 @@ import pytest
 
 from sdcstudy.bench import roofline
 from sdcstudy.core.config import ModelDims
+from sdcstudy.core.determinism import AUTOTUNE_FLAG
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "gpu_acceptance.sh"
@@ -569,8 +570,8 @@ def test_every_check_of_a_stage_is_wired(tmp_path, monkeypatch, stage, cudnn_fai
     step["census"].update(scatters=scatters, gemm_gflop=1.0, while_loops=0)
     step["census_line"] = "GEMMs"
     ok = {"pass": True, "seconds": 1.0}
-    for name in ("doctor", "bench_untuned", "abft_healthy", "abft_recall", "golden_full",
-                 "fingerprint", "attention_repeat"):
+    for name in ("doctor", "bench_untuned", "bench_pallas", "abft_healthy", "abft_recall",
+                 "golden_full", "fingerprint", "attention_repeat"):
         monkeypatch.setattr(acc, name, lambda *a, **k: dict(ok))
     monkeypatch.setattr(acc, "bench_tuned", lambda: {**ok, **step})
     monkeypatch.setattr(acc, "bench_pinned", lambda: {**ok, **step, "tokens_per_s": 95_000.0})
@@ -600,8 +601,7 @@ def test_the_tuned_step_runs_the_attention_the_flags_leave(tmp_path, monkeypatch
                                                            attention):
     """The tuned step (flags off) must be the pinned step's program: where cuDNN's attention
     cannot launch under the flags, `auto` runs unfused there, so the tuned step names
-    unfused; and the fused attention's repeat check is skipped with the reason, its children
-    never started."""
+    unfused; and the repeat check trains with the Pallas kernels there, cuDNN's elsewhere."""
     monkeypatch.setattr(GC, "cudnn_fails_here", lambda: cudnn_fails)
     monkeypatch.setattr(GS, "versions", lambda: {})
     args = SimpleNamespace(out=tmp_path, stage="full", budget=540)
@@ -612,9 +612,43 @@ def test_the_tuned_step_runs_the_attention_the_flags_leave(tmp_path, monkeypatch
     assert seen["bench_medium_bfloat16_tuned"]["sets"] == (f"model.attention={attention}",)
     started = []
     monkeypatch.setattr(acc, "sdcstudy", lambda *a, **k: started.append(a) or {"skipped": "x"})
-    repeat = acc.attention_repeat()
-    assert ("skipped" in repeat and repeat["skipped"] == GC.CUDNN_FAILS) is cudnn_fails
-    assert (started == []) is cudnn_fails
+    acc.attention_repeat()
+    repeat_attention = "pallas" if cudnn_fails else "fused"
+    assert f"model.attention={repeat_attention}" in started[0][1]
+
+
+def test_the_pallas_bench_loads_the_tuned_choices_and_needs_its_kernels(tmp_path, monkeypatch):
+    """The Pallas step runs with the flags (not the free step's environment), names
+    `model.attention=pallas`, loads the tuned choices once they exist, is judged by the
+    medium floor, and passes only where the census shows the Pallas kernels both ways."""
+    monkeypatch.setattr(GS, "versions", lambda: {})
+    args = SimpleNamespace(out=tmp_path, stage="full", budget=540)
+    acc = GC.Acceptance(args, sys.executable, {"device_kind": H100}, tmp_path)
+    seen = {}
+
+    def bench(name, workload, dtype, cap, env=None, floor=None, sets=()):
+        seen.update(name=name, env=env, floor=floor, sets=sets)
+        return {"pass": True, "tokens_per_s": 150_000.0,
+                "census": {"attention": {"pallas_forward": 12, "pallas_backward": 12}}}
+
+    monkeypatch.setattr(acc, "bench", bench)
+    pinned = {"tokens_per_s": 100_000.0}
+    out = acc.bench_pallas(pinned)
+    assert seen["sets"] == ("model.attention=pallas",)
+    assert seen["floor"] == GF.BENCH_FLOORS["medium", "bfloat16"]
+    flags = seen["env"].get("XLA_FLAGS", "")
+    assert "=false" not in flags  # the child sets the determinism flags, none turned off
+    assert AUTOTUNE_FLAG not in flags and out["autotune_loaded"] is False
+    assert out["pass"] is True and out["speedup_over_pinned"] == pytest.approx(1.5)
+    acc.autotune_path().write_text("tuned")
+    out = acc.bench_pallas({})
+    assert f"{AUTOTUNE_FLAG}={acc.autotune_path()}" in seen["env"]["XLA_FLAGS"]
+    assert out["autotune_loaded"] is True and out["speedup_over_pinned"] is None
+    missing = {"pass": True, "tokens_per_s": 1.0,
+               "census": {"attention": {"pallas_forward": 12, "pallas_backward": 0}}}
+    assert GF.judge_pallas_attention(missing, pinned)["pass"] is False
+    assert GF.judge_pallas_attention({**missing, "pass": False, "census": {"attention": {
+        "pallas_forward": 1, "pallas_backward": 1}}}, pinned)["pass"] is False
 
 
 def test_a_crashed_child_is_an_error_never_a_fail(tmp_path, monkeypatch):

@@ -2,11 +2,12 @@
 
 Which library runs each matrix product (cuBLAS, cuBLASLt, a Triton GEMM fusion, a cuDNN
 fusion, or XLA's own emitter, as on a CPU) and its model FLOPs; the tile sizes XLA gave each
-Triton GEMM; cuDNN's fused attention; what became of each scatter (kept as a scatter, turned
-into a serial `while` loop by XLA's scatter expander, or sorted by its determinism expander);
-and how many fusions the step launches. On a GPU this tells an untuned kernel choice from a
-tuned one (`xla_gpu_deterministic_ops` turns autotuning off, so every Triton GEMM keeps one
-default tile) and a serialized scatter from a fast one, before anyone profiles.
+Triton GEMM; cuDNN's fused attention and the Pallas flash-attention kernels (by kernel
+name); what became of each scatter (kept as a scatter, turned into a serial `while` loop by
+XLA's scatter expander, or sorted by its determinism expander); and how many fusions the
+step launches. On a GPU this tells an untuned kernel choice from a tuned one
+(`xla_gpu_deterministic_ops` turns autotuning off, so every Triton GEMM keeps one default
+tile) and a serialized scatter from a fast one, before anyone profiles.
 
 Pure text parsing, no JAX: it reads `compiled.as_text()` (`StepRunner.hlo`) as XLA prints it
 on any platform. The counts are static: an operation inside a loop body counts once. Fusions
@@ -29,8 +30,13 @@ _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _TRIP_COUNT = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(\d+)')
+# A Triton kernel's name in its backend config: `name = "mha_forward"` or `"name":"..."`.
+_KERNEL_NAME = re.compile(r'\bname\\?"?\s*[=:]\s*\\?"([\w.\-]+)')
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 
+TRITON_CALL = "__gpu$xla.gpu.triton"  # a Pallas (Triton) kernel's custom call
+# core/model.py pallas_attention's kernels (JAX's Pallas flash attention), by kernel name.
+PALLAS_ATTENTION = {"mha_forward": "pallas_forward", "mha_backward": "pallas_backward"}
 TRITON_KIND = "__triton"  # __triton_gemm, __triton_nested_gemm_fusion and later spellings
 CUDNN_FUSION_KIND = "__cudnn$fusion"
 BACKENDS = ("cublas", "cublaslt", "triton", "cudnn", "xla")
@@ -231,7 +237,8 @@ class _Tally:
         self.gemms = Counter(dict.fromkeys(BACKENDS, 0))
         self.gflop = Counter(dict.fromkeys(BACKENDS, 0.0))
         self.tiles, self.kinds, self.targets, self.loops = Counter(), Counter(), Counter(), []
-        self.attention = {"cudnn_fmha_forward": 0, "cudnn_fmha_backward": 0}
+        self.attention = {"cudnn_fmha_forward": 0, "cudnn_fmha_backward": 0,
+                          **dict.fromkeys(PALLAS_ATTENTION.values(), 0)}
 
     def gemm(self, backend: str, flops: float) -> None:
         self.gemms[backend] += 1
@@ -254,6 +261,9 @@ class _Tally:
         elif target.startswith("__cudnn$fmha"):
             direction = "backward" if "Backward" in target else "forward"
             self.attention[f"cudnn_fmha_{direction}"] += 1
+        elif target == TRITON_CALL and (m := _KERNEL_NAME.search(op.attrs)):
+            if m.group(1) in PALLAS_ATTENTION:
+                self.attention[PALLAS_ATTENTION[m.group(1)]] += 1
 
     def loop(self, op: Op) -> None:
         m = _TRIP_COUNT.search(op.attrs)
@@ -312,6 +322,9 @@ def describe(c: dict) -> str:
     return (f"GEMMs {sum(g.values())}: {gemms or 'none'}"
             + (f"; Triton tiles {tiles}" if tiles else "")
             + f"; cuDNN attention {a['cudnn_fmha_forward']} forward, "
-              f"{a['cudnn_fmha_backward']} backward; scatters {s['native']} kept, "
+              f"{a['cudnn_fmha_backward']} backward"
+            + (f"; Pallas attention {a['pallas_forward']} forward, {a['pallas_backward']} "
+               f"backward" if a.get("pallas_forward") or a.get("pallas_backward") else "")
+            + f"; scatters {s['native']} kept, "
               f"{s['while_loops']} as while loops, {s['sort_based']} sorted; "
               f"{c['fusions']} fusions")

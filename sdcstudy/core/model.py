@@ -104,6 +104,8 @@ class Attention(nnx.Module):
         path = attention_path(self.attention, hook, dtype, e)
         if path == UNFUSED:
             context_BLHE = _unfused_attention(q_BLHE, k_BLKE, v_BLKE, hook, layer)
+        elif path == PALLAS:
+            context_BLHE = pallas_attention(q_BLHE, k_BLKE, v_BLKE).reshape(b, l, h * e)
         else:
             context_BLHE = fused_attention(q_BLHE, k_BLKE, v_BLKE, path).reshape(b, l, h * e)
         context_BLHE = hook(S.ATTN_CONTEXT, context_BLHE, layer)
@@ -127,15 +129,16 @@ def _unfused_attention(q_BLHE, k_BLKE, v_BLKE, hook: Hook, layer: int):
 
 
 # `model.attention`: which attention computation the model runs (docs/config.md).
-AUTO, FUSED, UNFUSED = "auto", "fused", "unfused"
-ATTENTION_MODES = (AUTO, FUSED, UNFUSED)
+AUTO, FUSED, UNFUSED, PALLAS = "auto", "fused", "unfused", "pallas"
+ATTENTION_MODES = (AUTO, FUSED, UNFUSED, PALLAS)
 # The fused path's implementations, as `jax.nn.dot_product_attention` names them.
 CUDNN, XLA = "cudnn", "xla"
 
 
 def attention_path(mode: str, hook: Hook, dtype, head_dim: int,
                    platform: str | None = None, cudnn_fails: bool | None = None) -> str:
-    """UNFUSED, CUDNN or XLA: the attention a layer runs under `model.attention` = `mode`.
+    """UNFUSED, CUDNN, XLA or PALLAS: the attention a layer runs under `model.attention` =
+    `mode`.
 
     Unfused wherever a hook may read scores, probabilities or the context (a hook that does
     not declare its sites may read any), and for `auto` off a GPU, so that CPU runs keep
@@ -144,6 +147,7 @@ def attention_path(mode: str, hook: Hook, dtype, head_dim: int,
     composition elsewhere (in jax 0.10 `implementation=None` means XLA's, even on a GPU).
     Where cuDNN's kernel cannot launch under the determinism flags (`cudnn_fails`, by default
     `determinism.cudnn_attention_fails()`), `auto` runs unfused and `fused` is refused.
+    `pallas` runs `pallas_attention` on any platform where no hook reads the internals.
     """
     if mode not in ATTENTION_MODES:
         raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_MODES)}, "
@@ -153,6 +157,8 @@ def attention_path(mode: str, hook: Hook, dtype, head_dim: int,
         return UNFUSED
     if S.reads_attention_internals(hook):
         return UNFUSED
+    if mode == PALLAS:
+        return PALLAS
     cudnn_takes = jnp.dtype(dtype) == jnp.bfloat16 and head_dim % 8 == 0 and head_dim <= 128
     if platform != "gpu" or not cudnn_takes:
         return XLA
@@ -174,6 +180,26 @@ def fused_attention(q_BLHE, k_BLKE, v_BLKE, implementation: str):
     (`jit` inlines it) so that a traced step names it: `fused_attention` in the jaxpr."""
     return jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True,
                                         implementation=implementation)
+
+
+def pallas_attention(q_BLHE, k_BLKE, v_BLKE):
+    """Causal attention by JAX's Pallas flash-attention kernels, (B, L, H, E) out: Triton
+    kernels on a GPU (the backward writes each block of dq, dk and dv from one program, no
+    atomics, so its bits do not depend on scheduling), Pallas's interpreter elsewhere (slow:
+    for checking). Grouped-query heads read their kv head as the unfused path groups them.
+    The kernels' tiles (128 keys forward, 32 backward) need a power-of-two length from 16 to
+    128 or a multiple of 128."""
+    from jax.experimental.pallas.ops.gpu import attention as flash
+
+    b, length, h, e = q_BLHE.shape
+    if not (length % 128 == 0 or (16 <= length <= 128 and length & (length - 1) == 0)):
+        raise UserError(f"model.attention=pallas needs a sequence length that is a power of "
+                        f"two from 16 to 128 or a multiple of 128, not {length}; use "
+                        f"model.attention=auto or change data.seq_len.")
+    group = h // k_BLKE.shape[2]
+    k_BLHE, v_BLHE = (jnp.repeat(x, group, axis=2) for x in (k_BLKE, v_BLKE))
+    return flash.mha(q_BLHE, k_BLHE, v_BLHE, None, sm_scale=1 / math.sqrt(e), causal=True,
+                     interpret=jax.default_backend() != "gpu")
 
 
 class FeedForward(nnx.Module):

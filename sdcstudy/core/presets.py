@@ -34,8 +34,10 @@ class ModelConfig:
     tie_embeddings: bool | None = None  # output projection shares the embedding
     # auto (cuDNN's fused attention on a GPU, einsum + softmax elsewhere and where cuDNN's
     # cannot launch under the determinism flags: jaxlib 0.11.2 and earlier), fused (also off a
-    # GPU; refused where cuDNN's cannot launch) or unfused; fused runs only where no hook
-    # reads attn_scores, attn_probs or attn_context (docs/gpu.md).
+    # GPU; refused where cuDNN's cannot launch), unfused, or pallas (JAX's Pallas flash
+    # attention: Triton kernels on a GPU, no cuDNN, a backward without atomic adds; its
+    # interpreter elsewhere, slow); fused and pallas run only where no hook reads
+    # attn_scores, attn_probs or attn_context (docs/gpu.md).
     attention: str = "auto"
 
 
@@ -94,7 +96,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 DTYPES = ("float32", "bfloat16")
-ATTENTION_MODES = ("auto", "fused", "unfused")  # model.attention; core/model.py reads it
+ATTENTION_MODES = ("auto", "fused", "unfused", "pallas")  # model.attention; core/model.py reads it
 
 
 def model_dims(model: ModelConfig, presets_dir: Path | None = None) -> ModelDims:

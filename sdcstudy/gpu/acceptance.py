@@ -10,6 +10,8 @@ brackets):
    determinism flags, XLA's autotuner free, its choices dumped to a file [35];
 3. `bench_medium_bfloat16_pinned`: the same with the flags on and that file loaded: MFU at
    least 35% [35]; 4. `bench_medium_bfloat16_untuned`: flags on, nothing loaded (today) [35];
+   `bench_medium_bfloat16_pallas`: flags on, the file loaded, `model.attention=pallas` (JAX's
+   Pallas flash attention, no cuDNN): MFU at least 35%, its kernels in the census [45];
 5. `pinned_autotune`: the pinned step runs the tuned step's GEMMs (census), not the untuned;
 6. `determinism_cost`: the flags with pinned choices cost at most 10% of tokens/s;
 7. `kernel_census`: no scatter serialized into a `while` loop; `fused_attention`: cuDNN's
@@ -28,7 +30,8 @@ brackets):
 full` then one `golden check` of it: every SM reached, at least 70% of device memory written
 and verified, at most 180 s to record, the check PASSes (bitwise); `fingerprint`: driver, CUDA
 runtime, cuBLAS, cuDNN and NCCL in the record's env.json; `attention_repeat`: the tiny training
-in bfloat16 with cuDNN's fused attention in two processes, the same bits [40];
+in bfloat16 with cuDNN's fused attention (the Pallas kernels where cuDNN's cannot launch under
+the flags) in two processes, the same bits [40];
 `device_health`.
 
 `--only LIST` runs the named checks of either stage (a rerun of what a budget skipped).
@@ -53,9 +56,9 @@ from sdcstudy.core.errors import UserError
 
 STAGES = {"full": 540, "quick": 240}  # stage -> default budget, seconds
 FULL_CHECKS = ("doctor", "bench_medium_bfloat16_tuned", "bench_medium_bfloat16_pinned",
-               "bench_medium_bfloat16_untuned", "pinned_autotune", "determinism_cost",
-               "kernel_census", "fused_attention", "torch_ratio", "bench_1b_bfloat16",
-               "bench_1b_float32", "abft_healthy_float32", "abft_healthy_bfloat16",
+               "bench_medium_bfloat16_untuned", "bench_medium_bfloat16_pallas",
+               "pinned_autotune", "determinism_cost", "kernel_census", "fused_attention",
+               "torch_ratio", "bench_1b_bfloat16", "bench_1b_float32", "abft_healthy_float32", "abft_healthy_bfloat16",
                "abft_recall_float32", "abft_recall_bfloat16", "device_health")
 QUICK_CHECKS = ("golden_full", "fingerprint", "attention_repeat", "device_health")
 PROBE = ("import json, jax; d = jax.devices()[0]; print(json.dumps({'backend': "
@@ -149,6 +152,7 @@ def run_checks(acc, checks: tuple[str, ...]) -> int:
     tuned = do("bench_medium_bfloat16_tuned", acc.bench_tuned)
     pinned = do("bench_medium_bfloat16_pinned", acc.bench_pinned)
     untuned = do("bench_medium_bfloat16_untuned", acc.bench_untuned)
+    do("bench_medium_bfloat16_pallas", acc.bench_pallas, pinned)
     do("pinned_autotune", acc.pinned_autotune, tuned, pinned, untuned)
     do("determinism_cost", acc.determinism_cost, tuned, pinned, untuned)
     shipped = pinned if "census" in pinned else untuned

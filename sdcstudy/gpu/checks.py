@@ -120,6 +120,24 @@ class Acceptance(Session):
         """medium bfloat16 with the determinism flags and nothing loaded: today's step."""
         return self.bench("bench_medium_bfloat16_untuned", MEDIUM, "bfloat16", cap=200)
 
+    def bench_pallas(self, pinned: dict) -> dict:
+        """medium bfloat16 with the determinism flags, the tuned choices loaded where the tuned
+        run dumped them, and `model.attention=pallas` (JAX's Pallas flash attention: Triton
+        kernels, no cuDNN): a deterministic step with fused attention where cuDNN's cannot
+        launch. Judged by the medium bfloat16 MFU floor and by the census showing the Pallas
+        kernels both ways; its tokens/s against the pinned (unfused) step beside it."""
+        from sdcstudy.core.determinism import AUTOTUNE_FLAG
+
+        env, loaded = child_env(), self.autotune_path().is_file()
+        if loaded:
+            env = with_flags(env, f"{AUTOTUNE_FLAG}={self.autotune_path()}")
+        out = self.bench("bench_medium_bfloat16_pallas", MEDIUM, "bfloat16", cap=240, env=env,
+                         floor=GF.BENCH_FLOORS["medium", "bfloat16"],
+                         sets=("model.attention=pallas",))
+        if "tokens_per_s" not in out:
+            return out
+        return {**out, "autotune_loaded": loaded, **GF.judge_pallas_attention(out, pinned)}
+
     def pinned_autotune(self, tuned: dict, pinned: dict, untuned: dict) -> dict:
         if "tokens_per_s" not in tuned or "tokens_per_s" not in pinned:
             return skipped("the tuned or the pinned bench train measured nothing")
@@ -203,17 +221,17 @@ class Acceptance(Session):
         return judged
 
     def attention_repeat(self) -> dict:
-        """The tiny training in bfloat16 with fused attention (cuDNN on a GPU: head dim 16)
-        twice, in two processes: the same final parameters, bit for bit (the doctor trains
-        in float32, which cuDNN's attention does not take)."""
-        if cudnn_fails_here():
-            return skipped(CUDNN_FAILS)
+        """The tiny training in bfloat16 with fused attention (cuDNN on a GPU: head dim 16;
+        where cuDNN's cannot launch under the flags, the Pallas kernels) twice, in two
+        processes: the same final parameters, bit for bit (the doctor trains in float32 with
+        unfused attention)."""
+        attention = "pallas" if cudnn_fails_here() else "fused"
         runs, digests = [], []
         for i in (1, 2):
             folder = self.work / f"attention-repeat-{i}"
             run = self.sdcstudy(f"attention repeat {i}", [
                 "run", "configs/tiny.yaml", "--out", folder, "--no-progress",
-                "--set", "model.dtype=bfloat16", "--set", "model.attention=fused",
+                "--set", "model.dtype=bfloat16", "--set", f"model.attention={attention}",
                 "--set", f"experiment.steps={ATTENTION_REPEAT_STEPS}"], cap=120)
             if "skipped" in run:
                 return run
@@ -224,7 +242,7 @@ class Acceptance(Session):
                              f"run {i}: {failure(run)}")
             digests.append(json.loads(summary.read_text())["param_digest"])
         return {"runs": runs, "seconds": round(sum(r["seconds"] for r in runs), 1),
-                **GF.judge_repeat(digests)}
+                "attention": attention, **GF.judge_repeat(digests)}
 
     def fingerprint(self) -> dict:
         """The stack fingerprint in env.json of the golden record (or the doctor's run)."""

@@ -5,6 +5,7 @@ targets for one H100 or H200:
 | check | target |
 |---|---|
 | bench train medium, 32 x 512, bfloat16 | MFU >= 35% of the dense bfloat16 peak |
+| the same, `model.attention=pallas` | MFU >= 35%; the Pallas kernels forward and backward |
 | bench train llama3.2-1b, 8 x 512, bfloat16 | MFU >= 40% of the dense bfloat16 peak |
 | bench train llama3.2-1b, 8 x 512, float32 | MFU >= 35% of the TF32 peak |
 | determinism | the flags, with pinned tuned kernels, cost <= 10% of tokens/s |
@@ -16,7 +17,7 @@ targets for one H100 or H200:
 | ABFT recall | >= 90% of products hit by single exponent-bit flips |
 | golden full | every SM, >= 70% of memory, <= 180 s, the check PASSes (bitwise) |
 | stack fingerprint | driver, CUDA runtime, cuBLAS, cuDNN and NCCL in env.json |
-| fused attention, repeated | bfloat16 tiny training with cuDNN attention: two processes, same bits |
+| attention, repeated | tiny, bfloat16, cuDNN's attention (else Pallas): two processes, same bits |
 
 Each `judge_*` returns a dict with `pass` (True, False) and the figures it read.
 """
@@ -176,6 +177,19 @@ def judge_fused_attention(figures: dict) -> dict:
         "cudnn_fmha_backward", 0)
     return {"cudnn_fmha_forward": forward, "cudnn_fmha_backward": backward,
             "pass": forward > 0 and backward > 0}
+
+
+def judge_pallas_attention(figures: dict, pinned: dict) -> dict:
+    """The step under `model.attention=pallas`: its MFU floor (`judge_bench`'s `pass`, kept)
+    and the Pallas kernels in the compiled step both ways (census); its tokens/s over the
+    pinned step's (the same flags and loaded choices, unfused attention) where that ran."""
+    attention = (figures.get("census") or {}).get("attention") or {}
+    forward, backward = attention.get("pallas_forward", 0), attention.get("pallas_backward", 0)
+    speedup = (figures["tokens_per_s"] / pinned["tokens_per_s"]
+               if "tokens_per_s" in pinned else None)
+    return {"pallas_forward": forward, "pallas_backward": backward,
+            "speedup_over_pinned": speedup,
+            "pass": bool(figures.get("pass")) and forward > 0 and backward > 0}
 
 
 def judge_pinned_autotune(tuned: dict, pinned: dict, untuned: dict | None = None) -> dict:
