@@ -244,7 +244,7 @@ def central(law: MaximumLaw, spread: float) -> tuple[float, float]:
     return law.quantile(side, 1 / spread), law.quantile(1 - side, spread)
 
 
-def _run_records(run):
+def run_records(run):
     records = run.faults
     return records, significands(relative_errors(records, BULK_KIND)[0])
 
@@ -253,7 +253,7 @@ def rows(node: int, run, quantity: str) -> list[Row]:
     """One row a site with a Table 2 value: the median of the law's maximum against it,
     `quantity` the site's row name with a {site} field (module docstring)."""
     paper = PB.published(f"{PB.PAPER_PREFIX}{node}")
-    records, values = _run_records(run)
+    records, values = run_records(run)
     out = []
     for site in PB.SITES:
         published = float(paper["max_severity"][site])
@@ -288,7 +288,7 @@ def layer_rows(node: int, run, suffix: str) -> list[Row]:
     against its own layer's law (its Table 6 or 7 frequency), judged by how many of them lie
     outside their central `SCATTER_LEVEL`: at most the count that a correct model stays within
     with probability `SCATTER_LEVEL` (`allowed_misses`), the row's name the site and `suffix`."""
-    records, values = _run_records(run)
+    records, values = run_records(run)
     out = []
     for site in PB.SITES:
         freq_table, source = PL.tables_for(site)

@@ -27,7 +27,9 @@ bound (docs/reproduction.md, "The chance a correct model passes"). Imports no JA
   the paper's over its own (`flip_model.layer_fit`, `flip_model.paper_units`) passes with a
   chance that depends only on their ratio (`maximum_band_chance`, `layer_band_chance`).
   Stated where the band's lower edge is above the bulk (`flip_model.BULK_MAX`), where the law
-  holds; these rows' chance is small wherever the paper's units outnumber ours.
+  holds; these rows' chance is small wherever the paper's units outnumber ours. Under the
+  flip model the same comparison of two maxima, each of the model's law over its units
+  (`flip_run_chance`).
 Rows without one (Figures 5-6) are left None here: no law of a correct model's value in the
 run is at hand; `seed_scatter` measures theirs from runs with other fault seeds.
 """
@@ -46,6 +48,7 @@ from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import claim_rows as CR
 from sdcstudy.reproduce import exposure_rows as X
 from sdcstudy.reproduce import flip_exposure as FX
+from sdcstudy.reproduce import flip_run_chance as FRC
 from sdcstudy.reproduce.bands import Row
 from sdcstudy.reproduce.plan import PAPER_STEPS
 
@@ -194,10 +197,12 @@ def layer_band_chance(paper_over_ours: float, factor: float = B.SEVERITY_FACTOR,
 
 
 def raw_maximum_chance(row: Row, run) -> float | None:
-    """A Table 2 or Tables 8-9 row at the run's exposure under the additive model (module
-    docstring); None for the flip model, a band reaching into the bulk, or no units."""
-    if FX.is_flip_run(run) or row.quantity.endswith(X.SUFFIX):
+    """A Table 2 or Tables 8-9 row at the run's exposure (module docstring; the flip model's
+    by `flip_run_chance`); None for an additive band reaching into the bulk, or no units."""
+    if row.quantity.endswith(X.SUFFIX):
         return None
+    if FX.is_flip_run(run):
+        return FRC.raw_chance(row, run)
     site, _, layer = row.quantity.partition(" layer ")
     floor = B.SEVERITY_FACTOR * FM.BULK_MAX
     if row.source == "Table 2" and not layer:
