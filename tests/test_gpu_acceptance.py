@@ -286,6 +286,47 @@ def test_census_reaches_the_acceptance_from_a_real_bench_train(tmp_path):
     assert judged["pass"] is False
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("suite, contenders", [
+    ("paired", {"free", "lockstep", "paramsync"}), ("abft", {"off", "on", "recompute"})])
+def test_overheads_reach_the_acceptance_from_a_real_bench(tmp_path, suite, contenders):
+    """`bench paired` (modes) and `bench abft` (variants) on this CPU, read by the overhead
+    checks' reader: every contender's ratio to the plain step and step time, the plain one
+    at 1, the largest ratio the headline."""
+    path = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdcstudy", "bench", suite, "--presets", "tiny", "--batch", "2",
+         "--seq-len", "16", "--steps", "1", "--repeats", "1", "--json", str(path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    figures = GF.overhead_figures(json.loads(path.read_text()))
+    assert set(figures["contenders"]) == contenders and figures["pass"] is True
+    plain = "free" if suite == "paired" else "off"
+    assert figures["contenders"][plain]["ratio"] == 1.0
+    assert all(c["step_ms"] > 0 for c in figures["contenders"].values())
+    assert figures["worst_ratio"] == max(c["ratio"] for c in figures["contenders"].values())
+    assert (figures["preset"], figures["batch"], figures["seq_len"]) == ("tiny", 2, 16)
+
+
+def test_an_overhead_check_runs_its_suite_on_the_workload(tmp_path, monkeypatch):
+    """Each overhead check runs its own suite on `small` at 16 x 512 and reads its JSON; a
+    child that wrote nothing is an ERROR."""
+    monkeypatch.setattr(GS, "versions", lambda: {})
+    args = SimpleNamespace(out=tmp_path, stage="quick", budget=240)
+    acc = GC.Acceptance(args, sys.executable, {"device_kind": H100}, tmp_path)
+    seen = []
+    monkeypatch.setattr(acc, "sdcstudy", lambda label, argv, cap: seen.append(argv) or {
+        "exit_code": 3, "seconds": 2.0, "timed_out": False, "command": []})
+    for name, suite in GC.OVERHEADS.items():
+        assert GS.state(acc.overhead(name, suite)) == "ERROR"
+        argv = [str(a) for a in seen[-1]]
+        assert argv[:2] == ["bench", suite]
+        assert argv[argv.index("--presets") + 1] == "small"
+        assert (argv[argv.index("--batch") + 1], argv[argv.index("--seq-len") + 1]) == (
+            "16", "512")
+    assert set(GC.OVERHEADS.values()) == {"faults", "paired", "abft"}
+
+
 def test_healthy_abft_needs_100000_checks_and_no_flag():
     """0 false alarms in at least 100,000 healthy checks is the target: exactly 100,000 with
     no flag passes; one flag, or one check fewer, fails (270 checks, all the GPU has shown so
@@ -571,7 +612,7 @@ def test_every_check_of_a_stage_is_wired(tmp_path, monkeypatch, stage, cudnn_fai
     step["census_line"] = "GEMMs"
     ok = {"pass": True, "seconds": 1.0}
     for name in ("doctor", "bench_untuned", "bench_pallas", "abft_healthy", "abft_recall",
-                 "golden_full", "fingerprint", "attention_repeat"):
+                 "golden_full", "fingerprint", "attention_repeat", "overhead"):
         monkeypatch.setattr(acc, name, lambda *a, **k: dict(ok))
     monkeypatch.setattr(acc, "bench_tuned", lambda: {**ok, **step})
     monkeypatch.setattr(acc, "bench_pinned", lambda: {**ok, **step, "tokens_per_s": 95_000.0})

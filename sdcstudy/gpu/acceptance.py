@@ -31,7 +31,10 @@ full` then one `golden check` of it: every SM reached, at least 70% of device me
 and verified, at most 180 s to record, the check PASSes (bitwise); `fingerprint`: driver, CUDA
 runtime, cuBLAS, cuDNN and NCCL in the record's env.json; `attention_repeat`: the tiny training
 in bfloat16 with cuDNN's fused attention (the Pallas kernels where cuDNN's cannot launch under
-the flags) in two processes, the same bits [40];
+the flags) in two processes, the same bits [40]; `fault_engine_cost`, `paired_cost`,
+`abft_overhead`: `bench faults`, `bench paired` and `bench abft` on `small` (16 x 512), each
+contender's step over the plain step's (idle and firing fault engine; lock-step and parameter
+synchronization against free running; ABFT on, and with recomputation): stated [3 x 60];
 `device_health`.
 
 `--only LIST` runs the named checks of either stage (a rerun of what a budget skipped).
@@ -58,9 +61,10 @@ STAGES = {"full": 540, "quick": 240}  # stage -> default budget, seconds
 FULL_CHECKS = ("doctor", "bench_medium_bfloat16_tuned", "bench_medium_bfloat16_pinned",
                "bench_medium_bfloat16_untuned", "bench_medium_bfloat16_pallas",
                "pinned_autotune", "determinism_cost", "kernel_census", "fused_attention",
-               "torch_ratio", "bench_1b_bfloat16", "bench_1b_float32", "abft_healthy_float32", "abft_healthy_bfloat16",
-               "abft_recall_float32", "abft_recall_bfloat16", "device_health")
-QUICK_CHECKS = ("golden_full", "fingerprint", "attention_repeat", "device_health")
+               "torch_ratio", "bench_1b_bfloat16", "bench_1b_float32", "abft_healthy_float32",
+               "abft_healthy_bfloat16", "abft_recall_float32", "abft_recall_bfloat16", "device_health")
+QUICK_CHECKS = ("golden_full", "fingerprint", "attention_repeat", "fault_engine_cost",
+                "paired_cost", "abft_overhead", "device_health")
 PROBE = ("import json, jax; d = jax.devices()[0]; print(json.dumps({'backend': "
          "jax.default_backend(), 'device_kind': d.device_kind, 'device_count': "
          "jax.device_count()}))")
@@ -177,6 +181,8 @@ def run_checks(acc, checks: tuple[str, ...]) -> int:
     do("golden_full", acc.golden_full)
     do("fingerprint", acc.fingerprint)
     do("attention_repeat", acc.attention_repeat)
+    for name, suite in GC.OVERHEADS.items():
+        do(name, acc.overhead, name, suite)
     if before is not None:
         do("device_health", acc.device_health, before, acc.device_state("after"))
     return acc.finish()

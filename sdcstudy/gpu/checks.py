@@ -21,6 +21,10 @@ ONE_B = (GF.ONE_B, 8, 512, 5, 3)
 # ABFT on a healthy node: `small` (8 layers, 7 checked matmuls, forward and two backward
 # checks each, and the head: 170 checks a step) for 600 steps is 102,000 checks per dtype.
 ABFT_HEALTHY = ("small", 600)
+# The overhead benches (`bench faults`, `bench paired`, `bench abft`): each contender's step
+# against its suite's plain one, on `small` at 16 x 512 (stated, no floor: issue 53 asks them).
+OVERHEAD_WORKLOAD = ("small", 16, 512, 5, 3)
+OVERHEADS = {"fault_engine_cost": "faults", "paired_cost": "paired", "abft_overhead": "abft"}
 RECALL_PROFILE = "exponent-flip"
 RECALL_STEPS = 20
 ABFT_RULES = ("rounding", "paper", "paper-dtype")  # abft/tables.py HOST_THRESHOLDS
@@ -198,6 +202,20 @@ class Acceptance(Session):
         return {**run, "dtype": dtype, "profile": RECALL_PROFILE,
                 **GF.judge_recall(summary, _records(folder / "faults.parquet"),
                                   _records(folder / "abft.parquet"))}
+
+    def overhead(self, name: str, suite: str) -> dict:
+        """`bench SUITE` on `OVERHEAD_WORKLOAD`: each contender's step time over the plain
+        step's, measured side by side in one run (`floors.overhead_figures`)."""
+        preset, batch, seq_len, steps, repeats = OVERHEAD_WORKLOAD
+        path = self.work / f"{name}.json"
+        run = self.sdcstudy(name, ["bench", suite, "--presets", preset, "--batch", batch,
+                                   "--seq-len", seq_len, "--steps", steps, "--repeats",
+                                   repeats, "--json", path], cap=180)
+        if "skipped" in run:
+            return run
+        if not self.ran(run, path):
+            return broke(run)
+        return {**run, "suite": suite, **GF.overhead_figures(json.loads(path.read_text()))}
 
     def golden_full(self) -> dict:
         """golden record --workload full, then golden check of it once: coverage, seconds,

@@ -17,6 +17,7 @@ targets for one H100 or H200:
 | ABFT recall | >= 90% of products hit by single exponent-bit flips |
 | golden full | every SM, >= 70% of memory, <= 180 s, the check PASSes (bitwise) |
 | stack fingerprint | driver, CUDA runtime, cuBLAS, cuDNN and NCCL in env.json |
+| fault engine, paired modes, ABFT | each step's cost over the plain step's, stated (no floor) |
 | attention, repeated | tiny, bfloat16, cuDNN's attention (else Pallas): two processes, same bits |
 
 Each `judge_*` returns a dict with `pass` (True, False) and the figures it read.
@@ -220,6 +221,21 @@ def judge_torch_ratio(ours: dict, torch: dict) -> dict:
             "ratio": ratio, "floor": TORCH_RATIO_FLOOR, "torch": {
                 k: torch.get(k) for k in ("attention", "compiled", "dtype", "torch_version")},
             "pass": ratio >= TORCH_RATIO_FLOOR}
+
+
+def overhead_figures(report: dict) -> dict:
+    """The figures of `sdcstudy bench faults|paired|abft --json` (one preset): each
+    contender's median step time and its median ratio to the suite's plain step, the largest
+    of those ratios, and the suite's goals; `pass` where every contender measured."""
+    r = report["results"][0]
+    contenders = r.get("variants") or r.get("modes") or {}
+    figures = {name: {"ratio": c["ratio"]["median"],
+                      "step_ms": c["seconds_per_step"]["median"] * 1e3}
+               for name, c in contenders.items()}
+    ratios = [f["ratio"] for f in figures.values() if f["ratio"] is not None]
+    return {"preset": r["preset"], "batch": r["batch"], "seq_len": r["seq_len"],
+            "contenders": figures, "worst_ratio": max(ratios) if ratios else None,
+            "goals": report.get("goals", []), "pass": bool(ratios) and len(ratios) == len(figures)}
 
 
 def judge_golden_full(meta: dict, record_seconds: float, check_verdict: str | None) -> dict:

@@ -29,8 +29,8 @@ PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13
             "jax-cuda13-pjrt", "flax", "optax", "orbax-checkpoint", "numpy", "torch",
             "transformers")
 # The figure each check's table row shows, where it has one.
-HEADLINE = ("mfu_against_floor_peak", "mfu", "cost", "ratio", "false_alarm_rate", "recall",
-            "memory_share")
+HEADLINE = ("mfu_against_floor_peak", "mfu", "cost", "ratio", "worst_ratio", "false_alarm_rate",
+            "recall", "memory_share")
 
 
 def child_env() -> dict:
