@@ -310,10 +310,16 @@ def test_overheads_reach_the_acceptance_from_a_real_bench(tmp_path, suite, conte
 
 def test_an_overhead_check_runs_its_suite_on_the_workload(tmp_path, monkeypatch):
     """Each overhead check runs its own suite on `small` at 16 x 512 and reads its JSON; a
-    child that wrote nothing is an ERROR."""
+    child that wrote nothing is an ERROR. On one GPU the paired bench cannot form a pair:
+    SKIPPED with the reason, nothing started."""
     monkeypatch.setattr(GS, "versions", lambda: {})
     args = SimpleNamespace(out=tmp_path, stage="quick", budget=240)
-    acc = GC.Acceptance(args, sys.executable, {"device_kind": H100}, tmp_path)
+    one = GC.Acceptance(args, sys.executable, {"device_kind": H100, "device_count": 1},
+                        tmp_path)
+    monkeypatch.setattr(one, "sdcstudy", lambda *a, **k: pytest.fail("started a child"))
+    assert one.overhead("paired_cost", "paired")["skipped"] == GC.PAIR_NEEDS_TWO
+    acc = GC.Acceptance(args, sys.executable, {"device_kind": H100, "device_count": 2},
+                        tmp_path)
     seen = []
     monkeypatch.setattr(acc, "sdcstudy", lambda label, argv, cap: seen.append(argv) or {
         "exit_code": 3, "seconds": 2.0, "timed_out": False, "command": []})

@@ -34,7 +34,8 @@ in bfloat16 with cuDNN's fused attention (the Pallas kernels where cuDNN's canno
 the flags) in two processes, the same bits [40]; `fault_engine_cost`, `paired_cost`,
 `abft_overhead`: `bench faults`, `bench paired` and `bench abft` on `small` (16 x 512), each
 contender's step over the plain step's (idle and firing fault engine; lock-step and parameter
-synchronization against free running; ABFT on, and with recomputation): stated [3 x 60];
+synchronization against free running, SKIPPED on one GPU: a pair is two devices; ABFT on,
+and with recomputation): stated [3 x 60];
 `device_health`.
 
 `--only LIST` runs the named checks of either stage (a rerun of what a budget skipped).

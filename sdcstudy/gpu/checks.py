@@ -25,6 +25,8 @@ ABFT_HEALTHY = ("small", 600)
 # against its suite's plain one, on `small` at 16 x 512 (stated, no floor: issue 53 asks them).
 OVERHEAD_WORKLOAD = ("small", 16, 512, 5, 3)
 OVERHEADS = {"fault_engine_cost": "faults", "paired_cost": "paired", "abft_overhead": "abft"}
+PAIR_NEEDS_TWO = ("a pair's two nodes are two devices of one mesh (its node axis), and this "
+                  "machine has one GPU, so the paired modes' step cost cannot be measured here")
 RECALL_PROFILE = "exponent-flip"
 RECALL_STEPS = 20
 ABFT_RULES = ("rounding", "paper", "paper-dtype")  # abft/tables.py HOST_THRESHOLDS
@@ -207,6 +209,8 @@ class Acceptance(Session):
         """`bench SUITE` on `OVERHEAD_WORKLOAD`: each contender's step time over the plain
         step's, measured side by side in one run (`floors.overhead_figures`)."""
         preset, batch, seq_len, steps, repeats = OVERHEAD_WORKLOAD
+        if suite == "paired" and self.report.get("device_count", 1) < 2:
+            return skipped(PAIR_NEEDS_TWO)
         path = self.work / f"{name}.json"
         run = self.sdcstudy(name, ["bench", suite, "--presets", preset, "--batch", batch,
                                    "--seq-len", seq_len, "--steps", steps, "--repeats",
