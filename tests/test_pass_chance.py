@@ -155,3 +155,45 @@ def test_the_scorer_imports_no_jax_with_the_time_patterns():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"
+
+
+def _abft_run(fault_steps, flagged_steps, steps: int = 200):
+    """A run's rollups: one fwd/attn fault in each of `fault_steps`, one at fwd/ffn in step 1
+    (not an attention-output fault), and ABFT's fwd o checks flagging in `flagged_steps`."""
+    import pandas as pd
+    from types import SimpleNamespace
+
+    keys = [(s, "fwd/attn", "bitflip", False) for s in fault_steps] + [
+        (1, "fwd/ffn", "bitflip", False)]
+    faults = pd.DataFrame({"faults": [1] * len(keys)}, index=pd.MultiIndex.from_tuples(
+        keys, names=["step", "site", "kind", "last_bit"]))
+    checks = [(s, m, "fwd") for s in range(1, steps + 1) for m in ("o", "down")]
+    abft = pd.DataFrame({"checks": 4, "flagged": [int(m == "o" and s in flagged_steps)
+                                                 for s, m, _ in checks]},
+                        index=pd.MultiIndex.from_tuples(checks,
+                                                        names=["step", "matmul", "direction"]))
+    return SimpleNamespace(fault_counts=faults, abft_by_step=abft)
+
+
+def test_figure10_little_upper_bound_takes_the_flagged_share_of_fault_steps():
+    """The share of fault steps flagged (4 of 4: q at least 0.05^(1/4) at 95%) scales each
+    step's fault probability; every step alike, the bound is the binomial's. A flag outside a
+    fault step (a false alarm) does not raise q; none flagged gives q = 0, a bound of 1; the
+    lower bound stays below the upper, and `annotate` states both."""
+    entry = _entry(1, 0.5)
+    run = _abft_run([3, 10, 50, 90], {3, 10, 50, 90, 120})
+    q = 0.05 ** (1 / 4)
+    assert PC.flagged_share_low(run) == pytest.approx(q, rel=1e-9)
+    p_step = -math.expm1(-0.5 / 200)
+    upper = PC.figure10_little_bound(1, entry, run)
+    assert upper == pytest.approx(B.binomial_below(2, 200, q * p_step), rel=1e-9)
+    assert PC.figure10_little_chance(1, entry) < upper < 1
+    assert PC.flagged_share_low(_abft_run([3, 10], {3})) == pytest.approx(
+        PC.lower_bound(1, 2), rel=1e-12)
+    assert PC.figure10_little_bound(1, entry, _abft_run([3, 10], set())) == 1.0
+    assert PC.flagged_share_low(_abft_run([], {5})) is None
+    row = Row(1, "Figure 10", "fwd o flagged steps", "little or nothing", 0.02, None,
+              "<= 1% of steps flagged", "fail")
+    PC.annotate([row], entry, run)
+    assert row.pass_probability == PC.figure10_little_chance(1, entry)
+    assert row.pass_probability_max == upper

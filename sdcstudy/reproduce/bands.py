@@ -101,7 +101,7 @@ class Row:
     # this row's band (`count_pass_probability`, `exposure_rows.pass_probability`,
     # `pass_chance`), exact or a lower bound; None where the row states none
     pass_probability_max: float | None = None  # an upper bound of that chance where
-    # `pass_probability` is a measured share's lower bound (`seed_scatter`); None otherwise
+    # `pass_probability` is a lower bound (`seed_scatter`, Figure 10's run rows); else None
 
 
 def role(node: int, source: str, fault_model: str = "additive") -> str:

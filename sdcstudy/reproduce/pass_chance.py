@@ -15,7 +15,10 @@ bound (docs/reproduction.md, "The chance a correct model passes"). Imports no JA
 - Figure 10's run rows of the "little or nothing" nodes: at least the probability that at most
   `bands.ABFT_LITTLE` of the steps hold an attention-output fault (every step with one taken
   as flagged; a healthy float32 check flags nothing, docs/results/abft.md), over the steps'
-  own fault probabilities (Poisson-binomial);
+  own fault probabilities (Poisson-binomial); at most the same with each step's probability
+  times q, the one-sided `CONFIDENCE` lower bound of the share of the run's steps holding
+  such a fault that ABFT flagged (`Row.pass_probability_max`; false alarms left out, which
+  could only lower the chance);
 - Figure 10's run row of the "frequently" node (14): between 0 and at most the probability that
   at least `bands.ABFT_FREQUENT` of the steps hold an attention-output fault (a step without
   one flags nothing), an upper bound (`Row.pass_probability_max`);
@@ -44,6 +47,7 @@ import numpy as np
 from sdcstudy.faults import flip_model as FM
 from sdcstudy.faults import published_layers as PL
 from sdcstudy.faults.time_patterns import node_pattern
+from sdcstudy.report import tables as T
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import claim_rows as CR
 from sdcstudy.reproduce import exposure_rows as X
@@ -145,6 +149,31 @@ def figure10_little_chance(node: int, entry: dict) -> float | None:
     return at_most_steps(_steps_with_fault(node, means), math.floor(B.ABFT_LITTLE * len(means)))
 
 
+def flagged_share_low(run) -> float | None:
+    """q: the one-sided `CONFIDENCE` lower bound (Clopper-Pearson) of the share of the run's
+    steps holding an attention-output fault in which ABFT flagged the forward o product;
+    None where no step holds one."""
+    counts = run.fault_counts["faults"]
+    at = counts[(counts.index.get_level_values("site") == "fwd/attn") & (counts > 0)]
+    fault_steps = set(at.index.get_level_values("step"))
+    if not fault_steps or not len(run.abft_by_step):
+        return None
+    per_step = T.abft_frequency_by_step(run, "o", "fwd")
+    flagged = set(per_step[per_step > 0].index)
+    return lower_bound(len(fault_steps & flagged), len(fault_steps))
+
+
+def figure10_little_bound(node: int, entry: dict, run) -> float | None:
+    """A "little or nothing" node's Figure 10 run row: at most the chance that at most
+    `bands.ABFT_LITTLE` of the steps are flagged, each step flagged with its fault probability
+    times `flagged_share_low`."""
+    means, q = step_means(node, entry, "fwd/attn"), flagged_share_low(run)
+    if means is None or q is None:
+        return None
+    return at_most_steps(q * _steps_with_fault(node, means),
+                         math.floor(B.ABFT_LITTLE * len(means)))
+
+
 def at_least_steps(probabilities: np.ndarray, k: int) -> float:
     """P(at least k of independent steps occur), the steps occurring with `probabilities`
     (Poisson-binomial over counts 0..k, the last absorbing: exact where it is tiny)."""
@@ -241,8 +270,9 @@ def row_chance(row: Row, entry: dict, run) -> float | None:
 
 
 def annotate(rows: list[Row], entry: dict, run) -> None:
-    """Fill in `pass_probability` on the run's judged rows that state none (`row_chance`), and
-    the bounds of the "frequently" node's Figure 10 run row (0 to `figure10_frequent_bound`)."""
+    """Fill in `pass_probability` on the run's judged rows that state none (`row_chance`), the
+    bounds of the "frequently" node's Figure 10 run row (0 to `figure10_frequent_bound`) and
+    the upper bound of the "little or nothing" nodes' (`figure10_little_bound`)."""
     for row in rows:
         if row.pass_probability is not None or row.verdict not in ("pass", "fail"):
             continue
@@ -252,6 +282,8 @@ def annotate(rows: list[Row], entry: dict, run) -> None:
                 row.pass_probability, row.pass_probability_max = 0.0, most
             continue
         row.pass_probability = row_chance(row, entry, run)
+        if row.source == "Figure 10" and row.published == "little or nothing":
+            row.pass_probability_max = figure10_little_bound(row.node, entry, run)
 
 
 def d3_chance(d3: Row, rows: list[Row]) -> float | None:
