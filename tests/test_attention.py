@@ -148,6 +148,21 @@ def test_pallas_refuses_lengths_its_tiles_cannot_cover(length):
         M.pallas_attention(q, k, v)
 
 
+def test_pallas_refuses_a_step_inside_shard_map():
+    """The paired modes' step runs inside shard_map, whose outputs must say how they vary over
+    the manual axes; the Pallas kernels' do not, so the model refuses in one sentence (exit 2)
+    instead of failing deep in JAX."""
+    from jax.sharding import PartitionSpec as P
+
+    q, k, v = _qkv("float32", b=1, length=16, e=16)
+    mesh = jax.make_mesh((1,), ("node",))
+    inside = jax.shard_map(lambda q, k, v: M.pallas_attention(q, k, v), mesh=mesh,
+                           in_specs=P(), out_specs=P())
+    with pytest.raises(UserError, match="model.attention=pallas runs only in steps outside "
+                                        "shard_map"):
+        inside(q, k, v)
+
+
 def _declared(*sites):
     return S.only(sites, lambda site, x, layer: x)
 

@@ -188,10 +188,15 @@ def pallas_attention(q_BLHE, k_BLKE, v_BLKE):
     atomics, so its bits do not depend on scheduling), Pallas's interpreter elsewhere (slow:
     for checking). Grouped-query heads read their kv head as the unfused path groups them.
     The kernels' tiles (128 keys forward, 32 backward) need a power-of-two length from 16 to
-    128 or a multiple of 128."""
+    128 or a multiple of 128, and they run outside `shard_map` only."""
     from jax.experimental.pallas.ops.gpu import attention as flash
 
     b, length, h, e = q_BLHE.shape
+    if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
+        raise UserError("model.attention=pallas runs only in steps outside shard_map (mode "
+                        "train's; the paired modes' step is inside one): JAX's Pallas kernels "
+                        "do not say how their output varies over a mesh's manual axes; use "
+                        "model.attention=auto there.")
     if not (length % 128 == 0 or (16 <= length <= 128 and length & (length - 1) == 0)):
         raise UserError(f"model.attention=pallas needs a sequence length that is a power of "
                         f"two from 16 to 128 or a multiple of 128, not {length}; use "
