@@ -63,7 +63,8 @@ FULL_CHECKS = ("doctor", "bench_medium_bfloat16_tuned", "bench_medium_bfloat16_p
                "bench_medium_bfloat16_untuned", "bench_medium_bfloat16_pallas",
                "pinned_autotune", "determinism_cost", "kernel_census", "fused_attention",
                "torch_ratio", "bench_1b_bfloat16", "bench_1b_float32", "abft_healthy_float32",
-               "abft_healthy_bfloat16", "abft_recall_float32", "abft_recall_bfloat16", "device_health")
+               "abft_healthy_bfloat16", "abft_recall_float32", "abft_recall_bfloat16",
+               "device_health")
 QUICK_CHECKS = ("golden_full", "fingerprint", "attention_repeat", "fault_engine_cost",
                 "paired_cost", "abft_overhead", "device_health")
 PROBE = ("import json, jax; d = jax.devices()[0]; print(json.dumps({'backend': "
