@@ -159,6 +159,7 @@ def test_summary_mfu_is_step_flops_over_time_over_peak():
 from sdcstudy.gpu import acceptance as GA  # noqa: E402
 from sdcstudy.gpu import checks as GC  # noqa: E402
 from sdcstudy.gpu import floors as GF  # noqa: E402
+from sdcstudy.gpu import golden_checks as GGC  # noqa: E402
 from sdcstudy.gpu import nvidia_smi as SMI  # noqa: E402
 from sdcstudy.gpu import session as GS  # noqa: E402
 
@@ -558,6 +559,111 @@ def test_repeat_needs_every_digest_equal():
     assert GF.judge_repeat(["ab", None])["pass"] is False
 
 
+def _golden_report(verdict, step=3, layer=1, site="fwd/attn"):
+    first = {"step": step, "layer": layer, "paper_site": site} if verdict == "FAIL" else None
+    return {"verdict": verdict, "reason": "r", "first_difference": first}
+
+
+@pytest.mark.parametrize("plain, flipped, passes", [
+    (_golden_report("PASS"), _golden_report("FAIL"), True),
+    (_golden_report("FAIL"), _golden_report("FAIL"), False),  # the bits differ unflipped
+    (_golden_report("PASS"), _golden_report("PASS"), False),  # the flip went unseen
+    (_golden_report("PASS"), _golden_report("FAIL", step=4), False),  # seen, misplaced
+    (_golden_report("PASS"), _golden_report("FAIL", site="fwd/ffn"), False),
+])
+def test_a_record_from_another_gpu_passes_and_its_flip_fails_where_it_was(plain, flipped,
+                                                                           passes):
+    assert GF.judge_golden_cross(plain, flipped, GGC.CROSS_FLIP_AT)["pass"] is passes
+
+
+def test_golden_other_machine_keeps_its_record_and_checks_the_others(tmp_path, monkeypatch):
+    """The tiny record lands in --out as one archive with the GPU that made it; without a
+    committed archive from another GPU (none, or only this GPU's) the check is SKIPPED with
+    what to commit; with one, it unpacks it and runs `golden check` on it plainly and with
+    `CROSS_FLIP`, and judges both."""
+    import shutil
+    import tarfile
+
+    monkeypatch.setattr(GS, "versions", lambda: {})
+    monkeypatch.setattr(SMI, "identity", lambda: {"uuid": "GPU-here", "name": "NVIDIA H200"})
+    records = tmp_path / "records"
+    records.mkdir()
+    monkeypatch.setattr(GGC, "RECORDS", records)
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    args = SimpleNamespace(out=out, stage="quick", budget=240)
+    acc = GC.Acceptance(args, sys.executable, {"device_kind": "NVIDIA H200"}, work)
+    calls = []
+
+    def fake(label, argv, cap):
+        argv = [str(a) for a in argv]
+        calls.append(argv)
+        if argv[:2] == ["golden", "record"]:
+            target = Path(argv[argv.index("--out") + 1])
+            target.mkdir(parents=True)
+            (target / "golden.json").write_text("{}")
+        else:
+            flipped = "--inject" in argv
+            Path(argv[argv.index("--json") + 1]).write_text(json.dumps(
+                _golden_report("FAIL" if flipped else "PASS")))
+        return {"exit_code": 0, "seconds": 1.0, "timed_out": False, "command": argv}
+
+    monkeypatch.setattr(acc, "sdcstudy", fake)
+    result = acc.golden_other_machine()
+    assert "no record made by another GPU is committed" in result["skipped"]
+    with tarfile.open(out / GGC.KEPT) as tar:
+        assert set(tar.getnames()) >= {"record", "record/golden.json", GGC.GPU_FILE}
+    (records / "h200-mine.tar.gz").write_bytes((out / GGC.KEPT).read_bytes())
+    shutil.rmtree(work)  # each acceptance works in a new folder
+    assert "no record made by another GPU" in acc.golden_other_machine()["skipped"]
+    monkeypatch.setattr(SMI, "identity", lambda: {"uuid": "GPU-there", "name": "NVIDIA H200"})
+    calls.clear()
+    shutil.rmtree(work)
+    result = acc.golden_other_machine()
+    assert result["pass"] is True and list(result["records"]) == ["h200-mine"]
+    assert result["records"]["h200-mine"]["made_by"]["uuid"] == "GPU-here"
+    checks = [c for c in calls if c[:2] == ["golden", "check"]]
+    assert [c[2] for c in checks] == [str(work / "golden-cross" / "h200-mine" / "record")] * 2
+    assert "--inject" not in checks[0] and GGC.CROSS_FLIP in checks[1]
+
+
+def test_gpu_identity_reads_the_first_gpus_line(monkeypatch):
+    """`nvidia-smi --query-gpu=uuid,name,serial,pci.bus_id`: the first GPU's fields by name;
+    a missing nvidia-smi or a failing one is an error, never a guess."""
+    line = "GPU-4b7c, NVIDIA H200, 1652824011224, 00000000:18:00.0\nGPU-99, NVIDIA H200, 2, x\n"
+    monkeypatch.setattr(SMI.subprocess, "run", lambda *a, **k: SimpleNamespace(
+        returncode=0, stdout=line, stderr=""))
+    assert SMI.identity() == {"uuid": "GPU-4b7c", "name": "NVIDIA H200",
+                              "serial": "1652824011224", "bus_id": "00000000:18:00.0"}
+    monkeypatch.setattr(SMI.subprocess, "run", lambda *a, **k: SimpleNamespace(
+        returncode=9, stdout="", stderr="NVIDIA-SMI has failed"))
+    assert SMI.identity() == {"error": "NVIDIA-SMI has failed"}
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(SMI.subprocess, "run", missing)
+    assert "FileNotFoundError" in SMI.identity()["error"]
+
+
+@pytest.mark.slow
+def test_golden_cross_reads_real_golden_check_reports(tmp_path):
+    """On this CPU: a tiny record, its check, and its check with `CROSS_FLIP` injected, as the
+    cross-machine check runs them; the judge reads both reports: PASS, and FAIL at the flip."""
+    record = tmp_path / "record"
+    reports = []
+    for argv in (["golden", "record", "--out", str(record)],
+                 ["golden", "check", str(record), "--json", str(tmp_path / "a.json")],
+                 ["golden", "check", str(record), "--inject", GGC.CROSS_FLIP, "--json",
+                  str(tmp_path / "b.json")]):
+        proc = subprocess.run([sys.executable, "-m", "sdcstudy", *argv, "--no-progress"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert proc.returncode in (0, 1), proc.stderr
+    reports = [json.loads((tmp_path / f"{x}.json").read_text()) for x in "ab"]
+    judged = GF.judge_golden_cross(*reports, GGC.CROSS_FLIP_AT)
+    assert judged["pass"] is True, judged
+
+
 def test_stack_fingerprint_fields():
     """env.json on a GPU must name the driver, CUDA runtime, cuBLAS, cuDNN and NCCL; one
     missing fails, naming it."""
@@ -618,7 +724,8 @@ def test_every_check_of_a_stage_is_wired(tmp_path, monkeypatch, stage, cudnn_fai
     step["census_line"] = "GEMMs"
     ok = {"pass": True, "seconds": 1.0}
     for name in ("doctor", "bench_untuned", "bench_pallas", "abft_healthy", "abft_recall",
-                 "golden_full", "fingerprint", "attention_repeat", "overhead"):
+                 "golden_full", "fingerprint", "golden_other_machine", "attention_repeat",
+                 "overhead"):
         monkeypatch.setattr(acc, name, lambda *a, **k: dict(ok))
     monkeypatch.setattr(acc, "bench_tuned", lambda: {**ok, **step})
     monkeypatch.setattr(acc, "bench_pinned", lambda: {**ok, **step, "tokens_per_s": 95_000.0})

@@ -29,7 +29,10 @@ brackets):
 `--stage quick` (budget 240 s, the short second run): `golden_full`: `golden record --workload
 full` then one `golden check` of it: every SM reached, at least 70% of device memory written
 and verified, at most 180 s to record, the check PASSes (bitwise); `fingerprint`: driver, CUDA
-runtime, cuBLAS, cuDNN and NCCL in the record's env.json; `attention_repeat`: the tiny training
+runtime, cuBLAS, cuDNN and NCCL in the record's env.json; `golden_other_machine`: the tiny
+workload recorded into DIR (commit it for the next machine), and each record another GPU made,
+committed under experiments/golden-records/, checked here: PASS, and FAIL at one injected
+flip's step, layer and site [60]; `attention_repeat`: the tiny training
 in bfloat16 with cuDNN's fused attention (the Pallas kernels where cuDNN's cannot launch under
 the flags) in two processes, the same bits [40]; `fault_engine_cost`, `paired_cost`,
 `abft_overhead`: `bench faults`, `bench paired` and `bench abft` on `small` (16 x 512), each
@@ -65,8 +68,8 @@ FULL_CHECKS = ("doctor", "bench_medium_bfloat16_tuned", "bench_medium_bfloat16_p
                "torch_ratio", "bench_1b_bfloat16", "bench_1b_float32", "abft_healthy_float32",
                "abft_healthy_bfloat16", "abft_recall_float32", "abft_recall_bfloat16",
                "device_health")
-QUICK_CHECKS = ("golden_full", "fingerprint", "attention_repeat", "fault_engine_cost",
-                "paired_cost", "abft_overhead", "device_health")
+QUICK_CHECKS = ("golden_full", "fingerprint", "golden_other_machine", "attention_repeat",
+                "fault_engine_cost", "paired_cost", "abft_overhead", "device_health")
 PROBE = ("import json, jax; d = jax.devices()[0]; print(json.dumps({'backend': "
          "jax.default_backend(), 'device_kind': d.device_kind, 'device_count': "
          "jax.device_count()}))")
@@ -182,6 +185,7 @@ def run_checks(acc, checks: tuple[str, ...]) -> int:
         do(f"abft_recall_{dtype}", acc.abft_recall, dtype)
     do("golden_full", acc.golden_full)
     do("fingerprint", acc.fingerprint)
+    do("golden_other_machine", acc.golden_other_machine)
     do("attention_repeat", acc.attention_repeat)
     for name, suite in GC.OVERHEADS.items():
         do(name, acc.overhead, name, suite)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from sdcstudy.gpu import floors as GF
 from sdcstudy.gpu import nvidia_smi as SMI
-from sdcstudy.gpu.session import ROOT, Session, broke, child_env, failure, skipped, with_flags
+from sdcstudy.gpu.golden_checks import GoldenChecks
+from sdcstudy.gpu.session import ROOT, broke, child_env, failure, skipped, with_flags
 from sdcstudy.gpu.session import without_determinism
 
 DTYPES = ("float32", "bfloat16")
@@ -48,7 +49,7 @@ def preset_problem(name: str) -> str | None:
             f"configs/models/), so its floor was not measured")
 
 
-class Acceptance(Session):
+class Acceptance(GoldenChecks):
     """The checks; `acceptance.run_stage` calls them in their order."""
 
     def doctor(self) -> dict:
@@ -221,27 +222,6 @@ class Acceptance(Session):
             return broke(run)
         return {**run, "suite": suite, **GF.overhead_figures(json.loads(path.read_text()))}
 
-    def golden_full(self) -> dict:
-        """golden record --workload full, then golden check of it once: coverage, seconds,
-        bitwise reproducibility."""
-        folder, path = self.work / "golden-full", self.work / "golden_full_check.json"
-        rec = self.sdcstudy("golden record full", ["golden", "record", "--workload", "full",
-                                                   "--out", folder, "--no-progress"], cap=240)
-        if "skipped" in rec:
-            return rec
-        if not self.ran(rec, folder / "golden.json"):
-            return broke({"record": rec, "seconds": rec["seconds"]}, failure(rec))
-        chk = self.sdcstudy("golden check full", ["golden", "check", folder, "--repeat", 1,
-                                                  "--json", path, "--no-progress"], cap=240)
-        check_verdict = json.loads(path.read_text())["verdict"] if path.exists() else None
-        meta = json.loads((folder / "golden.json").read_text())
-        judged = {"record": rec, "check": chk,
-                  "seconds": round(rec["seconds"] + chk.get("seconds", 0), 1),
-                  **GF.judge_golden_full(meta, rec["seconds"], check_verdict)}
-        if check_verdict is None and all(judged[k] for k in ("every_sm", "memory_ok", "time_ok")):
-            return broke(judged, f"golden check gave no verdict ({failure(chk)})")
-        return judged
-
     def attention_repeat(self) -> dict:
         """The tiny training in bfloat16 with fused attention (cuDNN on a GPU: head dim 16;
         where cuDNN's cannot launch under the flags, the Pallas kernels) twice, in two
@@ -265,18 +245,6 @@ class Acceptance(Session):
             digests.append(json.loads(summary.read_text())["param_digest"])
         return {"runs": runs, "seconds": round(sum(r["seconds"] for r in runs), 1),
                 "attention": attention, **GF.judge_repeat(digests)}
-
-    def fingerprint(self) -> dict:
-        """The stack fingerprint in env.json of the golden record (or the doctor's run)."""
-        for env_file in (self.work / "golden-full" / "env.json",):
-            if env_file.exists():
-                return {"env_file": str(env_file), **GF.judge_fingerprint(
-                    json.loads(env_file.read_text()))}
-        doctor = self.work / "doctor.json"
-        if doctor.exists():
-            return {"env_file": str(doctor), **GF.judge_fingerprint(
-                json.loads(doctor.read_text())["env"])}
-        return skipped("neither the golden record nor the doctor wrote an env.json")
 
     def device_health(self, before: dict, after: dict) -> dict:
         if "error" in before or "error" in after:

@@ -17,6 +17,7 @@ targets for one H100 or H200:
 | ABFT recall | >= 90% of products hit by single exponent-bit flips |
 | golden full | every SM, >= 70% of memory, <= 180 s, the check PASSes (bitwise) |
 | stack fingerprint | driver, CUDA runtime, cuBLAS, cuDNN and NCCL in env.json |
+| golden, another GPU | its committed record PASSes here; with one flipped bit FAILs, localized |
 | fault engine, paired modes, ABFT | each step's cost over the plain step's, stated (no floor) |
 | attention, repeated | tiny, bfloat16, cuDNN's attention (else Pallas): two processes, same bits |
 
@@ -255,6 +256,20 @@ def judge_golden_full(meta: dict, record_seconds: float, check_verdict: str | No
            "time_ok": record_seconds <= GOLDEN_SECONDS_LIMIT,
            "reproducible": check_verdict == "PASS"}
     out["pass"] = all(out[k] for k in ("every_sm", "memory_ok", "time_ok", "reproducible"))
+    return out
+
+
+def judge_golden_cross(plain: dict, flipped: dict, flip_at: dict) -> dict:
+    """A record another GPU made, checked here (`golden check --json` reports): the same bits
+    (PASS), and with one injected flip a FAIL whose first difference is at the flip's step,
+    layer and site (`flip_at`)."""
+    first = flipped.get("first_difference") or {}
+    where = {k: first.get(k) for k in flip_at}
+    out = {"verdict": plain.get("verdict"), "reason": plain.get("reason"),
+           "flipped_verdict": flipped.get("verdict"), "flipped_first_difference": where,
+           "same_bits": plain.get("verdict") == "PASS",
+           "flip_localized": flipped.get("verdict") == "FAIL" and where == flip_at}
+    out["pass"] = out["same_bits"] and out["flip_localized"]
     return out
 
 

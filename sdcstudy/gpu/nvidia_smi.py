@@ -9,6 +9,7 @@
 - `ecc_problems(before, after)` names what a healthy acceptance must not show: an
   uncorrectable ECC error, any ECC counter that rose while the acceptance ran, a pending or
   failed row remap.
+- `identity()` names the GPU (UUID, name, serial): which machine made a golden record;
 - `Sampler` polls clocks, power and temperature every half second while a check runs (an MFU
   means little without the clock it ran at); `samples_summary` gives their range.
 
@@ -113,6 +114,22 @@ def summary(text: str) -> dict:
             if key.startswith("GPU ") and isinstance(value, dict)}
     return {"driver_version": tree.get("Driver Version"),
             "cuda_version": tree.get("CUDA Version"), "gpus": gpus}
+
+
+IDENTITY = ["nvidia-smi", "--query-gpu=uuid,name,serial,pci.bus_id", "--format=csv,noheader"]
+
+
+def identity(timeout: float = 60) -> dict:
+    """Which GPU this is (the first one): {"uuid", "name", "serial", "bus_id"}, or {"error"}."""
+    try:
+        out = subprocess.run(IDENTITY, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        return {"error": (out.stderr.strip() or "no output")[:200]}
+    fields = [f.strip() for f in lines[0].split(",")]
+    return dict(zip(("uuid", "name", "serial", "bus_id"), fields))
 
 
 def snapshot(timeout: float = 60) -> tuple[str, dict]:
