@@ -625,6 +625,18 @@ def test_golden_other_machine_keeps_its_record_and_checks_the_others(tmp_path, m
     checks = [c for c in calls if c[:2] == ["golden", "check"]]
     assert [c[2] for c in checks] == [str(work / "golden-cross" / "h200-mine" / "record")] * 2
     assert "--inject" not in checks[0] and GGC.CROSS_FLIP in checks[1]
+    # a record of another stack is INCONCLUSIVE there: an ERROR with the reason, never a FAIL
+    def another_stack(label, argv, cap):
+        if argv[:2] == ["golden", "record"]:
+            return fake(label, argv, cap)
+        Path(str(argv[argv.index("--json") + 1])).write_text(json.dumps(
+            {"verdict": "INCONCLUSIVE", "reason": "the environment differs"}))
+        return {"exit_code": 3, "seconds": 1.0, "timed_out": False, "command": []}
+
+    monkeypatch.setattr(acc, "sdcstudy", another_stack)
+    shutil.rmtree(work)
+    result = acc.golden_other_machine()
+    assert GS.state(result) == "ERROR" and "the environment differs" in result["error"]
 
 
 def test_gpu_identity_reads_the_first_gpus_line(monkeypatch):

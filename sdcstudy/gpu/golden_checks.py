@@ -124,7 +124,12 @@ class GoldenChecks(Session):
                 if not path.exists():
                     return broke({**run, "seconds": round(seconds, 1)},
                                  f"golden check of {name}{label}: {failure(run)}")
-                reports.append(json.loads(path.read_text()))
+                report = json.loads(path.read_text())
+                if report.get("verdict") not in ("PASS", "FAIL"):  # e.g. another stack
+                    return broke({**run, "seconds": round(seconds, 1)},
+                                 f"golden check of {name}{label}: {report.get('verdict')}, "
+                                 f"{report.get('reason')}")
+                reports.append(report)
             results[name] = {"made_by": gpu, **GF.judge_golden_cross(*reports, CROSS_FLIP_AT)}
         return {"record": rec, "gpu": here, "records": results, "seconds": round(seconds, 1),
                 "pass": all(r["pass"] for r in results.values())}
