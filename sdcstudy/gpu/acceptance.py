@@ -38,7 +38,8 @@ the flags) in two processes, the same bits [40]; `fault_engine_cost`, `paired_co
 `abft_overhead`: `bench faults`, `bench paired` and `bench abft` on `small` (16 x 512), each
 contender's step over the plain step's (idle and firing fault engine; lock-step and parameter
 synchronization against free running, SKIPPED on one GPU: a pair is two devices; ABFT on,
-and with recomputation): stated [3 x 60];
+and with recomputation): stated [3 x 60]; `bench_8b16l_bfloat16`: llama3-8b-16l (4 x 512)
+in bfloat16, flags on: MFU stated [150];
 `device_health`.
 
 `--only LIST` runs the named checks of either stage (a rerun of what a budget skipped).
@@ -69,7 +70,8 @@ FULL_CHECKS = ("doctor", "bench_medium_bfloat16_tuned", "bench_medium_bfloat16_p
                "abft_healthy_bfloat16", "abft_recall_float32", "abft_recall_bfloat16",
                "device_health")
 QUICK_CHECKS = ("golden_full", "fingerprint", "golden_other_machine", "attention_repeat",
-                "fault_engine_cost", "paired_cost", "abft_overhead", "device_health")
+                "fault_engine_cost", "paired_cost", "abft_overhead", "bench_8b16l_bfloat16",
+                "device_health")
 PROBE = ("import json, jax; d = jax.devices()[0]; print(json.dumps({'backend': "
          "jax.default_backend(), 'device_kind': d.device_kind, 'device_count': "
          "jax.device_count()}))")
@@ -189,6 +191,12 @@ def run_checks(acc, checks: tuple[str, ...]) -> int:
     do("attention_repeat", acc.attention_repeat)
     for name, suite in GC.OVERHEADS.items():
         do(name, acc.overhead, name, suite)
+    big = GC.preset_problem(GC.EIGHT_B_16L[0])
+    if big and "bench_8b16l_bfloat16" in checks:
+        got["bench_8b16l_bfloat16"] = acc.record("bench_8b16l_bfloat16", GC.skipped(big))
+    else:
+        do("bench_8b16l_bfloat16", acc.bench, "bench_8b16l_bfloat16", GC.EIGHT_B_16L,
+           "bfloat16", cap=300)
     if before is not None:
         do("device_health", acc.device_health, before, acc.device_state("after"))
     return acc.finish()

@@ -19,6 +19,9 @@ DTYPES = ("float32", "bfloat16")
 # repetitions); the 1B model at 8 x 512 fits an 80 GB card in float32.
 MEDIUM = ("medium", 32, 512, 10, 3)
 ONE_B = (GF.ONE_B, 8, 512, 5, 3)
+# llama3-8b-16l (about 4.9 billion parameters): in bfloat16 with float32 parameters and Adam,
+# about 80 GB before activations, so 4 x 512 on one H200; MFU stated, no floor.
+EIGHT_B_16L = ("llama3-8b-16l", 4, 512, 3, 2)
 # ABFT on a healthy node: `small` (8 layers, 7 checked matmuls, forward and two backward
 # checks each, and the head: 170 checks a step) for 600 steps is 102,000 checks per dtype.
 ABFT_HEALTHY = ("small", 600)
