@@ -47,6 +47,19 @@ def _positive(spread):
                                                     spread["max"]))
 
 
+def _read_by_the_acceptance(report, contenders, plain):
+    """`accept-gpu`'s overhead checks read this report (`floors.overhead_figures`, the first
+    result): every contender's median ratio and step time, the plain one's ratio 1, the
+    largest ratio the headline."""
+    from sdcstudy.gpu import floors as GF
+
+    figures = GF.overhead_figures(report)
+    assert figures["pass"] is True and set(figures["contenders"]) == set(contenders)
+    assert figures["contenders"][plain]["ratio"] == 1.0
+    assert all(c["step_ms"] > 0 for c in figures["contenders"].values())
+    assert figures["worst_ratio"] == max(c["ratio"] for c in figures["contenders"].values())
+
+
 def test_faults_suite(tmp_path, capsys):
     report, table = _run(tmp_path, capsys, "faults")
     (result,) = report["results"]
@@ -59,6 +72,7 @@ def test_faults_suite(tmp_path, capsys):
         assert v["kernel"]["minor_faults_per_step"] >= 0 <= v["kernel"]["system_s_per_step"]
         assert v["ratio"]["geomean"] > 0 and v["ratio"]["ci95"] is None  # one repetition
     assert variants["plain"]["ratio"]["median"] == 1.0
+    _read_by_the_acceptance(report, variants, "plain")
     # healthy and rate-0 profiles build no injector: the compiled program must be plain's,
     # byte for byte. If not, the fault engine costs something even when it is switched off.
     for name in ("healthy", "zero-rate"):
@@ -114,6 +128,7 @@ def test_paired_suite(tmp_path, capsys):
             ("lockstep", "time"), ("lockstep", "memory"), ("paramsync", "time")}
         # The six programs differ (mode or mesh): none may borrow another's executable.
         assert {v["compile_s"] > 0 for v in modes.values()} == {True}
+    _read_by_the_acceptance(report, report["results"][0]["modes"], "free")
     one, two = report["results"]
     # The three modes of a degree start from one initial state; the degrees shard it apart.
     assert one["phases"]["initializers"] == 2
@@ -168,6 +183,7 @@ def test_abft_suite(tmp_path, capsys):
     # warm-up step) and a healthy float32 step raises no flag under the paper's threshold;
     # checking reads the products and changes none of them, so the losses are the plain ones.
     assert variants["off"]["checks"] == 0
+    _read_by_the_acceptance(report, variants, "off")
     for name in ("on", "recompute"):
         assert variants[name]["checks"] == 8 * 3 * bench.WARMUP_STEPS, name
         assert variants[name]["flags"] == 0 and variants[name]["losses_equal_off"], name

@@ -17,7 +17,7 @@ from sdcstudy.reproduce import flip_run_chance as FRC
 from sdcstudy.reproduce import pass_chance as PC
 from sdcstudy.reproduce.bands import Row
 
-DRAWS = 3000
+DRAWS = 2000
 
 
 def law(single: float, multi: float = 0.0, p_tail: float = 0.0, tail: float = 0.0):

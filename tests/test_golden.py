@@ -173,6 +173,19 @@ def test_clean_node_passes_every_repetition(golden_dir, tmp_path):
     assert report["golden"]["manifest_sha256"] == _sha(golden_dir)
 
 
+def test_the_acceptances_cross_machine_flip_is_found_where_it_was_put(golden_dir):
+    """`accept-gpu`'s golden_other_machine checks another GPU's record plainly and with
+    `CROSS_FLIP`, and its judge reads both reports: PASS, then FAIL at the flip's step, layer
+    and site (`floors.judge_golden_cross`)."""
+    from sdcstudy.gpu import floors as GF
+    from sdcstudy.gpu import golden_checks as GGC
+
+    reports = [G.check(golden_dir, device_index=1, inject=inject)
+               for inject in (None, GGC.CROSS_FLIP)]
+    judged = GF.judge_golden_cross(*reports, GGC.CROSS_FLIP_AT)
+    assert judged["pass"] is True, judged
+
+
 def test_record_prints_the_sha_that_check_expects(golden_dir):
     # The fleet keeps what `golden record` printed and passes it to --expect-sha: it must be
     # all 64 digits of the SHA-256 that the check computes, as a ready option.

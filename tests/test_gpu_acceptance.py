@@ -287,28 +287,6 @@ def test_census_reaches_the_acceptance_from_a_real_bench_train(tmp_path):
     assert judged["pass"] is False
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("suite, contenders", [
-    ("paired", {"free", "lockstep", "paramsync"}), ("abft", {"off", "on", "recompute"})])
-def test_overheads_reach_the_acceptance_from_a_real_bench(tmp_path, suite, contenders):
-    """`bench paired` (modes) and `bench abft` (variants) on this CPU, read by the overhead
-    checks' reader: every contender's ratio to the plain step and step time, the plain one
-    at 1, the largest ratio the headline."""
-    path = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "sdcstudy", "bench", suite, "--presets", "tiny", "--batch", "2",
-         "--seq-len", "16", "--steps", "1", "--repeats", "1", "--json", str(path)],
-        capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    figures = GF.overhead_figures(json.loads(path.read_text()))
-    assert set(figures["contenders"]) == contenders and figures["pass"] is True
-    plain = "free" if suite == "paired" else "off"
-    assert figures["contenders"][plain]["ratio"] == 1.0
-    assert all(c["step_ms"] > 0 for c in figures["contenders"].values())
-    assert figures["worst_ratio"] == max(c["ratio"] for c in figures["contenders"].values())
-    assert (figures["preset"], figures["batch"], figures["seq_len"]) == ("tiny", 2, 16)
-
-
 def test_an_overhead_check_runs_its_suite_on_the_workload(tmp_path, monkeypatch):
     """Each overhead check runs its own suite on `small` at 16 x 512 and reads its JSON; a
     child that wrote nothing is an ERROR. On one GPU the paired bench cannot form a pair:
@@ -656,24 +634,6 @@ def test_gpu_identity_reads_the_first_gpus_line(monkeypatch):
 
     monkeypatch.setattr(SMI.subprocess, "run", missing)
     assert "FileNotFoundError" in SMI.identity()["error"]
-
-
-@pytest.mark.slow
-def test_golden_cross_reads_real_golden_check_reports(tmp_path):
-    """On this CPU: a tiny record, its check, and its check with `CROSS_FLIP` injected, as the
-    cross-machine check runs them; the judge reads both reports: PASS, and FAIL at the flip."""
-    record = tmp_path / "record"
-    reports = []
-    for argv in (["golden", "record", "--out", str(record)],
-                 ["golden", "check", str(record), "--json", str(tmp_path / "a.json")],
-                 ["golden", "check", str(record), "--inject", GGC.CROSS_FLIP, "--json",
-                  str(tmp_path / "b.json")]):
-        proc = subprocess.run([sys.executable, "-m", "sdcstudy", *argv, "--no-progress"],
-                              capture_output=True, text=True, cwd=ROOT, timeout=300)
-        assert proc.returncode in (0, 1), proc.stderr
-    reports = [json.loads((tmp_path / f"{x}.json").read_text()) for x in "ab"]
-    judged = GF.judge_golden_cross(*reports, GGC.CROSS_FLIP_AT)
-    assert judged["pass"] is True, judged
 
 
 def test_stack_fingerprint_fields():
