@@ -92,8 +92,8 @@ TALLIES = {
             "150 | 12 | 0 | 3 |",
     "tiny-flip": "| tiny, the flip model, run again (2026-11-30) on the Intel Xeon, the new chance "
                  "rules | 227 | 77 | 67 | 110 | 12 | 15 | 3 |",
-    "tiny-chosen": "| tiny, each node's chosen model, re-run (2026-11-29), the same | 241 | 74 | 85 "
-                   "| 144 | 12 | 3 | 3 |",
+    "tiny-chosen": "| tiny, each node's chosen model, run again (2026-11-30) from the two runs "
+                   "above (`--reuse`), the new chance rules | 239 | 76 | 85 | 144 | 12 | 3 | 3 |",
     "tiny-bf16": "| the same, re-run (2026-11-29) with every row the scorer has (Figure 5's shape, "
                  "Figure 6's gradient norms, the claim rows) | 79 | 19 | 27 | 0 | 12 | 105 | 3 |",
     "small": "| the same, re-run (2026-11-29) with every row the scorer has (Figure 5's shape, "
@@ -107,7 +107,7 @@ TALLY_ORDER = ("pass", "fail", "no events", "too rare for this run", "not applic
 # docs/results/fidelity.md's table of the chance a correct model passes: judged rows, those
 # stating P(pass), the failing and the passing ones under 5%.
 CHANCES = {"tiny": (331, 309, 34, 13), "tiny-flip": (304, 292, 41, 1),
-           "tiny-chosen": (315, 278, 20, 12), "tiny-bf16": (98, 98, 0, 0), "small": (40, 9, 0, 0),
+           "tiny-chosen": (315, 302, 35, 11), "tiny-bf16": (98, 98, 0, 0), "small": (40, 9, 0, 0),
            "small-lockstep": (313, 226, 29, 12), "small-bf16": (46, 15, 0, 0)}
 RESULTS_TINY = "222 rows pass (87 calibration, 85 held-out, 50 fixed by construction), 109 fail, 84 no events, 150 too rare"
 
