@@ -74,6 +74,33 @@ def test_an_entry_is_one_command_with_other_fault_seeds(scored, message):
         SS.collect(scored)
 
 
+def test_an_entry_extended_keeps_the_earlier_seeds_not_scored_again():
+    """Seeds 1 and 2 scored earlier, their folders gone; the base and seeds 3, 4 scored now:
+    the base's new verdict replaces the old, 1 and 2 stay as scored then, after the new ones;
+    a row the earlier entry lacks has no verdict there; another band or command is refused."""
+    older = SS.collect([(request(), [wcnts_row(0.2)]), (request(1), [wcnts_row(0.04)]),
+                        (request(2), [wcnts_row(0.5)])])
+    older["scored_by"] = "dd9ad19"
+    newer = SS.collect([(request(), [wcnts_row(0.045), wcnts_row(0.02, node=2)]),
+                        (request(3), [wcnts_row(0.05), wcnts_row(0.03, node=2)]),
+                        (request(4), [wcnts_row(0.3), wcnts_row(0.5, node=2)])])
+    entry = SS.extend(older, newer)
+    assert entry["fault_seeds"] == [None, 3, 4, 1, 2]
+    by_node = {r["node"]: r for r in entry["rows"]}
+    assert by_node[1]["verdicts"] == ["pass", "pass", "fail", "pass", "fail"]
+    assert by_node[1]["values"] == [0.045, 0.05, 0.3, 0.04, 0.5]
+    assert by_node[2]["verdicts"] == ["pass", "pass", "fail", None, None]
+    assert entry["kept"] == {"fault_seeds": [1, 2], "scored_by": "dd9ad19"}
+    assert SS.share(by_node[1]) == (3, 5)
+    other_band = SS.collect([(request(), [wcnts_row(0.04, band="[0, 1]")]),
+                             (request(5), [wcnts_row(0.04, band="[0, 1]")])])
+    with pytest.raises(ValueError, match="has band"):
+        SS.extend(older, other_band)
+    with pytest.raises(ValueError, match="another command"):
+        SS.extend(older, SS.collect([(request(preset="small"), []),
+                                     (request(1, preset="small"), [])]))
+
+
 def test_rows_take_the_entrys_bounds_only_where_their_band_is_its():
     entry = SS.collect([(request(), [wcnts_row(0.045), wcnts_row(0.02, node=2)]),
                         (request(1), [wcnts_row(0.2), wcnts_row(0.03, node=2)]),
@@ -156,6 +183,14 @@ def test_seeds_collected_then_merged_state_the_figures_chances(monkeypatch, tmp_
     assert DS.main([*map(str, folders), "--out", str(tmp_path / "scorecards")]) == 0
     out = capsys.readouterr().out
     assert "| WCNTS | [0.0123, 0.111] | 2 of 3 seeds pass" in out, out
+    # seed 1's folder "gone": scored again without it, --keep keeps its verdicts as scored
+    scatter = tmp_path / "scorecards" / SS.SCATTER.name
+    for keep, seeds in ((["--keep"], [None, 2, 1]), ([], [None, 2])):
+        assert DS.main([str(folders[0]), str(folders[2]), "--out", str(tmp_path / "scorecards"),
+                        *keep]) == 0
+        (entry,) = json.loads(scatter.read_text())["entries"]
+        assert entry["fault_seeds"] == seeds
+    assert DS.main([*map(str, folders), "--out", str(tmp_path / "scorecards")]) == 0
     assert cli.main(["reproduce", "--merge", str(folders[0]), "--out", str(tmp_path / "m"),
                      "--no-progress"]) == 0
     rows = json.loads((tmp_path / "m" / S.JSON).read_text())["rows"]

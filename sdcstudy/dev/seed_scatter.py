@@ -1,13 +1,15 @@
 """Figures 5-6's seed-to-seed scatter, measured into the file the scorecard reads.
 
     sdcstudy reproduce --preset tiny --modes paramsync,free --set suspect.fault_seed=1 --out S1
-    python -m sdcstudy.dev.seed_scatter --out docs/scorecards BASE S1 [S2 ...]
+    python -m sdcstudy.dev.seed_scatter --out docs/scorecards BASE S1 [S2 ...] [--keep]
 
 Scores the paramsync and free runs of each reproduce folder (one command, other fault seeds;
 BASE may be the scorecard's own folder, with every mode) with this version of the scorer and
 writes their rows' verdicts and values as the command's entry of OUT/seed_scatter.json
-(`reproduce.seed_scatter`), in place of any older entry of that command. Re-merge the
-scorecard afterwards to state the chances. Seconds a folder; no JAX.
+(`reproduce.seed_scatter`), in place of any older entry of that command; with `--keep`, the
+older entry's seeds these folders do not score again stay in it, as scored then (for seeds
+whose folders are gone). Re-merge the scorecard afterwards to state the chances. Seconds a
+folder; no JAX.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def main(argv=None) -> int:
     p.add_argument("folders", nargs="+", type=Path, help="reproduce folders, one a fault seed")
     p.add_argument("--out", type=Path, required=True,
                    help="the folder of seed_scatter.json (docs/scorecards for the scorecard's)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the command's earlier seeds that these folders do not score")
     args = p.parse_args(argv)
     from sdcstudy.core import runfolder as RF
     from sdcstudy.reproduce import cli as RC
@@ -58,6 +62,9 @@ def main(argv=None) -> int:
             print(f"scoring {folder} ...", flush=True)
             found.append(scored(folder))
         entry = SS.collect(found)
+        older = next((e for e in existing if SS.command_key(e) == SS.command_key(entry)), None)
+        if args.keep and older is not None:
+            entry = SS.extend(older, entry)
     except (ValueError, RC.UserError) as e:
         print(f"seed_scatter: {e}", file=sys.stderr)
         return 2

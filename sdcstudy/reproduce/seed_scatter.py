@@ -89,6 +89,31 @@ def collect(scored: list[tuple[dict, list[Row]]]) -> dict:
     return {**key, "fault_seeds": seeds, "rows": list(table.values())}
 
 
+def extend(older: dict, newer: dict) -> dict:
+    """`newer` with the seeds of `older`, its command's earlier entry, that `newer` did not
+    score again: their verdicts and values as scored then (`kept` says which and by what),
+    after `newer`'s own. Raises ValueError, in one sentence, where the commands differ or a
+    row's band does."""
+    if command_key(older) != command_key(newer):
+        raise ValueError("the earlier entry is another command's; nothing to keep.")
+    kept = [i for i, seed in enumerate(older["fault_seeds"]) if seed not in newer["fault_seeds"]]
+    earlier = {_row_key(r): r for r in older["rows"]}
+    rows = []
+    for row in newer["rows"]:
+        old = earlier.get(_row_key(row))
+        if old is not None and old["band"] != row["band"]:
+            raise ValueError(f"node {row['node']}'s {row['source']} {row['quantity']} has band "
+                             f"{row['band']!r} now and {old['band']!r} in the kept entry; "
+                             f"score every seed again with this version.")
+        rows.append({**row, **{field: row[field] + [old[field][i] if old else None
+                                                    for i in kept]
+                               for field in ("verdicts", "values")}})
+    return {**newer, "fault_seeds": newer["fault_seeds"] + [older["fault_seeds"][i]
+                                                           for i in kept],
+            "rows": rows, "kept": {"fault_seeds": [older["fault_seeds"][i] for i in kept],
+                                   "scored_by": older.get("scored_by")}}
+
+
 def read(path: Path | None = None) -> list[dict]:
     """The committed entries at `path` (default `SCATTER`); none where it is missing; a file
     that is not one `python -m sdcstudy.dev.seed_scatter` wrote is refused in one sentence."""
