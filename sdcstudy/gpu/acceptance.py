@@ -159,6 +159,13 @@ def run_checks(acc, checks: tuple[str, ...]) -> int:
             got[name] = acc.check(name, measure, *args, **kwargs)
         return got.get(name, {})
 
+    def do_unless(reason, name, measure, *args, **kwargs):
+        """`do`, or the check SKIPPED with `reason` where there is one."""
+        if reason and name in checks:
+            got[name] = acc.record(name, GC.skipped(reason))
+            return got[name]
+        return do(name, measure, *args, **kwargs)
+
     do("doctor", acc.doctor)
     tuned = do("bench_medium_bfloat16_tuned", acc.bench_tuned)
     pinned = do("bench_medium_bfloat16_pinned", acc.bench_pinned)
@@ -168,19 +175,13 @@ def run_checks(acc, checks: tuple[str, ...]) -> int:
     do("determinism_cost", acc.determinism_cost, tuned, pinned, untuned)
     shipped = pinned if "census" in pinned else untuned
     do("kernel_census", _with_census, GF.judge_census, shipped)
-    if GC.cudnn_fails_here() and "fused_attention" in checks:
-        got["fused_attention"] = acc.record("fused_attention", GC.skipped(GC.CUDNN_FAILS))
-    else:
-        do("fused_attention", _with_census, GF.judge_fused_attention, shipped)
+    do_unless(GC.CUDNN_FAILS if GC.cudnn_fails_here() else None, "fused_attention",
+              _with_census, GF.judge_fused_attention, shipped)
     do("torch_ratio", acc.torch_ratio, shipped)
-    reason = GC.preset_problem(GF.ONE_B)
     for dtype in ("bfloat16", "float32"):
         name = f"bench_1b_{dtype}"
-        if reason and name in checks:
-            got[name] = acc.record(name, GC.skipped(reason))
-        else:
-            do(name, acc.bench, name, GC.ONE_B, dtype, cap=240,
-               floor=GF.BENCH_FLOORS[GF.ONE_B, dtype])
+        do_unless(GC.preset_problem(GF.ONE_B), name, acc.bench, name, GC.ONE_B, dtype, cap=240,
+                  floor=GF.BENCH_FLOORS[GF.ONE_B, dtype])
     for dtype in GC.DTYPES:
         do(f"abft_healthy_{dtype}", acc.abft_healthy, dtype)
     for dtype in GC.DTYPES:
@@ -191,12 +192,8 @@ def run_checks(acc, checks: tuple[str, ...]) -> int:
     do("attention_repeat", acc.attention_repeat)
     for name, suite in GC.OVERHEADS.items():
         do(name, acc.overhead, name, suite)
-    big = GC.preset_problem(GC.EIGHT_B_16L[0])
-    if big and "bench_8b16l_bfloat16" in checks:
-        got["bench_8b16l_bfloat16"] = acc.record("bench_8b16l_bfloat16", GC.skipped(big))
-    else:
-        do("bench_8b16l_bfloat16", acc.bench, "bench_8b16l_bfloat16", GC.EIGHT_B_16L,
-           "bfloat16", cap=300)
+    do_unless(GC.preset_problem(GC.EIGHT_B_16L[0]), "bench_8b16l_bfloat16", acc.bench,
+              "bench_8b16l_bfloat16", GC.EIGHT_B_16L, "bfloat16", cap=300)
     if before is not None:
         do("device_health", acc.device_health, before, acc.device_state("after"))
     return acc.finish()
