@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from sdcstudy.faults import published_layers as PL
 from sdcstudy.reproduce import flip_exposure as FX
 from sdcstudy.reproduce import flip_run_chance as FRC
 from sdcstudy.reproduce import pass_chance as PC
@@ -102,13 +103,38 @@ def test_a_flip_runs_raw_rows_get_a_chance_where_its_tail_is_measured():
     site = Row(1, "Table 2", "fwd/ffn", 1.0, 1.0, 1.0, "[0.333, 3]", "pass", "")
     layer = Row(1, "Table 8", "fwd/ffn layer 2", "x", 1.0, None, "[0, 3]", "pass", "")
     for row in (site, layer):
-        chance = PC.row_chance(row, {}, run)
-        assert chance is not None and 0.0 <= chance <= 1.0
+        chance = PC.raw_maximum_chance(row, run)
+        assert chance is not None and 0.0 <= chance[0] <= 1.0 and chance[1] is None
     assert FRC.raw_chance(layer, run) != FRC.raw_chance(
         Row(1, "Table 8", "fwd/ffn layer 2", "x", 1.0, None, "[0, 3]", "pass", ""),
         _flip_run(additive_above=8, units=400, hits=4000))  # ours over more units: another law
-    # too few accumulator errors above the floor to measure A: no chance stated
-    assert PC.row_chance(site, {}, _flip_run(additive_above=2)) is None
     # a site the run has no units at
-    assert PC.row_chance(Row(1, "Table 2", "bwd/ffn", 1.0, 1.0, 1.0, "-", "pass", ""), {},
-                         run) is None
+    assert PC.raw_maximum_chance(Row(1, "Table 2", "bwd/ffn", 1.0, 1.0, 1.0, "-", "pass", ""),
+                                 run) is None
+
+
+@pytest.mark.parametrize("above", [2, 0])
+def test_too_few_accumulator_errors_state_the_range_over_a_wide_tail(above):
+    """Below `MIN_TAIL_HITS` above the floor, A is taken over its Poisson range (0 to its
+    upper end where none lies above): the row states the least and the greatest chance, and
+    the chance at an A inside the range lies between them."""
+    run = _flip_run(additive_above=above)
+    site = Row(1, "Table 2", "fwd/ffn", 1.0, 1.0, 1.0, "[0.333, 3]", "pass", "")
+    low, high = FRC.raw_chance(site, run)
+    assert 0.0 <= low < high <= 1.0
+    records, values = FX.run_records(run)
+    tail, scales, rare = FRC.tail_range(FX.site_tail(1, "fwd/ffn", records, values), records)
+    spread = FX.count_spread(above) if above else None
+    assert rare and scales == ((1 / spread, 1.0, spread) if above else (0.0, 0.5, 1.0))
+    ours = FRC.run_law(tail, 40.0, 400.0)  # the run's units and hits at the site
+    freqs = PL.layer_values(PL.tables_for("fwd/ffn")[0], 1, "fwd/ffn")
+    middle = FRC.table2_chances(ours, tail.law(freqs), [(scales[0] + scales[1]) / 2])[0]
+    assert low <= middle <= high
+
+
+def test_a_run_without_accumulator_errors_takes_their_share_from_0_to_1():
+    run = _flip_run(additive_above=0)
+    records, values = FX.run_records(run.__class__(**{**vars(run), "faults": run.faults[
+        run.faults["kind"] == "bitflip"]}))
+    tail, scales, rare = FRC.tail_range(FX.site_tail(1, "fwd/ffn", records, values), records)
+    assert rare and tail.tail == FX.HIT_FLOOR and scales == (0.0, 0.5, 1.0)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -84,29 +85,41 @@ class MaximumLaw:
         below = np.searchsorted(self.significands, places / t, side="left")
         return float(np.mean(below) / len(self.significands))
 
-    def bulk_mean(self) -> float:
-        """E[B] = E[2^(j-7)] E[1 / s]: the severity of a unit of many bulk flips."""
+    @cached_property
+    def _bulk_mean(self) -> float:
         inverse = (np.mean(1 / self.significands) if len(self.significands) else
                    1 / (2 * math.log(2)))
         return float(np.mean(self._places()) * inverse)
 
-    def exceedances(self, t: float, scale: float = 1.0) -> float:
-        """The expected units above t, the tail's A times `scale`: one-hit units by their
-        flip or accumulator error, units of several hits (the mean of their flips about
-        E[B]) by an accumulator error above k (t - E[B]), all of them below E[B]."""
+    def bulk_mean(self) -> float:
+        """E[B] = E[2^(j-7)] E[1 / s]: the severity of a unit of many bulk flips."""
+        return self._bulk_mean
+
+    def unit_exceedances(self, t: float, scale: float = 1.0) -> tuple[float, float]:
+        """(P(S > t) of a one-hit unit, of a unit of several hits), the tail's A times
+        `scale`: by its flip or accumulator error, and (the mean of its flips about E[B]) by an
+        accumulator error above k (t - E[B]), all of them below E[B]. The same for every
+        count of units: laws that differ only in `single` and `multi` share them."""
         tail = scale * self.p_tail * self.tail
         one = (1 - self.p_tail) * self.bulk_exceedance(t) + min(self.p_tail, tail / t)
         floor = self.bulk_mean()
         several = min(1.0, tail / (t - floor)) if t > floor else 1.0
-        return self.single * min(1.0, one) + self.multi * several
+        return min(1.0, one), several
 
-    def cdf(self, t: float, scale: float = 1.0) -> float:
+    def exceedances(self, t: float, scale: float = 1.0, parts=None) -> float:
+        """The expected units above t, the tail's A times `scale` (`unit_exceedances`, or
+        `parts` where given)."""
+        one, several = parts or self.unit_exceedances(t, scale)
+        return self.single * one + self.multi * several
+
+    def cdf(self, t: float, scale: float = 1.0, parts=None) -> float:
         """P(max <= t), the tail's A times `scale`: each of the paper's units (as many as its
-        frequencies measured, not a Poisson count: Table 2 has at least one) at or below t."""
+        frequencies measured, not a Poisson count: Table 2 has at least one) at or below t;
+        `parts`, where given, the `unit_exceedances` at t of a law sharing this one's."""
         units = self.single + self.multi
         if t <= 0 or units <= 0:
             return 0.0
-        share = self.exceedances(t, scale) / units
+        share = self.exceedances(t, scale, parts) / units
         return 0.0 if share >= 1 else math.exp(units * math.log1p(-share))
 
     def quantile(self, q: float, scale: float = 1.0) -> float:

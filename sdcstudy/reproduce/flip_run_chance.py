@@ -15,13 +15,17 @@ function under 1e-12 left out). Our units and those with one hit are
 the run's: units with a mismatch from the mismatch rollup, hits per unit Poisson with the
 rollup's mean (as `flip_exposure.exposure` takes the paper's). The accumulator errors' tail A
 is the run's (`flip_exposure.site_tail`), the chance the least over the true A at ours times
-{1 / spread, 1, spread}; none where the run has too few accumulator errors to measure A.
-Imports no JAX.
+{1 / spread, 1, spread}. Where the run recorded too few accumulator errors above the floor
+to measure A (`flip_exposure.MIN_TAIL_HITS`), A is the floor x their share at the four sites
+over its Poisson range (0 to the range's upper end where none lies above the floor; 0 to the
+floor where the run recorded no accumulator error), and the row states the least and the
+greatest chance over it (`tail_range`). Imports no JAX.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -64,36 +68,82 @@ def expected_pass(ours: FX.MaximumLaw, passes, scale: float) -> float:
 
 
 def table2_chance(ours: FX.MaximumLaw, paper: FX.MaximumLaw, spread: float,
-                  factor: float = B.SEVERITY_FACTOR) -> float:
-    """P(M_paper / factor <= M_ours <= M_paper x factor), the least over A's range."""
-    def at(scale: float) -> float:
-        return expected_pass(ours, lambda m: paper.cdf(factor * m, scale)
-                             - paper.cdf(m / factor, scale), scale)
-    return min(at(e) for e in (1 / spread, 1.0, spread))
+                  factor: float = B.SEVERITY_FACTOR, scales=None) -> float:
+    """P(M_paper / factor <= M_ours <= M_paper x factor), the least over A's range (A times
+    `scales`, by default 1 / spread, 1 and spread)."""
+    return min(table2_chances(ours, paper, scales or _scales(spread), factor))
+
+
+def table2_chances(ours: FX.MaximumLaw, paper: FX.MaximumLaw, scales,
+                   factor: float = B.SEVERITY_FACTOR) -> list[float]:
+    """`table2_chance` at each of the tail's A times `scales`."""
+    return [expected_pass(ours, lambda m: paper.cdf(factor * m, e) - paper.cdf(m / factor, e),
+                          e) for e in scales]
 
 
 def layers_chance(ours: FX.MaximumLaw, layers: list[FX.MaximumLaw | None], spread: float,
-                  factor: float = B.SEVERITY_FACTOR) -> float:
+                  factor: float = B.SEVERITY_FACTOR, scales=None) -> float:
     """P(min_l X_l / factor <= M_ours <= max_l X_l x factor) over the paper's layer maxima
     X_l (None: a layer without mismatches, X_l = 0), the least over A's range."""
+    return min(layers_chances(ours, layers, scales or _scales(spread), factor))
+
+
+def layers_chances(ours: FX.MaximumLaw, layers: list[FX.MaximumLaw | None], scales,
+                   factor: float = B.SEVERITY_FACTOR) -> list[float]:
+    """`layers_chance` at each of the tail's A times `scales` (laws that differ only in their
+    units, as a site's layers do, take each M's unit exceedances once)."""
     def at(scale: float) -> float:
         def passes(m: float) -> float:
+            parts: dict = {}  # layers of one bit law and A share their unit exceedances at t
+
+            def cdf(law: FX.MaximumLaw | None, t: float) -> float:
+                if law is None:
+                    return 1.0
+                key = (law.p_tail, law.tail, id(law.significands), t)
+                if key not in parts:
+                    parts[key] = law.unit_exceedances(t, scale)
+                return law.cdf(t, scale, parts[key])
             # P(X_l <= f M) and P(X_l <= M / f) of each paper layer
-            high = [1.0 if law is None else law.cdf(factor * m, scale) for law in layers]
-            low = [1.0 if law is None else law.cdf(m / factor, scale) for law in layers]
+            high = [cdf(law, factor * m) for law in layers]
+            low = [cdf(law, m / factor) for law in layers]
             return 1.0 - math.prod(1 - c for c in high) - math.prod(low)
         return expected_pass(ours, passes, scale)
-    return min(at(e) for e in (1 / spread, 1.0, spread))
+    return [at(e) for e in scales]
 
 
-def raw_chance(row: Row, run) -> float | None:
-    """The chance of a flip run's Table 2 or Tables 8-9 row at the run's exposure (module
-    docstring), or None: no units, no paper exposure, or A not measurable."""
+def _scales(spread: float) -> tuple[float, ...]:
+    return (1 / spread, 1.0, spread)
+
+
+def tail_range(tail: FX.SiteTail, records) -> tuple[FX.SiteTail, tuple[float, ...], bool] | None:
+    """(tail, A's scales, whether A was too rare to measure): A's Poisson range where the run
+    measured it; where it recorded too few accumulator errors above the floor
+    (`SiteTail.too_rare`), A = the floor x their share at the four sites, over its Poisson
+    range (from 0 to the range's upper end where none lies above the floor); from 0 to the
+    floor (every hit above it) where the run recorded no accumulator error."""
+    if not tail.too_rare():
+        return tail, _scales(tail.spread), False
+    recorded = len(FX.relative_errors(records, FX.TAIL_KIND)[1])
+    if recorded == 0:  # their share above the floor is anything from 0 to 1
+        return replace(tail, tail=FX.HIT_FLOOR), (0.0, 0.5, 1.0), True
+    if tail.above > 0:
+        spread = FX.count_spread(tail.above)
+        measured = replace(tail, tail=FX.HIT_FLOOR * tail.above / recorded, spread=spread)
+        return measured, _scales(spread), True
+    upper = -math.log((1 - FX.COUNT_LEVEL) / 2)  # the mean whose P(no event) is the range's side
+    return replace(tail, tail=FX.HIT_FLOOR * upper / recorded), (0.0, 0.5, 1.0), True
+
+
+def raw_chance(row: Row, run) -> tuple[float, float | None] | None:
+    """(chance, None) of a flip run's Table 2 or Tables 8-9 row at the run's exposure (module
+    docstring), the least over A's range; (least, greatest) where A was too rare to measure
+    (`tail_range`); None: no units or no paper exposure."""
     site, _, layer = row.quantity.partition(" layer ")
     records, values = FX.run_records(run)
-    tail = FX.site_tail(row.node, site, records, values)
-    if tail.too_rare():
+    ranged = tail_range(FX.site_tail(row.node, site, records, values), records)
+    if ranged is None:
         return None
+    tail, scales, rare = ranged
     by_layer = run.mismatch_rollup.by_layer
     at = by_layer.xs(site, level="site") if site in by_layer.index.get_level_values(
         "site") else by_layer.iloc[:0]
@@ -108,8 +158,10 @@ def raw_chance(row: Row, run) -> float | None:
         if float(PB.published(f"{PB.PAPER_PREFIX}{row.node}")["max_severity"][site]) == 0 \
                 or FX.exposure(freqs)[0] == 0:
             return None
-        return table2_chance(ours, tail.law(freqs), tail.spread)
-    if not freqs or max(freqs) == 0:
+        chances = table2_chances(ours, tail.law(freqs), scales)
+    elif not freqs or max(freqs) == 0:
         return None
-    return layers_chance(ours, [tail.law((f,)) if f > 0 else None for f in freqs],
-                         tail.spread)
+    else:
+        chances = layers_chances(ours, [tail.law((f,)) if f > 0 else None for f in freqs],
+                                 scales)
+    return min(chances), (max(chances) if rare else None)

@@ -25,14 +25,11 @@ bound (docs/reproduction.md, "The chance a correct model passes"). Imports no JA
 - appendix D.3, frequency x severity in the product of their bands: at least the chance both
   rows pass, P(A) + P(B) - 1, whatever their dependence;
 - Table 2 and Tables 8-9 at the run's exposure (our maximum within 3x of the paper's, or of its
-  layers' range), additive model: the unit severity's tail c / t (docs/faults.md 6.3) makes a
-  maximum over U units c U / E, E exponential, whatever c; ours over the run's units against
-  the paper's over its own (`flip_model.layer_fit`, `flip_model.paper_units`) passes with a
-  chance that depends only on their ratio (`maximum_band_chance`, `layer_band_chance`).
-  Stated where the band's lower edge is above the bulk (`flip_model.BULK_MAX`), where the law
-  holds; these rows' chance is small wherever the paper's units outnumber ours. Under the
-  flip model the same comparison of two maxima, each of the model's law over its units
-  (`flip_run_chance`).
+  layers' range): both maxima the model's law, ours over the run's units and the paper's over
+  its own, by `additive_run_chance` (the unit severity's tail c / t above the bulk; a range
+  where a maximum may lie in the bulk, whose law the model does not state) and
+  `flip_run_chance` (the flip model's law of a maximum); these rows' chance is small wherever
+  the paper's units outnumber ours.
 Rows without one (Figures 5-6) are left None here: no law of a correct model's value in the
 run is at hand; `seed_scatter` measures theirs from runs with other fault seeds.
 """
@@ -40,14 +37,12 @@ run is at hand; `seed_scatter` measures theirs from runs with other fault seeds.
 from __future__ import annotations
 
 import math
-import statistics
 
 import numpy as np
 
-from sdcstudy.faults import flip_model as FM
-from sdcstudy.faults import published_layers as PL
 from sdcstudy.faults.time_patterns import node_pattern
 from sdcstudy.report import tables as T
+from sdcstudy.reproduce import additive_run_chance as ARC
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import claim_rows as CR
 from sdcstudy.reproduce import exposure_rows as X
@@ -207,59 +202,20 @@ def _steps_with_fault(node: int, means: np.ndarray) -> np.ndarray:
     return p_fire * -np.expm1(-means / p_fire)
 
 
-def maximum_band_chance(paper_over_ours: float, lo: float, hi: float) -> float:
-    """P(lo <= M_ours / M_paper <= hi) for the maxima of a tail c / t over U_ours and U_paper
-    units (`paper_over_ours` = U_paper / U_ours): M = c U / E, so the ratio is E_paper / E_ours
-    over that, and P(E_paper / E_ours <= r) = r / (1 + r)."""
-    r = paper_over_ours
-    return hi * r / (1 + hi * r) - lo * r / (1 + lo * r)
-
-
-def layer_band_chance(paper_over_ours: float, factor: float = B.SEVERITY_FACTOR,
-                      layers: int = PL.PAPER_LAYERS) -> float:
-    """P(min / factor <= M_ours <= max x factor) of `layers` paper layer maxima and ours (units
-    as in `maximum_band_chance`): E[exp(-min E / (factor r)) - exp(-factor max E / r)], the
-    least of n exponentials exponential of rate n, the largest a sum of E_k / k."""
-    r = paper_over_ours
-    largest = math.prod(k / (k + factor / r) for k in range(1, layers + 1))
-    return layers / (layers + 1 / (factor * r)) - largest
-
-
-def raw_maximum_chance(row: Row, run) -> float | None:
-    """A Table 2 or Tables 8-9 row at the run's exposure (module docstring; the flip model's
-    by `flip_run_chance`); None for an additive band reaching into the bulk, or no units."""
+def raw_maximum_chance(row: Row, run) -> tuple[float, float | None] | None:
+    """(chance, upper bound or None) of a Table 2 or Tables 8-9 row at the run's exposure:
+    the flip model's by `flip_run_chance`, the additive one's by `additive_run_chance`."""
     if row.quantity.endswith(X.SUFFIX):
         return None
     if FX.is_flip_run(run):
         return FRC.raw_chance(row, run)
-    site, _, layer = row.quantity.partition(" layer ")
-    floor = B.SEVERITY_FACTOR * FM.BULK_MAX
-    if row.source == "Table 2" and not layer:
-        ours_units = X.tail_fit(run, site)[2]
-        if row.published is None or row.published < floor or ours_units <= 0:
-            return None
-        ratio = FM.layer_fit(row.node, site)["units"] / ours_units
-        return maximum_band_chance(ratio, 1 / B.SEVERITY_FACTOR, B.SEVERITY_FACTOR)
-    freq_table, severity_table = PL.tables_for(site)
-    maxima, freqs = (PL.layer_values(severity_table, row.node, site),
-                     PL.layer_values(freq_table, row.node, site))
-    by_layer = run.mismatch_rollup.by_layer
-    key = (int(layer), site)
-    if not maxima or not freqs or min(maxima) < floor or key not in by_layer.index:
-        return None
-    ours_units = float(by_layer.at[key, "units"])
-    if ours_units <= 0:
-        return None
-    paper_units = statistics.median(FM.paper_units(f) for f in freqs)
-    return layer_band_chance(paper_units / ours_units)
+    return ARC.raw_chance(row, run)
 
 
 def row_chance(row: Row, entry: dict, run) -> float | None:
     """The chance of one judged row of `run`, planned as `entry` (module docstring), or None."""
     if row.band in (B.ZERO_BAND, B.ONSET_BAND):
         return 1.0
-    if row.source in ("Table 2", "Table 8", "Table 9"):
-        return raw_maximum_chance(row, run)
     if row.source == "Appendix C.2":
         return 1 - CR.TREND_LEVEL
     if row.source in ("Figure 3", "Figure 4"):
@@ -280,6 +236,12 @@ def annotate(rows: list[Row], entry: dict, run) -> None:
             most = figure10_frequent_bound(row.node, entry)
             if most is not None:
                 row.pass_probability, row.pass_probability_max = 0.0, most
+            continue
+        if row.source in ("Table 2", "Table 8", "Table 9") and row.band not in (
+                B.ZERO_BAND, B.ONSET_BAND):
+            chance = raw_maximum_chance(row, run)
+            if chance is not None:
+                row.pass_probability, row.pass_probability_max = chance
             continue
         row.pass_probability = row_chance(row, entry, run)
         if row.source == "Figure 10" and row.published == "little or nothing":
