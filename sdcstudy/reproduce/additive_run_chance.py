@@ -37,6 +37,7 @@ import numpy as np
 from sdcstudy.faults import flip_model as FM
 from sdcstudy.faults import published_layers as PL
 from sdcstudy.reproduce import bands as B
+from sdcstudy.reproduce import exposure_rows as X
 from sdcstudy.reproduce import flip_exposure as FX
 from sdcstudy.reproduce.bands import Row
 
@@ -97,17 +98,6 @@ def chance_bounds(ours: TailMaximum, layers: list[TailMaximum | None],
     return max(0.0, low), min(1.0, high)
 
 
-def site_fit(run, site: str) -> tuple[float, int]:
-    """(c, units above the floor) of the site in the run (`exposure_rows.tail_fit`'s fit)."""
-    micro = run.mismatch_rollup.by_microstep
-    if not len(micro) or site not in micro.index.get_level_values("site"):
-        return 0.0, 0
-    at = micro.xs(site, level="site")
-    at = at[at["units"] > 0]
-    maxima, units = list(at["severity"].astype(float)), list(at["units"].astype(float))
-    return FM.tail_constant(maxima, units, FLOOR), sum(m > FLOOR for m in maxima)
-
-
 def paper_units(node: int, site: str, layer: bool) -> list[float]:
     """The paper's units each maximum a row holds ours against spans: every layer's (a layer
     row; 0 for a layer without mismatches), or the site's over all its layers (Table 2)."""
@@ -121,7 +111,7 @@ def raw_chance(row: Row, run) -> tuple[float, float | None] | None:
     (module docstring), high None where it is within `RANGE_SHOWN` of low; None: no units on
     either side, or c unmeasured."""
     site, _, layer = row.quantity.partition(" layer ")
-    c, above = site_fit(run, site)
+    c, above, _ = X.tail_fit(run, site)
     by_layer = run.mismatch_rollup.by_layer
     if above == 0 or site not in by_layer.index.get_level_values("site"):
         return None
