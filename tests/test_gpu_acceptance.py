@@ -615,6 +615,16 @@ def test_golden_other_machine_keeps_its_record_and_checks_the_others(tmp_path, m
     shutil.rmtree(work)
     result = acc.golden_other_machine()
     assert GS.state(result) == "ERROR" and "the environment differs" in result["error"]
+    # nvidia-smi cannot say which GPU this is: no committed record can be told from one made
+    # here, so none is checked (an ERROR with the reason), and the record is still kept
+    monkeypatch.setattr(SMI, "identity", lambda: {"error": "NVIDIA-SMI has failed"})
+    monkeypatch.setattr(acc, "sdcstudy", fake)
+    calls.clear()
+    shutil.rmtree(work)
+    (out / GGC.KEPT).unlink()
+    result = acc.golden_other_machine()
+    assert GS.state(result) == "ERROR" and "NVIDIA-SMI has failed" in result["error"]
+    assert not [c for c in calls if c[:2] == ["golden", "check"]] and (out / GGC.KEPT).exists()
 
 
 def test_gpu_identity_reads_the_first_gpus_line(monkeypatch):

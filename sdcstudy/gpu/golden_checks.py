@@ -103,6 +103,10 @@ class GoldenChecks(Session):
         if not self.ran(rec, folder / "golden.json"):
             return broke(rec)
         pack(folder, here, self.args.out / KEPT)
+        if not here.get("uuid"):
+            return broke({"record": rec, "gpu": here, "seconds": rec["seconds"]},
+                         f"this GPU's UUID is unknown ({here.get('error', 'nvidia-smi gave none')}"
+                         f"): a record another GPU made cannot be told from one made here")
         others = [(name, record, gpu) for name, record, gpu
                   in committed_records(self.work / "golden-cross")
                   if gpu.get("uuid") != here.get("uuid")]
