@@ -1062,7 +1062,8 @@ def test_the_findings_flip_noise_ratio_is_the_two_models_own():
 def test_every_scorecard_names_what_it_was_measured_with(fake, tmp_path):
     """scorecard.md's header and scorecard.json's "provenance" name the sdcstudy commit (or
     package version), the sampler, the fault model per node, the preset, dtype, steps per
-    mode and seeds; the sdcstudy version the runs' env.json recorded is named too."""
+    mode and seeds; the sdcstudy version the runs' env.json recorded, and the machine they ran
+    on, are named too."""
     from types import SimpleNamespace
 
     from sdcstudy.reproduce import provenance as PV
@@ -1084,10 +1085,19 @@ def test_every_scorecard_names_what_it_was_measured_with(fake, tmp_path):
                   "(additive: nodes 14; flip: nodes 1)", "preset tiny", "dtype float32",
                   "steps lockstep 6, free 6", "seed 3, fault seed 5"):
         assert words in header, words
-    runs = {"a": SimpleNamespace(env={"packages": {"sdcstudy": "9.9"}}),
-            "b": SimpleNamespace(env={})}
-    assert PV.collect({}, [], runs)["runs_version"] == ["9.9"]
-    assert "runs recorded sdcstudy 9.9" in PV.line(PV.collect({}, [], runs))
+    runs = {"a": SimpleNamespace(env={"packages": {"sdcstudy": "9.9", "jaxlib": "0.1"},
+                                      "platform": "cpu", "cpu": {"model": "Xeon",
+                                                                 "isa": ["avx2", "avx512f"]}}),
+            "b": SimpleNamespace(env={}),
+            "c": SimpleNamespace(env={"platform": "cpu", "cpu": {"model": "EPYC",
+                                                                 "isa": ["avx2"]}}),
+            "d": SimpleNamespace(env={"platform": "gpu", "device_kinds": {"NVIDIA H200": 1}})}
+    facts = PV.collect({}, [], runs)
+    assert facts["runs_version"] == ["9.9"]
+    assert facts["runs_machine"] == ["CPU EPYC (no AVX-512)", "CPU Xeon (AVX-512), jaxlib 0.1",
+                                     "NVIDIA H200"]
+    assert ("runs recorded sdcstudy 9.9 on CPU EPYC (no AVX-512); CPU Xeon (AVX-512), "
+            "jaxlib 0.1; NVIDIA H200;") in PV.line(facts)
 
 
 def test_rows_fixed_by_construction_are_tallied_apart_from_held_out_ones():

@@ -1,5 +1,5 @@
 """What a scorecard was measured with, for its header: the sdcstudy commit that scored it (and
-the versions its runs recorded), the fault sampler, the fault model, the preset, dtype, steps
+the versions its runs recorded, and the machine they ran on), the fault sampler, the fault model, the preset, dtype, steps
 and seeds, so that a scorecard can be re-checked. Imports no JAX.
 """
 
@@ -49,9 +49,27 @@ def _seeds(request: dict) -> dict:
     return {"seed": cfg.experiment.seed, "fault_seed": cfg.suspect.fault_seed}
 
 
+def machine(env: dict) -> str | None:
+    """What a run's env.json says it ran on, in a few words: the CPU (with or without AVX-512:
+    XLA:CPU compiles for the host, and the same code gives other last bits on another CPU,
+    docs/results/fidelity.md) or the accelerator kind, and jaxlib; None where it names none."""
+    platform = env.get("platform")
+    if not platform:
+        return None
+    if platform == "cpu":
+        cpu = env.get("cpu") or {}
+        wide = "AVX-512" if "avx512f" in cpu.get("isa", []) else "no AVX-512"
+        where = f"CPU {cpu.get('model', 'unknown')} ({wide})"
+    else:
+        where = ", ".join(sorted(env.get("device_kinds") or {})) or platform
+    jaxlib = (env.get("packages") or {}).get("jaxlib")
+    return where + (f", jaxlib {jaxlib}" if jaxlib else "")
+
+
 def collect(request: dict, plan: list[dict], runs: dict) -> dict:
     """The header's facts, JSON-ready: from the request, the plan's entries (each run's steps,
-    dtype, fault model) and the finished runs' env.json (the sdcstudy version they ran)."""
+    dtype, fault model) and the finished runs' env.json (the sdcstudy version they ran, and
+    on what: `machine`)."""
     models: dict[str, list[int]] = {}
     for entry in plan:
         nodes = models.setdefault(entry.get("fault_model", P.DEFAULT_FAULT_MODEL), [])
@@ -60,7 +78,10 @@ def collect(request: dict, plan: list[dict], runs: dict) -> dict:
     recorded = sorted({str(run.env.get("packages", {}).get("sdcstudy"))
                        for run in runs.values() if run is not None
                        and getattr(run, "env", {}).get("packages", {}).get("sdcstudy")})
+    machines = sorted({m for run in runs.values() if run is not None
+                       and (m := machine(getattr(run, "env", {}) or {}))})
     return {"commit": commit(), "version": version(), "runs_version": recorded,
+            "runs_machine": machines,
             "sampler": SAMPLER, "fault_model": request.get("fault_model",
                                                            P.DEFAULT_FAULT_MODEL),
             "node_models": {m: sorted(n) for m, n in sorted(models.items())},
@@ -78,6 +99,8 @@ def line(facts: dict) -> str:
         made += f" (package {facts['version']})"
     if facts.get("runs_version"):
         made += f", runs recorded sdcstudy {', '.join(facts['runs_version'])}"
+    if facts.get("runs_machine"):
+        made += f" on {'; '.join(facts['runs_machine'])}"
     models = "; ".join(f"{m}: nodes {', '.join(map(str, n))}"
                        for m, n in facts.get("node_models", {}).items())
     steps = ", ".join(f"{mode} {'/'.join(map(str, s))}"
