@@ -60,7 +60,7 @@ QUOTES = [
      "Figure 5", "WCNTS", "ratio"),
     (FAULTS, "healthy one by up to 3.8% in float32 (step 127 of 200", "0.038", "tiny", 11,
      "Figure 6", "loss gap", "ours"),
-    (FAULTS, "and 4.1% in bfloat16 (step 124", "0.041", "tiny-bf16", 11, "Figure 6", "loss gap",
+    (FAULTS, "and 3.8% in bfloat16 (step 124", "0.038", "tiny-bf16", 11, "Figure 6", "loss gap",
      "ours"),
     (FIDELITY, "node 11 reaches 7.0% in Figure 4's initial spike", "0.070", "small-bf16", 11,
      "Figure 6", "loss gap", "ours"),
@@ -83,7 +83,7 @@ QUOTES = [
 OVERSHOOT = {15: "2.9", 2: "5.0", 12: "5.0", 6: "2.6", 8: "2.4", 7: "2.1", 5: "2.3", 9: "1.7",
              4: "1.6", 14: "1.3", 1: "1.2"}
 # docs/results/fidelity.md's bfloat16 WCNTS now (tiny-bf16.md), nodes 6, 7, 8 and 15.
-BF16_NOW = "(0.0104, 0.0176, 0.0141, 0.00115)"
+BF16_NOW = "(0.0104, 0.0172, 0.0142, 0.00121)"
 # The latest tally line of each scorecard in docs/results/fidelity.md ("Scorecards"), and the
 # one RESULTS.md gives.
 TALLIES = {
@@ -94,8 +94,8 @@ TALLIES = {
                  "rules | 227 | 77 | 67 | 110 | 12 | 15 | 3 |",
     "tiny-chosen": "| tiny, each node's chosen model, run again (2026-11-30) from the two runs "
                    "above (`--reuse`), the new chance rules | 239 | 76 | 85 | 144 | 12 | 3 | 3 |",
-    "tiny-bf16": "| the same, re-run (2026-11-29) with every row the scorer has (Figure 5's shape, "
-                 "Figure 6's gradient norms, the claim rows) | 79 | 19 | 27 | 0 | 12 | 105 | 3 |",
+    "tiny-bf16": "| the same, run again (2026-11-30) on the Intel Xeon, its scatter from this "
+                 "machine's base and fault seed 3 | 78 | 20 | 27 | 0 | 12 | 105 | 3 |",
     "small": "| the same, re-run (2026-11-29) with every row the scorer has (Figure 5's shape, "
              "Figure 6's gradient norms, the claim rows) | 27 | 13 | 0 | 0 | 0 | 37 | 3 |",
     "small-lockstep": "| the same, run again (2026-11-30) on the Intel Xeon, the new chance rules | "
