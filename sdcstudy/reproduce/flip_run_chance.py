@@ -68,10 +68,9 @@ def expected_pass(ours: FX.MaximumLaw, passes, scale: float) -> float:
 
 
 def table2_chance(ours: FX.MaximumLaw, paper: FX.MaximumLaw, spread: float,
-                  factor: float = B.SEVERITY_FACTOR, scales=None) -> float:
-    """P(M_paper / factor <= M_ours <= M_paper x factor), the least over A's range (A times
-    `scales`, by default 1 / spread, 1 and spread)."""
-    return min(table2_chances(ours, paper, scales or _scales(spread), factor))
+                  factor: float = B.SEVERITY_FACTOR) -> float:
+    """P(M_paper / factor <= M_ours <= M_paper x factor), the least over A's range."""
+    return min(table2_chances(ours, paper, _scales(spread), factor))
 
 
 def table2_chances(ours: FX.MaximumLaw, paper: FX.MaximumLaw, scales,
@@ -82,10 +81,10 @@ def table2_chances(ours: FX.MaximumLaw, paper: FX.MaximumLaw, scales,
 
 
 def layers_chance(ours: FX.MaximumLaw, layers: list[FX.MaximumLaw | None], spread: float,
-                  factor: float = B.SEVERITY_FACTOR, scales=None) -> float:
+                  factor: float = B.SEVERITY_FACTOR) -> float:
     """P(min_l X_l / factor <= M_ours <= max_l X_l x factor) over the paper's layer maxima
     X_l (None: a layer without mismatches, X_l = 0), the least over A's range."""
-    return min(layers_chances(ours, layers, scales or _scales(spread), factor))
+    return min(layers_chances(ours, layers, _scales(spread), factor))
 
 
 def layers_chances(ours: FX.MaximumLaw, layers: list[FX.MaximumLaw | None], scales,
@@ -115,7 +114,7 @@ def _scales(spread: float) -> tuple[float, ...]:
     return (1 / spread, 1.0, spread)
 
 
-def tail_range(tail: FX.SiteTail, records) -> tuple[FX.SiteTail, tuple[float, ...], bool] | None:
+def tail_range(tail: FX.SiteTail, records) -> tuple[FX.SiteTail, tuple[float, ...], bool]:
     """(tail, A's scales, whether A was too rare to measure): A's Poisson range where the run
     measured it; where it recorded too few accumulator errors above the floor
     (`SiteTail.too_rare`), A = the floor x their share at the four sites, over its Poisson
@@ -140,10 +139,7 @@ def raw_chance(row: Row, run) -> tuple[float, float | None] | None:
     (`tail_range`); None: no units or no paper exposure."""
     site, _, layer = row.quantity.partition(" layer ")
     records, values = FX.run_records(run)
-    ranged = tail_range(FX.site_tail(row.node, site, records, values), records)
-    if ranged is None:
-        return None
-    tail, scales, rare = ranged
+    tail, scales, rare = tail_range(FX.site_tail(row.node, site, records, values), records)
     by_layer = run.mismatch_rollup.by_layer
     at = by_layer.xs(site, level="site") if site in by_layer.index.get_level_values(
         "site") else by_layer.iloc[:0]
