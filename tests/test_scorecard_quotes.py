@@ -277,3 +277,18 @@ def test_the_reader_reads_what_the_scorecard_writes_today():
                      if r.pass_probability is not None else 0.0) for r in rows)
     assert sorted((r["P(pass)"] is not None, r["P(pass)"] or 0.0) for r in card["rows"]) == stated
     assert any(flag for flag, _ in stated)  # the paper-size rows the draws decide state one
+
+
+def test_the_table_of_what_measured_each_scorecard_is_their_provenance():
+    """docs/results/fidelity.md names, per committed scorecard, the machine its runs ran on and
+    the commit that scored it, as its scorecard.json's provenance says (a card scored before
+    headers named the machine says so)."""
+    import json
+
+    text = _doc(FIDELITY)
+    for name in _scorecards():
+        facts = json.loads((CARDS / f"{name}.json").read_text()).get("provenance", {})
+        machine = "; ".join(facts.get("runs_machine") or []) or (
+            "an AMD EPYC (scored before headers named the machine)")
+        assert f"| {name} | {machine} | {facts['commit'][:7]} |" in text, name
+
