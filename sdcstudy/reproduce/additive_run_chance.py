@@ -22,10 +22,11 @@ sum is bounded, not exact: the lower bound counts every outcome with a maximum i
 a failure, except those the law above the floor already decides, the upper bound as a pass
 wherever one can be (`chance_bounds`); where no maximum can fall in the bulk the two agree and
 reduce to the closed form of two Frechet laws, 3r / (1 + 3r) - r / (3 + r), r the paper's
-units over ours (checked in tests/test_pass_chance.py). c is the run's fit at the site, taken
-at the ends and the middle of its Poisson range of units above the floor
-(`flip_exposure.count_spread`): the least lower bound and the greatest upper bound; none where
-no unit of the site exceeds the floor (c unmeasured). Imports no JAX.
+units over ours (checked in tests/test_additive_run_chance.py). c is the run's fit at the
+site, taken at the fit and at either end of its Poisson range of units above the floor
+(`flip_exposure.count_spread`): the least lower bound and the greatest upper bound, the upper
+one stated where it exceeds the lower by more than `RANGE_SHOWN`; none where no unit of the
+site exceeds the floor (c unmeasured). Imports no JAX.
 """
 
 from __future__ import annotations

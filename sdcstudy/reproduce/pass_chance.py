@@ -226,9 +226,10 @@ def row_chance(row: Row, entry: dict, run) -> float | None:
 
 
 def annotate(rows: list[Row], entry: dict, run) -> None:
-    """Fill in `pass_probability` on the run's judged rows that state none (`row_chance`), the
-    bounds of the "frequently" node's Figure 10 run row (0 to `figure10_frequent_bound`) and
-    the upper bound of the "little or nothing" nodes' (`figure10_little_bound`)."""
+    """Fill in `pass_probability` on the run's judged rows that state none (`row_chance`; the
+    raw maxima by `raw_maximum_chance`, with `pass_probability_max` where theirs is a range),
+    the bounds of the "frequently" node's Figure 10 run row (0 to `figure10_frequent_bound`)
+    and the upper bound of the "little or nothing" nodes' (`figure10_little_bound`)."""
     for row in rows:
         if row.pass_probability is not None or row.verdict not in ("pass", "fail"):
             continue
