@@ -90,7 +90,13 @@ def test_an_entry_extended_keeps_the_earlier_seeds_not_scored_again():
     assert by_node[1]["verdicts"] == ["pass", "pass", "fail", "pass", "fail"]
     assert by_node[1]["values"] == [0.045, 0.05, 0.3, 0.04, 0.5]
     assert by_node[2]["verdicts"] == ["pass", "pass", "fail", None, None]
-    assert entry["kept"] == {"fault_seeds": [1, 2], "scored_by": "dd9ad19"}
+    assert entry["kept"] == {"fault_seeds": [1, 2], "scored_by": ["dd9ad19", "dd9ad19"]}
+    entry["scored_by"] = "e90354c"
+    again = SS.extend(entry, SS.collect([(request(), [wcnts_row(0.046)]),
+                                         (request(5), [wcnts_row(0.06)])]))
+    assert again["fault_seeds"] == [None, 5, 3, 4, 1, 2]
+    assert again["kept"] == {"fault_seeds": [3, 4, 1, 2],
+                             "scored_by": ["e90354c", "e90354c", "dd9ad19", "dd9ad19"]}
     assert SS.share(by_node[1]) == (3, 5)
     other_band = SS.collect([(request(), [wcnts_row(0.04, band="[0, 1]")]),
                              (request(5), [wcnts_row(0.04, band="[0, 1]")])])

@@ -91,8 +91,8 @@ def collect(scored: list[tuple[dict, list[Row]]]) -> dict:
 
 def extend(older: dict, newer: dict) -> dict:
     """`newer` with the seeds of `older`, its command's earlier entry, that `newer` did not
-    score again: their verdicts and values as scored then (`kept` says which and by what),
-    after `newer`'s own. Raises ValueError, in one sentence, where the commands differ or a
+    score again: their verdicts and values as scored then, after `newer`'s own (`kept` names
+    them and, seed by seed, the version that scored each, so a seed kept twice keeps its own). Raises ValueError, in one sentence, where the commands differ or a
     row's band does."""
     if command_key(older) != command_key(newer):
         raise ValueError("the earlier entry is another command's; nothing to keep.")
@@ -108,10 +108,17 @@ def extend(older: dict, newer: dict) -> dict:
         rows.append({**row, **{field: row[field] + [old[field][i] if old else None
                                                     for i in kept]
                                for field in ("verdicts", "values")}})
-    return {**newer, "fault_seeds": newer["fault_seeds"] + [older["fault_seeds"][i]
-                                                           for i in kept],
-            "rows": rows, "kept": {"fault_seeds": [older["fault_seeds"][i] for i in kept],
-                                   "scored_by": older.get("scored_by")}}
+    kept_seeds = [older["fault_seeds"][i] for i in kept]
+    return {**newer, "fault_seeds": newer["fault_seeds"] + kept_seeds, "rows": rows,
+            "kept": {"fault_seeds": kept_seeds,
+                     "scored_by": [_scorer(older, seed) for seed in kept_seeds]}}
+
+
+def _scorer(entry: dict, seed: int | None) -> str | None:
+    """The version that scored `seed`'s verdicts in `entry`: its `kept` one where the seed was
+    kept from a still earlier entry, the entry's own otherwise."""
+    kept = entry.get("kept") or {"fault_seeds": [], "scored_by": []}
+    return dict(zip(kept["fault_seeds"], kept["scored_by"])).get(seed, entry.get("scored_by"))
 
 
 def read(path: Path | None = None) -> list[dict]:
