@@ -84,8 +84,8 @@ OVERSHOOT = {15: "2.9", 2: "5.0", 12: "5.0", 6: "2.6", 8: "2.4", 7: "2.1", 5: "2
              4: "1.6", 14: "1.3", 1: "1.2"}
 # docs/results/fidelity.md's bfloat16 WCNTS now (tiny-bf16.md), nodes 6, 7, 8 and 15.
 BF16_NOW = "(0.0104, 0.0172, 0.0142, 0.00121)"
-# The latest tally line of each scorecard in docs/results/fidelity.md ("Scorecards"), and the
-# one RESULTS.md gives.
+# The latest tally line of each scorecard in docs/results/fidelity.md ("Scorecards"), its last
+# cell the failing rows no finding explains (scorecard.json's "unexplained").
 TALLIES = {
     "tiny": "| the same, run again (2026-11-30) on an Intel Xeon with AVX-512 (the runs before: an "
             "AMD EPYC), with the flip model's and Figure 10's new chance rules | 222 | 109 | 84 | "
@@ -95,7 +95,7 @@ TALLIES = {
     "tiny-chosen": "| tiny, each node's chosen model, run again (2026-11-30) from the two runs "
                    "above (`--reuse`), the new chance rules | 239 | 76 | 85 | 144 | 12 | 3 | 3 |",
     "tiny-bf16": "| the same, run again (2026-11-30) on the Intel Xeon, its scatter from this "
-                 "machine's base and fault seed 3 | 78 | 20 | 27 | 0 | 12 | 105 | 3 |",
+                 "machine's base and fault seed 3 | 78 | 20 | 27 | 0 | 12 | 105 | 4 |",
     "small": "| the same, re-run (2026-11-29) with every row the scorer has (Figure 5's shape, "
              "Figure 6's gradient norms, the claim rows) | 27 | 13 | 0 | 0 | 0 | 37 | 3 |",
     "small-lockstep": "| the same, run again (2026-11-30) on the Intel Xeon, the new chance rules | "
@@ -163,10 +163,13 @@ def test_fidelitys_bfloat16_wcnts_are_the_bfloat16_scorecards():
 @pytest.mark.parametrize("card", sorted(TALLIES))
 def test_each_tally_quoted_is_the_scorecards(card):
     """docs/results/fidelity.md's latest tally line of each committed scorecard."""
+    import json
+
     assert TALLIES[card] in (ROOT / FIDELITY).read_text()
-    cells = [int(c) for c in TALLIES[card].strip("| ").split(" | ")[1:-1]]
+    *cells, unexplained = [int(c) for c in TALLIES[card].strip("| ").split(" | ")[1:]]
     totals = R.totals(_card(card))
     assert cells == [totals[v] for v in TALLY_ORDER]
+    assert unexplained == json.loads((CARDS / f"{card}.json").read_text())["unexplained"]
 
 
 @pytest.mark.parametrize("card", sorted(CHANCES))
@@ -206,6 +209,31 @@ def test_reproductions_tiny_table_is_the_tiny_scorecards():
         if gap:
             assert _agrees(gap.group(1), R.find(_card("tiny"), node, "Figure 6",
                                                  "loss gap")["ours"]), node
+
+
+def test_reproductions_bfloat16_table_is_the_bfloat16_scorecards():
+    """docs/reproduction.md's per-node table of tiny-bf16: WCNTS (published) and its verdict,
+    the rms and its verdict, the loss gap, its verdict and float32's (tiny), drift's verdict."""
+    text = (ROOT / REPRODUCTION).read_text()
+    section = text.split("### tiny, every node, 200 steps, bfloat16", 1)[1].split("\n### ", 1)[0]
+    lines = [line for line in section.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert len(lines) == 15
+    number = r"([\d.e-]+)"
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        node, bf16 = int(cells[0]), _card("tiny-bf16")
+        wcnts = R.find(bf16, node, "Figure 5", "WCNTS")
+        ours, published = re.fullmatch(rf"{number} \({number}\)", cells[1]).groups()
+        assert _agrees(ours, wcnts["ours"] or 0.0) and _agrees(published, wcnts["published"])
+        assert cells[2] == wcnts["verdict"], node
+        rms = R.find(bf16, node, "Figure 5", "rms grad/nts")
+        value, verdict = re.fullmatch(rf"{number} \(([a-z ]+)\)", cells[3]).groups()
+        assert _agrees(value, rms["ours"] or 0.0) and verdict == rms["verdict"], node
+        gap = R.find(bf16, node, "Figure 6", "loss gap")
+        value, verdict, f32 = re.fullmatch(rf"{number} \(([a-z ]+); {number}\)", cells[4]).groups()
+        assert _agrees(value, gap["ours"] or 0.0) and verdict == gap["verdict"], node
+        assert _agrees(f32, R.find(_card("tiny"), node, "Figure 6", "loss gap")["ours"] or 0.0)
+        assert cells[5] == R.find(bf16, node, "Figure 6", "param/diff_l2 grows")["verdict"], node
 
 
 OLD_SAMPLER = ("(docs/scorecards/small-bf16.md, the one committed scorecard without the "
