@@ -236,6 +236,50 @@ def test_reproductions_bfloat16_table_is_the_bfloat16_scorecards():
         assert cells[5] == R.find(bf16, node, "Figure 6", "param/diff_l2 grows")["verdict"], node
 
 
+def _judged(card: dict, node: int, sources: tuple[str, ...]) -> str:
+    """"pass / judged" of a node's rows from `sources` (a row too rare or without events is
+    neither)."""
+    rows = [r for r in card["rows"] if r["node"] == node and r["source"] in sources
+            and r["verdict"] in ("pass", "fail")]
+    return f"{sum(r['verdict'] == 'pass' for r in rows)} / {len(rows)}"
+
+
+def test_reproductions_small_table_is_the_small_scorecards():
+    """docs/reproduction.md's per-node table of small: the model, Figures 5-6 from small.md,
+    the lock-step columns (Tables 1, 2, 6-9 judged, Figure 10's run) from small-lockstep.md."""
+    import json
+
+    text = (ROOT / REPRODUCTION).read_text()
+    section = text.split("### small, nodes 1, 7, 10, 11 and 14, float32", 1)[1]
+    lines = [line for line in section.split("\n### ", 1)[0].splitlines()
+             if re.match(r"\| \d+ \|", line)]
+    models = json.loads((CARDS / "small.json").read_text())["provenance"]["node_models"]
+    assert len(lines) == 5
+    number = r"([\d.e-]+)"
+    small, lockstep = _card("small"), _card("small-lockstep")
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        node = int(cells[0])
+        assert node in models[cells[1]], node
+        wcnts = R.find(small, node, "Figure 5", "WCNTS")
+        ours, published = re.fullmatch(rf"{number} \({number}\)", cells[2]).groups()
+        assert _agrees(ours, wcnts["ours"]) and _agrees(published, wcnts["published"]), node
+        assert cells[3] == wcnts["verdict"], node
+        for cell, quantity in ((cells[4], ("Figure 5", "rms grad/nts")),
+                               (cells[5], ("Figure 6", "loss gap"))):
+            value, verdict = re.fullmatch(rf"{number} \(([a-z ]+)\)", cell).groups()
+            row = R.find(small, node, *quantity)
+            assert _agrees(value, row["ours"]) and verdict == row["verdict"], (node, quantity)
+        assert cells[6] == R.find(small, node, "Figure 6", "param/diff_l2 grows")["verdict"]
+        assert cells[7:10] == [_judged(lockstep, node, ("Table 1",)),
+                               _judged(lockstep, node, ("Table 2",)),
+                               _judged(lockstep, node, ("Table 6", "Table 7", "Table 8",
+                                                        "Table 9"))], node
+        run = R.find(lockstep, node, "Figure 10", "fwd o flagged steps")
+        value, verdict = re.fullmatch(rf"{number} \(([a-z ]+)\)", cells[10]).groups()
+        assert _agrees(value, run["ours"]) and verdict == run["verdict"], node
+
+
 OLD_SAMPLER = ("(docs/scorecards/small-bf16.md, the one committed scorecard without the "
                "calibration columns)")
 
