@@ -92,8 +92,8 @@ def collect(scored: list[tuple[dict, list[Row]]]) -> dict:
 def extend(older: dict, newer: dict) -> dict:
     """`newer` with the seeds of `older`, its command's earlier entry, that `newer` did not
     score again: their verdicts and values as scored then, after `newer`'s own (`kept` names
-    them and, seed by seed, the version that scored each, so a seed kept twice keeps its own). Raises ValueError, in one sentence, where the commands differ or a
-    row's band does."""
+    them and, seed by seed, the version that scored each, so a seed kept twice keeps its own).
+    Raises ValueError, in one sentence, where the commands differ or a row's band does."""
     if command_key(older) != command_key(newer):
         raise ValueError("the earlier entry is another command's; nothing to keep.")
     kept = [i for i, seed in enumerate(older["fault_seeds"]) if seed not in newer["fault_seeds"]]
