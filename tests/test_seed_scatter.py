@@ -126,7 +126,8 @@ def test_rows_take_the_entrys_bounds_only_where_their_band_is_its():
 
 def test_each_node_takes_the_entry_of_its_own_runs(tmp_path):
     """Under --fault-model chosen a node kept additive ran the additive command's runs and takes
-    its entry; a flip node, and the row across nodes of mixed models, take none."""
+    its entry; a flip node, and the row across nodes of mixed models, take none; an entry of the
+    chosen command's own seeds, where there is one, covers every node and that row."""
     path = tmp_path / SS.SCATTER.name
     additive = SS.collect([(request(), [wcnts_row(0.045)]), (request(1), [wcnts_row(0.05)])])
     path.write_text(json.dumps({"schema": SS.SCHEMA, "entries": [additive]}))
@@ -137,6 +138,13 @@ def test_each_node_takes_the_entry_of_its_own_runs(tmp_path):
     assert chosen == {2: additive}  # nodes 1 and 10 keep the flip model
     assert SS.by_node(request(fault_model="flip", **nodes), path) == {}
     assert SS.by_node(request(**nodes), tmp_path / "missing.json") == {}
+    # seeds of the chosen command itself (small's): every node and the row across nodes
+    own = SS.collect([(request(fault_model="chosen"), [wcnts_row(0.04)]),
+                      (request(1, fault_model="chosen"), [wcnts_row(0.05)])])
+    path.write_text(json.dumps({"schema": SS.SCHEMA, "entries": [additive, own]}))
+    assert SS.by_node(request(fault_model="chosen", **nodes), path) == {
+        1: own, 2: own, 10: own, B.ACROSS_NODES: own}
+    assert SS.by_node(request(**nodes), path)[1] == additive
 
 
 def test_a_measured_share_is_rare_only_by_its_upper_bound():

@@ -150,17 +150,19 @@ def entry_for(request: dict, path: Path | None = None) -> dict | None:
 
 
 def by_node(request: dict, path: Path | None = None) -> dict[int, dict]:
-    """{node: the committed entry of that node's runs} for the request's nodes, and for the
-    across-nodes row (`bands.ACROSS_NODES`) where every node ran one model: a `--fault-model
-    chosen` node ran what its kept model's command runs."""
+    """{node: the committed entry of that node's runs} for the request's nodes and the
+    across-nodes row (`bands.ACROSS_NODES`): the entry of the request's own command where one
+    was collected (its seeds ran these very runs); else, under `--fault-model chosen`, each
+    node's kept model's command, whose runs a chosen node repeats, and no entry for the row
+    across nodes of mixed models."""
     entries, found = read(path), {}
+    own = _matching(entries, request)
     for node in request.get("nodes", []):
-        entry = _matching(entries, {**request, "fault_model": P.node_model(request, node)})
+        entry = own or _matching(entries, {**request, "fault_model": P.node_model(request, node)})
         if entry is not None:
             found[node] = entry
-    if request.get("fault_model", P.DEFAULT_FAULT_MODEL) != P.CHOSEN:
-        if (entry := _matching(entries, request)) is not None:
-            found[B.ACROSS_NODES] = entry
+    if own is not None:
+        found[B.ACROSS_NODES] = own
     return found
 
 
