@@ -9,9 +9,9 @@ bounds (`pass_chance.lower_bound`, `upper_bound`).
 The measurement is committed (`SCATTER`, written by `python -m sdcstudy.dev.seed_scatter`):
 one entry per reproduce command (`command_key`: preset, steps, dtype, fault model and the
 other overrides), each holding every seed's verdict and value of each row. A scorecard's node
-takes its rows' chances from the entry of its own runs' command (`by_node`: under
-`--fault-model chosen` a node's runs are those of its kept model's command); a row's band must
-be the entry's. Imports no JAX.
+takes its rows' chances from the entry of its own runs' command (`by_node`: a `--fault-model
+chosen` card from its own command's entry where one was collected, else each node from its
+kept model's command, whose runs it repeats); a row's band must be the entry's. Imports no JAX.
 """
 
 from __future__ import annotations
