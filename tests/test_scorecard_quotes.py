@@ -4,6 +4,7 @@ scorecard cannot drift apart (issue 55: docs/faults.md quoted WCNTS 0.0496/0.049
 markdown is parsed (`reproduce/scorecard_read.py`). When a scorecard is re-run, this test
 names each quote that no longer matches: correct the doc to the new scorecard."""
 
+import json
 import re
 from decimal import Decimal
 from pathlib import Path
@@ -163,8 +164,6 @@ def test_fidelitys_bfloat16_wcnts_are_the_bfloat16_scorecards():
 @pytest.mark.parametrize("card", sorted(TALLIES))
 def test_each_tally_quoted_is_the_scorecards(card):
     """docs/results/fidelity.md's latest tally line of each committed scorecard."""
-    import json
-
     assert TALLIES[card] in (ROOT / FIDELITY).read_text()
     *cells, unexplained = [int(c) for c in TALLIES[card].strip("| ").split(" | ")[1:]]
     totals = R.totals(_card(card))
@@ -211,17 +210,25 @@ def test_reproductions_tiny_table_is_the_tiny_scorecards():
                                                  "loss gap")["ours"]), node
 
 
+NUMBER = r"([\d.e-]+)"  # a quoted number in a table cell
+
+
+def _node_rows(doc: str, heading: str) -> list[list[str]]:
+    """The cells of each "| N |" row of the tables under `heading` in `doc`, to its next
+    heading."""
+    section = (ROOT / doc).read_text().split(heading, 1)[1].split("\n### ", 1)[0]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+            if re.match(r"\| \d+ \|", line)]
+
+
 def test_reproductions_bfloat16_table_is_the_bfloat16_scorecards():
     """docs/reproduction.md's per-node table of tiny-bf16: WCNTS (published) and its verdict,
     the rms and its verdict, the loss gap, its verdict and float32's (tiny), drift's verdict."""
-    text = (ROOT / REPRODUCTION).read_text()
-    section = text.split("### tiny, every node, 200 steps, bfloat16", 1)[1].split("\n### ", 1)[0]
-    lines = [line for line in section.splitlines() if re.match(r"\| \d+ \|", line)]
-    assert len(lines) == 15
-    number = r"([\d.e-]+)"
-    for line in lines:
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        node, bf16 = int(cells[0]), _card("tiny-bf16")
+    rows = _node_rows(REPRODUCTION, "### tiny, every node, 200 steps, bfloat16")
+    assert len(rows) == 15
+    number, bf16 = NUMBER, _card("tiny-bf16")
+    for cells in rows:
+        node = int(cells[0])
         wcnts = R.find(bf16, node, "Figure 5", "WCNTS")
         ours, published = re.fullmatch(rf"{number} \({number}\)", cells[1]).groups()
         assert _agrees(ours, wcnts["ours"] or 0.0) and _agrees(published, wcnts["published"])
@@ -247,18 +254,11 @@ def _judged(card: dict, node: int, sources: tuple[str, ...]) -> str:
 def test_reproductions_small_table_is_the_small_scorecards():
     """docs/reproduction.md's per-node table of small: the model, Figures 5-6 from small.md,
     the lock-step columns (Tables 1, 2, 6-9 judged, Figure 10's run) from small-lockstep.md."""
-    import json
-
-    text = (ROOT / REPRODUCTION).read_text()
-    section = text.split("### small, nodes 1, 7, 10, 11 and 14, float32", 1)[1]
-    lines = [line for line in section.split("\n### ", 1)[0].splitlines()
-             if re.match(r"\| \d+ \|", line)]
+    rows = _node_rows(REPRODUCTION, "### small, nodes 1, 7, 10, 11 and 14, float32")
     models = json.loads((CARDS / "small.json").read_text())["provenance"]["node_models"]
-    assert len(lines) == 5
-    number = r"([\d.e-]+)"
-    small, lockstep = _card("small"), _card("small-lockstep")
-    for line in lines:
-        cells = [c.strip() for c in line.strip("|").split("|")]
+    assert len(rows) == 5
+    number, small, lockstep = NUMBER, _card("small"), _card("small-lockstep")
+    for cells in rows:
         node = int(cells[0])
         assert node in models[cells[1]], node
         wcnts = R.find(small, node, "Figure 5", "WCNTS")
@@ -306,8 +306,6 @@ def test_the_old_samplers_scorecards_are_the_ones_docs_name():
 def test_each_scorecard_json_is_its_markdown():
     """docs/scorecards/NAME.json is the scorecard.json of NAME.md's run, or, where those runs
     are gone, derived from NAME.md; either way it holds what the markdown does."""
-    import json
-
     for name in _scorecards():
         data = json.loads((CARDS / f"{name}.json").read_text())
         card = _card(name)
@@ -355,8 +353,6 @@ def test_the_table_of_what_measured_each_scorecard_is_their_provenance():
     """docs/results/fidelity.md names, per committed scorecard, the machine its runs ran on and
     the commit that scored it, as its scorecard.json's provenance says (a card scored before
     headers named the machine says so)."""
-    import json
-
     text = _doc(FIDELITY)
     for name in _scorecards():
         facts = json.loads((CARDS / f"{name}.json").read_text()).get("provenance", {})
