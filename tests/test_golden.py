@@ -507,6 +507,16 @@ def test_the_host_cpu_matters_on_cpu_only():
     assert GC.env_differences(_env("cpu"), _env("cpu", gpu_stack={"driver": "1"})) == []
 
 
+def test_flags_that_only_say_how_long_to_wait_are_not_compared():
+    # A record made before the CLI set its rendezvous patience (or a check with another
+    # collective timeout) is the same environment; a flag that changes code generation is not.
+    waits = " ".join(f"{flag}=600" for flag in determinism.WAIT_XLA_FLAGS)
+    golden = _env("cpu")
+    assert GC.env_differences(golden, _env("cpu", xla_flags=f"{waits} {golden['xla_flags']}")) == []
+    fast_math = _env("cpu", xla_flags=f"{golden['xla_flags']} --xla_cpu_enable_fast_math=true")
+    assert [d["field"] for d in GC.env_differences(golden, fast_math)] == ["xla_flags"]
+
+
 def test_pinned_kernel_choices_are_compared_by_content(tmp_path):
     # The autotuning results a node loads decide its kernels: the same file in another place
     # is the same stack; another file's content is not.

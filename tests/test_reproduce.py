@@ -887,6 +887,24 @@ def test_chosen_models_take_each_nodes_own_and_reuse_copies_the_same_runs(
         assert message in capsys.readouterr().err
 
 
+def test_reuse_leaves_out_flags_that_only_say_how_long_to_wait(fake, tmp_path, monkeypatch):
+    """A run made before the CLI set its rendezvous patience is the run this command would make:
+    --reuse copies it. A flag that changes code generation makes it another run."""
+    from sdcstudy.core import determinism
+
+    flags = "--xla_force_host_platform_device_count=8"
+    patience = f"{determinism.WAIT_XLA_FLAGS[1]}=600"
+    monkeypatch.setattr(RC, "_environment", lambda: {"xla_flags": f"{patience} {flags}"})
+    assert reproduce(tmp_path / "a") == 0
+    every = len(fake.calls)
+    for n, (before, runs_again) in enumerate(((flags, 0), (f"{flags} --fast_math", every))):
+        for run in (tmp_path / "a" / "runs").iterdir():
+            (run / RF.ENV).write_text(json.dumps({"xla_flags": before}))
+        ran = len(fake.calls)
+        assert reproduce(tmp_path / f"b{n}", "--reuse", str(tmp_path / "a")) == 0
+        assert len(fake.calls) == ran + runs_again
+
+
 def test_manifests_from_before_modes_and_models_ran_every_mode_additive(fake, tmp_path):
     """A reproduce.json without `modes` reads as every mode, so its folder resumes and merges
     with the shards of the same command."""

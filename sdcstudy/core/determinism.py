@@ -34,6 +34,15 @@ DETERMINISM_XLA_FLAGS = (
     "--xla_gpu_exclude_nondeterministic_ops=true",
 )
 
+# Flags that say how long a waiting thread or process waits, never what anything computes: the
+# comparisons of two environments (golden checks, `reproduce --reuse`) leave them out, so a run
+# made before one of them was set is still the same run.
+WAIT_XLA_FLAGS = (
+    "--xla_cpu_collective_timeout_seconds",
+    "--xla_cpu_collective_call_terminate_timeout_seconds",
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds",
+)
+
 PACKAGES = ("sdcstudy", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy",
             "datasets", "jax-cuda12-plugin", "jax-cuda13-plugin")
 
@@ -138,6 +147,13 @@ def flag_value(flags: str, name: str) -> str | None:
 # jaxlib 0.11.2 on an H200, only with cuDNN's attention and a flag on (docs/results/gpu.md,
 # 2026-11-30); a later jaxlib is not measured, so there cuDNN is tried.
 CUDNN_ATTENTION_FAILS_THROUGH = (0, 11, 2)
+
+
+def flags_deciding_bits(flags) -> str:
+    """An XLA_FLAGS string (or None) as two environments compare it: sorted, the wait flags
+    (`WAIT_XLA_FLAGS`) left out."""
+    return " ".join(sorted(f for f in str(flags or "").split()
+                           if f.partition("=")[0] not in WAIT_XLA_FLAGS))
 
 
 def determinism_on(flags: str) -> bool:

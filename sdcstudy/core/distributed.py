@@ -13,6 +13,8 @@ over TCP on CPU, NCCL on GPU). Nothing in the step changes: only the host side d
 - `put` builds global arrays from host values that every process holds in full.
 - `fetch` copies arrays to host numpy on every process, gathering the pieces that live on
   other processes' devices; every process must call it at the same point of the run.
+- `tolerate_slow_threads` keeps XLA:CPU from aborting a process whose device threads meet at a
+  collective late because the machine is loaded (the CLI calls it for every command).
 - `ends_together` turns any error of a multi-process run into one line and an immediate exit:
   the shutdown handshake at interpreter exit would otherwise wait for peers that never come.
 
@@ -44,6 +46,8 @@ ENV_PROCESS_ID = "SDCSTUDY_PROCESS_ID"
 ENV_TIMEOUT = "SDCSTUDY_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300
 COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
+RENDEZVOUS_TERMINATE_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
+RENDEZVOUS_PATIENCE_S = 600  # 15 times the latest thread seen on a loaded machine (38 s)
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
               "SLURM_LOCALID")
 EXIT_LOST_PEER = errors.EXIT_COULD_NOT_RUN  # not a FAIL: nothing was compared
@@ -146,6 +150,27 @@ def set_collective_timeout(seconds: int) -> bool:
     if not xla_knows_flag(COLLECTIVE_TIMEOUT_FLAG):
         return False
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"{COLLECTIVE_TIMEOUT_FLAG}={seconds}"])
+    return True
+
+
+def tolerate_slow_threads(seconds: int = RENDEZVOUS_PATIENCE_S) -> bool:
+    """Let the local devices' threads meet at a CPU collective however late one of them comes,
+    up to `seconds` after XLA's "may be stuck" warning.
+
+    XLA:CPU runs each simulated device on its own thread and, by default, aborts the whole
+    process (SIGABRT, no Python error, nothing checkpointed since the last save) when one of
+    them reaches a collective 40 s after the others: on a loaded machine a run dies of a
+    starved thread, not of anything it computed. Measured: a bfloat16 `small` run beside
+    another and the test suite on 2 cores saw threads 28-38 s late, and one run died. A real
+    deadlock still ends after `seconds`. Goes into XLA_FLAGS before JAX starts its backend; a
+    value already there wins. Returns whether the flag is set.
+    """
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if any(f.split("=")[0] == RENDEZVOUS_TERMINATE_FLAG for f in flags):
+        return True
+    if not xla_knows_flag(RENDEZVOUS_TERMINATE_FLAG):
+        return False
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"{RENDEZVOUS_TERMINATE_FLAG}={seconds}"])
     return True
 
 

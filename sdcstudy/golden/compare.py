@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdcstudy.core.determinism import AUTOTUNE_FLAG
+from sdcstudy.core.determinism import AUTOTUNE_FLAG, flags_deciding_bits
 from sdcstudy.faults import specs as FS
 from sdcstudy.core.digest import tensor_digests
 from sdcstudy.golden.digest import block_range, n_blocks
@@ -50,10 +50,11 @@ def compared_fields(platform: str | None) -> tuple[str, ...]:
 
 
 def _xla_flags(value) -> str:
-    """The flags, sorted, without the autotuning results' path (their SHA-256 is compared in
-    gpu_stack, so a copy of the same file elsewhere is the same stack)."""
-    return " ".join(sorted(f for f in str(value or "").split()
-                           if f.partition("=")[0] != AUTOTUNE_FLAG))
+    """The flags that decide bits (`flags_deciding_bits`), without the autotuning results' path
+    (their SHA-256 is compared in gpu_stack, so a copy of the same file elsewhere is the same
+    stack)."""
+    return " ".join(f for f in flags_deciding_bits(value).split()
+                    if f.partition("=")[0] != AUTOTUNE_FLAG)
 
 
 def _flatten_env(env: dict, fields: tuple[str, ...]) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 from sdcstudy.core import config as C
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import UserError
+from sdcstudy.core.determinism import flags_deciding_bits
 
 # The env.json fields that must agree: what decides the bits of a run. Left out: the OS
 # string, the process layout and the compiled step's hash (which needs a compile to check).
@@ -46,11 +47,18 @@ def find(entry: dict, cfg: C.Config, found: list[tuple[Path, dict]], env: dict) 
         if plan.get(name) != entry or not RF.finished(run) or not (run / RF.ENV).is_file():
             continue
         theirs = RF.json_load(run / RF.ENV)
-        if any(theirs.get(k) != env.get(k) for k in SAME_ENVIRONMENT):
+        if any(_compared(theirs, k) != _compared(env, k) for k in SAME_ENVIRONMENT):
             continue
         if C.to_dict(C.load(run / RF.CONFIG)) == want:
             return run
     return None
+
+
+def _compared(env: dict, field: str):
+    """env.json's `field` as the comparison reads it: XLA flags without the ones that only say
+    how long a thread waits (a run is the same run with or without them)."""
+    value = env.get(field)
+    return flags_deciding_bits(value) if field == "xla_flags" else value
 
 
 def copy(run: Path, to: Path) -> None:
