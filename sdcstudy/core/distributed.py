@@ -47,7 +47,7 @@ ENV_TIMEOUT = "SDCSTUDY_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300
 COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 RENDEZVOUS_TERMINATE_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
-RENDEZVOUS_PATIENCE_S = 600  # 15 times the latest thread seen on a loaded machine (38 s)
+RENDEZVOUS_PATIENCE_S = 600  # after XLA's warning at 20 s: ten times its default 60 s
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
               "SLURM_LOCALID")
 EXIT_LOST_PEER = errors.EXIT_COULD_NOT_RUN  # not a FAIL: nothing was compared
@@ -159,11 +159,12 @@ def tolerate_slow_threads(seconds: int = RENDEZVOUS_PATIENCE_S) -> bool:
 
     XLA:CPU runs each simulated device on its own thread and, by default, aborts the whole
     process (SIGABRT, no Python error, nothing checkpointed since the last save) when one of
-    them reaches a collective 40 s after the others: on a loaded machine a run dies of a
-    starved thread, not of anything it computed. Measured: a bfloat16 `small` run beside
-    another and the test suite on 2 cores saw threads 28-38 s late, and one run died. A real
-    deadlock still ends after `seconds`. Goes into XLA_FLAGS before JAX starts its backend; a
-    value already there wins. Returns whether the flag is set.
+    them reaches a collective a minute after the others (its warning at 20 s, then 40 s
+    more; measured: the termination timeout counts from the warning): on a loaded machine a
+    run dies of a starved thread, not of anything it computed. Measured: two bfloat16 `small`
+    runs beside the test suite on 2 cores saw threads 28 and 38 s late, and one run died of a
+    later one. A real deadlock still ends after `seconds`. Goes into XLA_FLAGS before JAX
+    starts its backend; a value already there wins. Returns whether the flag is set.
     """
     flags = os.environ.get("XLA_FLAGS", "").split()
     if any(f.split("=")[0] == RENDEZVOUS_TERMINATE_FLAG for f in flags):
