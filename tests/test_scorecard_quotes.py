@@ -280,27 +280,19 @@ def test_reproductions_small_table_is_the_small_scorecards():
         assert _agrees(value, run["ours"]) and verdict == run["verdict"], node
 
 
-OLD_SAMPLER = ("(docs/scorecards/small-bf16.md, the one committed scorecard without the "
-               "calibration columns)")
-
-
 def _scorecards() -> list[str]:
     return [p.stem for p in sorted(CARDS.glob("*.md")) if p.stem != "fault_models"]
 
 
-def test_the_old_samplers_scorecards_are_the_ones_docs_name():
-    """A scorecard without calibration columns is of the old sampler (the event-count check
-    and the roles came with the exact one); fidelity.md names it as such while one is
-    committed, and no longer once it is re-run. A scorecard whose header says what measured it
-    (`reproduce/provenance.py`) names the exact sampler."""
-    old = [name for name in _scorecards()
-           if not any(c.startswith("calibration") for c in _card(name)["tally"]["all"])]
-    assert old in ([], ["small-bf16"]), old
-    assert (OLD_SAMPLER in _doc(FIDELITY)) == bool(old)
+def test_every_scorecard_is_of_the_exact_sampler():
+    """Every committed scorecard has the calibration columns (the event-count check and the
+    roles came with the exact sampler) and a header that names the exact sampler
+    (`reproduce/provenance.py`): the old sampler's cards are all re-run."""
     for name in _scorecards():
-        measured = [line for line in _card(name)["header"] if line.startswith("Measured with:")]
-        assert not measured or "sampler exact" in measured[0], name
-        assert not (measured and name in old), name
+        card = _card(name)
+        assert any(c.startswith("calibration") for c in card["tally"]["all"]), name
+        measured = [line for line in card["header"] if line.startswith("Measured with:")]
+        assert len(measured) == 1 and "sampler exact" in measured[0], name
 
 
 def test_each_scorecard_json_is_its_markdown():
