@@ -69,11 +69,11 @@ QUOTES = [
      "Figure 5", "WCNTS", "ratio"),
     (FIDELITY, "at its edge in both (3.2x here, 2.96x in float32)", "2.96", "tiny", 11,
      "Figure 5", "WCNTS", "ratio"),
-    (FIDELITY, "(nodes 7, 11, 14: 0.0117, 0.0923, 0.0390 against", "0.0117", "small-bf16", 7,
+    (FIDELITY, "(nodes 7, 11, 14: 0.0119, 0.0923, 0.0390 against", "0.0119", "small-bf16", 7,
      "Figure 5", "WCNTS", "ours"),
-    (FIDELITY, "(nodes 7, 11, 14: 0.0117, 0.0923, 0.0390 against", "0.0923", "small-bf16", 11,
+    (FIDELITY, "(nodes 7, 11, 14: 0.0119, 0.0923, 0.0390 against", "0.0923", "small-bf16", 11,
      "Figure 5", "WCNTS", "ours"),
-    (FIDELITY, "(nodes 7, 11, 14: 0.0117, 0.0923, 0.0390 against", "0.0390", "small-bf16", 14,
+    (FIDELITY, "(nodes 7, 11, 14: 0.0119, 0.0923, 0.0390 against", "0.0390", "small-bf16", 14,
      "Figure 5", "WCNTS", "ours"),
     (FIDELITY, "0.0390 against 0.0107, 0.0923, 0.0391)", "0.0107", "small", 7, "Figure 5",
      "WCNTS", "ours"),
@@ -101,8 +101,8 @@ TALLIES = {
              "run here | 27 | 13 | 0 | 0 | 0 | 37 | 3 |",
     "small-lockstep": "| the same, run again (2026-11-30) on the Intel Xeon, the new chance rules | "
                       "196 | 117 | 49 | 143 | 1 | 12 | 0 |",
-    "small-bf16": "| the same, exact sampler, the new rows (Figure 5's shape, Figure 6's gradient "
-                  "norms, the claim rows) | 27 | 19 | 0 | 0 | 0 | 35 | 4 |",
+    "small-bf16": "| the same, run again (2026-11-30) on the Intel Xeon | 26 | 20 | 0 | 0 | 0 | 35 "
+                  "| 5 |",
 }
 TALLY_ORDER = ("pass", "fail", "no events", "too rare for this run", "not applicable", "not run")
 # docs/results/fidelity.md's table of the chance a correct model passes: judged rows, those
@@ -278,6 +278,39 @@ def test_reproductions_small_table_is_the_small_scorecards():
         run = R.find(lockstep, node, "Figure 10", "fwd o flagged steps")
         value, verdict = re.fullmatch(rf"{number} \(([a-z ]+)\)", cells[10]).groups()
         assert _agrees(value, run["ours"]) and verdict == run["verdict"], node
+
+
+def test_reproductions_small_bfloat16_table_is_the_small_bf16_scorecard():
+    """docs/reproduction.md's per-node table of small-bf16: WCNTS (published) against small's
+    float32 (and its model), Figure 5's verdict (and ratio), the loss gap's maximum, its step
+    and verdict, the card's 10-step means, the gradient norm's gap and verdict, the drift
+    against float32's."""
+    rows = _node_rows(REPRODUCTION, "### small, nodes 1, 7, 10, 11 and 14, bfloat16")
+    models = json.loads((CARDS / "small.json").read_text())["provenance"]["node_models"]
+    assert len(rows) == 5
+    number, bf16, small = NUMBER, _card("small-bf16"), _card("small")
+    for cells in rows:
+        node = int(cells[0])
+        wcnts = R.find(bf16, node, "Figure 5", "WCNTS")
+        ours, published = re.fullmatch(rf"{number} \({number}\)", cells[1]).groups()
+        assert _agrees(ours, wcnts["ours"]) and _agrees(published, wcnts["published"]), node
+        f32, model = re.fullmatch(rf"{number}(?: \((flip)\))?", cells[2]).groups()
+        assert _agrees(f32, R.find(small, node, "Figure 5", "WCNTS")["ours"]), node
+        assert (node in models.get("flip", [])) == (model == "flip"), node
+        verdict, ratio = re.fullmatch(rf"([a-z]+)(?: \({number}x\))?", cells[3]).groups()
+        assert verdict == wcnts["verdict"] and (ratio is None or _agrees(ratio, wcnts["ratio"]))
+        gap = R.find(bf16, node, "Figure 6", "loss gap")
+        value, step, verdict = re.fullmatch(rf"{number}% \((\d+)\), ([a-z]+)", cells[4]).groups()
+        assert _agrees(value, 100 * gap["ours"]) and verdict == gap["verdict"], node
+        assert f"largest relative gap at step {step}" in gap["reason"], node
+        means = re.search(r"means over 10 steps stay within ([\d.]+%)", gap["reason"])
+        assert cells[6] == (means.group(1) if means else "-"), node
+        norm = R.find(bf16, node, "Figure 6", "gradient norm, median relative gap")
+        value, verdict = re.fullmatch(rf"{number}%, ([a-z]+)", cells[7]).groups()
+        assert _agrees(value, 100 * norm["ours"]) and verdict == norm["verdict"], node
+        drift, f32 = re.fullmatch(rf"{number} \({number}\)", cells[8]).groups()
+        assert _agrees(drift, R.find(bf16, node, "Figure 6", "param/diff_l2 grows")["ours"])
+        assert _agrees(f32, R.find(small, node, "Figure 6", "param/diff_l2 grows")["ours"])
 
 
 def _scorecards() -> list[str]:
