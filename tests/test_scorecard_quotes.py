@@ -221,6 +221,22 @@ def _node_rows(doc: str, heading: str) -> list[list[str]]:
             if re.match(r"\| \d+ \|", line)]
 
 
+def _wcnts_cell(cell: str, card: dict, node: int) -> dict:
+    """A table's "ours (published)" cell checked against the card's Figure 5 WCNTS row: the row."""
+    wcnts = R.find(card, node, "Figure 5", "WCNTS")
+    ours, published = re.fullmatch(rf"{NUMBER} \({NUMBER}\)", cell).groups()
+    assert _agrees(ours, wcnts["ours"] or 0.0) and _agrees(published, wcnts["published"]), node
+    return wcnts
+
+
+def _small_table(heading: str) -> tuple[list[list[str]], dict]:
+    """The five rows of a small per-node table of reproduction.md, and small's model of each
+    node."""
+    rows = _node_rows(REPRODUCTION, heading)
+    assert len(rows) == 5
+    return rows, json.loads((CARDS / "small.json").read_text())["provenance"]["node_models"]
+
+
 def test_reproductions_bfloat16_table_is_the_bfloat16_scorecards():
     """docs/reproduction.md's per-node table of tiny-bf16: WCNTS (published) and its verdict,
     the rms and its verdict, the loss gap, its verdict and float32's (tiny), drift's verdict."""
@@ -229,10 +245,7 @@ def test_reproductions_bfloat16_table_is_the_bfloat16_scorecards():
     number, bf16 = NUMBER, _card("tiny-bf16")
     for cells in rows:
         node = int(cells[0])
-        wcnts = R.find(bf16, node, "Figure 5", "WCNTS")
-        ours, published = re.fullmatch(rf"{number} \({number}\)", cells[1]).groups()
-        assert _agrees(ours, wcnts["ours"] or 0.0) and _agrees(published, wcnts["published"])
-        assert cells[2] == wcnts["verdict"], node
+        assert cells[2] == _wcnts_cell(cells[1], bf16, node)["verdict"], node
         rms = R.find(bf16, node, "Figure 5", "rms grad/nts")
         value, verdict = re.fullmatch(rf"{number} \(([a-z ]+)\)", cells[3]).groups()
         assert _agrees(value, rms["ours"] or 0.0) and verdict == rms["verdict"], node
@@ -254,17 +267,12 @@ def _judged(card: dict, node: int, sources: tuple[str, ...]) -> str:
 def test_reproductions_small_table_is_the_small_scorecards():
     """docs/reproduction.md's per-node table of small: the model, Figures 5-6 from small.md,
     the lock-step columns (Tables 1, 2, 6-9 judged, Figure 10's run) from small-lockstep.md."""
-    rows = _node_rows(REPRODUCTION, "### small, nodes 1, 7, 10, 11 and 14, float32")
-    models = json.loads((CARDS / "small.json").read_text())["provenance"]["node_models"]
-    assert len(rows) == 5
+    rows, models = _small_table("### small, nodes 1, 7, 10, 11 and 14, float32")
     number, small, lockstep = NUMBER, _card("small"), _card("small-lockstep")
     for cells in rows:
         node = int(cells[0])
         assert node in models[cells[1]], node
-        wcnts = R.find(small, node, "Figure 5", "WCNTS")
-        ours, published = re.fullmatch(rf"{number} \({number}\)", cells[2]).groups()
-        assert _agrees(ours, wcnts["ours"]) and _agrees(published, wcnts["published"]), node
-        assert cells[3] == wcnts["verdict"], node
+        assert cells[3] == _wcnts_cell(cells[2], small, node)["verdict"], node
         for cell, quantity in ((cells[4], ("Figure 5", "rms grad/nts")),
                                (cells[5], ("Figure 6", "loss gap"))):
             value, verdict = re.fullmatch(rf"{number} \(([a-z ]+)\)", cell).groups()
@@ -285,15 +293,11 @@ def test_reproductions_small_bfloat16_table_is_the_small_bf16_scorecard():
     float32 (and its model), Figure 5's verdict (and ratio), the loss gap's maximum, its step
     and verdict, the card's 10-step means, the gradient norm's gap and verdict, the drift
     against float32's."""
-    rows = _node_rows(REPRODUCTION, "### small, nodes 1, 7, 10, 11 and 14, bfloat16")
-    models = json.loads((CARDS / "small.json").read_text())["provenance"]["node_models"]
-    assert len(rows) == 5
+    rows, models = _small_table("### small, nodes 1, 7, 10, 11 and 14, bfloat16")
     number, bf16, small = NUMBER, _card("small-bf16"), _card("small")
     for cells in rows:
         node = int(cells[0])
-        wcnts = R.find(bf16, node, "Figure 5", "WCNTS")
-        ours, published = re.fullmatch(rf"{number} \({number}\)", cells[1]).groups()
-        assert _agrees(ours, wcnts["ours"]) and _agrees(published, wcnts["published"]), node
+        wcnts = _wcnts_cell(cells[1], bf16, node)
         f32, model = re.fullmatch(rf"{number}(?: \((flip)\))?", cells[2]).groups()
         assert _agrees(f32, R.find(small, node, "Figure 5", "WCNTS")["ours"]), node
         assert (node in models.get("flip", [])) == (model == "flip"), node

@@ -6,8 +6,8 @@ causes without anything being wrong. `distributed.tolerate_slow_threads` (the CL
 before JAX starts) gives such a thread `RENDEZVOUS_PATIENCE_S`. Two real processes run one
 all-reduce whose device 0 first sleeps 5 s in a host callback, with XLA's "may be stuck"
 warning after 1 s: with a termination timeout of 2 s (counted from the warning) the process
-aborts (the flag is the one XLA obeys), with the flag as the CLI sets it the process finishes with the right sum (XLA
-accepts it). The second test holds the value the CLI sets.
+aborts (the flag is the one XLA obeys), with the flag as the CLI sets it the process finishes
+with the right sum (XLA accepts it). The second test holds the value the CLI sets.
 """
 
 import os

@@ -144,12 +144,18 @@ def set_collective_timeout(seconds: int) -> bool:
     Goes into XLA_FLAGS, so it must run before JAX starts its backend; a value already there
     wins. Returns whether the flag is set.
     """
+    return _add_xla_flag(COLLECTIVE_TIMEOUT_FLAG, seconds)
+
+
+def _add_xla_flag(flag: str, value) -> bool:
+    """`flag`=`value` added to XLA_FLAGS unless the flag is there already, and only where this
+    jaxlib knows it (XLA aborts on an unknown flag); whether the flag is set."""
     flags = os.environ.get("XLA_FLAGS", "").split()
-    if any(f.split("=")[0] == COLLECTIVE_TIMEOUT_FLAG for f in flags):
+    if any(f.split("=")[0] == flag for f in flags):
         return True
-    if not xla_knows_flag(COLLECTIVE_TIMEOUT_FLAG):
+    if not xla_knows_flag(flag):
         return False
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"{COLLECTIVE_TIMEOUT_FLAG}={seconds}"])
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"{flag}={value}"])
     return True
 
 
@@ -166,13 +172,7 @@ def tolerate_slow_threads(seconds: int = RENDEZVOUS_PATIENCE_S) -> bool:
     later one. A real deadlock still ends after `seconds`. Goes into XLA_FLAGS before JAX
     starts its backend; a value already there wins. Returns whether the flag is set.
     """
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    if any(f.split("=")[0] == RENDEZVOUS_TERMINATE_FLAG for f in flags):
-        return True
-    if not xla_knows_flag(RENDEZVOUS_TERMINATE_FLAG):
-        return False
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"{RENDEZVOUS_TERMINATE_FLAG}={seconds}"])
-    return True
+    return _add_xla_flag(RENDEZVOUS_TERMINATE_FLAG, seconds)
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
