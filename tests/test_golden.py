@@ -512,7 +512,8 @@ def test_flags_that_only_say_how_long_to_wait_are_not_compared():
     # collective timeout) is the same environment; a flag that changes code generation is not.
     waits = " ".join(f"{flag}=600" for flag in determinism.WAIT_XLA_FLAGS)
     golden = _env("cpu")
-    assert GC.env_differences(golden, _env("cpu", xla_flags=f"{waits} {golden['xla_flags']}")) == []
+    waited = _env("cpu", xla_flags=f"{waits} {golden['xla_flags']}")
+    assert GC.env_differences(golden, waited) == []
     fast_math = _env("cpu", xla_flags=f"{golden['xla_flags']} --xla_cpu_enable_fast_math=true")
     assert [d["field"] for d in GC.env_differences(golden, fast_math)] == ["xla_flags"]
 

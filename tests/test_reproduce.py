@@ -897,7 +897,8 @@ def test_reuse_leaves_out_flags_that_only_say_how_long_to_wait(fake, tmp_path, m
     monkeypatch.setattr(RC, "_environment", lambda: {"xla_flags": f"{patience} {flags}"})
     assert reproduce(tmp_path / "a") == 0
     every = len(fake.calls)
-    for n, (before, runs_again) in enumerate(((flags, 0), (f"{flags} --fast_math", every))):
+    fast_math = f"{flags} --xla_cpu_enable_fast_math=true"
+    for n, (before, runs_again) in enumerate(((flags, 0), (fast_math, every))):
         for run in (tmp_path / "a" / "runs").iterdir():
             (run / RF.ENV).write_text(json.dumps({"xla_flags": before}))
         ran = len(fake.calls)

@@ -47,7 +47,7 @@ ENV_TIMEOUT = "SDCSTUDY_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300
 COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 RENDEZVOUS_TERMINATE_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
-RENDEZVOUS_PATIENCE_S = 600  # after XLA's warning at 20 s: ten times its default 60 s
+RENDEZVOUS_PATIENCE_S = 600  # seconds after XLA's 20 s warning; its own default is 40
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
               "SLURM_LOCALID")
 EXIT_LOST_PEER = errors.EXIT_COULD_NOT_RUN  # not a FAIL: nothing was compared
