@@ -50,22 +50,23 @@ def _start(mode: str, extra_flags: str = "") -> subprocess.Popen:
 
 
 def _finish(process: subprocess.Popen) -> tuple[int, str, str]:
-    try:
-        out, err = process.communicate(timeout=90)
-    finally:
-        process.kill()
+    out, err = process.communicate(timeout=90)
     return process.returncode, out, err
 
 
-def test_a_late_thread_aborts_by_default_and_not_under_the_clis_patience():
+def test_a_late_thread_aborts_under_a_short_limit_and_not_under_the_clis_patience():
     impatient = _start("impatient", f"{distributed.RENDEZVOUS_TERMINATE_FLAG}=2")
     patient = _start("patient")
-    code, out, err = _finish(impatient)
-    assert code != 0 and "sum" not in out, (code, out, err[-2000:])
-    assert "Termination timeout" in err, err[-2000:]
-    code, out, err = _finish(patient)
-    assert code == 0 and "sum 1.0" in out, (code, out, err[-2000:])
-    assert "may be stuck" in err, err[-2000:]  # it was late, and waited for
+    try:
+        code, out, err = _finish(impatient)
+        assert code != 0 and "sum" not in out, (code, out, err[-2000:])
+        assert "Termination timeout" in err, err[-2000:]
+        code, out, err = _finish(patient)
+        assert code == 0 and "sum 1.0" in out, (code, out, err[-2000:])
+        assert "may be stuck" in err, err[-2000:]  # it was late, and waited for
+    finally:  # both end by their process ids, also when an assertion or a deadline fails
+        for process in (impatient, patient):
+            process.kill()
 
 
 def test_the_patience_flag_is_added_once_and_a_given_value_wins(monkeypatch):
