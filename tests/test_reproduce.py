@@ -21,6 +21,7 @@ from sdcstudy.faults import published as PB
 from sdcstudy.faults import published_layers as PL
 from sdcstudy.report.runs import Run
 from sdcstudy.reproduce import bands as B
+from sdcstudy.reproduce import claim_rows as CR
 from sdcstudy.reproduce import exposure_rows as X
 from sdcstudy.reproduce import cli as RC
 from sdcstudy.reproduce import figure10_paper as F10
@@ -530,6 +531,29 @@ def test_findings_tell_one_batchs_scatter_from_a_lasting_loss_gap():
     assert "one-component additive error" in row(lasting, table1)
     assert "the flip model's bit-place errors" in row(lasting, table1, fault_model="flip")
     assert row(lasting, grad) == ""
+
+
+def test_findings_tell_one_batchs_gradient_norm_scatter_from_a_lasting_gap():
+    """Figure 6's gradient norms: a gap of +5% and -3% by turns (10-step means 1% apart at
+    the median step) is one batch's scatter, 5.8's; a lasting 5% gap, or +5% and 0 by turns
+    (means 2.5% apart, beyond the 2% band), no finding covers."""
+    steps = 40
+    healthy = [2.0] * steps
+
+    def why(suspect):
+        run = paired_run("free", {"grad/norm": healthy, "grad/norm_suspect": suspect})
+        (row,) = F.explain([CR.figure6_grad_norm_row(1, run)], entry(mode="free", steps=steps),
+                           run)
+        assert row.verdict == "fail" and row.ours > CR.GRAD_NORM_GAP
+        return row.why
+
+    scatter = [2.0 * (1.01 + 0.04 * (-1) ** s) for s in range(steps)]
+    assert "5.8, one batch's gradient norm" in why(scatter)
+    assert "1.0% apart at the median step" in why(scatter)
+    assert "at 50% of the steps, by +1.00% on average" in why(scatter)
+    assert why([2.1] * steps) == ""  # lasting: every 10-step mean 5% apart
+    drifting = [2.0 * (1.025 + 0.025 * (-1) ** s) for s in range(steps)]
+    assert why(drifting) == ""  # means 2.5% apart at the median step: beyond the band
 
 
 def test_findings_count_the_abft_flags_that_held_an_attention_fault():

@@ -27,7 +27,8 @@ from sdcstudy.reproduce import abft_paper_scale as A
 from sdcstudy.reproduce import bands as B
 from sdcstudy.reproduce import exposure_rows as X
 from sdcstudy.reproduce.bands import Row
-from sdcstudy.reproduce.training_rows import ABFT_NODE
+from sdcstudy.reproduce.claim_rows import GRAD_NORM_GAP
+from sdcstudy.reproduce.training_rows import ABFT_NODE, series
 
 # The flip model's relative L2 noise over the additive model's at the same rates (docs/faults.md
 # 6.2: sqrt(0.0258 / 0.0902); tests/test_reproduce.py derives it from the two models). Written
@@ -49,7 +50,7 @@ NODE14_MOST_FLAGGED = 9.4e-5
 NODES_WITHOUT_WEIGHT_FAULTS = (10, 11)  # bands.FIGURE5_NOT_FITTED's nodes with Table 1 faults
 FEW_FAULTS = 100.0  # corruptions a step below which a maximum over steps overshoots (5.1)
 PAPER_TOKENS = 256 * 4096  # tokens of one optimizer step in sections 5-6 (appendix B)
-SMOOTH_STEPS = 10  # the window of the loss means that set one batch's scatter aside (5.6)
+SMOOTH_STEPS = 10  # the window of the means that set one batch's scatter aside (5.6, 5.8)
 SEVERITY_SOURCES = ("Table 2", "Table 8", "Table 9")
 DOC = "docs/faults.md"
 
@@ -201,6 +202,25 @@ def loss_gap_of_one_batch(row: Row, entry: dict, run) -> str | None:
             f"{smooth.max():.1%} of each other ({_suspect_above(healthy, suspect)})")
 
 
+def grad_norm_of_one_batch(row: Row, entry: dict, run) -> str | None:
+    """Figure 6's gradient norms where their means over a few steps stay within the band at
+    the median step: the per-step gap is the scatter of two drifted models' gradients on one
+    small batch, which the drift-only controls of docs/faults.md 5.8 give with no fault."""
+    if row.source != "Figure 6" or not row.quantity.startswith("gradient norm"):
+        return None
+    healthy, suspect = _grad_norms(run)
+    h, s = healthy.rolling(SMOOTH_STEPS).mean(), suspect.rolling(SMOOTH_STEPS).mean()
+    smooth = ((s - h).abs() / h.abs()).dropna()
+    if not len(smooth) or smooth.median() > GRAD_NORM_GAP:
+        return None
+    gap = (suspect - healthy) / healthy
+    return (f"{DOC} 5.8, one batch's gradient norm: two drifted models' gradients on one "
+            f"small batch scatter, as the drift-only controls' do with no fault landing; "
+            f"their means over {SMOOTH_STEPS} steps are {smooth.median():.1%} apart at the "
+            f"median step (the suspect's norm is above the healthy one's at "
+            f"{(gap > 0).mean():.0%} of the steps, by {gap.mean():+.2%} on average)")
+
+
 def loss_gap_from_table1(row: Row, entry: dict, run) -> str | None:
     """Figure 6's loss gap on a node whose Table 1 rates give its WCNTS on their own."""
     if row.source != "Figure 6" or row.quantity != "loss gap" or _weight_gradient_faults(run):
@@ -276,7 +296,8 @@ def _single_fault_ratio(shape: A.Shape) -> float:
 
 FINDINGS: tuple[Callable[[Row, dict, object], str | None], ...] = (
     flip_law_at_exposure, tail_at_exposure, severity_tail, last_bit, wcnts_from_table1,
-    wcnts_few_faults, loss_gap_of_one_batch, loss_gap_from_table1, abft_checks_our_faults)
+    wcnts_few_faults, loss_gap_of_one_batch, loss_gap_from_table1, grad_norm_of_one_batch,
+    abft_checks_our_faults)
 
 
 def explain(rows: list[Row], entry: dict, run) -> list[Row]:
@@ -324,6 +345,12 @@ def _losses(run) -> tuple[pd.Series, pd.Series]:
     """(loss/healthy, loss/suspect) per step of a paired run."""
     return tuple(pd.to_numeric(run.metrics[key], errors="coerce")
                  for key in ("loss/healthy", "loss/suspect"))
+
+
+def _grad_norms(run) -> tuple[pd.Series, pd.Series]:
+    """(grad/norm, grad/norm_suspect) per step of a paired run, empty where it has none."""
+    healthy = series(run, "grad/norm")
+    return healthy, series(run, "grad/norm_suspect").reindex(healthy.index)
 
 
 def _suspect_above(healthy: pd.Series, suspect: pd.Series) -> str:
