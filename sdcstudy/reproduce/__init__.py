@@ -1,4 +1,5 @@
-"""`sdcstudy reproduce`: Ma et al.'s published numbers, node by node, measured and judged.
+"""`sdcstudy reproduce`: Ma et al.'s published results, node by node, measured and judged
+where our runs can make them (Tables 3/5, Figure 7 and D.4 are rows saying why they cannot).
 
 - `plan`: the runs (four per paper node: lockstep, paramsync, free, abft), their built-in
   configs, the shards, and what each run's profile leads us to expect;
@@ -9,7 +10,7 @@
   `flip_exposure` the same under the flip model, from the law of the maximum its bit law gives;
 - `abft_paper_scale`: Figure 10 at the paper's sizes, the profiles' attention faults in
   float32 products of the paper's shapes checked as ABFT does (numpy, no run), and
-  `figure10_paper` its rows, sampling noise left to the analytic estimate;
+  `figure10_paper` its rows, the analytic estimate judging where the draws are too few to;
 - `pass_chance`: the chance a correct model passes the rows that are tests or maxima;
   `seed_scatter` Figures 5-6's, from the verdicts of runs with other fault seeds;
 - `claim_rows`: the published results beyond the bands (Figures 3-4, 5's shape, 6's gradient

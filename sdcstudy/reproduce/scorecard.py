@@ -1,6 +1,6 @@
 """The reproduction scorecard: for Ma et al.'s Tables 1, 2, 6-9 and Figures 3-6 and 10 and
 appendices C.2 and D.3, ours beside each published result and a verdict; Tables 3/5, Figure 7
-and appendix D.4, which its runs do not make, have a "not run" row saying why
+and appendix D.4, which its runs do not make, have a "not reproducible here" row saying why
 (`claim_rows.UNSCORED`; docs/reproduction.md).
 
 `build(plan, runs, stopped)` makes the rows (`bands.Row`) from the planned runs and the run
