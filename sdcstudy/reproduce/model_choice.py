@@ -1,15 +1,16 @@
 """Which error model each paper node keeps: the additive one or the flip one (docs/faults.md 6.5).
 
 The two models' scorecards are compared node by node on one fixed set of rows, the additive
-model's held-out ones (`COMPARED`): Table 2, Tables 8-9, Figure 5 by its maximum and by the
-root mean square of `grad/nts`, Figure 6 and Figure 10 of the runs. (Under the flip model
-Tables 2, 8 and 9 are calibration rows, as its tail is fitted to them; they are compared all
-the same, since on the tiny model neither model was fitted to what these runs measure there.)
-A node keeps the model that passes more of them, and the additive one on a tie: it is the
-default and the one every earlier figure was recorded with. Figure 10 at the paper's sizes, measured for the
+model's held-out ones (`COMPARED`): Table 2, Tables 8-9, Figure 5 by its maximum and by the root
+mean square of `grad/nts`, Figure 6 and Figure 10 of the runs. (Under the flip model Tables 2, 8
+and 9 are calibration rows, as its tail is fitted to them; they are compared all the same, since
+on the tiny model neither model was fitted to what these runs measure there.) A node keeps the
+model that passes more of them, and the additive one on a tie: it is the default and the one
+every earlier figure was recorded with. Figure 10 at the paper's sizes, measured for the
 additive model only, is left out, and so are Tables 2, 8 and 9 at the paper's exposure: the flip
-model's tail is fitted to Tables 8-9 there (`flip_exposure`), so its passes there are calibration
-passes that the additive model's held-out rows would be counted against. Imports no JAX.
+model's tail is fitted to Tables 8-9 there (`flip_exposure`), so its passes there are
+calibration passes that the additive model's held-out rows would be counted against. Imports no
+JAX.
 """
 
 from __future__ import annotations
