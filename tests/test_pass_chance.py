@@ -163,3 +163,22 @@ def test_figure10_little_upper_bound_takes_the_flagged_share_of_fault_steps():
     PC.annotate([row], entry, run)
     assert row.pass_probability == PC.figure10_little_chance(1, entry)
     assert row.pass_probability_max == upper
+
+
+def test_a_judged_row_with_no_chance_says_why_in_its_reason():
+    """`say_why_none`: each judged row whose chance is None ends its reason with why; a row
+    with a chance, and one not run, keep theirs."""
+    def row(source, quantity, verdict="fail", chance=None):
+        return Row(8, source, quantity, 1.0, 2.0, 2.0, "[1, 3]", verdict, "measured",
+                   pass_probability=chance)
+
+    rows = [row("Table 2", "bwd/attn"), row("Figure 6", "gradient norm, median relative gap"),
+            row("Figure 10", "fwd o flagged checks, paper tp 8 (k 512, n 4096, m 4096)"),
+            row("Appendix D.3", "node 10"), row("Figure 3", "bursts"),
+            row("Table 2", "bwd/ffn", chance=0.4), row("Table 2", "fwd/attn", "not run")]
+    PC.say_why_none(rows)
+    said = [r.reason.partition("; no P(pass): ")[2] for r in rows]
+    assert said[0].startswith("the additive tail's constant c")
+    assert "seed_scatter.json" in said[1] and "analytic estimate" in said[2]
+    assert "Table 1 or Table 2" in said[3] and said[4].startswith("no law")
+    assert [r.reason for r in rows[5:]] == ["measured", "measured"]

@@ -257,3 +257,25 @@ def d3_chance(d3: Row, rows: list[Row]) -> float | None:
     if any(p is None for p in parts):
         return None
     return max(0.0, sum(parts) - 1.0)
+
+
+def why_none(row: Row) -> str:
+    """Why a judged row states no chance, in the words its reason ends with."""
+    if row.source in ("Table 2", "Table 8", "Table 9") and not row.quantity.endswith(X.SUFFIX):
+        return ("the additive tail's constant c is measured from the site's units above 0.5, "
+                "and this run has none")
+    if row.source in ("Figure 5", "Figure 6", CR.SHAPE_SOURCE):
+        return ("no seed-to-seed scatter of this command's runs (docs/scorecards/"
+                "seed_scatter.json)")
+    if row.source == "Appendix D.3":
+        return "its Table 1 or Table 2 row states none"
+    if row.source == "Figure 10" and "paper tp" in row.quantity:
+        return "the analytic estimate judges it, the draws being too few to decide"
+    return "no law of a correct model's value is known for it here"
+
+
+def say_why_none(rows: list[Row]) -> None:
+    """End the reason of each judged row that states no chance with `why_none`."""
+    for row in rows:
+        if row.verdict in ("pass", "fail") and row.pass_probability is None:
+            row.reason = f"{row.reason}; no P(pass): {why_none(row)}"

@@ -145,6 +145,7 @@ def build(plan: list[dict], runs: dict, stopped: dict | None = None,
         d3.pass_probability = PC.d3_chance(d3, rows)
         rows.append(d3)
     SS.annotate(rows, scatter)
+    PC.say_why_none(rows)
     rows += CR.unscored_rows()
     return sorted(rows, key=lambda r: (r.node == B.ACROSS_NODES, r.node,
                                        ORDER.index(r.source)))
