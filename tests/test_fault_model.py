@@ -12,8 +12,10 @@ lost the calibration that puts WCNTS in Figure 5's band): fix the engine, not th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -142,3 +144,22 @@ def test_free_running_loss_stays_within_two_percent_while_parameters_drift(tmp_p
     assert max(gaps) < 0.02, json.dumps(gaps)
     drift = [r["param/diff_l2"] for r in rows]  # before each step's update: 0 at step 1
     assert drift[1] > 0 and drift[-1] > 2 * drift[1], drift
+
+
+@pytest.mark.parametrize("path", sorted(
+    (Path(__file__).resolve().parents[1] / "experiments" / "profiles").glob(
+        "paper-node-*-first-50-steps.yaml")), ids=lambda p: p.stem)
+def test_each_drift_control_is_its_node_with_faults_cut_after_step_50(path):
+    """docs/faults.md 5.8's controls: each is paper-node-N spec for spec, every field the
+    same but the time pattern, which is either the node's own or steps 1-50 only (at least
+    one spec cut so)."""
+    node = int(path.stem.split("-")[2])
+    control, own = profiles.load(str(path)), profiles.paper_node(node)
+    assert len(control.specs) == len(own.specs)
+    cut = 0
+    for c, o in zip(control.specs, own.specs):
+        assert dataclasses.replace(c, pattern=o.pattern, note=o.note) == o
+        if c.pattern != o.pattern:
+            assert (c.pattern.kind, list(c.pattern.steps)) == ("steps", list(range(1, 51)))
+            cut += 1
+    assert cut >= 1
