@@ -190,8 +190,7 @@ def loss_gap_of_one_batch(row: Row, entry: dict, run) -> str | None:
     if row.source != "Figure 6" or row.quantity != "loss gap":
         return None
     healthy, suspect = _losses(run)
-    h, s = healthy.rolling(SMOOTH_STEPS).mean(), suspect.rolling(SMOOTH_STEPS).mean()
-    smooth = ((s - h).abs() / h.abs()).dropna()
+    smooth = _gap_of_means(healthy, suspect)
     if not len(smooth) or smooth.max() > B.LOSS_GAP:
         return None
     tokens = _tokens_per_step(run)
@@ -209,8 +208,7 @@ def grad_norm_of_one_batch(row: Row, entry: dict, run) -> str | None:
     if row.source != "Figure 6" or not row.quantity.startswith("gradient norm"):
         return None
     healthy, suspect = _grad_norms(run)
-    h, s = healthy.rolling(SMOOTH_STEPS).mean(), suspect.rolling(SMOOTH_STEPS).mean()
-    smooth = ((s - h).abs() / h.abs()).dropna()
+    smooth = _gap_of_means(healthy, suspect)
     if not len(smooth) or smooth.median() > GRAD_NORM_GAP:
         return None
     gap = (suspect - healthy) / healthy
@@ -345,6 +343,13 @@ def _losses(run) -> tuple[pd.Series, pd.Series]:
     """(loss/healthy, loss/suspect) per step of a paired run."""
     return tuple(pd.to_numeric(run.metrics[key], errors="coerce")
                  for key in ("loss/healthy", "loss/suspect"))
+
+
+def _gap_of_means(healthy: pd.Series, suspect: pd.Series) -> pd.Series:
+    """|suspect - healthy| / |healthy| of their means over `SMOOTH_STEPS` steps, per step where
+    a whole window exists."""
+    h, s = healthy.rolling(SMOOTH_STEPS).mean(), suspect.rolling(SMOOTH_STEPS).mean()
+    return ((s - h).abs() / h.abs()).dropna()
 
 
 def _grad_norms(run) -> tuple[pd.Series, pd.Series]:
