@@ -215,6 +215,7 @@ def test_launch_settings_from_arguments_environment_and_slurm():
         distributed.launch_settings("h", 2, 0, environ={})
     assert distributed.xla_knows_flag("--xla_force_host_platform_device_count")
     assert not distributed.xla_knows_flag("--xla_no_such_flag_in_any_version")
+    assert not distributed.xla_knows_flag("--xla_force_host_platform_device")  # begins one
 
 
 # --- launch mistakes: one sentence each, before any JAX program compiles --------------------

@@ -122,10 +122,12 @@ def launch_settings(coordinator: str | None = None, num_processes: int | None = 
 
 @functools.cache
 def xla_knows_flag(flag: str) -> bool:
-    """Whether this jaxlib's XLA registers `flag`; XLA aborts the process on an unknown one."""
+    """Whether this jaxlib's XLA registers `flag`; XLA aborts the process on an unknown one.
+    A flag's name is a C string in the library, so it is searched with its ending NUL: a name
+    that only begins a longer flag's is not taken for a flag."""
     import jaxlib
 
-    name = flag.lstrip("-").split("=")[0].encode()
+    name = flag.lstrip("-").split("=")[0].encode() + b"\0"
     libraries = sorted(Path(jaxlib.__file__).parent.glob("*.so"),
                        key=lambda p: p.name != "libjax_common.so")
     for library in libraries:
