@@ -9,6 +9,7 @@ import pytest
 from types import SimpleNamespace
 
 from sdcstudy.reproduce import additive_run_chance as A
+from sdcstudy.reproduce import flip_exposure as FX
 from sdcstudy.reproduce import pass_chance as PC
 from sdcstudy.reproduce.bands import Row
 
@@ -90,16 +91,16 @@ def test_without_a_bulk_the_bounds_meet_the_frechet_closed_form(ours, paper):
     assert A.chance_bounds(A.TailMaximum(0.3, 400), [A.TailMaximum(0.3, 9e6)])[1] < 2e-4
 
 
-def _run(units: int = 40, severity: float = 5.0, above: int = 8):
-    """A lock-step run's rollup at fwd/attn: `units` units over 20 (step, microstep) groups,
+def _run(units: int = 40, severity: float = 5.0, above: int = 8, site: str = "fwd/attn"):
+    """A lock-step run's rollup at `site`: `units` units over 20 (step, microstep) groups,
     `above` of whose maxima are `severity` (the rest 0.1), in two layers."""
     groups = 20
-    index = pd.MultiIndex.from_tuples([("fwd/attn", s, 0) for s in range(groups)],
+    index = pd.MultiIndex.from_tuples([(site, s, 0) for s in range(groups)],
                                       names=["site", "step", "microstep"])
     micro = pd.DataFrame({"units": [units // groups] * groups,
                           "severity": [severity] * above + [0.1] * (groups - above)},
                          index=index)
-    layer_index = pd.MultiIndex.from_tuples([(1, "fwd/attn"), (2, "fwd/attn")],
+    layer_index = pd.MultiIndex.from_tuples([(1, site), (2, site)],
                                             names=["layer", "site"])
     by_layer = pd.DataFrame({"units": [units // 2] * 2}, index=layer_index)
     return SimpleNamespace(config={"suspect": {"profile": "paper-node-1"}},
@@ -116,8 +117,28 @@ def test_a_runs_rows_state_the_chance_of_its_fit_and_none_where_c_is_unmeasured(
     # our maxima over ten times the units: the paper's outnumber ours less, the chance is larger
     assert PC.raw_maximum_chance(layer, _run(units=400))[0] > PC.raw_maximum_chance(
         layer, _run())[0]
-    # no (step, microstep) maximum above the floor: c is not measured, no chance is stated
-    assert PC.raw_maximum_chance(site, _run(severity=0.3)) is None
-    # a site without units in the run
+    # no (step, microstep) maximum above the floor: c is not measured, no chance is stated,
+    # and the row is told why
+    assert PC.raw_maximum_chance(site, _run(severity=0.3)) == A.C_UNMEASURED
+    # a site, or a layer, without units in the run: that is the why, not c
     assert PC.raw_maximum_chance(Row(1, "Table 2", "bwd/ffn", 3.88, None, None, "-", "fail",
-                                     ""), _run()) is None
+                                     ""), _run()) == FX.no_units_here("bwd/ffn")
+    empty_layer = Row(1, "Table 8", "fwd/attn layer 5", "-", 0.0, None, "-", "fail", "")
+    assert PC.raw_maximum_chance(empty_layer, _run()) == FX.no_units_here("fwd/attn layer 5")
+    # the paper's side without units: node 14's Table 6 gives fwd/ffn 0 in every layer, node
+    # 3 has no row there
+    for node, words in ((14, "Table 6 gives fwd/ffn a frequency of 0 in every layer"),
+                        (3, "Table 6 has no row for node 3")):
+        why = PC.raw_maximum_chance(Row(node, "Table 2", "fwd/ffn", 1.0, 5.0, None, "-",
+                                        "fail", ""), _run(site="fwd/ffn"))
+        assert why.startswith(words)
+
+
+def test_a_row_without_a_chance_says_the_runs_own_why_once():
+    """`pass_chance.annotate` writes the why read from the run into the row's reason, and
+    `say_why_none` does not add a second."""
+    row = Row(1, "Table 2", "bwd/ffn", 3.88, None, None, "[1.29, 11.6]", "fail", "measured")
+    PC.annotate([row], {}, _run())
+    PC.say_why_none([row])
+    assert row.pass_probability is None
+    assert row.reason == f"measured{PC.NO_CHANCE}{FX.no_units_here('bwd/ffn')}"

@@ -110,7 +110,12 @@ def test_a_flip_runs_raw_rows_get_a_chance_where_its_tail_is_measured():
         _flip_run(additive_above=8, units=400, hits=4000))  # ours over more units: another law
     # a site the run has no units at
     assert PC.raw_maximum_chance(Row(1, "Table 2", "bwd/ffn", 1.0, 1.0, 1.0, "-", "pass", ""),
-                                 run) is None
+                                 run) == FX.no_units_here("bwd/ffn")
+    # the paper's side: node 14's Table 2 gives fwd/ffn no severity, its Table 6 no mismatches
+    assert PC.raw_maximum_chance(Row(14, "Table 2", "fwd/ffn", 0.0, 1.0, None, "-", "fail", ""),
+                                 run).startswith("Table 2 gives fwd/ffn a largest severity of 0:")
+    assert PC.raw_maximum_chance(Row(14, "Table 8", "fwd/ffn layer 2", "x", 1.0, None, "-",
+                                     "fail", ""), run) == FX.no_paper_units(14, "fwd/ffn")
 
 
 @pytest.mark.parametrize("above", [2, 0])

@@ -26,7 +26,7 @@ units over ours (checked in tests/test_additive_run_chance.py). c is the run's f
 site, taken at the fit and at either end of its Poisson range of units above the floor
 (`flip_exposure.count_spread`): the least lower bound and the greatest upper bound, the upper
 one stated where it exceeds the lower by more than `RANGE_SHOWN`; none where no unit of the
-site exceeds the floor (c unmeasured). Imports no JAX.
+site exceeds the floor (c unmeasured), which the row's reason then says. Imports no JAX.
 """
 
 from __future__ import annotations
@@ -107,21 +107,29 @@ def paper_units(node: int, site: str, layer: bool) -> list[float]:
     return units if layer else [sum(units)]
 
 
-def raw_chance(row: Row, run) -> tuple[float, float | None] | None:
+C_UNMEASURED = ("the additive tail's constant c is measured from the site's units above 0.5, "
+                "and this run has none")
+
+
+def raw_chance(row: Row, run) -> tuple[float, float | None] | str:
     """(low, high) of an additive run's Table 2 or Tables 8-9 row at the run's exposure
-    (module docstring), high None where it is within `RANGE_SHOWN` of low; None: no units on
-    either side, or c unmeasured."""
+    (module docstring), high None where it is within `RANGE_SHOWN` of low; where it states
+    none, why: c unmeasured, or no units on either side."""
     site, _, layer = row.quantity.partition(" layer ")
-    c, above, _ = X.tail_fit(run, site)
     by_layer = run.mismatch_rollup.by_layer
-    if above == 0 or site not in by_layer.index.get_level_values("site"):
-        return None
+    if site not in by_layer.index.get_level_values("site"):
+        return FX.no_units_here(row.quantity)
     at = by_layer.xs(site, level="site")
     if layer:
         at = at.loc[[int(layer)]] if int(layer) in at.index else at.iloc[:0]
     units, paper = float(at["units"].sum()), paper_units(row.node, site, bool(layer))
-    if units <= 0 or max(paper, default=0.0) <= 0:
-        return None
+    if units <= 0:
+        return FX.no_units_here(row.quantity)
+    c, above, _ = X.tail_fit(run, site)
+    if above == 0:
+        return C_UNMEASURED
+    if max(paper, default=0.0) <= 0:
+        return FX.no_paper_units(row.node, site)
     spread = FX.count_spread(above)
     bounds = [chance_bounds(TailMaximum(c * e, units),
                             [TailMaximum(c * e, u) if u > 0 else None for u in paper])

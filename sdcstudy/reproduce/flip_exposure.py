@@ -135,6 +135,21 @@ class MaximumLaw:
         return hi
 
 
+def no_units_here(quantity: str) -> str:
+    """Why a Table 2 or Tables 8-9 row (`quantity`: a site, or a site and layer) states no
+    chance at the run's exposure when the run holds no units there."""
+    return f"this run holds no units at {quantity}, so its maximum has no law"
+
+
+def no_paper_units(node: int, site: str) -> str:
+    """Why such a row states none when the paper's maximum has no units: `site`'s frequency
+    table (6 or 7) has no row for `node`, or gives 0 (as rounded there) in every layer."""
+    table = PL.tables_for(site)[0]
+    if PL.layer_values(table, node, site) is None:
+        return f"{table} has no row for node {node}, so the paper's units are unknown"
+    return f"{table} gives {site} a frequency of 0 in every layer, so the paper's units are 0"
+
+
 def exposure(freqs, tp: int = FM.PAPER_TP) -> tuple[float, float]:
     """(U, N1): the paper's units with a mismatch, and with exactly one, summed over layers of
     Table 6 or 7 frequencies `freqs` (`flip_model.paper_units`)."""

@@ -133,10 +133,10 @@ def tail_range(tail: FX.SiteTail, records) -> tuple[FX.SiteTail, tuple[float, ..
     return replace(tail, tail=FX.HIT_FLOOR * upper / recorded), (0.0, 0.5, 1.0), True
 
 
-def raw_chance(row: Row, run) -> tuple[float, float | None] | None:
+def raw_chance(row: Row, run) -> tuple[float, float | None] | str:
     """(chance, None) of a flip run's Table 2 or Tables 8-9 row at the run's exposure (module
     docstring), the least over A's range; (least, greatest) where A was too rare to measure
-    (`tail_range`); None: no units or no paper exposure."""
+    (`tail_range`); where it states none, why: no units, or no paper exposure or severity."""
     site, _, layer = row.quantity.partition(" layer ")
     records, values = FX.run_records(run)
     tail, scales, rare = tail_range(FX.site_tail(row.node, site, records, values), records)
@@ -147,16 +147,17 @@ def raw_chance(row: Row, run) -> tuple[float, float | None] | None:
         at = at.loc[[int(layer)]] if int(layer) in at.index else at.iloc[:0]
     units, hits = float(at["units"].sum()), float(at["mismatches"].sum())
     if units <= 0:
-        return None
+        return FX.no_units_here(row.quantity)
     ours = run_law(tail, units, hits)
     freqs = PL.layer_values(PL.tables_for(site)[0], row.node, site) or ()
     if not layer:
-        if float(PB.published(f"{PB.PAPER_PREFIX}{row.node}")["max_severity"][site]) == 0 \
-                or FX.exposure(freqs)[0] == 0:
-            return None
+        if float(PB.published(f"{PB.PAPER_PREFIX}{row.node}")["max_severity"][site]) == 0:
+            return f"Table 2 gives {site} a largest severity of 0: the paper's maximum has no law"
+        if FX.exposure(freqs)[0] == 0:
+            return FX.no_paper_units(row.node, site)
         chances = table2_chances(ours, tail.law(freqs), scales)
     elif not freqs or max(freqs) == 0:
-        return None
+        return FX.no_paper_units(row.node, site)
     else:
         chances = layers_chances(ours, [tail.law((f,)) if f > 0 else None for f in freqs],
                                  scales)

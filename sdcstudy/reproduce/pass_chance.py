@@ -202,9 +202,10 @@ def _steps_with_fault(node: int, means: np.ndarray) -> np.ndarray:
     return p_fire * -np.expm1(-means / p_fire)
 
 
-def raw_maximum_chance(row: Row, run) -> tuple[float, float | None] | None:
+def raw_maximum_chance(row: Row, run) -> tuple[float, float | None] | str | None:
     """(chance, upper bound or None) of a Table 2 or Tables 8-9 row at the run's exposure:
-    the flip model's by `flip_run_chance`, the additive one's by `additive_run_chance`."""
+    the flip model's by `flip_run_chance`, the additive one's by `additive_run_chance`; where
+    it states none, why (read from the run); None for a row at the paper's exposure."""
     if row.quantity.endswith(X.SUFFIX):
         return None
     if FX.is_flip_run(run):
@@ -241,7 +242,9 @@ def annotate(rows: list[Row], entry: dict, run) -> None:
         if row.source in ("Table 2", "Table 8", "Table 9") and row.band not in (
                 B.ZERO_BAND, B.ONSET_BAND):
             chance = raw_maximum_chance(row, run)
-            if chance is not None:
+            if isinstance(chance, str):
+                say_none(row, chance)
+            elif chance is not None:
                 row.pass_probability, row.pass_probability_max = chance
             continue
         row.pass_probability = row_chance(row, entry, run)
@@ -260,10 +263,8 @@ def d3_chance(d3: Row, rows: list[Row]) -> float | None:
 
 
 def why_none(row: Row) -> str:
-    """Why a judged row states no chance, in the words its reason ends with."""
-    if row.source in ("Table 2", "Table 8", "Table 9") and not row.quantity.endswith(X.SUFFIX):
-        return ("the additive tail's constant c is measured from the site's units above 0.5, "
-                "and this run has none")
+    """Why a judged row states no chance, in the words its reason ends with (a Table 2 or
+    Tables 8-9 row at the run's exposure has its why from the run, `annotate`)."""
     if row.source in ("Figure 5", "Figure 6", CR.SHAPE_SOURCE):
         return ("no seed-to-seed scatter of this command's runs (docs/scorecards/"
                 "seed_scatter.json)")
@@ -274,8 +275,18 @@ def why_none(row: Row) -> str:
     return "no law of a correct model's value is known for it here"
 
 
+NO_CHANCE = "; no P(pass): "  # what comes before a judged row's why it states no chance
+
+
+def say_none(row: Row, why: str) -> None:
+    """End `row`'s reason with why it states no chance."""
+    row.reason = f"{row.reason}{NO_CHANCE}{why}"
+
+
 def say_why_none(rows: list[Row]) -> None:
-    """End the reason of each judged row that states no chance with `why_none`."""
+    """End the reason of each judged row that states no chance, and does not say why yet,
+    with `why_none`."""
     for row in rows:
-        if row.verdict in ("pass", "fail") and row.pass_probability is None:
-            row.reason = f"{row.reason}; no P(pass): {why_none(row)}"
+        if (row.verdict in ("pass", "fail") and row.pass_probability is None
+                and NO_CHANCE not in row.reason):
+            say_none(row, why_none(row))
