@@ -218,6 +218,20 @@ def test_launch_settings_from_arguments_environment_and_slurm():
     assert not distributed.xla_knows_flag("--xla_force_host_platform_device")  # begins one
 
 
+@pytest.mark.parametrize("flag", [
+    distributed.COLLECTIVE_TIMEOUT_FLAG,
+    "--xla_cpu_collective_timeout",  # begins the flag above
+    "--xla_cpu_collective_call_warn_stuck_seconds",  # in the library, but no flag XLA parses
+])
+def test_xla_knows_a_flag_exactly_when_xla_starts_with_it(flag):
+    """`xla_knows_flag` against XLA itself: a backend started with `flag` in XLA_FLAGS aborts
+    on an unknown flag. The heuristic said yes to the last two before it read the name's end."""
+    env = {**os.environ, "XLA_FLAGS": f"{flag}=5", "JAX_PLATFORMS": "cpu"}
+    started = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                             capture_output=True, timeout=120).returncode == 0
+    assert distributed.xla_knows_flag(flag) == started
+
+
 # --- launch mistakes: one sentence each, before any JAX program compiles --------------------
 
 REFUSAL_TIMEOUT_S = 30  # --timeout of the refusals below; jax aborted after it before
