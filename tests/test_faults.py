@@ -615,3 +615,76 @@ def test_a_profile_written_from_to_dict_loads_as_itself(tmp_path):
         path.write_text(yamlsafe.dump(profiles.to_dict(profile), sort_keys=False))
         loaded = profiles.load(str(path))
         assert (loaded.name, loaded.specs) == (profile.name, profile.specs)
+
+
+@pytest.mark.parametrize("dtype, spec", [
+    (jnp.float32, FS.FaultSpec("grad", "additive", rate=1.0, scale=(2.0 ** -8, 1.0))),
+    (jnp.float32, FS.FaultSpec("grad", "scale", rate=1.0, scale=(0.5, 2.0))),
+    (jnp.float32, FS.FaultSpec("grad", "bitflip", rate=1.0, bit_class="exponent")),
+    (jnp.bfloat16, FS.FaultSpec("grad", "bitflip", rate=1.0, bits=(3,))),
+    (jnp.float32, FS.FaultSpec("grad", "nan", rate=1.0))])
+def test_the_dense_rest_drawn_in_two_passes_is_the_one_pass_draw_bit_for_bit(dtype, spec):
+    # The dense rest (more than HIT_CAP hits in a tensor) draws the second word of a uniform
+    # and the hit's value only where the first word leaves the element undecided, gathered
+    # (`draws._undecided_drawn`); it must give every element the hit and value that drawing
+    # every element's words gives (`_every_element_drawn`, the one-pass draw), at rates from
+    # just past the cap to the most the gathered pass takes, and an exact tie with the rate.
+    spec, size = spec.validate(), FD.GATHERED_MIN_SIZE
+    width = FB.bit_width(dtype)
+    gathered_share = 1 / FD.GATHERED_SHARE
+
+    @jax.jit
+    def both(key_data, rate):
+        key = jax.random.wrap_key_data(key_data)
+        hit, aux, positions, dense_keys = FD._listed_draws(key, spec, rate, size, width)
+        first, undecided = FD._undecided(dense_keys[0], rate, positions, size)
+        two = FD._undecided_drawn(dense_keys, spec, rate, width, hit, aux, first, undecided)
+        one = FD._every_element_drawn(dense_keys, spec, rate, width, hit, aux, positions)
+        return two, one, jnp.sum(undecided), positions[-1]
+
+    @jax.jit
+    def first_words(key_data):
+        dense_key = FD._listed_draws(jax.random.wrap_key_data(key_data), spec, 0.03, size,
+                                     width)[3][0]
+        return FD._undecided(dense_key, 0.03, jnp.zeros(1, jnp.uint32), size)[0]
+
+    def tie(key_data):  # a rate that is exactly an element's first-word part
+        parts = (np.asarray(first_words(key_data)) >> 8)[size // 2:]
+        return parts[(parts > 0.02 * 2 ** 24) & (parts < 0.05 * 2 ** 24)][0] * 2.0 ** -24
+
+    key_data = [jax.random.key_data(jax.random.key(seed)) for seed in range(4)]
+    rates = [0.02, 0.3 * gathered_share, 0.9 * gathered_share, tie(key_data[3])]
+    for key_data, rate in zip(key_data, rates):
+        (hit2, aux2), (hit1, aux1), undecided, last = both(key_data, jnp.float32(rate))
+        assert last < size and 0 < undecided <= FD._gathered_size(size), (rate, undecided)
+        assert np.array_equal(np.asarray(hit2), np.asarray(hit1)), rate
+        assert np.asarray(hit1).sum() > FD.HIT_CAP
+        if aux1 is not None:
+            assert np.array_equal(np.asarray(aux2).view(np.uint32),
+                                  np.asarray(aux1).view(np.uint32)), rate
+
+
+def test_the_dense_rest_falls_back_to_one_pass_past_the_gathered_share():
+    # Above 1 / GATHERED_SHARE the undecided elements outnumber the gathered pass: the draw
+    # must take the one-pass path (a truncated gather would drop hits), alone and stacked.
+    spec = FS.FaultSpec("grad", "additive", rate=1.0, scale=(2.0 ** -8, 1.0)).validate()
+    size = FD.GATHERED_MIN_SIZE
+    rate = jnp.float32(2.0 / FD.GATHERED_SHARE)
+
+    @jax.jit
+    def draws(key_data):
+        key = jax.random.wrap_key_data(key_data)
+        hit, aux, positions, dense_keys = FD._listed_draws(key, spec, rate, size, 32)
+        one = FD._every_element_drawn(dense_keys, spec, rate, 32, hit, aux, positions)
+        alone = FD._dense_after(dense_keys, spec, rate, 32, hit, aux, positions)
+        stack = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
+        stacked = FD._dense_after_stacked(*stack((dense_keys,)), spec, rate[None], 32,
+                                          *stack((hit, aux, positions)))
+        return one, alone, stacked
+
+    one, alone, stacked = draws(jax.random.key_data(jax.random.key(3)))
+    assert np.asarray(one[0]).sum() > FD._gathered_size(size)
+    for got in (alone, jax.tree.map(lambda a: a[0], stacked)):
+        assert np.array_equal(np.asarray(got[0]), np.asarray(one[0]))
+        assert np.array_equal(np.asarray(got[1]).view(np.uint32),
+                              np.asarray(one[1]).view(np.uint32))

@@ -17,8 +17,8 @@ from jax import lax
 
 from sdcstudy.core.mesh import vary
 from sdcstudy.faults.bits import bit_width, from_bits, to_bits
-from sdcstudy.faults.draws import (_counted_draws, _dense_after, _listed_draws, _no_draws,
-                                   _shaped, _varying, draw)
+from sdcstudy.faults.draws import (_counted_draws, _dense_after_stacked, _listed_draws,
+                                   _no_draws, _shaped, _varying, draw)
 from sdcstudy.faults.records import empty_record, make_record, record_at
 from sdcstudy.faults.specs import FaultSpec
 
@@ -143,9 +143,9 @@ def corrupt_and_record_stacked(xs, key_data, rates, spec: FaultSpec, limit: int)
         hit, aux, positions, dense_keys = jax.vmap(
             lambda key, rate: _listed_draws(key, spec, rate, size, width))(keys, rates)
         axes = _varying(key_data, rates)
-        dense = jax.vmap(lambda *a: _dense_after(a[0], spec, a[1], width, *a[2:]))
         hit, aux = lax.cond(jnp.any(positions[:, -1] < size),
-                            lambda: vary(dense(dense_keys, rates, hit, aux, positions), axes),
+                            lambda: vary(_dense_after_stacked(dense_keys, spec, rates, width,
+                                                              hit, aux, positions), axes),
                             lambda: vary((hit, aux), axes))
 
     def one(x, hit, aux, rms):

@@ -202,10 +202,99 @@ def _listed_draws(key, spec: FaultSpec, rate, size: int, width: int):
     return hit, aux, positions, dense_keys
 
 
+# The dense rest in two passes, bit for bit the same draws: an element's uniform is two words
+# (`_fine`), and its first word alone settles it unless the element is hit or within 2^-24 of
+# the rate; so the first words are drawn for every element, and the second word and the hit's
+# value only for the few it leaves (each word is the hash of its element's counter, drawable
+# alone), gathered. Where they exceed size / GATHERED_SHARE, every element's words are drawn.
+# Tensors under GATHERED_MIN_SIZE elements draw every element's words: there the second pass
+# saves less than its conditional costs to compile.
+GATHERED_SHARE = 16
+GATHERED_MIN_SIZE = 2 ** 16
+
+
+def _gathers(spec: FaultSpec, size: int) -> bool:
+    """Whether the dense rest of a `size`-element tensor takes two passes: it is large enough,
+    and the kind's hit values are drawn element by element from the hashes (a random value is
+    JAX's own normal draw over the whole tensor)."""
+    return size >= GATHERED_MIN_SIZE and spec.kind != "random"
+
+
+def _gathered_size(size: int) -> int:
+    """How many undecided elements the gathered pass takes at most."""
+    return max(1, size // GATHERED_SHARE)
+
+
 def _dense_after(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positions):
     """(hit, aux) with every element after the last listed position drawn densely; where the
     positions hold every hit (the last one is the size), `hit` and `aux` as they were.
-    `dense_keys`: the key of the hits' uniforms, then the (bit, value, sign) keys."""
+    `dense_keys`: the key of the hits' uniforms, then the (bit, value, sign) keys. Drawn in two
+    passes (`_undecided`, `_undecided_drawn`) where few elements are left undecided, else at
+    once (`_every_element_drawn`)."""
+    if not _gathers(spec, hit.size):
+        return _every_element_drawn(dense_keys, spec, rate, width, hit, aux, positions)
+    first, undecided = _undecided(dense_keys[0], rate, positions, hit.size)
+    axes = _varying(dense_keys, rate, hit, positions)
+    return lax.cond(
+        jnp.sum(undecided) <= _gathered_size(hit.size),
+        lambda: vary(_undecided_drawn(dense_keys, spec, rate, width, hit, aux, first,
+                                      undecided), axes),
+        lambda: vary(_every_element_drawn(dense_keys, spec, rate, width, hit, aux, positions),
+                     axes))
+
+
+def _dense_after_stacked(dense_keys, spec: FaultSpec, rates, width: int, hit, aux, positions):
+    """`_dense_after` of each tensor of a stack (the first axis of every argument), with one
+    choice between the passes for the whole stack: under `vmap`, a `lax.cond` on each tensor's
+    own count would run both."""
+    every = jax.vmap(lambda k, r, h, a, p: _every_element_drawn(k, spec, r, width, h, a, p))
+    size = hit.shape[1]
+    if not _gathers(spec, size):
+        return every(dense_keys, rates, hit, aux, positions)
+    first, undecided = jax.vmap(lambda k, r, p: _undecided(k[0], r, p, size))(
+        dense_keys, rates, positions)
+    gathered = jax.vmap(
+        lambda k, r, h, a, f, u: _undecided_drawn(k, spec, r, width, h, a, f, u))
+    axes = _varying(dense_keys, rates, hit, positions)
+    return lax.cond(jnp.all(jnp.sum(undecided, axis=1) <= _gathered_size(size)),
+                    lambda: vary(gathered(dense_keys, rates, hit, aux, first, undecided), axes),
+                    lambda: vary(every(dense_keys, rates, hit, aux, positions), axes))
+
+
+def _undecided(key, rate, positions, size: int):
+    """(first, undecided): the bits of every element's first word (counter i), and the
+    elements after the last listed position that it leaves undecided or hit. An element whose
+    first word's part p0 2^-24 is at least the rate is not hit: `_fine` gives it at least that
+    (the second word adds under 2^-24, and its clip stays above)."""
+    (words,) = H.hashes([(key, size)])
+    first = H.as_bits(words, (size,))
+    after = jnp.arange(size, dtype=jnp.uint32) > positions[-1]
+    return first, after & ((first >> 8).astype(jnp.float32) * 2.0 ** -24 < rate)
+
+
+def _undecided_drawn(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, first,
+                     undecided):
+    """`_dense_after`'s (hit, aux) from the `_undecided` elements alone (at most
+    `_gathered_size`): their second words (counter size + i) and hit values (counter i)."""
+    size = hit.size
+    (index,) = jnp.nonzero(undecided, size=_gathered_size(size), fill_value=size)
+    index = index.astype(jnp.uint32)  # the fill, size, is dropped below
+    bit_keys = H.split(dense_keys[1], 2) if _draws_a_bit(spec, width) else None
+    words = H.hashes([(dense_keys[0], index + jnp.uint32(size)),
+                      *_value_requests(spec, dense_keys[1:], bit_keys, index)])
+    n = index.shape[0]
+    uniform = _fine(jnp.stack([first.at[index].get(mode="fill", fill_value=0),
+                               H.as_bits(words[0], (n,))]))
+    at = jnp.where((index < size) & (uniform < rate), index, jnp.uint32(size))
+    hit = hit.at[at].set(True, mode="drop")
+    if aux is None:
+        return hit, None
+    more_aux = _aux(spec, dense_keys[1:], _value_bits(spec, words[1:], (n,)), width, (n,))
+    return hit, aux.at[at].set(more_aux, mode="drop")
+
+
+def _every_element_drawn(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positions):
+    """`_dense_after` in one pass: every element's uniform and hit value drawn."""
     size = hit.size
     bit_keys = H.split(dense_keys[1], 2) if _draws_a_bit(spec, width) else None
     words = H.hashes([(dense_keys[0], 2 * size),

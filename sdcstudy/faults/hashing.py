@@ -34,15 +34,23 @@ ONE_BITS = 0x3F800000  # the bits of 1.0 in float32
 
 def hashes(requests):
     """[(key, n)] -> [(w1, w2)]: the two words of H(key, c) for the counters c = 0 .. n-1 of
-    each request, all requests in one hash."""
-    k1 = jnp.concatenate([jnp.broadcast_to(key[0], (n,)) for key, n in requests])
-    k2 = jnp.concatenate([jnp.broadcast_to(key[1], (n,)) for key, n in requests])
-    low = jnp.concatenate([jnp.arange(n, dtype=jnp.uint32) for _, n in requests])
+    each request (where n is a uint32 vector, for the counters it holds: element i of a draw
+    is the hash of counter i alone, so any of its elements can be drawn by itself), all
+    requests in one hash."""
+    counters = [jnp.arange(n, dtype=jnp.uint32) if isinstance(n, int) else n
+                for _, n in requests]
+    k1 = jnp.concatenate([jnp.broadcast_to(key[0], c.shape)
+                          for (key, _), c in zip(requests, counters)])
+    k2 = jnp.concatenate([jnp.broadcast_to(key[1], c.shape)
+                          for (key, _), c in zip(requests, counters)])
+    low = jnp.concatenate(counters)
     # The hash keeps no record of the mesh axes its operands vary over (inside `shard_map`).
-    axes = frozenset().union(*(varying_axes(key) for key, _ in requests))
+    axes = frozenset().union(*(varying_axes(key) for key, _ in requests),
+                             *(varying_axes(c) for c in counters))
     w1, w2 = vary(_threefry(k1, k2, low), axes)
     out, start = [], 0
-    for _, n in requests:
+    for c in counters:
+        n = c.shape[0]
         out.append((w1[start:start + n], w2[start:start + n]))
         start += n
     return out
