@@ -8,8 +8,8 @@ speed"). This times the parts at one site of the model, jitted alone: the site's
 (`faults.draws.draw`: the hit positions, then a magnitude and a sign for each hit), and
 drawing, applying and recording together (`corrupt_and_record`, as a firing site runs it).
 Where the rate makes more than `draws.HIT_CAP` hits, it also times the dense rest of the draw
-both ways, side by side: every element's words at once (`_every_element_drawn`), and the two
-passes the engine takes (`_dense_after`: first words, then the undecided elements gathered).
+both ways, side by side: every element's words at once (`dense_after_one_pass`), and the two
+passes the engine takes (`dense_after`: first words, then the undecided elements gathered).
 A weight gradient of the small model at nodes 1 and 14's rate:
 `--preset small --tokens 1536 --rate 0.0152 --calls 20` (its 512 x 1,536 product dW).
 """
@@ -61,14 +61,14 @@ def main(argv=None) -> None:
             x, kd, args.rate, spec, 64, skip_idle=True)), (x, key_data)),
     }
     if args.rate * math.prod(shape) > FD.HIT_CAP:
-        listed = jax.jit(lambda kd: FD._listed_draws(jax.random.wrap_key_data(kd), spec,
+        listed = jax.jit(lambda kd: FD.listed_draws(jax.random.wrap_key_data(kd), spec,
                                                      args.rate, math.prod(shape), 32))(key_data)
         hit, aux, positions, dense_keys = listed
         parts["dense rest, every element's words"] = (jax.jit(
-            lambda *a: FD._every_element_drawn(a[0], spec, args.rate, 32, *a[1:])),
+            lambda *a: FD.dense_after_one_pass(a[0], spec, args.rate, 32, *a[1:])),
             (dense_keys, hit, aux, positions))
         parts["dense rest, two passes (the engine's)"] = (jax.jit(
-            lambda *a: FD._dense_after(a[0], spec, args.rate, 32, *a[1:])),
+            lambda *a: FD.dense_after(a[0], spec, args.rate, 32, *a[1:])),
             (dense_keys, hit, aux, positions))
     base = None
     for name, (fn, fn_args) in parts.items():

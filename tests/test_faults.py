@@ -627,7 +627,7 @@ def test_the_dense_rest_drawn_in_two_passes_is_the_one_pass_draw_bit_for_bit(dty
     # The dense rest (more than HIT_CAP hits in a tensor) draws the second word of a uniform
     # and the hit's value only where the first word leaves the element undecided, gathered
     # (`draws._undecided_drawn`); it must give every element the hit and value that drawing
-    # every element's words gives (`_every_element_drawn`, the one-pass draw), at rates from
+    # every element's words gives (`dense_after_one_pass`, the one-pass draw), at rates from
     # just past the cap to the most the gathered pass takes, and an exact tie with the rate.
     spec, size = spec.validate(), FD.GATHERED_MIN_SIZE
     width = FB.bit_width(dtype)
@@ -636,15 +636,15 @@ def test_the_dense_rest_drawn_in_two_passes_is_the_one_pass_draw_bit_for_bit(dty
     @jax.jit
     def both(key_data, rate):
         key = jax.random.wrap_key_data(key_data)
-        hit, aux, positions, dense_keys = FD._listed_draws(key, spec, rate, size, width)
+        hit, aux, positions, dense_keys = FD.listed_draws(key, spec, rate, size, width)
         first, undecided = FD._undecided(dense_keys[0], rate, positions, size)
         two = FD._undecided_drawn(dense_keys, spec, rate, width, hit, aux, first, undecided)
-        one = FD._every_element_drawn(dense_keys, spec, rate, width, hit, aux, positions)
+        one = FD.dense_after_one_pass(dense_keys, spec, rate, width, hit, aux, positions)
         return two, one, jnp.sum(undecided), positions[-1]
 
     @jax.jit
     def first_words(key_data):
-        dense_key = FD._listed_draws(jax.random.wrap_key_data(key_data), spec, 0.03, size,
+        dense_key = FD.listed_draws(jax.random.wrap_key_data(key_data), spec, 0.03, size,
                                      width)[3][0]
         return FD._undecided(dense_key, 0.03, jnp.zeros(1, jnp.uint32), size)[0]
 
@@ -674,9 +674,9 @@ def test_the_dense_rest_falls_back_to_one_pass_past_the_gathered_share():
     @jax.jit
     def draws(key_data):
         key = jax.random.wrap_key_data(key_data)
-        hit, aux, positions, dense_keys = FD._listed_draws(key, spec, rate, size, 32)
-        one = FD._every_element_drawn(dense_keys, spec, rate, 32, hit, aux, positions)
-        alone = FD._dense_after(dense_keys, spec, rate, 32, hit, aux, positions)
+        hit, aux, positions, dense_keys = FD.listed_draws(key, spec, rate, size, 32)
+        one = FD.dense_after_one_pass(dense_keys, spec, rate, 32, hit, aux, positions)
+        alone = FD.dense_after(dense_keys, spec, rate, 32, hit, aux, positions)
         stack = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
         stacked = FD._dense_after_stacked(*stack((dense_keys,)), spec, rate[None], 32,
                                           *stack((hit, aux, positions)))

@@ -17,7 +17,7 @@ from jax import lax
 
 from sdcstudy.core.mesh import vary
 from sdcstudy.faults.bits import bit_width, from_bits, to_bits
-from sdcstudy.faults.draws import (_counted_draws, _dense_after_stacked, _listed_draws,
+from sdcstudy.faults.draws import (_counted_draws, _dense_after_stacked, listed_draws,
                                    _no_draws, _shaped, _varying, draw)
 from sdcstudy.faults.records import empty_record, make_record, record_at
 from sdcstudy.faults.specs import FaultSpec
@@ -141,7 +141,7 @@ def corrupt_and_record_stacked(xs, key_data, rates, spec: FaultSpec, limit: int)
             lambda key, rate: _counted_draws(key, spec, rate, size, width))(keys, rates)
     else:
         hit, aux, positions, dense_keys = jax.vmap(
-            lambda key, rate: _listed_draws(key, spec, rate, size, width))(keys, rates)
+            lambda key, rate: listed_draws(key, spec, rate, size, width))(keys, rates)
         axes = _varying(key_data, rates)
         hit, aux = lax.cond(jnp.any(positions[:, -1] < size),
                             lambda: vary(_dense_after_stacked(dense_keys, spec, rates, width,

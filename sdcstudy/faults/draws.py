@@ -165,16 +165,16 @@ def _sparse_draws(key, spec: FaultSpec, rate, size: int, width: int):
     """(hit, aux, positions, complete), flat: the first HIT_CAP hits one by one, then, if the
     cap-th hit lands, every element after it drawn densely (exact: the elements after a hit
     are independent of the ones before); `complete`: the positions hold every hit."""
-    hit, aux, positions, dense_keys = _listed_draws(key, spec, rate, size, width)
+    hit, aux, positions, dense_keys = listed_draws(key, spec, rate, size, width)
     axes = _varying(key, rate)
     hit, aux = lax.cond(positions[-1] < size,
-                        lambda: vary(_dense_after(dense_keys, spec, rate, width, hit, aux,
+                        lambda: vary(dense_after(dense_keys, spec, rate, width, hit, aux,
                                                   positions), axes),
                         lambda: vary((hit, aux), axes))
     return hit, aux, positions, positions[-1] >= size
 
 
-def _listed_draws(key, spec: FaultSpec, rate, size: int, width: int):
+def listed_draws(key, spec: FaultSpec, rate, size: int, width: int):
     """(hit, aux, positions, the keys of the dense rest): the first HIT_CAP hits, flat.
 
     Three hashes (`hashing.py`): the key's three keys (hits, their values, the dense rest);
@@ -225,29 +225,29 @@ def _gathered_size(size: int) -> int:
     return max(1, size // GATHERED_SHARE)
 
 
-def _dense_after(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positions):
+def dense_after(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positions):
     """(hit, aux) with every element after the last listed position drawn densely; where the
     positions hold every hit (the last one is the size), `hit` and `aux` as they were.
     `dense_keys`: the key of the hits' uniforms, then the (bit, value, sign) keys. Drawn in two
     passes (`_undecided`, `_undecided_drawn`) where few elements are left undecided, else at
-    once (`_every_element_drawn`)."""
+    once (`dense_after_one_pass`)."""
     if not _gathers(spec, hit.size):
-        return _every_element_drawn(dense_keys, spec, rate, width, hit, aux, positions)
+        return dense_after_one_pass(dense_keys, spec, rate, width, hit, aux, positions)
     first, undecided = _undecided(dense_keys[0], rate, positions, hit.size)
     axes = _varying(dense_keys, rate, hit, positions)
     return lax.cond(
         jnp.sum(undecided) <= _gathered_size(hit.size),
         lambda: vary(_undecided_drawn(dense_keys, spec, rate, width, hit, aux, first,
                                       undecided), axes),
-        lambda: vary(_every_element_drawn(dense_keys, spec, rate, width, hit, aux, positions),
+        lambda: vary(dense_after_one_pass(dense_keys, spec, rate, width, hit, aux, positions),
                      axes))
 
 
 def _dense_after_stacked(dense_keys, spec: FaultSpec, rates, width: int, hit, aux, positions):
-    """`_dense_after` of each tensor of a stack (the first axis of every argument), with one
+    """`dense_after` of each tensor of a stack (the first axis of every argument), with one
     choice between the passes for the whole stack: under `vmap`, a `lax.cond` on each tensor's
     own count would run both."""
-    every = jax.vmap(lambda k, r, h, a, p: _every_element_drawn(k, spec, r, width, h, a, p))
+    every = jax.vmap(lambda k, r, h, a, p: dense_after_one_pass(k, spec, r, width, h, a, p))
     size = hit.shape[1]
     if not _gathers(spec, size):
         return every(dense_keys, rates, hit, aux, positions)
@@ -274,7 +274,7 @@ def _undecided(key, rate, positions, size: int):
 
 def _undecided_drawn(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, first,
                      undecided):
-    """`_dense_after`'s (hit, aux) from the `_undecided` elements alone (at most
+    """`dense_after`'s (hit, aux) from the `_undecided` elements alone (at most
     `_gathered_size`): their second words (counter size + i) and hit values (counter i)."""
     size = hit.size
     (index,) = jnp.nonzero(undecided, size=_gathered_size(size), fill_value=size)
@@ -293,8 +293,8 @@ def _undecided_drawn(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, fi
     return hit, aux.at[at].set(more_aux, mode="drop")
 
 
-def _every_element_drawn(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positions):
-    """`_dense_after` in one pass: every element's uniform and hit value drawn."""
+def dense_after_one_pass(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positions):
+    """`dense_after` in one pass: every element's uniform and hit value drawn."""
     size = hit.size
     bit_keys = H.split(dense_keys[1], 2) if _draws_a_bit(spec, width) else None
     words = H.hashes([(dense_keys[0], 2 * size),
