@@ -688,3 +688,18 @@ def test_the_dense_rest_falls_back_to_one_pass_past_the_gathered_share():
         assert np.array_equal(np.asarray(got[0]), np.asarray(one[0]))
         assert np.array_equal(np.asarray(got[1]).view(np.uint32),
                               np.asarray(one[1]).view(np.uint32))
+
+
+def test_only_a_large_tensor_whose_spec_can_pass_the_cap_draws_its_dense_rest_in_two_passes():
+    # The second pass costs a conditional to compile; a tensor takes it where its dense rest
+    # is likely: node 14's weight gradients on the small model's 512 x 1,536 leaves, not its
+    # bursty Table 1 sites (a few hits a step at most) nor tiny's 8,192-element leaves.
+    grad, *_ = [s for s in profiles.paper_node(14).specs if s.site == "grad"]
+    sites = [s for s in profiles.paper_node(14).specs if s.site != "grad"]
+    assert FD._gathers(grad, 512 * 1536) and not FD._gathers(grad, 64 * 128)
+    assert not any(FD._gathers(s, 8 * 128 * 512) for s in sites)
+    # the time pattern's peak counts: a decay spike 11x the base rate crosses HIT_CAP / 2
+    base = FS.FaultSpec("fwd/attn", "additive", rate=1e-4, scale=(2.0 ** -8, 1.0))
+    spiking = dataclasses.replace(base, pattern=FS.TimePattern("decay", amplitude=10.0))
+    assert not FD._gathers(base, 2 ** 20) and FD._gathers(spiking, 2 ** 20)
+    assert not FD._gathers(dataclasses.replace(base, kind="random", rate=0.5), 2 ** 20)

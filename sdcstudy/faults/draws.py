@@ -207,17 +207,20 @@ def listed_draws(key, spec: FaultSpec, rate, size: int, width: int):
 # the rate; so the first words are drawn for every element, and the second word and the hit's
 # value only for the few it leaves (each word is the hash of its element's counter, drawable
 # alone), gathered. Where they exceed size / GATHERED_SHARE, every element's words are drawn.
-# Tensors under GATHERED_MIN_SIZE elements draw every element's words: there the second pass
-# saves less than its conditional costs to compile.
+# The second pass is a conditional more to compile, so only a tensor that gains takes it: one of
+# at least GATHERED_MIN_SIZE elements whose spec can expect HIT_CAP / 2 hits or more at its
+# peak rate (a rarer dense rest keeps the one pass; the bits are the same either way).
 GATHERED_SHARE = 16
 GATHERED_MIN_SIZE = 2 ** 16
 
 
 def _gathers(spec: FaultSpec, size: int) -> bool:
     """Whether the dense rest of a `size`-element tensor takes two passes: it is large enough,
-    and the kind's hit values are drawn element by element from the hashes (a random value is
-    JAX's own normal draw over the whole tensor)."""
-    return size >= GATHERED_MIN_SIZE and spec.kind != "random"
+    its spec's peak rate (the time pattern's largest multiplier) expects HIT_CAP / 2 hits or
+    more, and the kind's hit values are drawn element by element from the hashes (a random
+    value is JAX's own normal draw over the whole tensor)."""
+    peak = min(1.0, spec.base_rate * spec.pattern.peak_multiplier())
+    return size >= GATHERED_MIN_SIZE and peak * size >= HIT_CAP / 2 and spec.kind != "random"
 
 
 def _gathered_size(size: int) -> int:

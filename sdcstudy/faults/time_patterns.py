@@ -39,6 +39,14 @@ class TimePattern:
         """Average rate multiplier over steps 1..steps (for calibration and descriptions)."""
         return float(np.mean(self.expected_multipliers(steps)))
 
+    def peak_multiplier(self) -> float:
+        """The largest rate multiplier a step can take (a burst's active step: 1)."""
+        if self.kind == "decay":
+            return 1 + self.amplitude
+        if self.kind == "periodic":
+            return max(1.0, self.amplitude)
+        return 1.0
+
     def expected_multipliers(self, steps: int) -> np.ndarray:
         """The expected rate multiplier at each of steps 1..steps (a burst's: `p_active`)."""
         return self._multiplier_np(np.arange(1, steps + 1, dtype=np.float64))
