@@ -37,7 +37,7 @@ def hashes(requests):
     each request (where n is a uint32 vector, for the counters it holds: element i of a draw
     is the hash of counter i alone, so any of its elements can be drawn by itself), all
     requests in one hash."""
-    counters = [jnp.arange(n, dtype=jnp.uint32) if isinstance(n, int) else n
+    counters = [jnp.arange(n, dtype=jnp.uint32) if isinstance(n, (int, np.integer)) else n
                 for _, n in requests]
     k1 = jnp.concatenate([jnp.broadcast_to(key[0], c.shape)
                           for (key, _), c in zip(requests, counters)])
