@@ -1,4 +1,5 @@
 """python experiments/fault_draw_cost.py [--preset tiny] [--tokens 1024] [--rate 1e-3] [--calls 300]
+    [--json FILE]
 
 What one firing fault site costs: the draws, against the matmul that made the tensor.
 
@@ -9,18 +10,22 @@ speed"). This times the parts at one site of the model, jitted alone: the site's
 drawing, applying and recording together (`corrupt_and_record`, as a firing site runs it).
 Where the rate makes more than `draws.HIT_CAP` hits, it also times the dense rest of the draw
 both ways, side by side: every element's words at once (`dense_after_one_pass`), and the two
-passes the engine takes (`dense_after`: first words, then the undecided elements gathered).
-A weight gradient of the small model at nodes 1 and 14's rate:
-`--preset small --tokens 1536 --rate 0.0152 --calls 20` (its 512 x 1,536 product dW).
+passes the engine takes (`dense_after`: first words, then the undecided elements gathered),
+and says whether the two give the same bits. A weight gradient of the small model at nodes 1
+and 14's rate: `--preset small --tokens 1536 --rate 0.0152 --calls 20` (its 512 x 1,536
+product dW; `sdcstudy accept-gpu`'s `fault_draws` check runs it on a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
+from pathlib import Path
 
 import jax
+import numpy as np
 
 from sdcstudy.core import config as C
 from sdcstudy.faults import corrupt as FC
@@ -45,6 +50,8 @@ def main(argv=None) -> None:
                                                             "1,024: 16 sequences of 64)")
     p.add_argument("--rate", type=float, default=1e-3, help="the spec's rate (default 1e-3)")
     p.add_argument("--calls", type=int, default=300, help="timed calls each (default 300)")
+    p.add_argument("--json", type=Path, help="also write the times, and whether the dense "
+                                             "rest's two ways agree, to this JSON file")
     args = p.parse_args(argv)
     width = C.model_dims(C.from_dict({"model": {"preset": args.preset}}).model).d_model
     shape = (args.tokens, width)
@@ -60,22 +67,48 @@ def main(argv=None) -> None:
         "draw, apply and record": (jax.jit(lambda x, kd: FC.corrupt_and_record(
             x, kd, args.rate, spec, 64, skip_idle=True)), (x, key_data)),
     }
-    if args.rate * math.prod(shape) > FD.HIT_CAP:
-        listed = jax.jit(lambda kd: FD.listed_draws(jax.random.wrap_key_data(kd), spec,
-                                                     args.rate, math.prod(shape), 32))(key_data)
-        hit, aux, positions, dense_keys = listed
-        parts["dense rest, every element's words"] = (jax.jit(
-            lambda *a: FD.dense_after_one_pass(a[0], spec, args.rate, 32, *a[1:])),
-            (dense_keys, hit, aux, positions))
-        parts["dense rest, two passes (the engine's)"] = (jax.jit(
-            lambda *a: FD.dense_after(a[0], spec, args.rate, 32, *a[1:])),
-            (dense_keys, hit, aux, positions))
-    base = None
+    dense = dense_rest_parts(spec, args.rate, math.prod(shape), key_data)
+    parts.update(dense)
+    base, times = None, {}
     for name, (fn, fn_args) in parts.items():
         us = per_call_us(fn, *fn_args, calls=args.calls)
-        base = base or us
+        base, times[name] = base or us, us
         print(f"{name:<38} {us:9.0f} us  {us / base:5.1f}x the matmul")
+    same = None
+    if dense:
+        (one, one_args), (two, two_args) = dense.values()
+        same = same_bits(one(*one_args), two(*two_args))
+        print(f"the two passes give the one-pass draw's bits: {'yes' if same else 'NO'}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "device": jax.devices()[0].device_kind, "shape": list(shape), "rate": args.rate,
+            "parts_us": times, "dense_rest_us": dict(zip(DENSE_KEYS, [times[n] for n in dense])),
+            "dense_rest_same_bits": same}, indent=1))
 
+
+DENSE_KEYS = ("one_pass", "two_passes")  # the JSON's names of the dense rest's two ways
+
+
+def dense_rest_parts(spec, rate: float, size: int, key_data) -> dict:
+    """{name: (jitted fn, args)}: the dense rest of one draw both ways, every element's words
+    (`dense_after_one_pass`) and the engine's two passes (`dense_after`); empty where the rate
+    leaves no dense rest to draw."""
+    if rate * size <= FD.HIT_CAP:
+        return {}
+    listed = jax.jit(lambda kd: FD.listed_draws(jax.random.wrap_key_data(kd), spec, rate, size,
+                                                32))(key_data)
+    hit, aux, positions, dense_keys = listed
+    args = (dense_keys, hit, aux, positions)
+    return {"dense rest, every element's words": (jax.jit(
+                lambda *a: FD.dense_after_one_pass(a[0], spec, rate, 32, *a[1:])), args),
+            "dense rest, two passes (the engine's)": (jax.jit(
+                lambda *a: FD.dense_after(a[0], spec, rate, 32, *a[1:])), args)}
+
+
+def same_bits(a, b) -> bool:
+    """Whether two (hit, aux) draws are the same, bit for bit."""
+    return all(np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 if __name__ == "__main__":
     main()

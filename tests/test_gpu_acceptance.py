@@ -529,6 +529,32 @@ def test_golden_full_targets(meta, seconds, verdict, failing):
         assert judged[failing] is False
 
 
+def test_fault_draws_pass_only_with_the_one_pass_draws_bits():
+    """The two-pass dense rest must give the one-pass draw's bits on the device; its speed is
+    stated (one pass over two), whatever it is."""
+    report = {"dense_rest_us": {"one_pass": 90.0, "two_passes": 30.0},
+              "dense_rest_same_bits": True}
+    judged = GF.judge_fault_draws(report)
+    assert judged["pass"] is True and judged["ratio"] == pytest.approx(3.0)
+    assert GF.judge_fault_draws({**report, "dense_rest_same_bits": False})["pass"] is False
+    # no dense rest drawn (a rate too low to pass the cap): nothing shown, no PASS
+    nothing = GF.judge_fault_draws({"dense_rest_us": {}, "dense_rest_same_bits": None})
+    assert nothing["pass"] is False and nothing["ratio"] is None
+
+
+@pytest.mark.slow
+def test_the_fault_draws_check_runs_the_experiment_and_reads_its_file(tmp_path, monkeypatch):
+    """`fault_draws` for real on the CPU, at a tensor the size of a tiny model's 2,048 x 64
+    activation: the study runs in a child, writes its JSON, and the judge reads both ways."""
+    monkeypatch.setattr(GC, "FAULT_DRAWS", ("tiny", 2048, 0.0152, 1))
+    monkeypatch.setattr(GS, "versions", lambda: {})
+    args = SimpleNamespace(out=tmp_path, stage="quick", budget=240)
+    acc = GC.Acceptance(args, sys.executable, {"device_kind": H100}, tmp_path)
+    out = acc.fault_draws()
+    assert out["pass"] is True and out["same_bits"] is True, out
+    assert out["dense_rest_one_pass_us"] > 0 and out["dense_rest_two_passes_us"] > 0
+
+
 def test_repeat_needs_every_digest_equal():
     """Two processes' runs must end on the same parameters; a differing or missing digest
     (a run that failed) fails."""
@@ -707,7 +733,7 @@ def test_every_check_of_a_stage_is_wired(tmp_path, monkeypatch, stage, cudnn_fai
     ok = {"pass": True, "seconds": 1.0}
     for name in ("doctor", "bench_untuned", "bench_pallas", "abft_healthy", "abft_recall",
                  "golden_full", "fingerprint", "golden_other_machine", "attention_repeat",
-                 "overhead"):
+                 "fault_draws", "overhead"):
         monkeypatch.setattr(acc, name, lambda *a, **k: dict(ok))
     monkeypatch.setattr(acc, "bench_tuned", lambda: {**ok, **step})
     monkeypatch.setattr(acc, "bench_pinned", lambda: {**ok, **step, "tokens_per_s": 95_000.0})
@@ -802,7 +828,7 @@ def test_a_crashed_child_is_an_error_never_a_fail(tmp_path, monkeypatch):
     monkeypatch.setattr(acc, "child", lambda *a, **k: dict(crashed))
     results = {"doctor": acc.doctor(), "abft_healthy": acc.abft_healthy("float32"),
                "abft_recall": acc.abft_recall("float32"), "golden_full": acc.golden_full(),
-               "attention_repeat": acc.attention_repeat(),
+               "attention_repeat": acc.attention_repeat(), "fault_draws": acc.fault_draws(),
                "bench": acc.bench("b", ("tiny", 1, 16, 1, 1), "float32", cap=60),
                "torch_ratio": acc.torch_ratio({"tokens_per_s": 1.0})}
     for name, result in results.items():

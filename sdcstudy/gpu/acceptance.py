@@ -34,12 +34,13 @@ workload recorded into DIR (commit it for the next machine), and each record ano
 committed under experiments/golden-records/, checked here: PASS, and FAIL at one injected
 flip's step, layer and site [60]; `attention_repeat`: the tiny training
 in bfloat16 with cuDNN's fused attention (the Pallas kernels where cuDNN's cannot launch under
-the flags) in two processes, the same bits [40]; `fault_engine_cost`, `paired_cost`,
-`abft_overhead`: `bench faults`, `bench paired` and `bench abft` on `small` (16 x 512), each
-contender's step over the plain step's (idle and firing fault engine; lock-step and parameter
-synchronization against free running, SKIPPED on one GPU: a pair is two devices; ABFT on,
-and with recomputation): stated [3 x 60]; `bench_8b16l_bfloat16`: llama3-8b-16l (4 x 512)
-in bfloat16, flags on: MFU stated [150];
+the flags) in two processes, the same bits [40]; `fault_draws`: the fault engine's dense rest
+on a weight gradient of `small` at nodes 1 and 14's rate, one pass and two timed, the two the
+same bits [20]; `fault_engine_cost`, `paired_cost`, `abft_overhead`: `bench faults`, `bench
+paired` and `bench abft` on `small` (16 x 512), each contender's step over the plain step's
+(idle and firing fault engine; lock-step and parameter synchronization against free running,
+SKIPPED on one GPU: a pair is two devices; ABFT on, and with recomputation): stated [3 x 60];
+`bench_8b16l_bfloat16`: llama3-8b-16l (4 x 512) in bfloat16, flags on: MFU stated [150];
 `device_health`.
 
 `--only LIST` runs the named checks of either stage (a rerun of what a budget skipped).
@@ -70,8 +71,8 @@ FULL_CHECKS = ("doctor", "bench_medium_bfloat16_tuned", "bench_medium_bfloat16_p
                "abft_healthy_bfloat16", "abft_recall_float32", "abft_recall_bfloat16",
                "device_health")
 QUICK_CHECKS = ("golden_full", "fingerprint", "golden_other_machine", "attention_repeat",
-                "fault_engine_cost", "paired_cost", "abft_overhead", "bench_8b16l_bfloat16",
-                "device_health")
+                "fault_draws", "fault_engine_cost", "paired_cost", "abft_overhead",
+                "bench_8b16l_bfloat16", "device_health")
 PROBE = ("import json, jax; d = jax.devices()[0]; print(json.dumps({'backend': "
          "jax.default_backend(), 'device_kind': d.device_kind, 'device_count': "
          "jax.device_count()}))")
@@ -190,6 +191,7 @@ def run_checks(acc, checks: tuple[str, ...]) -> int:
     do("fingerprint", acc.fingerprint)
     do("golden_other_machine", acc.golden_other_machine)
     do("attention_repeat", acc.attention_repeat)
+    do("fault_draws", acc.fault_draws)
     for name, suite in GC.OVERHEADS.items():
         do(name, acc.overhead, name, suite)
     do_unless(GC.preset_problem(GC.EIGHT_B_16L[0]), "bench_8b16l_bfloat16", acc.bench,

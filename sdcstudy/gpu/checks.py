@@ -35,6 +35,10 @@ RECALL_PROFILE = "exponent-flip"
 RECALL_STEPS = 20
 ABFT_RULES = ("rounding", "paper", "paper-dtype")  # abft/tables.py HOST_THRESHOLDS
 ATTENTION_REPEAT_STEPS = 6
+# The fault engine's dense rest: a weight gradient of `small` (512 x 1,536) at nodes 1 and 14's
+# weight-gradient rate, about 11,900 hits (experiments/fault_draw_cost.py: preset, rows of the
+# tensor, rate, timed calls).
+FAULT_DRAWS = ("small", 1536, 0.0152, 20)
 AUTOTUNE_FILE = "autotune_medium_bfloat16.txt"  # text: XLA writes text for a .txt name
 CUDNN_FAILS = ("this jaxlib's XLA cannot launch cuDNN's fused attention under the determinism "
                "flags (core/determinism.py CUDNN_ATTENTION_FAILS_THROUGH), so the step runs "
@@ -248,6 +252,21 @@ class Acceptance(GoldenChecks):
             digests.append(json.loads(summary.read_text())["param_digest"])
         return {"runs": runs, "seconds": round(sum(r["seconds"] for r in runs), 1),
                 "attention": attention, **GF.judge_repeat(digests)}
+
+    def fault_draws(self) -> dict:
+        """The fault engine's dense rest on this device, both ways timed side by side in one
+        process (experiments/fault_draw_cost.py), and the engine's two passes bit for bit the
+        one-pass draw (`floors.judge_fault_draws`)."""
+        preset, tokens, rate, calls = FAULT_DRAWS
+        path = self.work / "fault_draws.json"
+        run = self.child("fault draws", [
+            ROOT / "experiments" / "fault_draw_cost.py", "--preset", preset, "--tokens", tokens,
+            "--rate", rate, "--calls", calls, "--json", path], cap=120)
+        if "skipped" in run:
+            return run
+        if not self.ran(run, path):
+            return broke(run)
+        return {**run, **GF.judge_fault_draws(json.loads(path.read_text()))}
 
     def device_health(self, before: dict, after: dict) -> dict:
         if "error" in before or "error" in after:

@@ -281,6 +281,19 @@ def judge_fingerprint(env: dict) -> dict:
             "missing": missing, "platform": env.get("platform"), "pass": not missing}
 
 
+def judge_fault_draws(report: dict) -> dict:
+    """The fault engine's dense rest on the device (experiments/fault_draw_cost.py --json): the
+    two passes must give the one-pass draw's bits (the CPU's tests show it; a GPU could contract
+    an error size's multiply-add apart in the two programs); their speed stated, one pass over
+    two as `ratio`."""
+    times = report.get("dense_rest_us") or {}
+    one, two = times.get("one_pass"), times.get("two_passes")
+    return {"dense_rest_one_pass_us": one, "dense_rest_two_passes_us": two,
+            "ratio": one / two if one and two else None,
+            "same_bits": report.get("dense_rest_same_bits"),
+            "pass": report.get("dense_rest_same_bits") is True}
+
+
 def judge_repeat(digests: list) -> dict:
     """The same run in separate processes: every final parameter digest there and equal."""
     return {"param_digests": digests,
