@@ -648,15 +648,19 @@ def test_the_dense_rest_drawn_in_two_passes_is_the_one_pass_draw_bit_for_bit(dty
                                      width)[3][0]
         return FD._undecided(dense_key, 0.03, jnp.zeros(1, jnp.uint32), size)[0]
 
-    def tie(key_data):  # a rate that is exactly an element's first-word part
-        parts = (np.asarray(first_words(key_data)) >> 8)[size // 2:]
-        return parts[(parts > 0.02 * 2 ** 24) & (parts < 0.05 * 2 ** 24)][0] * 2.0 ** -24
+    def tie(key_data):  # (a rate that is exactly an element's first-word part, the element)
+        parts = np.asarray(first_words(key_data)) >> 8
+        at = size * 9 // 10 + np.flatnonzero((parts[size * 9 // 10:] > 0.025 * 2 ** 24) &
+                                             (parts[size * 9 // 10:] < 0.05 * 2 ** 24))[0]
+        return parts[at] * 2.0 ** -24, at
 
     key_data = [jax.random.key_data(jax.random.key(seed)) for seed in range(4)]
-    rates = [0.02, 0.3 * gathered_share, 0.9 * gathered_share, tie(key_data[3])]
+    tie_rate, tie_at = tie(key_data[3])
+    rates = [0.02, 0.3 * gathered_share, 0.9 * gathered_share, tie_rate]
     for key_data, rate in zip(key_data, rates):
         (hit2, aux2), (hit1, aux1), undecided, last = both(key_data, jnp.float32(rate))
         assert last < size and 0 < undecided <= FD._gathered_size(size), (rate, undecided)
+        assert rate != tie_rate or last < tie_at  # the tied element is in the dense rest
         assert np.array_equal(np.asarray(hit2), np.asarray(hit1)), rate
         assert np.asarray(hit1).sum() > FD.HIT_CAP
         if aux1 is not None:
