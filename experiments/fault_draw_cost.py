@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from sdcstudy.core import config as C
+from sdcstudy.core.digest import tree_digest
 from sdcstudy.faults import corrupt as FC
 from sdcstudy.faults import draws as FD
 from sdcstudy.faults import specs as FS
@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     same = None
     if dense:
         (one, one_args), (two, two_args) = dense.values()
-        same = same_bits(one(*one_args), two(*two_args))
+        same = tree_digest(one(*one_args)) == tree_digest(two(*two_args))
         print(f"the two passes give the one-pass draw's bits: {'yes' if same else 'NO'}")
     if args.json is not None:
         args.json.write_text(json.dumps({
@@ -104,11 +104,6 @@ def dense_rest_parts(spec, rate: float, size: int, key_data) -> dict:
             "dense rest, two passes (the engine's)": (jax.jit(
                 lambda *a: FD.dense_after(a[0], spec, rate, 32, *a[1:])), args)}
 
-
-def same_bits(a, b) -> bool:
-    """Whether two (hit, aux) draws are the same, bit for bit."""
-    return all(np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 if __name__ == "__main__":
     main()
