@@ -10,8 +10,8 @@ speed"). This times the parts at one site of the model, jitted alone: the site's
 drawing, applying and recording together (`corrupt_and_record`, as a firing site runs it).
 Where the rate makes more than `draws.HIT_CAP` hits, it also times the dense rest of the draw
 both ways, side by side: every element's words at once (`dense_after_one_pass`), and the two
-passes the engine takes (`dense_after`: first words, then the undecided elements gathered),
-and says whether the two give the same bits. A weight gradient of the small model at nodes 1
+passes (`dense_after` with `two_passes=True`: first words, then the undecided elements
+gathered; the engine takes them on the CPU only), and says whether the two give the same bits. A weight gradient of the small model at nodes 1
 and 14's rate: `--preset small --tokens 1536 --rate 0.0152 --calls 20` (its 512 x 1,536
 product dW; `sdcstudy accept-gpu`'s `fault_draws` check runs it on a GPU).
 """
@@ -91,7 +91,7 @@ DENSE_KEYS = ("one_pass", "two_passes")  # the JSON's names of the dense rest's 
 
 def dense_rest_parts(spec, rate: float, size: int, key_data) -> dict:
     """{name: (jitted fn, args)}: the dense rest of one draw both ways, every element's words
-    (`dense_after_one_pass`) and the engine's two passes (`dense_after`); empty where the rate
+    (`dense_after_one_pass`) and the two passes (`dense_after`, forced); empty where the rate
     leaves no dense rest to draw."""
     if rate * size <= FD.HIT_CAP:
         return {}
@@ -101,8 +101,8 @@ def dense_rest_parts(spec, rate: float, size: int, key_data) -> dict:
     args = (dense_keys, hit, aux, positions)
     return {"dense rest, every element's words": (jax.jit(
                 lambda *a: FD.dense_after_one_pass(a[0], spec, rate, 32, *a[1:])), args),
-            "dense rest, two passes (the engine's)": (jax.jit(
-                lambda *a: FD.dense_after(a[0], spec, rate, 32, *a[1:])), args)}
+            "dense rest, two passes": (jax.jit(
+                lambda *a: FD.dense_after(a[0], spec, rate, 32, *a[1:], two_passes=True)), args)}
 
 
 if __name__ == "__main__":

@@ -707,3 +707,5 @@ def test_only_a_large_tensor_whose_spec_can_pass_the_cap_draws_its_dense_rest_in
     spiking = dataclasses.replace(base, pattern=FS.TimePattern("decay", amplitude=10.0))
     assert not FD._gathers(base, 2 ** 20) and FD._gathers(spiking, 2 ** 20)
     assert not FD._gathers(dataclasses.replace(base, kind="random", rate=0.5), 2 ** 20)
+    # on the CPU only: a GPU draws one pass faster (an H200: 52 us against 253 us)
+    assert FD._gathers(grad, 512 * 1536, "cpu") and not FD._gathers(grad, 512 * 1536, "gpu")

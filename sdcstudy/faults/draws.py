@@ -209,18 +209,22 @@ def listed_draws(key, spec: FaultSpec, rate, size: int, width: int):
 # alone), gathered. Where they exceed size / GATHERED_SHARE, every element's words are drawn.
 # The second pass is a conditional more to compile, so only a tensor that gains takes it: one of
 # at least GATHERED_MIN_SIZE elements whose spec can expect HIT_CAP / 2 hits or more at its
-# peak rate (a rarer dense rest keeps the one pass; the bits are the same either way).
+# peak rate (a rarer dense rest keeps the one pass; the bits are the same either way). The two
+# passes pay on the CPU only: on an H200 (2026-11-30) the gathered pass of a 512 x 1,536
+# weight gradient took 253 us against the one pass's 52 us, so off the CPU the draw is one pass.
 GATHERED_SHARE = 16
 GATHERED_MIN_SIZE = 2 ** 16
 
 
-def _gathers(spec: FaultSpec, size: int) -> bool:
-    """Whether the dense rest of a `size`-element tensor takes two passes: it is large enough,
-    its spec's peak rate (the time pattern's largest multiplier) expects HIT_CAP / 2 hits or
-    more, and the kind's hit values are drawn element by element from the hashes (a random
-    value is JAX's own normal draw over the whole tensor)."""
+def _gathers(spec: FaultSpec, size: int, platform: str | None = None) -> bool:
+    """Whether the dense rest of a `size`-element tensor takes two passes on `platform` (by
+    default JAX's backend): on the CPU only, where it is large enough, its spec's peak rate
+    (the time pattern's largest multiplier) expects HIT_CAP / 2 hits or more, and the kind's
+    hit values are drawn element by element from the hashes (a random value is JAX's own
+    normal draw over the whole tensor)."""
     peak = min(1.0, spec.base_rate * spec.pattern.peak_multiplier())
-    return size >= GATHERED_MIN_SIZE and peak * size >= HIT_CAP / 2 and spec.kind != "random"
+    return ((platform or jax.default_backend()) == "cpu" and size >= GATHERED_MIN_SIZE
+            and peak * size >= HIT_CAP / 2 and spec.kind != "random")
 
 
 def _gathered_size(size: int) -> int:
@@ -228,13 +232,15 @@ def _gathered_size(size: int) -> int:
     return max(1, size // GATHERED_SHARE)
 
 
-def dense_after(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positions):
+def dense_after(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positions,
+                two_passes: bool | None = None):
     """(hit, aux) with every element after the last listed position drawn densely; where the
     positions hold every hit (the last one is the size), `hit` and `aux` as they were.
     `dense_keys`: the key of the hits' uniforms, then the (bit, value, sign) keys. Drawn in two
     passes (`_undecided`, `_undecided_drawn`) where few elements are left undecided, else at
-    once (`dense_after_one_pass`)."""
-    if not _gathers(spec, hit.size):
+    once (`dense_after_one_pass`); `two_passes` overrides `_gathers`'s choice of whether to
+    try the two (the bits are the same either way)."""
+    if not (_gathers(spec, hit.size) if two_passes is None else two_passes):
         return dense_after_one_pass(dense_keys, spec, rate, width, hit, aux, positions)
     first, undecided = _undecided(dense_keys[0], rate, positions, hit.size)
     axes = _varying(dense_keys, rate, hit, positions)
