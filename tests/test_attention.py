@@ -223,15 +223,32 @@ def test_where_each_mode_runs_what():
         M.attention_path("flash", hook, jnp.float32, 64)
 
 
-def test_where_cudnn_cannot_launch_auto_runs_unfused_and_fused_is_refused():
+def test_where_cudnn_cannot_launch_auto_runs_pallas_where_it_takes_the_step_and_fused_is_refused():
     """Under the determinism flags jaxlib 0.11.2's XLA fails to launch cuDNN's fused attention
-    (an H200, 2026-11-30): there `auto` runs the unfused path, and `fused` is refused in one
-    sentence (a UserError: exit 2) instead of failing at the first step."""
-    hook = S.identity_hook
+    (an H200, 2026-11-30): there `auto` runs the Pallas kernels (1.95x the unfused step on
+    that H200, its bits repeated) at a length they tile and outside shard_map, the unfused
+    path otherwise (and under a hook on the internals), and `fused` is refused in one sentence
+    (a UserError: exit 2) instead of failing at the first step."""
+    from jax.sharding import PartitionSpec as P
+
+    hook, where = S.identity_hook, dict(platform="gpu", cudnn_fails=True)
+    for length in (16, 128, 512, 4096):
+        assert M.attention_path(M.AUTO, hook, jnp.bfloat16, 64, length=length,
+                                **where) == M.PALLAS
+    for length in (8, 200, None):
+        assert M.attention_path(M.AUTO, hook, jnp.bfloat16, 64, length=length,
+                                **where) == M.UNFUSED
+    assert M.attention_path(M.AUTO, _declared(S.ATTN_PROBS), jnp.bfloat16, 64, length=512,
+                            **where) == M.UNFUSED
+    assert M.attention_path(M.AUTO, hook, jnp.float32, 64, length=512, **where) == M.XLA
     assert M.attention_path(M.AUTO, hook, jnp.bfloat16, 64, platform="gpu",
-                            cudnn_fails=True) == M.UNFUSED
-    assert M.attention_path(M.AUTO, hook, jnp.bfloat16, 64, platform="gpu",
-                            cudnn_fails=False) == M.CUDNN
+                            cudnn_fails=False, length=512) == M.CUDNN
+    paths = []
+    inside = jax.shard_map(lambda x: paths.append(M.attention_path(
+        M.AUTO, hook, jnp.bfloat16, 64, length=512, **where)) or x,
+        mesh=jax.make_mesh((1,), ("node",)), in_specs=P(), out_specs=P())
+    inside(jnp.zeros(1))
+    assert paths == [M.UNFUSED]
     with pytest.raises(UserError, match="model.attention=fused would run cuDNN's fused "
                                         "attention.*jaxlib 0.11.2 and earlier"):
         M.attention_path(M.FUSED, hook, jnp.bfloat16, 64, platform="gpu", cudnn_fails=True)

@@ -760,12 +760,13 @@ def test_every_check_of_a_stage_is_wired(tmp_path, monkeypatch, stage, cudnn_fai
         assert code == 0 and saved["verdict"] == "PASS"
 
 
-@pytest.mark.parametrize("cudnn_fails, attention", [(True, "unfused"), (False, "auto")])
+@pytest.mark.parametrize("cudnn_fails, attention", [(True, "pallas"), (False, "auto")])
 def test_the_tuned_step_runs_the_attention_the_flags_leave(tmp_path, monkeypatch, cudnn_fails,
                                                            attention):
     """The tuned step (flags off) must be the pinned step's program: where cuDNN's attention
-    cannot launch under the flags, `auto` runs unfused there, so the tuned step names
-    unfused; and the repeat check trains with the Pallas kernels there, cuDNN's elsewhere."""
+    cannot launch under the flags, `auto` runs the Pallas kernels there, so the tuned step
+    names pallas; and the repeat check trains with the Pallas kernels there, cuDNN's
+    elsewhere."""
     monkeypatch.setattr(GC, "cudnn_fails_here", lambda: cudnn_fails)
     monkeypatch.setattr(GS, "versions", lambda: {})
     args = SimpleNamespace(out=tmp_path, stage="full", budget=540)
@@ -785,6 +786,7 @@ def test_the_pallas_bench_loads_the_tuned_choices_and_needs_its_kernels(tmp_path
     """The Pallas step runs with the flags (not the free step's environment), names
     `model.attention=pallas`, loads the tuned choices once they exist, is judged by the
     medium floor, and passes only where the census shows the Pallas kernels both ways."""
+    monkeypatch.setattr(GC, "cudnn_fails_here", lambda: False)
     monkeypatch.setattr(GS, "versions", lambda: {})
     args = SimpleNamespace(out=tmp_path, stage="full", budget=540)
     acc = GC.Acceptance(args, sys.executable, {"device_kind": H100}, tmp_path)
@@ -813,6 +815,26 @@ def test_the_pallas_bench_loads_the_tuned_choices_and_needs_its_kernels(tmp_path
     assert GF.judge_pallas_attention(missing, pinned)["pass"] is False
     assert GF.judge_pallas_attention({**missing, "pass": False, "census": {"attention": {
         "pallas_forward": 1, "pallas_backward": 1}}}, pinned)["pass"] is False
+
+
+def test_where_auto_runs_pallas_the_pinned_step_is_the_pallas_step(tmp_path, monkeypatch):
+    """Where cuDNN's attention cannot launch under the flags, `auto` runs the Pallas kernels,
+    so the pinned step is the Pallas step: the Pallas check is judged from the pinned step's
+    figures (its floor and its census) without a second bench, and skipped where the pinned
+    step measured nothing."""
+    monkeypatch.setattr(GC, "cudnn_fails_here", lambda: True)
+    monkeypatch.setattr(GS, "versions", lambda: {})
+    args = SimpleNamespace(out=tmp_path, stage="full", budget=540)
+    acc = GC.Acceptance(args, sys.executable, {"device_kind": H100}, tmp_path)
+    monkeypatch.setattr(acc, "bench", lambda *a, **k: pytest.fail("benched twice"))
+    kernels = {"attention": {"pallas_forward": 12, "pallas_backward": 12}}
+    pinned = {"pass": True, "tokens_per_s": 400_000.0, "mfu": 0.36, "census": kernels}
+    out = acc.bench_pallas(pinned)
+    assert out["pass"] is True and out["mfu"] == 0.36 and out["speedup_over_pinned"] == 1.0
+    assert out["pallas_forward"] == 12 and out["seconds"] == 0.0
+    assert acc.bench_pallas({**pinned, "pass": False})["pass"] is False  # under the floor
+    assert acc.bench_pallas({**pinned, "census": {"attention": {}}})["pass"] is False
+    assert acc.bench_pallas({})["pass"] is None and "skipped" in acc.bench_pallas({})
 
 
 def test_a_crashed_child_is_an_error_never_a_fail(tmp_path, monkeypatch):

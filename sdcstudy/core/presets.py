@@ -32,9 +32,10 @@ class ModelConfig:
     rope_theta: float | None = None  # RoPE base frequency (finite, positive or null)
     norm_eps: float | None = None  # RMSNorm epsilon (finite, positive or null)
     tie_embeddings: bool | None = None  # output projection shares the embedding
-    # auto (cuDNN's fused attention on a GPU, einsum + softmax elsewhere and where cuDNN's
-    # cannot launch under the determinism flags: jaxlib 0.11.2 and earlier), fused (also off a
-    # GPU; refused where cuDNN's cannot launch), unfused, or pallas (JAX's Pallas flash
+    # auto (cuDNN's fused attention on a GPU, einsum + softmax elsewhere; where cuDNN's
+    # cannot launch under the determinism flags, jaxlib 0.11.2 and earlier, the Pallas kernels
+    # where they take the step, else einsum + softmax), fused (also off a GPU; refused where
+    # cuDNN's cannot launch), unfused, or pallas (JAX's Pallas flash
     # attention: Triton kernels on a GPU, no cuDNN, a backward without atomic adds; its
     # interpreter elsewhere, slow); fused and pallas run only where no hook reads
     # attn_scores, attn_probs or attn_context (docs/gpu.md).

@@ -11,7 +11,8 @@ brackets):
 3. `bench_medium_bfloat16_pinned`: the same with the flags on and that file loaded: MFU at
    least 35% [35]; 4. `bench_medium_bfloat16_untuned`: flags on, nothing loaded (today) [35];
    `bench_medium_bfloat16_pallas`: flags on, the file loaded, `model.attention=pallas` (JAX's
-   Pallas flash attention, no cuDNN): MFU at least 35%, its kernels in the census [45];
+   Pallas flash attention, no cuDNN): MFU at least 35%, its kernels in the census [45; 0
+   where cuDNN's cannot launch under the flags: `auto` runs Pallas, the pinned step is it];
 5. `pinned_autotune`: the pinned step runs the tuned step's GEMMs (census), not the untuned;
 6. `determinism_cost`: the flags with pinned choices cost at most 10% of tokens/s;
 7. `kernel_census`: no scatter serialized into a `while` loop; `fused_attention`: cuDNN's

@@ -41,8 +41,8 @@ ATTENTION_REPEAT_STEPS = 6
 FAULT_DRAWS = ("small", 1536, 0.0152, 20)
 AUTOTUNE_FILE = "autotune_medium_bfloat16.txt"  # text: XLA writes text for a .txt name
 CUDNN_FAILS = ("this jaxlib's XLA cannot launch cuDNN's fused attention under the determinism "
-               "flags (core/determinism.py CUDNN_ATTENTION_FAILS_THROUGH), so the step runs "
-               "unfused attention")
+               "flags (core/determinism.py CUDNN_ATTENTION_FAILS_THROUGH), so `auto` runs the "
+               "Pallas kernels")
 
 
 def preset_problem(name: str) -> str | None:
@@ -108,8 +108,9 @@ class Acceptance(GoldenChecks):
 
         env = with_flags(without_determinism(child_env()),
                          f"{AUTOTUNE_DUMP_FLAG}={self.autotune_path()}")
-        # The attention the flags leave (`auto` under them), so that both steps are one program.
-        attention = "unfused" if cudnn_fails_here() else "auto"
+        # The attention `auto` runs under the flags (the Pallas kernels where cuDNN's cannot
+        # launch), so that the tuned and pinned steps are one program.
+        attention = "pallas" if cudnn_fails_here() else "auto"
         out = self.bench("bench_medium_bfloat16_tuned", MEDIUM, "bfloat16", cap=200, env=env,
                          sets=(f"model.attention={attention}",))
         if out.get("pass") is not None and "tokens_per_s" in out:
@@ -137,11 +138,19 @@ class Acceptance(GoldenChecks):
     def bench_pallas(self, pinned: dict) -> dict:
         """medium bfloat16 with the determinism flags, the tuned choices loaded where the tuned
         run dumped them, and `model.attention=pallas` (JAX's Pallas flash attention: Triton
-        kernels, no cuDNN): a deterministic step with fused attention where cuDNN's cannot
-        launch. Judged by the medium bfloat16 MFU floor and by the census showing the Pallas
-        kernels both ways; its tokens/s against the pinned (unfused) step beside it."""
+        kernels, no cuDNN). Judged by the medium bfloat16 MFU floor and by the census showing
+        the Pallas kernels both ways; its tokens/s against the pinned step beside it. Where
+        cuDNN's kernel cannot launch under the flags, `auto` runs the Pallas kernels, so the
+        pinned step is this one: judged from its figures, not run again."""
         from sdcstudy.core.determinism import AUTOTUNE_FLAG
 
+        if cudnn_fails_here():
+            if "tokens_per_s" not in pinned:
+                return skipped("auto runs the Pallas kernels here, and the pinned step (this "
+                               "one) measured nothing")
+            return {**pinned, "autotune_loaded": True, "seconds": 0.0,
+                    "note": "the pinned step's figures: auto runs the Pallas kernels here",
+                    **GF.judge_pallas_attention(pinned, pinned)}
         env, loaded = child_env(), self.autotune_path().is_file()
         if loaded:
             env = with_flags(env, f"{AUTOTUNE_FLAG}={self.autotune_path()}")
@@ -255,8 +264,8 @@ class Acceptance(GoldenChecks):
 
     def fault_draws(self) -> dict:
         """The fault engine's dense rest on this device, both ways timed side by side in one
-        process (experiments/fault_draw_cost.py), and the engine's two passes bit for bit the
-        one-pass draw (`floors.judge_fault_draws`)."""
+        process (experiments/fault_draw_cost.py), and the two passes (the engine's on the CPU)
+        bit for bit the one-pass draw (`floors.judge_fault_draws`)."""
         preset, tokens, rate, calls = FAULT_DRAWS
         path = self.work / "fault_draws.json"
         run = self.child("fault draws", [
