@@ -53,7 +53,15 @@ def main(argv=None) -> None:
     p.add_argument("--json", type=Path, help="also write the times, and whether the dense "
                                              "rest's two ways agree, to this JSON file")
     args = p.parse_args(argv)
-    width = C.model_dims(C.from_dict({"model": {"preset": args.preset}}).model).d_model
+    if args.tokens < 1 or args.calls < 1 or not 0 < args.rate <= 1:
+        p.error(f"--tokens and --calls must be at least 1 and --rate in (0, 1], not "
+                f"{args.tokens}, {args.calls} and {args.rate}")
+    if args.json is not None and not args.json.parent.is_dir():
+        p.error(f"--json {args.json}: its folder {args.json.parent} does not exist")
+    try:
+        width = C.model_dims(C.from_dict({"model": {"preset": args.preset}}).model).d_model
+    except C.ConfigError as e:
+        p.error(str(e))
     shape = (args.tokens, width)
     x = jax.random.normal(jax.random.key(0), shape)
     w = jax.random.normal(jax.random.key(1), (width, width))

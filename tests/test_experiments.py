@@ -177,3 +177,20 @@ def test_the_checks_catch_each_violation(tmp_path):
         "bad.py:10 uses sdcstudy.faults.no_such_module, which does not exist",
         "bad.py:11 uses the private sdcstudy.report.plots._pyplot",
         "bad.py:12 uses sdcstudy.report.plots.no_such_function, which does not exist"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--json", "/no/such/folder/cost.json"], "its folder /no/such/folder does not exist"),
+    (["--rate", "0"], "--rate in (0, 1]"),
+    (["--tokens", "0"], "must be at least 1"),
+    (["--preset", "huge"], "unknown model.preset 'huge'"),
+])
+def test_fault_draw_cost_refuses_bad_arguments_in_one_sentence(argv, says, capsys):
+    # Bad input: exit 2 and one sentence, before anything is drawn or written.
+    path = Path(__file__).resolve().parents[1] / "experiments" / "fault_draw_cost.py"
+    spec = importlib.util.spec_from_file_location("fault_draw_cost", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    with pytest.raises(SystemExit) as stop:
+        study.main(argv)
+    assert stop.value.code == 2 and says in capsys.readouterr().err

@@ -537,9 +537,11 @@ def test_fault_draws_pass_only_with_the_one_pass_draws_bits():
     judged = GF.judge_fault_draws(report)
     assert judged["pass"] is True and judged["ratio"] == pytest.approx(3.0)
     assert GF.judge_fault_draws({**report, "dense_rest_same_bits": False})["pass"] is False
-    # no dense rest drawn (a rate too low to pass the cap): nothing shown, no PASS
+    # no dense rest drawn (a rate too low to pass the cap): nothing measured, so no verdict
+    # (ERROR, with the reason), neither PASS nor FAIL
     nothing = GF.judge_fault_draws({"dense_rest_us": {}, "dense_rest_same_bits": None})
-    assert nothing["pass"] is False and nothing["ratio"] is None
+    assert nothing["pass"] is None and nothing["ratio"] is None
+    assert GS.state(nothing) == "ERROR" and "no dense rest" in nothing["error"]
 
 
 @pytest.mark.slow

@@ -285,13 +285,17 @@ def judge_fault_draws(report: dict) -> dict:
     """The fault engine's dense rest on the device (experiments/fault_draw_cost.py --json): the
     two passes must give the one-pass draw's bits (the CPU's tests show it; a GPU could contract
     an error size's multiply-add apart in the two programs); their speed stated, one pass over
-    two as `ratio`."""
+    two as `ratio`. Where the rate drew no dense rest there is nothing to judge: no verdict
+    (`pass` None, with the reason as `error`: the check could not measure), never a FAIL."""
     times = report.get("dense_rest_us") or {}
     one, two = times.get("one_pass"), times.get("two_passes")
-    return {"dense_rest_one_pass_us": one, "dense_rest_two_passes_us": two,
-            "ratio": one / two if one and two else None,
-            "same_bits": report.get("dense_rest_same_bits"),
-            "pass": report.get("dense_rest_same_bits") is True}
+    same = report.get("dense_rest_same_bits")
+    judged = {"dense_rest_one_pass_us": one, "dense_rest_two_passes_us": two,
+              "ratio": one / two if one and two else None, "same_bits": same,
+              "pass": None if same is None else same is True}
+    if same is None:
+        judged["error"] = "the rate drew no dense rest: no two passes to compare"
+    return judged
 
 
 def judge_repeat(digests: list) -> dict:
