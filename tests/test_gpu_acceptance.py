@@ -735,7 +735,7 @@ def test_every_check_of_a_stage_is_wired(tmp_path, monkeypatch, stage, cudnn_fai
     ok = {"pass": True, "seconds": 1.0}
     for name in ("doctor", "bench_untuned", "bench_pallas", "abft_healthy", "abft_recall",
                  "golden_full", "fingerprint", "golden_other_machine", "attention_repeat",
-                 "fault_draws", "overhead"):
+                 "fault_draws", "free_step", "overhead"):
         monkeypatch.setattr(acc, name, lambda *a, **k: dict(ok))
     monkeypatch.setattr(acc, "bench_tuned", lambda: {**ok, **step})
     monkeypatch.setattr(acc, "bench_pinned", lambda: {**ok, **step, "tokens_per_s": 95_000.0})

@@ -24,6 +24,7 @@ from flax import nnx
 from jax import lax
 
 from sdcstudy.core import determinism
+from sdcstudy.core import embedding as E
 from sdcstudy.core import sites as S
 from sdcstudy.core.config import ModelDims
 from sdcstudy.core.errors import UserError
@@ -306,7 +307,9 @@ class Llama(nnx.Module):
         dtype = DTYPES[dims.dtype]
         length = tokens_BL.shape[1] * (1 if tp_axis is None else lax.axis_size(tp_axis))
         cos_LE, sin_LE = rotary(dims, length)
-        x_BLD = hook(S.EMBED, jnp.take(self.embed[...], tokens_BL, axis=0).astype(dtype), 0)
+        embedded_BLD = E.lookup(self.embed[...], tokens_BL,
+                                getattr(dims, "embedding_grad", E.SCATTER))
+        x_BLD = hook(S.EMBED, embedded_BLD.astype(dtype), 0)
         for i, block in enumerate(self.layers):
             x_BLD = block(x_BLD, cos_LE, sin_LE, hook, i + 1, tp_axis)
         x_BLD = hook(S.FINAL_NORM, self.final_norm(x_BLD), 0)

@@ -40,6 +40,11 @@ class ModelConfig:
     # interpreter elsewhere, slow); fused and pallas run only where no hook reads
     # attn_scores, attn_probs or attn_context (docs/gpu.md).
     attention: str = "auto"
+    # scatter (autodiff of the lookup: a scatter-add, atomic on a GPU without the determinism
+    # flags) or sorted (each row's cotangents summed in an order the tokens fix: a sort, a
+    # segmented scan, a gather; other bits than scatter's; outside shard_map only)
+    # (core/embedding.py, docs/gpu.md).
+    embedding_grad: str = "scatter"
 
 
 
@@ -61,6 +66,7 @@ class ModelDims:
     param_dtype: str = "float32"
     rope_scaling: tuple | None = None  # llama3 scaling as a sorted tuple of (key, value)
     attention: str = "auto"  # model.attention
+    embedding_grad: str = "scatter"  # model.embedding_grad
 
     @property
     def n_params(self) -> int:
@@ -98,6 +104,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_MODES = ("auto", "fused", "unfused", "pallas")  # model.attention; core/model.py reads it
+EMBEDDING_GRADS = ("scatter", "sorted")  # model.embedding_grad; core/embedding.py reads it
 
 
 def model_dims(model: ModelConfig, presets_dir: Path | None = None) -> ModelDims:
@@ -117,6 +124,9 @@ def model_dims(model: ModelConfig, presets_dir: Path | None = None) -> ModelDims
     if model.attention not in ATTENTION_MODES:
         raise ConfigError(f"model.attention must be one of {', '.join(ATTENTION_MODES)}, "
                           f"not {model.attention!r}.")
+    if model.embedding_grad not in EMBEDDING_GRADS:
+        raise ConfigError(f"model.embedding_grad must be one of {', '.join(EMBEDDING_GRADS)}, "
+                          f"not {model.embedding_grad!r}.")
     _check_sizes(base, explicit, model.preset)
     if "head_dim" not in base:
         if base["d_model"] % base["n_heads"]:

@@ -37,7 +37,10 @@ flip's step, layer and site [60]; `attention_repeat`: the tiny training
 in bfloat16 with cuDNN's fused attention (the Pallas kernels where cuDNN's cannot launch under
 the flags) in two processes, the same bits [40]; `fault_draws`: the fault engine's dense rest
 on a weight gradient of `small` at nodes 1 and 14's rate, one pass and two timed, the two the
-same bits [20]; `fault_engine_cost`, `paired_cost`, `abft_overhead`: `bench faults`, `bench
+same bits [20]; `free_step`: medium in bfloat16 without the determinism flags (Pallas
+attention, `model.embedding_grad=sorted`), its kernel choices pinned by a first run, in two
+more processes: the same bits, and its tokens/s over the flags' (gpu/free_step.py) [100];
+`fault_engine_cost`, `paired_cost`, `abft_overhead`: `bench faults`, `bench
 paired` and `bench abft` on `small` (16 x 512), each contender's step over the plain step's
 (idle and firing fault engine; lock-step and parameter synchronization against free running,
 SKIPPED on one GPU: a pair is two devices; ABFT on, and with recomputation): stated [3 x 60];
@@ -72,7 +75,7 @@ FULL_CHECKS = ("doctor", "bench_medium_bfloat16_tuned", "bench_medium_bfloat16_p
                "abft_healthy_bfloat16", "abft_recall_float32", "abft_recall_bfloat16",
                "device_health")
 QUICK_CHECKS = ("golden_full", "fingerprint", "golden_other_machine", "attention_repeat",
-                "fault_draws", "fault_engine_cost", "paired_cost", "abft_overhead",
+                "fault_draws", "free_step", "fault_engine_cost", "paired_cost", "abft_overhead",
                 "bench_8b16l_bfloat16", "device_health")
 PROBE = ("import json, jax; d = jax.devices()[0]; print(json.dumps({'backend': "
          "jax.default_backend(), 'device_kind': d.device_kind, 'device_count': "
@@ -193,6 +196,7 @@ def run_checks(acc, checks: tuple[str, ...]) -> int:
     do("golden_other_machine", acc.golden_other_machine)
     do("attention_repeat", acc.attention_repeat)
     do("fault_draws", acc.fault_draws)
+    do("free_step", acc.free_step)
     for name, suite in GC.OVERHEADS.items():
         do(name, acc.overhead, name, suite)
     do_unless(GC.preset_problem(GC.EIGHT_B_16L[0]), "bench_8b16l_bfloat16", acc.bench,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from sdcstudy.gpu import floors as GF
 from sdcstudy.gpu import nvidia_smi as SMI
+from sdcstudy.gpu.free_step import FreeStepChecks
 from sdcstudy.gpu.golden_checks import GoldenChecks
 from sdcstudy.gpu.session import ROOT, broke, child_env, failure, skipped, with_flags
 from sdcstudy.gpu.session import without_determinism
@@ -56,7 +57,7 @@ def preset_problem(name: str) -> str | None:
             f"configs/models/), so its floor was not measured")
 
 
-class Acceptance(GoldenChecks):
+class Acceptance(GoldenChecks, FreeStepChecks):
     """The checks; `acceptance.run_stage` calls them in their order."""
 
     def doctor(self) -> dict:

@@ -20,6 +20,7 @@ targets for one H100 or H200:
 | golden, another GPU | its committed record PASSes here; with one flipped bit FAILs, localized |
 | fault engine, paired modes, ABFT | each step's cost over the plain step's, stated (no floor) |
 | attention, repeated | tiny, bfloat16, cuDNN's attention (else Pallas): two processes, same bits |
+| the step without the flags | medium, bfloat16, kernel choices pinned: two processes, same bits |
 
 Each `judge_*` returns a dict with `pass` (True, False) and the figures it read.
 """
@@ -296,6 +297,20 @@ def judge_fault_draws(report: dict) -> dict:
     if same is None:
         judged["error"] = "the rate drew no dense rest: no two passes to compare"
     return judged
+
+
+def judge_free_step(summaries: dict) -> dict:
+    """The step without the determinism flags (gpu/free_step.py): its two runs that load the
+    first run's kernel choices must end on the same parameters bit for bit; its tokens/s over
+    the flags' (the same model, the same choices loaded) stated as `speedup_over_flags`, and
+    whether the first run (which tuned) ended on the same bits too."""
+    digests = {name: s.get("param_digest") for name, s in summaries.items()}
+    speed = {name: s.get("tokens_per_s") for name, s in summaries.items()}
+    free, flags = speed.get("repeat_1"), speed.get("flags")
+    return {"param_digests": digests, "tokens_per_s": speed,
+            "speedup_over_flags": free / flags if free and flags else None,
+            "tuned_run_same_bits": digests.get("tuned") == digests.get("repeat_1"),
+            "pass": judge_repeat([digests.get("repeat_1"), digests.get("repeat_2")])["pass"]}
 
 
 def judge_repeat(digests: list) -> dict:
