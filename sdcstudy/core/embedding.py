@@ -47,9 +47,10 @@ def _lookup_sorted_fwd(table_VD, tokens):
 
 
 def _lookup_sorted_bwd(residuals, cotangent):
-    table_VD, tokens = residuals
-    return row_sums(tokens.reshape(-1), cotangent.reshape(-1, table_VD.shape[1]),
-                    table_VD.shape[0]).astype(table_VD.dtype), None
+    table_VD, tokens = residuals  # summed in float32 at least (bfloat16 tables too)
+    rows_ND = cotangent.reshape(-1, table_VD.shape[1])
+    rows_ND = rows_ND.astype(jnp.promote_types(rows_ND.dtype, jnp.float32))
+    return row_sums(tokens.reshape(-1), rows_ND, table_VD.shape[0]).astype(table_VD.dtype), None
 
 
 _lookup_sorted.defvjp(_lookup_sorted_fwd, _lookup_sorted_bwd)
