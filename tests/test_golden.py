@@ -573,6 +573,39 @@ def test_full_workload_fills_every_sm_and_most_memory(device):
         GS.size_full(device, 0.95)
 
 
+def test_a_full_check_repeats_for_its_minimum_only_where_no_count_or_duration_is_given():
+    # On a GPU a full record's check repeats for at least min_seconds (clocks settle), unless
+    # --repeat or --duration says otherwise: an explicit --repeat 1 is one repetition (an
+    # H200 ran 35 for `--repeat 1`, 61 s, before), --duration its minutes from the start.
+    from types import SimpleNamespace
+
+    gpu_sizing = SimpleNamespace(min_seconds=60.0)
+    before = G.time.perf_counter()
+    deadline = G._deadline(0.0, None, None, gpu_sizing)
+    assert deadline is not None and deadline - before >= 60.0
+    assert G._deadline(0.0, None, 1, gpu_sizing) is None
+    assert G._deadline(0.0, None, 3, gpu_sizing) is None
+    assert G._deadline(10.0, 2.0, None, gpu_sizing) == 130.0
+    assert G._deadline(0.0, None, None, SimpleNamespace(min_seconds=0.0)) is None
+    assert G._deadline(0.0, None, None, None) is None
+
+
+@pytest.mark.parametrize("argv, repeat", [([], None), (["--repeat", "1"], 1),
+                                          (["--repeat", "4"], 4)])
+def test_golden_check_hands_the_repeat_count_as_given(golden_dir, monkeypatch, argv, repeat):
+    # "Not given" must reach the check as None (the full workload's minimum then applies), an
+    # explicit count as itself.
+    seen = []
+
+    def captured(golden, **options):
+        seen.append(options)
+        raise RuntimeError("stop here")  # the command line reports it, exit 3
+
+    monkeypatch.setattr(G, "check", captured)
+    assert cli.main(["golden", "check", str(golden_dir), "--no-progress", *argv]) == 3
+    assert [options["repeat"] for options in seen] == [repeat]
+
+
 def test_full_workload_on_a_simulated_cpu_device_is_small():
     # CPU tests must stay in seconds: a one-layer model of width 128 and a 24 MiB buffer.
     sizing = GS.size_full(GS.CPU_DESCRIPTION)

@@ -48,7 +48,7 @@ from sdcstudy.golden.workload import Workload, device_info, parse_injection, pic
 
 
 def check(golden: Path | Golden, *, inject: str | None = None, allow_env_drift: bool = False,
-          repeat: int = 1, duration_min: float | None = None, device_index: int = 0,
+          repeat: int | None = None, duration_min: float | None = None, device_index: int = 0,
           progress: bool = False, expect_sha: str | None = None) -> dict:
     """Verify, re-run and compare; the report (see docs/golden.md). `golden`: a folder (read
     and checked here, against `expect_sha` when given) or a record already read
@@ -145,21 +145,22 @@ def check(golden: Path | Golden, *, inject: str | None = None, allow_env_drift: 
                         f"bitwise equal to the golden record.")
 
 
-def _deadline(started: float, duration_min: float | None, repeat: int,
+def _deadline(started: float, duration_min: float | None, repeat: int | None,
               sizing: FullSizing | None) -> float | None:
     """When repetitions stop starting: `--duration` from the check's start; for the full
-    workload without --repeat or --duration, its `min_seconds` from now; else None."""
+    workload without --repeat or --duration, its `min_seconds` from now; else None (an
+    explicit `--repeat 1` is one repetition)."""
     if duration_min is not None:
         return started + 60.0 * duration_min
-    if sizing is not None and sizing.min_seconds and repeat == 1:
+    if sizing is not None and sizing.min_seconds and repeat is None:
         return time.perf_counter() + sizing.min_seconds
     return None
 
 
 def _repetitions(report: dict, work: Workload, meta: dict, arrays: dict, progress: bool,
-                 deadline: float | None, repeat: int) -> list[dict]:
-    """Run and compare repetitions into the report until one is not PASS, `repeat` ran, or
-    the deadline passed; what the injection landed, over all of them."""
+                 deadline: float | None, repeat: int | None) -> list[dict]:
+    """Run and compare repetitions into the report until one is not PASS, `repeat` (by
+    default 1) ran, or the deadline passed; what the injection landed, over all of them."""
     landed = []
     while True:
         index = len(report["repetitions"]) + 1
@@ -173,7 +174,7 @@ def _repetitions(report: dict, work: Workload, meta: dict, arrays: dict, progres
         report["repetitions"].append(result)
         if result["verdict"] != PASS:
             return landed
-        if deadline is None and index >= repeat:
+        if deadline is None and index >= (repeat or 1):
             return landed
         if deadline is not None and time.perf_counter() >= deadline:
             return landed

@@ -133,7 +133,7 @@ def main(args) -> int:
     from sdcstudy.golden.check import check
     from sdcstudy.golden.telemetry import coverage_line
 
-    options = dict(allow_env_drift=args.allow_env_drift, repeat=args.repeat or 1,
+    options = dict(allow_env_drift=args.allow_env_drift, repeat=args.repeat,
                    duration_min=args.duration)
     if device == ALL:
         report = devices.check_all(golden, inject=args.inject,
