@@ -35,7 +35,8 @@ test: $(VENV)/.installed-test
 # The quick tier for the inner loop (docs/developing.md, "Tests: two tiers"): the unit-level
 # modules, less their end-to-end runs marked slow. `make test` runs these too, slow ones included.
 FAST_TESTS := $(addprefix tests/test_,$(addsuffix .py,config architecture fault_model tables \
-	runlock report report_bits_abft fleet deploy gpu_acceptance paft_checks hostmem reproduce))
+	runlock report report_bits_abft fleet deploy gpu_acceptance gpu_free_step embedding paft_checks \
+	hostmem reproduce))
 
 test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --no-loadscope-reorder --durations=10 -m "not slow" $(FAST_TESTS)
