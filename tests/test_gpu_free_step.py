@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from sdcstudy.core.determinism import AUTOTUNE_FILE, AUTOTUNE_FLAG, DETERMINISM_XLA_FLAGS
+from sdcstudy.core.determinism import AUTOTUNE_DUMP_FLAG, AUTOTUNE_FLAG, DETERMINISM_XLA_FLAGS
+from sdcstudy.core.determinism import flag_value
 from sdcstudy.gpu import checks as GC
 from sdcstudy.gpu import floors as GF
 from sdcstudy.gpu import free_step as FS
@@ -31,7 +33,8 @@ def _acceptance(tmp_path, monkeypatch):
 
 def _fake_runs(acc, monkeypatch, digests: dict, fail: str | None = None):
     """Each child writes its run folder's summary.json (the digest `digests` names, tokens/s
-    by run) and the first one its pinned choices; `fail` names a run that crashes."""
+    by run) and the first one the choices its XLA_FLAGS dump to; `fail` names a run that
+    crashes."""
     seen = {}
 
     def sdcstudy(label, argv, cap, env=None, sample=None):
@@ -41,8 +44,9 @@ def _fake_runs(acc, monkeypatch, digests: dict, fail: str | None = None):
         if name == fail:
             return {"exit_code": 1, "seconds": 2.0, "timed_out": False, "command": []}
         folder.mkdir(parents=True)
-        if name == "tuned":
-            (folder / AUTOTUNE_FILE).write_text("pinned")
+        dump = flag_value(env["XLA_FLAGS"], AUTOTUNE_DUMP_FLAG)
+        if dump:
+            Path(dump).write_text("pinned")
         (folder / "summary.json").write_text(json.dumps({
             "param_digest": digests[name], "tokens_per_s": 300.0 if name == "flags" else 450.0}))
         return {"exit_code": 0, "seconds": 20.0, "timed_out": False, "command": []}
@@ -58,10 +62,13 @@ def test_the_free_step_runs_without_the_flags_loads_the_first_choices_and_judges
                                          "flags": "b"})
     out = acc.free_step()
     assert list(seen) == list(FS.FREE_RUNS)
-    pinned = f"{AUTOTUNE_FLAG}={tmp_path / 'free-step-tuned' / AUTOTUNE_FILE}"
+    choices = tmp_path / FS.FREE_STEP_AUTOTUNE
+    pinned = f"{AUTOTUNE_FLAG}={choices}"
     for name in ("tuned", "repeat_1", "repeat_2"):
         assert all(f"{flag}=false" in seen[name]["flags"] for flag in DETERMINISM_NAMES), name
+    assert f"{AUTOTUNE_DUMP_FLAG}={choices}" in seen["tuned"]["flags"]
     assert AUTOTUNE_FLAG not in seen["tuned"]["flags"]
+    assert all(AUTOTUNE_DUMP_FLAG not in seen[n]["flags"] for n in FS.FREE_RUNS[1:])
     for name in ("repeat_1", "repeat_2"):
         assert pinned in seen[name]["flags"] and FS.REQUIRE_PINNED in seen[name]["flags"]
     assert pinned in seen["flags"]["flags"] and "=false" not in seen["flags"]["flags"]
@@ -99,7 +106,7 @@ def test_no_pinned_choices_from_the_first_run_is_an_error(tmp_path, monkeypatch)
 
     def without_pin(label, argv, cap, env=None, sample=None):
         out = real(label, argv, cap, env, sample)
-        (argv[argv.index("--out") + 1] / AUTOTUNE_FILE).unlink(missing_ok=True)
+        (tmp_path / FS.FREE_STEP_AUTOTUNE).unlink(missing_ok=True)
         return out
 
     monkeypatch.setattr(acc, "sdcstudy", without_pin)
@@ -121,8 +128,6 @@ def test_no_time_left_skips_the_free_step_keeping_the_runs_done(tmp_path, monkey
 
 def test_the_free_steps_settings_are_a_valid_config_of_mode_train():
     # A typo in a key would only show on the GPU, whose minutes are scarce.
-    from pathlib import Path
-
     from sdcstudy.core import config as C
 
     preset, batch, seq_len, steps = FS.FREE_STEP

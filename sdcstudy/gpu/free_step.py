@@ -9,17 +9,17 @@ without atomics, and the same kernel choices in every compile. The step here get
 another way: the Pallas attention (no atomics), `model.embedding_grad=sorted` (no scatter),
 and the choices of a first compile loaded, with XLA told to fail rather than tune again
 (`REQUIRE_PINNED`). Four runs of medium in bfloat16 (`FREE_STEP`), each in its own process:
-the first without the flags dumps its choices (the run folder pins them, core/determinism.py
-`autotune_options`); two more without the flags load them and must end on the same
-parameters bit for bit; the last, with the flags and the same model, gives the speed the
-flags allow (`floors.judge_free_step`).
+the first without the flags dumps its choices (`FREE_STEP_AUTOTUNE`: every program the
+process compiled, so that the next runs find each one's); two more without the flags load them
+and must end on the same parameters bit for bit; the last, with the flags and the same model,
+gives the speed the flags allow (`floors.judge_free_step`).
 """
 
 from __future__ import annotations
 
 import json
 
-from sdcstudy.core.determinism import AUTOTUNE_FILE, AUTOTUNE_FLAG
+from sdcstudy.core.determinism import AUTOTUNE_DUMP_FLAG, AUTOTUNE_FLAG
 from sdcstudy.gpu import floors as GF
 from sdcstudy.gpu.session import Session, broke, child_env, failure, with_flags
 from sdcstudy.gpu.session import without_determinism
@@ -30,6 +30,7 @@ FREE_STEP_MODEL = ("model.dtype=bfloat16", "model.attention=pallas",
 REQUIRE_PINNED = "--xla_gpu_require_complete_aot_autotune_results=true"
 FREE_RUNS = ("tuned", "repeat_1", "repeat_2", "flags")  # in this order
 FREE_STEP_CONFIG = "configs/tiny.yaml"  # mode train on the synthetic corpus, sized by the sets
+FREE_STEP_AUTOTUNE = "free_step_autotune.txt"  # in the work folder; text for a .txt name
 
 
 def free_step_sets() -> tuple[str, ...]:
@@ -45,8 +46,8 @@ class FreeStepChecks(Session):
     def free_step(self) -> dict:
         """The four runs (module docstring), judged by `floors.judge_free_step`."""
         free = without_determinism(child_env())
-        pinned = self.work / "free-step-tuned" / AUTOTUNE_FILE
-        envs = {"tuned": free,
+        pinned = self.work / FREE_STEP_AUTOTUNE
+        envs = {"tuned": with_flags(free, f"{AUTOTUNE_DUMP_FLAG}={pinned}"),
                 "repeat_1": with_flags(free, f"{AUTOTUNE_FLAG}={pinned}", REQUIRE_PINNED),
                 "repeat_2": with_flags(free, f"{AUTOTUNE_FLAG}={pinned}", REQUIRE_PINNED),
                 "flags": with_flags(child_env(), f"{AUTOTUNE_FLAG}={pinned}")}
