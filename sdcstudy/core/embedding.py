@@ -70,6 +70,8 @@ def row_sums(ids_N, rows_ND, n_rows: int):
 
     _, sums_ND = lax.associative_scan(add_within_segments, (starts_N, sorted_rows_ND))
     vocabulary_V = jnp.arange(n_rows, dtype=sorted_ids_N.dtype)
-    last_V = jnp.maximum(jnp.searchsorted(sorted_ids_N, vocabulary_V, side="right") - 1, 0)
+    # unrolled: a `while` loop would read its predicate on the host at every step on a GPU
+    last_V = jnp.maximum(jnp.searchsorted(sorted_ids_N, vocabulary_V, side="right",
+                                          method="scan_unrolled") - 1, 0)
     present_V = sorted_ids_N[last_V] == vocabulary_V
     return jnp.where(present_V[:, None], sums_ND[last_V], jnp.zeros((), rows_ND.dtype))
