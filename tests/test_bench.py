@@ -58,6 +58,8 @@ def _read_by_the_acceptance(report, contenders, plain):
     assert figures["contenders"][plain]["ratio"] == 1.0
     assert all(c["step_ms"] > 0 for c in figures["contenders"].values())
     assert figures["worst_ratio"] == max(c["ratio"] for c in figures["contenders"].values())
+    for name, c in contenders.items():  # carried where the suite counts them
+        assert figures["contenders"][name].get("conditionals") == c.get("conditionals"), name
 
 
 def test_faults_suite(tmp_path, capsys):
@@ -89,6 +91,9 @@ def test_faults_suite(tmp_path, capsys):
     idle = variants["idle"]
     assert idle["injector"] and not idle["program_identical"]
     assert idle["faults_landed"] == 0
+    # The engine's conditionals are counted (on a GPU each reads its predicate on the host):
+    # none without it, some with it.
+    assert variants["plain"]["conditionals"] == 0 < idle["conditionals"]
     quiet = [n for n in variants if not n.startswith("active")]
     assert all(variants[n]["losses_equal_plain"] for n in quiet)
     # The active profiles fire: faults land and the losses leave plain's.

@@ -78,11 +78,18 @@ def measure_faults(preset: str, args, echo=B.echo_stderr) -> dict:
             "hlo_identical": runner.hlo == plain.hlo,
             "program_identical": D.program_text(runner.hlo) == D.program_text(plain.hlo),
             "hlo_chars": len(runner.hlo),
+            # Each runs on a GPU as a thunk that reads its predicate on the host.
+            "conditionals": conditionals(runner.hlo),
             "faults_landed": sum(w.get("faults/landed", 0) for w in warmup[variant]),
         })
     return {**result, "idle_rate": IDLE_RATE, "active_rate": ACTIVE_RATE,
             "active_over_scale": over(variants, "active", "active-scale"),
             "active_over_idle": over(variants, "active", "idle"), "variants": variants}
+
+
+def conditionals(hlo_text: str) -> int:
+    """How many `conditional` instructions a compiled program holds (each `lax.cond` left)."""
+    return hlo_text.count(" conditional(")
 
 
 def over(variants: dict, top: str, bottom: str) -> dict:
@@ -94,23 +101,25 @@ def over(variants: dict, top: str, bottom: str) -> dict:
 
 def faults_table(results: list[dict]) -> str:
     lines = ["| preset | batch x seq | variant | ms/step | ratio to plain | HLO = plain | "
-             "faults landed | compile s |",
-             "|---|---|---|---:|---:|---|---:|---:|"]
+             "conditionals | faults landed | compile s |",
+             "|---|---|---|---:|---:|---|---:|---:|---:|"]
     for r in results:
         for variant, v in r["variants"].items():
             same = "yes" if v["hlo_identical"] else (
                 "ops only" if v["program_identical"] else "no")
             lines.append(f"| {r['preset']} | {r['batch']} x {r['seq_len']} | {variant} | "
                          f"{B._ms(v['seconds_per_step'])} | {B._ratio(v['ratio'])} | {same} | "
-                         f"{v['faults_landed']} | {v['compile_s']:.1f} |")
+                         f"{v['conditionals']} | {v['faults_landed']} | {v['compile_s']:.1f} |")
     lines += ["", "Median (min-max) over interleaved repetitions; ratios per repetition. "
               "plain: no injector; healthy: `suspect.profile: healthy` (its ratio is the "
               "measurement's noise floor); zero-rate: specs at rate 0 (no injector is built); "
               "idle: specs at the four paper sites with a pattern that never fires (the "
               "engine compiled in); active-scale and active: specs there that land at every "
               "step, multiplicative and additive. \"ops only\": equal apart from source "
-              "locations. A variant whose lowered program is plain's, byte for byte, runs "
-              "plain's executable (compiled once), so its compile s is its lowering alone."]
+              "locations. conditionals: `conditional` instructions in the compiled step (on a "
+              "GPU each reads its predicate on the host). A variant whose lowered program is "
+              "plain's, byte for byte, runs plain's executable (compiled once), so its compile "
+              "s is its lowering alone."]
     for r in results:
         lines.append(f"- {r['preset']}: active / idle (a step whose faults land over one "
                      f"whose engine only runs) {B._ratio(r['active_over_idle'])}; active / "

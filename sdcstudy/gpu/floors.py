@@ -232,7 +232,8 @@ def overhead_figures(report: dict) -> dict:
     r = report["results"][0]
     contenders = r.get("variants") or r.get("modes") or {}
     figures = {name: {"ratio": c["ratio"]["median"],
-                      "step_ms": c["seconds_per_step"]["median"] * 1e3}
+                      "step_ms": c["seconds_per_step"]["median"] * 1e3,
+                      **({"conditionals": c["conditionals"]} if "conditionals" in c else {})}
                for name, c in contenders.items()}
     ratios = [f["ratio"] for f in figures.values() if f["ratio"] is not None]
     return {"preset": r["preset"], "batch": r["batch"], "seq_len": r["seq_len"],
