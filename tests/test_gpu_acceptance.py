@@ -300,7 +300,9 @@ def test_an_overhead_check_runs_its_suite_on_the_workload(tmp_path, monkeypatch)
     acc = GC.Acceptance(args, sys.executable, {"device_kind": H100, "device_count": 2},
                         tmp_path)
     seen = []
-    monkeypatch.setattr(acc, "sdcstudy", lambda label, argv, cap: seen.append(argv) or {
+    envs = []
+    monkeypatch.setattr(acc, "sdcstudy", lambda label, argv, cap, env=None: (
+        seen.append(argv), envs.append(env))[0] or {
         "exit_code": 3, "seconds": 2.0, "timed_out": False, "command": []})
     for name, suite in GC.OVERHEADS.items():
         assert GS.state(acc.overhead(name, suite)) == "ERROR"
@@ -310,6 +312,12 @@ def test_an_overhead_check_runs_its_suite_on_the_workload(tmp_path, monkeypatch)
         assert (argv[argv.index("--batch") + 1], argv[argv.index("--seq-len") + 1]) == (
             "16", "512")
     assert set(GC.OVERHEADS.values()) == {"faults", "paired", "abft"}
+    assert envs == [None] * len(GC.OVERHEADS)  # the children's own environment
+    # the A/B of the fault engine's conditionals: the same bench, the flag added to XLA_FLAGS
+    acc.overhead("fault_engine_cost_graphs", "faults", (GC.CONDITIONALS_IN_GRAPHS,))
+    assert seen[-1][:2] == ["bench", "faults"]
+    assert GC.CONDITIONALS_IN_GRAPHS in envs[-1]["XLA_FLAGS"].split()
+    assert GC.CONDITIONALS_IN_GRAPHS.endswith(",CONDITIONAL")
 
 
 def test_healthy_abft_needs_100000_checks_and_no_flag():

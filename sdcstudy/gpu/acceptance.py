@@ -45,7 +45,8 @@ paired` and `bench abft` on `small` (16 x 512), each contender's step over the p
 (idle and firing fault engine; lock-step and parameter synchronization against free running,
 SKIPPED on one GPU: a pair is two devices; ABFT on, and with recomputation): stated [3 x 60];
 `bench_8b16l_bfloat16`: llama3-8b-16l (4 x 512) in bfloat16, flags on: MFU stated [150];
-`device_health`.
+`fault_engine_cost_graphs`: `bench faults` again with conditionals inside CUDA graphs
+(`checks.CONDITIONALS_IN_GRAPHS`), beside `fault_engine_cost` [120]; `device_health`.
 
 `--only LIST` runs the named checks of either stage (a rerun of what a budget skipped).
 Results: DIR/gpu_acceptance.json (each check's verdict and figures, the device's state,
@@ -76,7 +77,7 @@ FULL_CHECKS = ("doctor", "bench_medium_bfloat16_tuned", "bench_medium_bfloat16_p
                "device_health")
 QUICK_CHECKS = ("golden_full", "fingerprint", "golden_other_machine", "attention_repeat",
                 "fault_draws", "free_step", "fault_engine_cost", "paired_cost", "abft_overhead",
-                "bench_8b16l_bfloat16", "device_health")
+                "bench_8b16l_bfloat16", "fault_engine_cost_graphs", "device_health")
 PROBE = ("import json, jax; d = jax.devices()[0]; print(json.dumps({'backend': "
          "jax.default_backend(), 'device_kind': d.device_kind, 'device_count': "
          "jax.device_count()}))")
@@ -201,6 +202,8 @@ def run_checks(acc, checks: tuple[str, ...]) -> int:
         do(name, acc.overhead, name, suite)
     do_unless(GC.preset_problem(GC.EIGHT_B_16L[0]), "bench_8b16l_bfloat16", acc.bench,
               "bench_8b16l_bfloat16", GC.EIGHT_B_16L, "bfloat16", cap=300)
+    do("fault_engine_cost_graphs", acc.overhead, "fault_engine_cost_graphs", "faults",
+       (GC.CONDITIONALS_IN_GRAPHS,))
     if before is not None:
         do("device_health", acc.device_health, before, acc.device_state("after"))
     return acc.finish()

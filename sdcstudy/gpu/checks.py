@@ -30,6 +30,11 @@ ABFT_HEALTHY = ("small", 600)
 # against its suite's plain one, on `small` at 16 x 512 (stated, no floor: issue 53 asks them).
 OVERHEAD_WORKLOAD = ("small", 16, 512, 5, 3)
 OVERHEADS = {"fault_engine_cost": "faults", "paired_cost": "paired", "abft_overhead": "abft"}
+# XLA's default command-buffer types and CONDITIONAL: each `lax.cond` then runs inside the CUDA
+# graph instead of as a thunk reading its predicate on the host (a lead for the fault engine's
+# idle cost on the GPU, docs/results/gpu.md; `fault_engine_cost_graphs` measures it).
+CONDITIONALS_IN_GRAPHS = ("--xla_gpu_enable_command_buffer="
+                          "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL")
 PAIR_NEEDS_TWO = ("a pair's two nodes are two devices of one mesh (its node axis), and this "
                   "machine has one GPU, so the paired modes' step cost cannot be measured here")
 RECALL_PROFILE = "exponent-flip"
@@ -223,21 +228,24 @@ class Acceptance(GoldenChecks, FreeStepChecks):
                 **GF.judge_recall(summary, _records(folder / "faults.parquet"),
                                   _records(folder / "abft.parquet"))}
 
-    def overhead(self, name: str, suite: str) -> dict:
-        """`bench SUITE` on `OVERHEAD_WORKLOAD`: each contender's step time over the plain
-        step's, measured side by side in one run (`floors.overhead_figures`)."""
+    def overhead(self, name: str, suite: str, flags: tuple[str, ...] = ()) -> dict:
+        """`bench SUITE` on `OVERHEAD_WORKLOAD` (with `flags` added to XLA_FLAGS): each
+        contender's step time over the plain step's, measured side by side in one run
+        (`floors.overhead_figures`)."""
         preset, batch, seq_len, steps, repeats = OVERHEAD_WORKLOAD
         if suite == "paired" and self.report.get("device_count", 1) < 2:
             return skipped(PAIR_NEEDS_TWO)
         path = self.work / f"{name}.json"
         run = self.sdcstudy(name, ["bench", suite, "--presets", preset, "--batch", batch,
                                    "--seq-len", seq_len, "--steps", steps, "--repeats",
-                                   repeats, "--json", path], cap=180)
+                                   repeats, "--json", path], cap=180,
+                           env=with_flags(child_env(), *flags) if flags else None)
         if "skipped" in run:
             return run
         if not self.ran(run, path):
             return broke(run)
-        return {**run, "suite": suite, **GF.overhead_figures(json.loads(path.read_text()))}
+        return {**run, "suite": suite, **({"xla_flags_added": list(flags)} if flags else {}),
+                **GF.overhead_figures(json.loads(path.read_text()))}
 
     def attention_repeat(self) -> dict:
         """The tiny training in bfloat16 with fused attention (cuDNN on a GPU: head dim 16;
