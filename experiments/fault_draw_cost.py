@@ -11,9 +11,10 @@ drawing, applying and recording together (`corrupt_and_record`, as a firing site
 Where the rate makes more than `draws.HIT_CAP` hits, it also times the dense rest of the draw
 both ways, side by side: every element's words at once (`dense_after_one_pass`), and the two
 passes (`dense_after` with `two_passes=True`: first words, then the undecided elements
-gathered; the engine takes them on the CPU only), and says whether the two give the same bits. A weight gradient of the small model at nodes 1
-and 14's rate: `--preset small --tokens 1536 --rate 0.0152 --calls 20` (its 512 x 1,536
-product dW; `sdcstudy accept-gpu`'s `fault_draws` check runs it on a GPU).
+gathered; the engine takes them on the CPU only), and says whether the two give the same
+bits. A weight gradient of the small model at nodes 1 and 14's rate: `--preset small
+--tokens 1536 --rate 0.0152 --calls 20` (its 512 x 1,536 product dW; `sdcstudy accept-gpu`'s
+`fault_draws` check runs it on a GPU).
 """
 
 from __future__ import annotations
