@@ -301,9 +301,13 @@ def test_an_overhead_check_runs_its_suite_on_the_workload(tmp_path, monkeypatch)
                         tmp_path)
     seen = []
     envs = []
-    monkeypatch.setattr(acc, "sdcstudy", lambda label, argv, cap, env=None: (
-        seen.append(argv), envs.append(env))[0] or {
-        "exit_code": 3, "seconds": 2.0, "timed_out": False, "command": []})
+
+    def crashed(label, argv, cap, env=None):
+        seen.append(argv)
+        envs.append(env)
+        return {"exit_code": 3, "seconds": 2.0, "timed_out": False, "command": []}
+
+    monkeypatch.setattr(acc, "sdcstudy", crashed)
     for name, suite in GC.OVERHEADS.items():
         assert GS.state(acc.overhead(name, suite)) == "ERROR"
         argv = [str(a) for a in seen[-1]]
