@@ -91,7 +91,7 @@ def curves(runs: dict, path: Path, key: str = LOSS, title: str = "", log: bool |
             y = PL._positive(y)
         ax.plot(m["step"], y, label=label, linewidth=1.2, **style[label])
     if log:
-        PL._log_y(ax)
+        PL.log_scale(ax)
         low, high = ax.get_ylim()
         if high / low < 100:  # under two decades: label 1-2-5 steps, not only decades
             from matplotlib.ticker import LogLocator, ScalarFormatter

@@ -55,15 +55,20 @@ def _last_step(rollup: pd.DataFrame) -> int:
     return int(rollup.index.get_level_values("step").max())
 
 
-def _log_y(ax) -> None:
-    """A log y axis with at most ~5 labelled decades and no minor ticks: matplotlib makes
-    every tick an object, and on 15-20 shared panels spanning many decades that takes
-    seconds per figure."""
+def log_scale(ax, which: str = "y") -> None:
+    """A log axis (`which`: "x" or "y") with at most ~5 labelled decades and no minor ticks:
+    matplotlib makes every tick an object, and on 15-20 shared panels spanning many decades
+    that takes seconds per figure."""
     from matplotlib.ticker import LogLocator, NullLocator
 
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(numticks=5))
-    ax.yaxis.set_minor_locator(NullLocator())
+    getattr(ax, f"set_{which}scale")("log")
+    axis = getattr(ax, f"{which}axis")
+    axis.set_major_locator(LogLocator(numticks=5))
+    axis.set_minor_locator(NullLocator())
+
+
+def _log_y(ax) -> None:
+    log_scale(ax, "y")
 
 
 def save_figure(fig, path: Path) -> Path:
@@ -85,15 +90,23 @@ def _legend_outside(fig, ax, n: int) -> None:
               ncol=_legend_columns(n))
 
 
-def _with_legend_room(plt, ncols: int, n: int, plot_width: float, height: float, **kw):
+def margins(fig, left: float = 0.95, right: float = 0.15, bottom: float = 0.6,
+            top: float = 0.4, wspace: float | None = None) -> None:
+    """Fixed margins around the axes of `fig`, in inches (`wspace`: the gap between panels, a
+    fraction of a panel's width). A layout engine (`tight_layout`) would measure every tick
+    label by drawing the figure once more: most of a second per figure of log axes."""
+    width, height = fig.get_size_inches()
+    fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height,
+                        top=1 - top / height, wspace=wspace)
+
+
+def _with_legend_room(plt, ncols: int, n: int, plot_width: float, height: float,
+                      wspace: float = 0.08, **kw):
     """`plt.subplots(1, ncols)` with fixed margins in inches and `LEGEND_WIDTH` inches per
-    legend column on the right, for a legend of `n` entries (tight_layout would cost a
-    second drawing of the figure)."""
+    legend column on the right, for a legend of `n` entries."""
     width = plot_width + LEGEND_WIDTH * _legend_columns(n)
     fig, axes = plt.subplots(1, ncols, figsize=(width, height), **kw)
-    fig.subplots_adjust(left=0.95 / width, right=1 - (0.15 + LEGEND_WIDTH *
-                                                      _legend_columns(n)) / width,
-                        bottom=0.6 / height, top=1 - 0.4 / height, wspace=0.08)
+    margins(fig, right=0.15 + LEGEND_WIDTH * _legend_columns(n), wspace=wspace)
     return fig, axes
 
 
@@ -180,7 +193,7 @@ def frequency_smoothed(runs: dict, path: Path, site: str = "fwd/attn",
     _log_y(ax)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"{site} mismatch frequency\n(moving mean over {window} steps)")
-    ax.set_title(f"Smoothed mismatch frequency of {site}")
+    ax.set_title(f"Smoothed mismatch frequency of {site}", y=1.0)
     ax.grid(alpha=0.3, which="major")
     _legend_outside(fig, ax, len(runs))
     return save_figure(fig, path)
@@ -228,7 +241,7 @@ def training(runs: dict, path: Path) -> Path | None:
     if not runs:
         return None
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = _with_legend_room(plt, 3, len(runs) + 1, 13.4, 4.2, wspace=0.25)
     drawn_healthy = []
     for (label, run), style in zip(runs.items(), styles(runs).values()):
         diff = _positive(_series(run, "param/diff_l2"))
@@ -249,13 +262,12 @@ def training(runs: dict, path: Path) -> Path | None:
             (axes[2], "training loss (nats)", "Training loss")):
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title, fontsize=10, y=1.0)
         ax.grid(alpha=0.3, which="major")
     handles, labels = axes[0].get_legend_handles_labels()
     h2, l2 = axes[1].get_legend_handles_labels()
     axes[2].legend(handles + h2, labels + l2, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                   fontsize=8, frameon=False)
-    fig.tight_layout()
+                   fontsize=8, frameon=False, ncol=_legend_columns(len(runs) + 1))
     return save_figure(fig, path)
 
 
@@ -325,7 +337,7 @@ def abft_flags(runs: dict, path: Path, matmul: str = "o", direction: str = "fwd"
                       (axes[1], "all checked matmuls and directions")):
         _log_y(ax)
         ax.set_xlabel("optimizer step")
-        ax.set_title(f"ABFT flag frequency: {title}", fontsize=10)
+        ax.set_title(f"ABFT flag frequency: {title}", fontsize=10, y=1.0)
         ax.grid(alpha=0.3, which="major")
     _legend_outside(fig, axes[1], len(runs))
     axes[0].set_ylabel(f"fraction of checks flagged\n(moving mean over {window} steps)")

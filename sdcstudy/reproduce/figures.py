@@ -11,27 +11,18 @@ Each function writes one figure and returns its path, or None when there is noth
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from sdcstudy.core import runfolder as RF
 from sdcstudy.faults import published as PB
 from sdcstudy.report import plots as P
 from sdcstudy.reproduce import bands as B
 
-DPI = 100
 MARKERS = dict(zip(PB.SITES, ("o", "s", "^", "D")))
 
 
-def _save(fig, path: Path) -> Path:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=DPI)
-    P.pyplot().close(fig)
-    RF.atomic_write_bytes(path, buffer.getvalue())
-    return path
 
 
 def _numbers(rows, source: str) -> list:
@@ -56,13 +47,13 @@ def wcnts(rows, path: Path) -> Path | None:
     floor = min([r.expected for r in chosen] + [r.ours for r in chosen if r.ours > 0]) / 10
     ax.bar(x - 0.2, [r.expected for r in chosen], 0.4, label="Figure 5 (Ma et al.)")
     ax.bar(x + 0.2, [max(r.ours, floor) for r in chosen], 0.4, label="ours")
-    ax.set_yscale("log")
+    P.log_scale(ax)
     ax.set_xticks(x, [str(r.node) for r in chosen])
     ax.set_xlabel("node")
     ax.set_ylabel("WCNTS (eq. 5)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    return _save(fig, path)
+    P.margins(fig, left=0.9, bottom=0.55, top=0.15)
+    return P.save_figure(fig, path)
 
 
 def sites(rows, path: Path) -> Path | None:
@@ -82,7 +73,7 @@ def sites(rows, path: Path) -> Path | None:
             axes, panels, ((1 - B.FREQ_TOLERANCE, 1 + B.FREQ_TOLERANCE),
                            (1 / B.SEVERITY_FACTOR, B.SEVERITY_FACTOR)),
             ("mismatch frequency", "maximum severity")):
-        ax.set_title(f"{source}: {what}", fontsize=10)
+        ax.set_title(f"{source}: {what}", fontsize=10, y=1.0)
         if not chosen:
             continue
         for r in chosen:
@@ -92,8 +83,8 @@ def sites(rows, path: Path) -> Path | None:
         span = np.array([min(values) / 2, max(values) * 2])
         ax.plot(span, span, color="black", linewidth=0.8)
         ax.fill_between(span, span * lo, span * hi, color="grey", alpha=0.2, linewidth=0)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        P.log_scale(ax, "x")
+        P.log_scale(ax, "y")
         ax.set_xlabel("Ma et al." + (" x time pattern over the run" if source == "Table 1"
                                     else ""))
         ax.set_ylabel("ours")
@@ -102,8 +93,8 @@ def sites(rows, path: Path) -> Path | None:
     handles += [plt.Line2D([], [], color=colour[n], marker="o", linestyle="", label=f"node {n}")
                 for n in nodes]
     fig.legend(handles=handles, loc="center right", fontsize=7)
-    fig.tight_layout(rect=(0, 0, 0.85, 1))
-    return _save(fig, path)
+    P.margins(fig, left=0.9, right=1.6, bottom=0.6, top=0.35, wspace=0.3)
+    return P.save_figure(fig, path)
 
 
 def free_runs(runs: dict, path: Path) -> Path | None:
@@ -126,14 +117,14 @@ def free_runs(runs: dict, path: Path) -> Path | None:
         gap_ax.plot(steps, np.where(gap > 0, gap, np.nan), label=label, **style[label])
         diff_ax.plot(steps, np.where(diff > 0, diff, np.nan), label=label, **style[label])
     gap_ax.axhline(B.LOSS_GAP, color="black", linewidth=0.8, linestyle="--")
-    gap_ax.set_title("|loss/suspect - loss/healthy| / loss/healthy", fontsize=10)
-    diff_ax.set_title("param/diff_l2", fontsize=10)
+    gap_ax.set_title("|loss/suspect - loss/healthy| / loss/healthy", fontsize=10, y=1.0)
+    diff_ax.set_title("param/diff_l2", fontsize=10, y=1.0)
     for ax in (gap_ax, diff_ax):
-        ax.set_yscale("log")
+        P.log_scale(ax)
         ax.set_xlabel("step")
     diff_ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
-    fig.tight_layout()
-    return _save(fig, path)
+    P.margins(fig, left=0.9, right=1.25, bottom=0.55, top=0.35, wspace=0.2)
+    return P.save_figure(fig, path)
 
 
 def draw(rows, runs_by_mode: dict, out: Path) -> list[Path]:
