@@ -81,13 +81,16 @@ def chance_bounds(ours: TailMaximum, layers: list[TailMaximum | None],
 
     cdf = ours.cdf(GRID)
     mass = np.diff(cdf)
-    ends = [GRID[:-1], GRID[1:]]  # each step's mass is evaluated at both its ends
+    # Each step's mass is evaluated at both its ends, GRID[:-1] and GRID[1:]: the laws are
+    # elementwise, so they are computed once on GRID and sliced.
+    high_grid = [law(factor * GRID, layer) for layer in layers]
+    at_most_grid = [law(GRID / factor, layer) for layer in layers]
+    known_grid = GRID / factor >= FLOOR
     lows, highs = [], []
-    for m in ends:
-        high = [law(factor * m, layer) for layer in layers]
-        known = m / factor >= FLOOR
-        at_most = [law(m / factor, layer) for layer in layers]
-        at_least = [np.where(known, a, 0.0) if layer is not None else a
+    for end in (slice(None, -1), slice(1, None)):
+        high = [h[end] for h in high_grid]
+        at_most = [a[end] for a in at_most_grid]
+        at_least = [np.where(known_grid[end], a, 0.0) if layer is not None else a
                     for a, layer in zip(at_most, layers)]
         lows.append(_pass(high, at_most))
         highs.append(_pass(high, at_least))
