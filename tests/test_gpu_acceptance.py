@@ -324,6 +324,20 @@ def test_an_overhead_check_runs_its_suite_on_the_workload(tmp_path, monkeypatch)
     assert GC.CONDITIONALS_IN_GRAPHS.endswith(",CONDITIONAL")
 
 
+def test_xla_parses_the_conditionals_in_graphs_flag():
+    """The A/B's flag reaches XLA's own parser before any GPU does: the CPU build parses every
+    platform's flags at start-up and exits on a value it does not know, so a misspelt command-
+    buffer type would cost a GPU window its check. The flag as written must start JAX; the
+    same flag with a type XLA lacks must not."""
+    def starts(flag: str) -> bool:
+        env = dict(os.environ, XLA_FLAGS=flag)
+        return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                              capture_output=True, timeout=120).returncode == 0
+
+    assert starts(GC.CONDITIONALS_IN_GRAPHS)
+    assert not starts(GC.CONDITIONALS_IN_GRAPHS.replace("CONDITIONAL", "CONDITIONALS"))
+
+
 def test_healthy_abft_needs_100000_checks_and_no_flag():
     """0 false alarms in at least 100,000 healthy checks is the target: exactly 100,000 with
     no flag passes; one flag, or one check fewer, fails (270 checks, all the GPU has shown so
