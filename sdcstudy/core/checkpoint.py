@@ -11,7 +11,9 @@ sentence. orbax runs each save in an event loop of its own and closes that loop 
 save has failed, while the save's other writes are still under way: the loops here finish
 those writes and collect their errors before closing (`_SettlingLoop`), so none is reported
 later as an exception "never retrieved". orbax's own error report of the failed save (the
-same error, with its traceback) is not printed.
+same error, with its traceback) is not printed, nor is the report of a write that finished in
+the instant its loop closed (`_LateWriteReports`: the write's outcome had no loop left to go
+to, and the save's failure reaches the caller all the same).
 """
 
 from __future__ import annotations
@@ -93,6 +95,18 @@ class _OrbaxFailureReports(logging.Filter):
         return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
+class _LateWriteReports(logging.Filter):
+    """Drops the report of a thread's write that finished as its event loop was closing: the
+    callback that carries the write's outcome to the loop checks that the loop is open, and
+    the loop closes before the callback's next line reaches it (a race inside asyncio itself,
+    `futures._chain_future`), so concurrent.futures reports "exception calling callback" with
+    a traceback of RuntimeError('Event loop is closed'). Any other callback error is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed")
+
+
 class _SettlingLoop(asyncio.SelectorEventLoop):
     """An event loop that, before it closes, cancels the tasks still under way and waits for
     them, collecting every outcome, as `asyncio.run` does; orbax closes its loops without that.
@@ -121,6 +135,9 @@ def _orbax_failures_reach_the_caller_only() -> None:
     absl = logging.getLogger("absl")
     if not any(isinstance(f, _OrbaxFailureReports) for f in absl.filters):
         absl.addFilter(_OrbaxFailureReports())
+    callbacks = logging.getLogger("concurrent.futures")
+    if not any(isinstance(f, _LateWriteReports) for f in callbacks.filters):
+        callbacks.addFilter(_LateWriteReports())
     if type(asyncio.get_event_loop_policy()) is asyncio.DefaultEventLoopPolicy:
         asyncio.set_event_loop_policy(_SettlingPolicy())
 
