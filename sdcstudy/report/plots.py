@@ -67,10 +67,6 @@ def log_scale(ax, which: str = "y") -> None:
     axis.set_minor_locator(NullLocator())
 
 
-def _log_y(ax) -> None:
-    log_scale(ax, "y")
-
-
 def save_figure(fig, path: Path) -> Path:
     """`fig` as the PNG `path`, atomically; a file that cannot be written is ReportWriteError."""
     try:
@@ -165,7 +161,7 @@ def frequency_panels(runs: dict, path: Path) -> Path | None:
             freq = _positive(T.frequency_by_step(run, site))
             ax.plot(freq.index, freq.values, marker=".", markersize=3, lw=0.8, label=site,
                     **site_style[site])
-        _log_y(ax)
+        log_scale(ax)
         ax.set_title(label, fontsize=9, y=1.0, pad=3)
         ax.grid(alpha=0.3, which="major")
     _label_grid(axes, len(runs), "mismatch frequency")
@@ -190,7 +186,7 @@ def frequency_smoothed(runs: dict, path: Path, site: str = "fwd/attn",
         freq = T.frequency_by_step(run, site)
         smooth = _positive(freq.rolling(window, min_periods=1).mean())
         ax.plot(smooth.index, smooth.values, lw=1.2, label=label, **style)
-    _log_y(ax)
+    log_scale(ax)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"{site} mismatch frequency\n(moving mean over {window} steps)")
     ax.set_title(f"Smoothed mismatch frequency of {site}", y=1.0)
@@ -217,7 +213,7 @@ def gradients(runs: dict, path: Path) -> Path | None:
         norm = _positive(_series(run, "grad/norm"))
         ax.plot(diff.index, diff.values, lw=0.9, color="tab:red", marker=".", markersize=2)
         ax.plot(norm.index, norm.values, lw=1.2, color="black", ls="--")
-        _log_y(ax)
+        log_scale(ax)
         row = wcnts.loc[label]
         paper = row["wcnts" + T.PUBLISHED_SUFFIX]
         ax.set_title(f"{label}: WCNTS {T.fmt(row['wcnts'])}"
@@ -254,8 +250,8 @@ def training(runs: dict, path: Path) -> Path | None:
             axes[1].plot(*_xy(_series(run, "grad/norm")), color="black", lw=1.2, ls="--",
                          label="healthy" if len(drawn_healthy) == 1 else None)
             axes[2].plot(*_xy(loss), color="black", lw=1.2, ls="--")
-    _log_y(axes[0])
-    _log_y(axes[1])
+    log_scale(axes[0])
+    log_scale(axes[1])
     for ax, ylabel, title in (
             (axes[0], "||theta' - theta||_2", "Parameter difference (suspect - healthy)"),
             (axes[1], "gradient L2 norm (before clipping)", "Gradient norm"),
@@ -299,7 +295,7 @@ def bit_positions(runs: dict, path: Path) -> Path | None:
                 shown = bits > 0
                 ax.vlines(np.arange(len(bits))[shown] + (i - 1.5) * bar, 0.7, bits[shown],
                           lw=2.0, color=site_style[site]["color"], label=site)
-        _log_y(ax)
+        log_scale(ax)
         ax.set_title(f"{label} ({width}-bit)", fontsize=9, y=1.0, pad=3)
         ax.grid(alpha=0.3, which="major", axis="y")
     axes.flat[0].set_xlim(widest - 0.5, -0.5)  # shared: the sign bit on the left
@@ -335,7 +331,7 @@ def abft_flags(runs: dict, path: Path, matmul: str = "o", direction: str = "fwd"
             ax.plot(shown.index, shown.values, lw=1.1, label=label, **style)
     for ax, title in ((axes[0], f"{matmul} ({direction}), as Figure 10 of Ma et al."),
                       (axes[1], "all checked matmuls and directions")):
-        _log_y(ax)
+        log_scale(ax)
         ax.set_xlabel("optimizer step")
         ax.set_title(f"ABFT flag frequency: {title}", fontsize=10, y=1.0)
         ax.grid(alpha=0.3, which="major")

@@ -23,8 +23,6 @@ from sdcstudy.reproduce import bands as B
 MARKERS = dict(zip(PB.SITES, ("o", "s", "^", "D")))
 
 
-
-
 def _numbers(rows, source: str) -> list:
     """The rows of `source` with a number on both sides and what their band centres on."""
     return [r for r in rows if r.source == source and r.expected is not None
