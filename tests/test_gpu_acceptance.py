@@ -324,18 +324,27 @@ def test_an_overhead_check_runs_its_suite_on_the_workload(tmp_path, monkeypatch)
     assert GC.CONDITIONALS_IN_GRAPHS.endswith(",CONDITIONAL")
 
 
-def test_xla_parses_the_conditionals_in_graphs_flag():
-    """The A/B's flag reaches XLA's own parser before any GPU does: the CPU build parses every
-    platform's flags at start-up and exits on a value it does not know, so a misspelt command-
-    buffer type would cost a GPU window its check. The flag as written must start JAX; the
-    same flag with a type XLA lacks must not."""
-    def starts(flag: str) -> bool:
-        env = dict(os.environ, XLA_FLAGS=flag)
-        return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
-                              capture_output=True, timeout=120).returncode == 0
+def _xla_starts_with(flags: str) -> bool:
+    env = dict(os.environ, XLA_FLAGS=flags)
+    return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                          capture_output=True, timeout=120).returncode == 0
 
-    assert starts(GC.CONDITIONALS_IN_GRAPHS)
-    assert not starts(GC.CONDITIONALS_IN_GRAPHS.replace("CONDITIONAL", "CONDITIONALS"))
+
+def test_xla_parses_every_flag_the_gpu_checks_hand_their_children(tmp_path):
+    """The flags reach XLA's own parser before any GPU does: the CPU build parses every
+    platform's flags at start-up and exits on a name or value it does not know, so a misspelt
+    flag would cost a GPU window its check. The conditionals A/B's command-buffer types, the
+    free step's dump, load and completeness flags and the determinism flags, as the checks
+    write them, must start JAX; the A/B's flag with a type XLA lacks must not."""
+    from sdcstudy.core import determinism as DT
+    from sdcstudy.gpu import free_step as FS
+
+    pinned = tmp_path / "autotune.txt"
+    assert _xla_starts_with(" ".join((
+        GC.CONDITIONALS_IN_GRAPHS, FS.REQUIRE_PINNED, f"{DT.AUTOTUNE_DUMP_FLAG}={pinned}",
+        f"{DT.AUTOTUNE_FLAG}={pinned}", *DT.DETERMINISM_XLA_FLAGS)))
+    assert not _xla_starts_with(GC.CONDITIONALS_IN_GRAPHS.replace("CONDITIONAL",
+                                                                  "CONDITIONALS"))
 
 
 def test_healthy_abft_needs_100000_checks_and_no_flag():
