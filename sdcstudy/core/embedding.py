@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sdcstudy.core.errors import UserError
+from sdcstudy.core.mesh import inside_shard_map
 from sdcstudy.core.presets import EMBEDDING_GRADS
 
 SCATTER, SORTED = EMBEDDING_GRADS  # model.embedding_grad
@@ -30,7 +31,7 @@ def lookup(table_VD, tokens, embedding_grad: str = SCATTER):
     if embedding_grad != SORTED:
         raise ValueError(f"model.embedding_grad must be one of {', '.join(EMBEDDING_GRADS)}, "
                          f"not {embedding_grad!r}.")
-    if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
+    if inside_shard_map():
         raise UserError("model.embedding_grad=sorted runs only in steps outside shard_map (mode "
                         "train's; the paired modes' step is inside one); use "
                         "model.embedding_grad=scatter there.")

@@ -59,6 +59,11 @@ def make_node_mesh(nodes: int = 1, dp: int = 1, tp: int = 1) -> Mesh:
     return make_mesh(nodes, dp, tp, devices)
 
 
+def inside_shard_map() -> bool:
+    """Whether the code being traced runs inside `shard_map` (its mesh has manual axes)."""
+    return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
 def varying_axes(x) -> frozenset:
     """The manual mesh axes a value varies over inside `shard_map` (empty outside)."""
     aval = jax.typeof(x)

@@ -26,6 +26,7 @@ from jax import lax
 from sdcstudy.core import determinism
 from sdcstudy.core import embedding as E
 from sdcstudy.core import sites as S
+from sdcstudy.core.mesh import inside_shard_map
 from sdcstudy.core.config import ModelDims
 from sdcstudy.core.errors import UserError
 from sdcstudy.core.sites import Hook, identity_hook
@@ -180,17 +181,13 @@ def attention_path(mode: str, hook: Hook, dtype, head_dim: int,
 
 def pallas_takes(length: int) -> bool:
     """Whether `pallas_attention` runs here: a length its tiles cover, outside `shard_map`."""
-    return _tiled_length(length) and not _inside_shard_map()
+    return _tiled_length(length) and not inside_shard_map()
 
 
 def _tiled_length(length: int) -> bool:
     """The Pallas kernels' tiles (128 keys forward, 32 backward) cover a power of two from 16
     to 128 or a multiple of 128."""
     return length % 128 == 0 or (16 <= length <= 128 and length & (length - 1) == 0)
-
-
-def _inside_shard_map() -> bool:
-    return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
 
 @functools.partial(jax.jit, static_argnames=("implementation",))
@@ -212,7 +209,7 @@ def pallas_attention(q_BLHE, k_BLKE, v_BLKE):
     from jax.experimental.pallas.ops.gpu import attention as flash
 
     b, length, h, e = q_BLHE.shape
-    if _inside_shard_map():
+    if inside_shard_map():
         raise UserError("model.attention=pallas runs only in steps outside shard_map (mode "
                         "train's; the paired modes' step is inside one): JAX's Pallas kernels "
                         "do not say how their output varies over a mesh's manual axes; use "
