@@ -18,6 +18,7 @@ from sdcstudy.faults import inject as F
 from sdcstudy.faults.feature import Faults
 from sdcstudy.faults import corrupt as FC
 from sdcstudy.faults import draws as FD
+from sdcstudy.faults import hashing as FH
 from sdcstudy.faults import bits as FB
 from sdcstudy.faults import records as FR
 from sdcstudy.core import mesh as M
@@ -515,12 +516,15 @@ def test_skipping_idle_draws_keeps_every_bit(monkeypatch):
 
 
 def test_stacked_leaves_are_corrupted_as_one_at_a_time(monkeypatch):
-    # `grad` and `update` specs corrupt every parameter leaf; leaves of one shape are corrupted
-    # as one stack (inject.STACK_LEAVES), which XLA compiles once instead of once a leaf. Every
-    # leaf's faults, its record and all the step computes from them must be those of
-    # corrupting it alone, bit for bit, in the compiled step: an additive gradient spec (the
-    # kind that reads each row's RMS, a reduction XLA may fuse apart) dense enough to draw past
-    # the listed hits.
+    # `grad` and `update` specs corrupt every parameter leaf; leaves of one size, or of sizes
+    # within PAD_RATIO, are corrupted as one stack (inject.STACK_LEAVES), which XLA compiles
+    # once instead of once a leaf. Every leaf's faults, its record and all the step computes
+    # from them must be those of corrupting it alone, bit for bit, in the compiled step: an
+    # additive gradient spec (the kind that reads each row's RMS, a reduction XLA may fuse
+    # apart) dense enough to draw past the listed hits, over two steps (XLA fuses the
+    # corruption into the optimizer's update, and on the CPU contracts its multiply-adds by how
+    # that fusion reads: the Adam moments' contractions show from the second step on, when
+    # they no longer start from 0).
     profile = FS.Profile("stacked", (
         FS.FaultSpec("grad", "additive", rate=0.3, scale=(2.0 ** -8, 1.0)),))
     batch = _one_layer_batch()
@@ -528,8 +532,9 @@ def test_stacked_leaves_are_corrupted_as_one_at_a_time(monkeypatch):
     def run():
         trainer = _one_layer_trainer(profile)
         lowered = jax.jit(trainer.train_step).lower(trainer.init_state(), batch)
-        out = lowered.compile()(trainer.init_state(), batch)
-        return jax.device_get(out), lowered.as_text()
+        step = lowered.compile()
+        first = step(trainer.init_state(), batch)
+        return jax.device_get((first, step(first.state, batch))), lowered.as_text()
 
     stacked, stacked_text = run()
     monkeypatch.setattr(F, "STACK_LEAVES", False)
@@ -538,7 +543,7 @@ def test_stacked_leaves_are_corrupted_as_one_at_a_time(monkeypatch):
     assert stacked_text.count("stablehlo.case") < alone_text.count("stablehlo.case")
     bits = lambda t: [np.asarray(a).tobytes() for a in jax.tree.leaves(t)]  # noqa: E731
     assert bits(stacked) == bits(alone)
-    landed = [FR.decode_record(r)[0] for r in stacked.records["faults"]["step"].values()]
+    landed = [FR.decode_record(r)[0] for r in stacked[1].records["faults"]["step"].values()]
     assert max(landed) > FD.HIT_CAP  # the additive spec drew past the listed hits
 
 
@@ -556,15 +561,105 @@ def test_a_stack_of_tensors_is_corrupted_as_each_alone(dtype, spec):
     rates = jnp.asarray([0.0, 1e-3, 0.5], jnp.float32)
     alone = jax.jit(lambda xs, kd, r: [FC.corrupt_and_record(xs[i], kd[i], r[i], spec, 16)
                                         for i in range(3)])(xs, key_data, rates)
-    ys, records = jax.jit(lambda *a: FC.corrupt_and_record_stacked(*a, spec, 16))(
+    stacked = jax.jit(lambda xs, *a: FC.corrupt_and_record_stacked(list(xs), *a, spec, 16))(
         xs, key_data, rates)
-    for i, (y, record) in enumerate(alone):
-        assert np.array_equal(_bits(ys[i], dtype), _bits(y, dtype)), i
-        assert np.array_equal(np.asarray(records[i]).view(np.uint32),
-                              np.asarray(record).view(np.uint32)), i
-    landed = [FR.decode_record(record)[0] for record in records]
+    _assert_each_as_alone(stacked, alone, dtype)
+    landed = [FR.decode_record(record)[0] for _, record in stacked]
     least = spec.count if spec.count else 20 if spec.lanes else FD.HIT_CAP
     assert landed[0] == 0 and landed[2] >= least
+
+
+def _assert_each_as_alone(stacked, alone, dtype):
+    for i, ((y_stacked, record_stacked), (y, record)) in enumerate(zip(stacked, alone)):
+        assert y_stacked.shape == y.shape, i
+        assert np.array_equal(_bits(y_stacked, dtype), _bits(y, dtype)), i
+        assert np.array_equal(np.asarray(record_stacked).view(np.uint32),
+                              np.asarray(record).view(np.uint32)), i
+
+
+@pytest.mark.parametrize("spec", [
+    FS.FaultSpec("grad", "additive", rate=1.0, scale=(2.0 ** -8, 1.0)),
+    FS.FaultSpec("grad", "bitflip", rate=1.0, bit_class="mantissa", lanes=(0, 5)),
+    FS.FaultSpec("update", "nan", rate=1.0)])
+def test_tensors_of_other_sizes_share_a_padded_stack_and_are_corrupted_as_each_alone(spec):
+    # Tensors of sizes within PAD_RATIO of one another share one stack, each padded to the
+    # longest; each tensor's draws must stop at its own size (the hit positions, the dense
+    # rest's counters and the elements it draws), or a hit lands in the padding, counts in the
+    # record, or moves. Rates of their own: off, sparse, past the listed hits, and, on the
+    # largest sizes, dense enough for the gathered second pass and for the one pass.
+    spec = spec.validate()
+    shapes = [(32, 64), (48, 64), (64, 64), (64, 32)]  # 2,048 to 4,096 elements
+    assert FC.stack_groups(shapes, spec) == [[0, 1, 2, 3]]
+    large = [(256, 256), (320, 128)]  # 65,536 and 40,960: large enough for two passes
+    assert FC.stack_groups(large, spec) == [[0, 1]] and FD._gathers(spec, 256 * 256)
+    cases = [(shapes, [0.0, 1e-3, 0.7, 0.6]), (large, [0.02, 0.03]), (large, [0.2, 0.05])]
+    for case, (case_shapes, rates) in enumerate(cases):
+        xs = [_x(jnp.float32, shape, seed=i) for i, shape in enumerate(case_shapes)]
+        key_data = jax.random.key_data(jax.random.split(jax.random.key(case), len(xs)))
+        rates = jnp.asarray(rates, jnp.float32)
+        alone = jax.jit(lambda xs, kd, r: [FC.corrupt_and_record(x, kd[i], r[i], spec, 16)
+                                            for i, x in enumerate(xs)])(xs, key_data, rates)
+        stacked = jax.jit(lambda xs, *a: FC.corrupt_and_record_stacked(xs, *a, spec, 16))(
+            xs, key_data, rates)
+        _assert_each_as_alone(stacked, alone, jnp.float32)
+        landed = [FR.decode_record(record)[0] for _, record in stacked]
+        assert landed[0] == 0 if case == 0 else min(landed) > 0, (case, landed)
+        # The draws of the two tensors last named went past the listed hits (in a spec's
+        # lanes, 2 of 32 to 256, a few of the same draws land).
+        assert min(landed[-2:]) > (FD.HIT_CAP if spec.lanes is None else 0), (case, landed)
+
+
+def _second_word_tie(key_data, spec, size: int, length: int):
+    """(rate, element, hit): a rate at which an element in the dense rest of a `size`-element
+    tensor is hit or not by its second word alone, the word of counter size + i; the word of
+    counter length + i (a draw of a tensor of the padded length) decides the other way."""
+    dense_key = FD.listed_draws(jax.random.wrap_key_data(key_data), spec, 0.05, size, 32)[3][0]
+    for i in range(size * 9 // 10, size):
+        counters = jnp.asarray([i, size + i, length + i], jnp.uint32)
+        parts = (np.asarray(FH.as_bits(FH.hashes([(dense_key, counters)])[0], (3,))) >> 8
+                 ).astype(np.float32)
+        own, other = (parts[0] + parts[k] * np.float32(2.0 ** -24) for k in (1, 2))
+        if 0.03 < parts[0] * 2.0 ** -24 < 0.06 and own != other:  # as draws._fine adds them
+            return np.float32(max(own, other) * np.float32(2.0 ** -24)), i, bool(own < other)
+    raise AssertionError("no element of the dense rest tells the two words apart")
+
+
+def test_a_padded_tensors_dense_rest_draws_its_own_second_words():
+    # An element's uniform is two words, counters i and size + i; in a stack padded to a
+    # longer length the second must still be its own tensor's size + i. It decides a hit only
+    # where the first word ties with the rate (one element in 2^24 at random), so the rate is
+    # made one: at it, the element is hit by its own second word and not by the padded
+    # length's, or the other way. Both ways of drawing the dense rest: the gathered second
+    # pass, and (the largest tensor dense past the gathered share) the one pass.
+    spec = FS.FaultSpec("grad", "nan", rate=1.0).validate()
+    shapes = [(256, 256), (320, 128)]
+    xs = [_x(jnp.float32, shape, seed=i) for i, shape in enumerate(shapes)]
+    key_data = jax.random.key_data(jax.random.split(jax.random.key(7), 2))
+    rate, at, hit = _second_word_tie(key_data[1], spec, 320 * 128, 256 * 256)
+    for largest in (0.02, 0.2):
+        rates = jnp.asarray([largest, rate], jnp.float32)
+        alone = jax.jit(lambda xs, kd, r: [FC.corrupt_and_record(x, kd[i], r[i], spec, 16)
+                                            for i, x in enumerate(xs)])(xs, key_data, rates)
+        stacked = jax.jit(lambda xs, *a: FC.corrupt_and_record_stacked(xs, *a, spec, 16))(
+            xs, key_data, rates)
+        assert bool(jnp.isnan(alone[1][0].reshape(-1)[at])) == hit
+        _assert_each_as_alone(stacked, alone, jnp.float32)
+
+
+def test_stacks_pad_only_what_every_draw_allows():
+    # Padding is for specs whose hit lists are HIT_CAP long and whose values come from the
+    # hashes: a count spec's choice and a random value's normal draw depend on the length, so
+    # those stack tensors of one size only; so does a tensor under HIT_CAP elements (its hit
+    # list is shorter) or not a whole multiple of PAD_MULTIPLE; and no tensor is padded past
+    # PAD_RATIO times its size.
+    rate = FS.FaultSpec("grad", "additive", rate=0.1, scale=(2.0 ** -8, 1.0)).validate()
+    count = FS.FaultSpec("grad", "bitflip", count=2, bits=(20,)).validate()
+    normal = FS.FaultSpec("grad", "random", rate=0.1).validate()
+    shapes = [(64, 64), (64, 32), (4096,), (64, 16), (64,), (64,), (32, 64), (1000, 3)]
+    assert FC.stack_groups(shapes, rate) == [[0, 1, 2, 6], [3], [4, 5], [7]]
+    for exact in (count, normal):
+        assert FC.stack_groups(shapes, exact) == [[0, 2], [1, 6], [3], [4, 5], [7]]
+    assert FC.stack_groups([(8192,), (4096,), (2048,)], rate) == [[0, 1], [2]]
 
 
 def test_an_additive_error_is_rounded_before_it_is_added():
@@ -572,16 +667,17 @@ def test_an_additive_error_is_rounded_before_it_is_added():
     # others: on an H100 the step test above failed (stacked and alone an ulp apart at the
     # hit elements of two stacks) until the error term was rounded on its own behind an
     # optimization barrier (faults/corrupt.py). On the CPU the two programs agreed either way
-    # (the step test passed here before the barrier), so no comparison of bits here can see
-    # it; this sees the barrier, one a tensor, stacked or alone.
+    # (the step test passed here before the barrier; XLA's CPU backend removes barriers before
+    # it fuses), so no comparison of bits here can see it; this sees the barrier, one a
+    # tensor, stacked or alone.
     spec = FS.FaultSpec("grad", "additive", rate=0.5, scale=(2.0 ** -8, 1.0)).validate()
     xs = _x(jnp.float32, (2, 8, 16))
     key_data = jax.random.key_data(jax.random.split(jax.random.key(1), 2))
     rates = jnp.asarray([0.5, 0.5], jnp.float32)
     alone = jax.jit(lambda x, kd: FC.corrupt_and_record(x, kd, 0.5, spec, 16)).lower(
         xs[0], key_data[0]).as_text()
-    stacked = jax.jit(lambda *a: FC.corrupt_and_record_stacked(*a, spec, 16)).lower(
-        xs, key_data, rates).as_text()
+    stacked = jax.jit(lambda xs, *a: FC.corrupt_and_record_stacked(list(xs), *a, spec, 16)
+                      ).lower(xs, key_data, rates).as_text()
     assert alone.count("stablehlo.optimization_barrier") == 1
     assert stacked.count("stablehlo.optimization_barrier") == 1
 
