@@ -577,73 +577,79 @@ def _assert_each_as_alone(stacked, alone, dtype):
                               np.asarray(record).view(np.uint32)), i
 
 
-@pytest.mark.parametrize("spec", [
-    FS.FaultSpec("grad", "additive", rate=1.0, scale=(2.0 ** -8, 1.0)),
-    FS.FaultSpec("grad", "bitflip", rate=1.0, bit_class="mantissa", lanes=(0, 5)),
-    FS.FaultSpec("update", "nan", rate=1.0)])
-def test_tensors_of_other_sizes_share_a_padded_stack_and_are_corrupted_as_each_alone(spec):
-    # Tensors of sizes within PAD_RATIO of one another share one stack, each padded to the
-    # longest; each tensor's draws must stop at its own size (the hit positions, the dense
-    # rest's counters and the elements it draws), or a hit lands in the padding, counts in the
-    # record, or moves. Rates of their own: off, sparse, past the listed hits, and, on the
-    # largest sizes, dense enough for the gathered second pass and for the one pass.
-    spec = spec.validate()
+def _each_alone(spec):
+    return jax.jit(lambda xs, kd, r: [FC.corrupt_and_record(x, kd[i], r[i], spec, 16)
+                                      for i, x in enumerate(xs)])
+
+
+def _as_a_stack(spec):
+    return jax.jit(lambda xs, *a: FC.corrupt_and_record_stacked(xs, *a, spec, 16))
+
+
+def test_tensors_of_other_sizes_share_a_padded_stack_and_are_corrupted_as_each_alone(
+        monkeypatch):
+    # Tensors of sizes within PAD_RATIO of one another share one stack of draws, each in a row
+    # padded to the longest; each tensor's draws must be its own (the hit positions, the dense
+    # rest's counters and the elements it draws), or a hit lands elsewhere or moves. Rates of
+    # their own: off, sparse, and past the listed hits, with the dense rest drawn in one pass
+    # and (its threshold lowered to these sizes) in the gathered two. An additive spec: hit
+    # values, and each row's RMS.
+    spec = FS.FaultSpec("grad", "additive", rate=1.0, scale=(2.0 ** -8, 1.0)).validate()
     shapes = [(32, 64), (48, 64), (64, 64), (64, 32)]  # 2,048 to 4,096 elements
     assert FC.stack_groups(shapes, spec) == [[0, 1, 2, 3]]
-    large = [(256, 256), (320, 128)]  # 65,536 and 40,960: large enough for two passes
-    assert FC.stack_groups(large, spec) == [[0, 1]] and FD._gathers(spec, 256 * 256)
-    cases = [(shapes, [0.0, 1e-3, 0.7, 0.6]), (large, [0.02, 0.03]), (large, [0.2, 0.05])]
-    for case, (case_shapes, rates) in enumerate(cases):
-        xs = [_x(jnp.float32, shape, seed=i) for i, shape in enumerate(case_shapes)]
-        key_data = jax.random.key_data(jax.random.split(jax.random.key(case), len(xs)))
-        rates = jnp.asarray(rates, jnp.float32)
-        alone = jax.jit(lambda xs, kd, r: [FC.corrupt_and_record(x, kd[i], r[i], spec, 16)
-                                            for i, x in enumerate(xs)])(xs, key_data, rates)
-        stacked = jax.jit(lambda xs, *a: FC.corrupt_and_record_stacked(xs, *a, spec, 16))(
-            xs, key_data, rates)
-        _assert_each_as_alone(stacked, alone, jnp.float32)
-        landed = [FR.decode_record(record)[0] for _, record in stacked]
-        assert landed[0] == 0 if case == 0 else min(landed) > 0, (case, landed)
-        # The draws of the two tensors last named went past the listed hits (in a spec's
-        # lanes, 2 of 32 to 256, a few of the same draws land).
-        assert min(landed[-2:]) > (FD.HIT_CAP if spec.lanes is None else 0), (case, landed)
+    xs = [_x(jnp.float32, shape, seed=i) for i, shape in enumerate(shapes)]
+    key_data = jax.random.key_data(jax.random.split(jax.random.key(0), len(xs)))
+    rates = jnp.asarray([0.0, 1e-3, 0.28, 0.55], jnp.float32)
+    alone = _each_alone(spec)(xs, key_data, rates)
+    landed = [FR.decode_record(record)[0] for _, record in alone]
+    assert landed[0] == 0 and min(landed[2:]) > FD.HIT_CAP, landed  # past the listed hits
+    for gathered_from in (FD.GATHERED_MIN_SIZE, 2048):
+        monkeypatch.setattr(FD, "GATHERED_MIN_SIZE", gathered_from)
+        _assert_each_as_alone(_as_a_stack(spec)(xs, key_data, rates), alone, jnp.float32)
 
 
-def _second_word_tie(key_data, spec, size: int, length: int):
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _listed(key_data, spec, rate, size: int):
+    return FD.listed_draws(jax.random.wrap_key_data(key_data), spec, rate, size, 32)
+
+
+def _second_word_tie(key_data, spec, size: int, length: int, near: float):
     """(rate, element, hit): a rate at which an element in the dense rest of a `size`-element
     tensor is hit or not by its second word alone, the word of counter size + i; the word of
     counter length + i (a draw of a tensor of the padded length) decides the other way."""
-    dense_key = FD.listed_draws(jax.random.wrap_key_data(key_data), spec, 0.05, size, 32)[3][0]
-    for i in range(size * 9 // 10, size):
-        counters = jnp.asarray([i, size + i, length + i], jnp.uint32)
-        parts = (np.asarray(FH.as_bits(FH.hashes([(dense_key, counters)])[0], (3,))) >> 8
-                 ).astype(np.float32)
+    dense_key = _listed(key_data, spec, near, size)[3][0]
+    firsts = np.arange(size * 9 // 10, size, dtype=np.uint32)
+    words = jax.jit(lambda c: FH.as_bits(FH.hashes([(dense_key, c)])[0], (3, firsts.size)))(
+        np.concatenate([firsts, size + firsts, length + firsts]))
+    for i, parts in zip(firsts.tolist(), (np.asarray(words).T >> 8).astype(np.float32)):
         own, other = (parts[0] + parts[k] * np.float32(2.0 ** -24) for k in (1, 2))
-        if 0.03 < parts[0] * 2.0 ** -24 < 0.06 and own != other:  # as draws._fine adds them
+        # As draws._fine adds them; a rate near `near`.
+        if 0.8 * near < parts[0] * 2.0 ** -24 < 1.2 * near and own != other:
             return np.float32(max(own, other) * np.float32(2.0 ** -24)), i, bool(own < other)
     raise AssertionError("no element of the dense rest tells the two words apart")
 
 
-def test_a_padded_tensors_dense_rest_draws_its_own_second_words():
+def test_a_padded_tensors_dense_rest_draws_its_own_second_words(monkeypatch):
     # An element's uniform is two words, counters i and size + i; in a stack padded to a
     # longer length the second must still be its own tensor's size + i. It decides a hit only
     # where the first word ties with the rate (one element in 2^24 at random), so the rate is
     # made one: at it, the element is hit by its own second word and not by the padded
-    # length's, or the other way. Both ways of drawing the dense rest: the gathered second
-    # pass, and (the largest tensor dense past the gathered share) the one pass.
+    # length's, or the other way. Both ways of drawing the dense rest (its threshold lowered
+    # to these sizes): the gathered second pass, and (the largest tensor dense past the
+    # gathered share) the one pass.
+    monkeypatch.setattr(FD, "GATHERED_MIN_SIZE", 2 ** 14)
     spec = FS.FaultSpec("grad", "nan", rate=1.0).validate()
-    shapes = [(256, 256), (320, 128)]
+    shapes = [(256, 128), (192, 128)]
     xs = [_x(jnp.float32, shape, seed=i) for i, shape in enumerate(shapes)]
     key_data = jax.random.key_data(jax.random.split(jax.random.key(7), 2))
-    rate, at, hit = _second_word_tie(key_data[1], spec, 320 * 128, 256 * 256)
-    for largest in (0.02, 0.2):
+    rate, at, hit = _second_word_tie(key_data[1], spec, 192 * 128, 256 * 128, near=0.1)
+    assert _listed(key_data[1], spec, rate, 192 * 128)[2][-1] < at  # in the dense rest
+    each_alone, as_a_stack = _each_alone(spec), _as_a_stack(spec)
+    for largest in (0.02, 0.5):
         rates = jnp.asarray([largest, rate], jnp.float32)
-        alone = jax.jit(lambda xs, kd, r: [FC.corrupt_and_record(x, kd[i], r[i], spec, 16)
-                                            for i, x in enumerate(xs)])(xs, key_data, rates)
-        stacked = jax.jit(lambda xs, *a: FC.corrupt_and_record_stacked(xs, *a, spec, 16))(
-            xs, key_data, rates)
+        alone = each_alone(xs, key_data, rates)
         assert bool(jnp.isnan(alone[1][0].reshape(-1)[at])) == hit
-        _assert_each_as_alone(stacked, alone, jnp.float32)
+        _assert_each_as_alone(as_a_stack(xs, key_data, rates), alone, jnp.float32)
 
 
 def test_stacks_pad_only_what_every_draw_allows():

@@ -207,7 +207,8 @@ def listed_draws(key, spec: FaultSpec, rate, size: int, width: int):
 # `live` elements (its own size, at least HIT_CAP). Their hits and values are its own: the
 # listed positions are sums of gaps drawn from counters 0 .. HIT_CAP - 1 (the size only caps
 # gaps that end past it), and a dense element's words are counted from its index, but for the
-# second word of its uniform, counter size + i: the dense rest takes `live` for it.
+# second word of its uniform, counter size + i: the dense rest takes `live` for it (and so that
+# the gathered pass does not count the padding).
 #
 # The dense rest in two passes, bit for bit the same draws: an element's uniform is two words
 # (`_fine`), and its first word alone settles it unless the element is hit or within 2^-24 of
@@ -269,8 +270,8 @@ def _dense_after_stacked(dense_keys, spec: FaultSpec, rates, width: int, hit, au
     size = hit.shape[1]
     if not _gathers(spec, size):
         return every(dense_keys, rates, hit, aux, positions, lives)
-    first, undecided = jax.vmap(lambda k, r, p: _undecided(k[0], r, p, size))(
-        dense_keys, rates, positions)
+    first, undecided = jax.vmap(lambda k, r, p, n: _undecided(k[0], r, p, size, n))(
+        dense_keys, rates, positions, lives)
     gathered = jax.vmap(
         lambda k, r, h, a, f, u, n: _undecided_drawn(k, spec, r, width, h, a, f, u, n))
     axes = _varying(dense_keys, rates, hit, positions)
@@ -280,14 +281,18 @@ def _dense_after_stacked(dense_keys, spec: FaultSpec, rates, width: int, hit, au
         lambda: vary(every(dense_keys, rates, hit, aux, positions, lives), axes))
 
 
-def _undecided(key, rate, positions, size: int):
+def _undecided(key, rate, positions, size: int, live=None):
     """(first, undecided): the bits of every element's first word (counter i), and the
-    elements after the last listed position that it leaves undecided or hit. An element whose
-    first word's part p0 2^-24 is at least the rate is not hit: `_fine` gives it at least that
-    (the second word adds under 2^-24, and its clip stays above)."""
+    elements after the last listed position that it leaves undecided or hit (of the first
+    `live`, where given). An element whose first word's part p0 2^-24 is at least the rate is
+    not hit: `_fine` gives it at least that (the second word adds under 2^-24, and its clip
+    stays above)."""
     (words,) = H.hashes([(key, size)])
     first = H.as_bits(words, (size,))
-    after = jnp.arange(size, dtype=jnp.uint32) > positions[-1]
+    index = jnp.arange(size, dtype=jnp.uint32)
+    after = index > positions[-1]
+    if live is not None:  # the padding of a row is no element's: the gathered pass skips it
+        after &= index < live
     return first, after & ((first >> 8).astype(jnp.float32) * 2.0 ** -24 < rate)
 
 
