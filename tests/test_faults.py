@@ -586,28 +586,6 @@ def _as_a_stack(spec):
     return jax.jit(lambda xs, *a: FC.corrupt_and_record_stacked(xs, *a, spec, 16))
 
 
-def test_tensors_of_other_sizes_share_a_padded_stack_and_are_corrupted_as_each_alone(
-        monkeypatch):
-    # Tensors of sizes within PAD_RATIO of one another share one stack of draws, each in a row
-    # padded to the longest; each tensor's draws must be its own (the hit positions, the dense
-    # rest's counters and the elements it draws), or a hit lands elsewhere or moves. Rates of
-    # their own: off, sparse, and past the listed hits, with the dense rest drawn in one pass
-    # and (its threshold lowered to these sizes) in the gathered two. An additive spec: hit
-    # values, and each row's RMS.
-    spec = FS.FaultSpec("grad", "additive", rate=1.0, scale=(2.0 ** -8, 1.0)).validate()
-    shapes = [(32, 64), (48, 64), (64, 64), (64, 32)]  # 2,048 to 4,096 elements
-    assert FC.stack_groups(shapes, spec) == [[0, 1, 2, 3]]
-    xs = [_x(jnp.float32, shape, seed=i) for i, shape in enumerate(shapes)]
-    key_data = jax.random.key_data(jax.random.split(jax.random.key(0), len(xs)))
-    rates = jnp.asarray([0.0, 1e-3, 0.28, 0.55], jnp.float32)
-    alone = _each_alone(spec)(xs, key_data, rates)
-    landed = [FR.decode_record(record)[0] for _, record in alone]
-    assert landed[0] == 0 and min(landed[2:]) > FD.HIT_CAP, landed  # past the listed hits
-    for gathered_from in (FD.GATHERED_MIN_SIZE, 2048):
-        monkeypatch.setattr(FD, "GATHERED_MIN_SIZE", gathered_from)
-        _assert_each_as_alone(_as_a_stack(spec)(xs, key_data, rates), alone, jnp.float32)
-
-
 @functools.partial(jax.jit, static_argnums=(1, 3))
 def _listed(key_data, spec, rate, size: int):
     return FD.listed_draws(jax.random.wrap_key_data(key_data), spec, rate, size, 32)
@@ -629,26 +607,35 @@ def _second_word_tie(key_data, spec, size: int, length: int, near: float):
     raise AssertionError("no element of the dense rest tells the two words apart")
 
 
-def test_a_padded_tensors_dense_rest_draws_its_own_second_words(monkeypatch):
-    # An element's uniform is two words, counters i and size + i; in a stack padded to a
-    # longer length the second must still be its own tensor's size + i. It decides a hit only
-    # where the first word ties with the rate (one element in 2^24 at random), so the rate is
-    # made one: at it, the element is hit by its own second word and not by the padded
-    # length's, or the other way. Both ways of drawing the dense rest (its threshold lowered
-    # to these sizes): the gathered second pass, and (the largest tensor dense past the
-    # gathered share) the one pass.
+def test_tensors_of_other_sizes_share_a_padded_stack_and_are_corrupted_as_each_alone(
+        monkeypatch):
+    # Tensors of sizes within PAD_RATIO of one another share one stack of draws, each in a row
+    # padded to the longest; each tensor's draws must be its own (the hit positions, the dense
+    # rest's counters and the elements it draws), or a hit lands elsewhere or moves: compared
+    # with each corrupted alone, bit for bit, for an additive spec (hit values, each row's
+    # RMS), with rates of their own: off, and past the listed hits, and the longest sparse or
+    # past the gathered share; so the dense rest is drawn in its gathered two passes (their
+    # threshold lowered to these sizes) and in one. A dense element's uniform is two words,
+    # counters i and size + i, and in a padded row the second must still count from its own
+    # size. It decides a hit only where the first word ties with the rate (one element in
+    # 2^24 at random), so one rate is made a tie: at it, an element is hit by its own second
+    # word and not by the padded length's, or the other way.
     monkeypatch.setattr(FD, "GATHERED_MIN_SIZE", 2 ** 14)
-    spec = FS.FaultSpec("grad", "nan", rate=1.0).validate()
-    shapes = [(256, 128), (192, 128)]
+    spec = FS.FaultSpec("grad", "additive", rate=1.0, scale=(2.0 ** -8, 1.0)).validate()
+    shapes = [(256, 128), (192, 128), (160, 128)]
+    assert FC.stack_groups(shapes, spec) == [[0, 1, 2]]
     xs = [_x(jnp.float32, shape, seed=i) for i, shape in enumerate(shapes)]
-    key_data = jax.random.key_data(jax.random.split(jax.random.key(7), 2))
+    key_data = jax.random.key_data(jax.random.split(jax.random.key(7), len(xs)))
     rate, at, hit = _second_word_tie(key_data[1], spec, 192 * 128, 256 * 128, near=0.1)
     assert _listed(key_data[1], spec, rate, 192 * 128)[2][-1] < at  # in the dense rest
     each_alone, as_a_stack = _each_alone(spec), _as_a_stack(spec)
-    for largest in (0.02, 0.5):
-        rates = jnp.asarray([largest, rate], jnp.float32)
+    for longest in (0.02, 0.5):
+        rates = jnp.asarray([longest, rate, 0.0], jnp.float32)
         alone = each_alone(xs, key_data, rates)
-        assert bool(jnp.isnan(alone[1][0].reshape(-1)[at])) == hit
+        changed = FB.to_bits(alone[1][0]).reshape(-1)[at] != FB.to_bits(xs[1]).reshape(-1)[at]
+        assert bool(changed) == hit
+        landed = [FR.decode_record(record)[0] for _, record in alone]
+        assert landed[0] > 0 and landed[1] > FD.HIT_CAP and landed[2] == 0, landed
         _assert_each_as_alone(as_a_stack(xs, key_data, rates), alone, jnp.float32)
 
 

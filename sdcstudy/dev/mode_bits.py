@@ -6,11 +6,15 @@ no computation.
 
 Each mode (train, lockstep, paramsync, free, abft, detect, paft, finetune, golden) runs a few
 steps of a tiny model with faults that fire in every fault-bearing mode (forward and backward
-sites, the gradient and the update; lock-step with ABFT on), and leaves its final parameter
-digest, every metrics row (wall-clock fields left out), the summary (likewise) and a SHA-256
-of every row of every Parquet table; `golden` leaves a SHA-256 of every step's digests and of
-its fault rows, clean and injected. The comparison names the first mode and field that differ.
-`--lowered` records only a digest of each mode's lowered step program: a check in seconds.
+sites, the gradient and the update; lock-step with ABFT on), and `stacks` runs the train mode
+with gradient and update faults drawn by rate, whose leaves of other sizes share padded stacks
+(`faults.corrupt.stack_groups`, a dense additive error past the listed hits). Each leaves its
+final parameter digest, every metrics row (wall-clock fields left out), the summary
+(likewise) and a SHA-256 of every row of every Parquet table; `golden` leaves a SHA-256 of
+every step's digests and of its fault rows, clean and injected. The comparison names the
+first mode and field that differ; without `--modes` it takes the modes the base file holds
+(a base recorded before a mode existed compares the others). `--lowered` records only a
+digest of each mode's lowered step program: a check in seconds.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
                                " --xla_force_host_platform_device_count=8").strip()
 
 MODES = ("train", "lockstep", "paramsync", "free", "abft", "detect", "paft", "finetune",
-         "golden")
+         "golden", "stacks")
 # Fields that measure the host's clock, not the computation.
 WALL_CLOCK = ("time/step_s", "compile_s", "wall_time_s", "tokens_per_s")
 
@@ -52,6 +56,14 @@ specs:
   - {site: collective/grad_allreduce, kind: bitflip, count: 1, bit_class: mantissa}
   - {site: update, kind: bitflip, count: 1, bit_class: mantissa}
 """
+# Drawn by rate, so that leaves of other sizes share a stack: dense additive gradient errors
+# (past the listed hits of the 2,048-element leaves) and lane-bound mantissa flips of updates.
+STACKS_PROFILE = """\
+name: mode-bits-stacks
+specs:
+  - {site: grad, kind: additive, rate: 0.6, scale: [0.00390625, 1.0]}
+  - {site: update, kind: bitflip, rate: 0.01, bit_class: mantissa, lanes: [1, 5]}
+"""
 DETECT_PROFILE = """\
 name: mode-bits-detect
 specs:
@@ -71,6 +83,7 @@ def _configs(folder: Path) -> dict:
     profile.write_text(PROFILE)
     (folder / "paft.yaml").write_text(PAFT_PROFILE)
     (folder / "detect.yaml").write_text(DETECT_PROFILE)
+    (folder / "stacks.yaml").write_text(STACKS_PROFILE)
     faulty = {"suspect": {"profile": str(profile)}}
     # Tensor parallelism splits the KV heads: two of them on the paired nodes.
     paired = {**faulty, "mesh": {"tp": 2, "dp": 2}, "model": {"n_kv_heads": 2}}
@@ -84,6 +97,7 @@ def _configs(folder: Path) -> dict:
 
     return {
         "train": mode("train", mesh={"dp": 2}, **faulty),
+        "stacks": mode("train", mesh={"dp": 2}, suspect={"profile": str(folder / "stacks.yaml")}),
         "lockstep": mode("lockstep", abft={"enabled": True}, **paired),
         "paramsync": mode("paramsync", **paired),
         "free": mode("free", **paired),
@@ -262,6 +276,10 @@ def main(argv=None) -> int:
         parser.error(f"unknown mode {unknown[0]!r}" if unknown else "give --out or --compare")
     base = json.loads(args.compare.read_text()) if args.compare else None
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    if base is not None and args.modes == parser.get_default("modes") and (
+            newer := [m for m in modes if m not in base]):
+        say(f"mode-bits: not in {args.compare}, left out: {', '.join(newer)}")
+        modes = [m for m in modes if m in base]
     bits = lowered_programs(modes, say) if args.lowered else record(modes, say)
     if args.lowered:
         skipped = [m for m in modes if m not in bits]
