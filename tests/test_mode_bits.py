@@ -30,3 +30,29 @@ def test_a_base_from_before_a_mode_compares_the_others_unless_that_mode_is_asked
     assert MB.main(["--compare", str(base)]) == 1
     assert capsys.readouterr().out.strip() == (
         "differs: free/param_digest: 'another digest' != 'digest of free'")
+
+
+def test_a_base_made_with_other_packages_or_another_cpu_says_so_before_comparing(
+        tmp_path, monkeypatch, capsys):
+    # XLA's code, and with it the bits, follow the packages and the CPU: the committed base of
+    # c18766d differed from its own tree's bits once the packages were reinstalled
+    # (2026-11-30). A record holds its environment, and a comparison names what differs.
+    monkeypatch.setattr(MB, "record", _fake_record)
+    base = tmp_path / "base.json"
+    assert MB.main(["--out", str(base), "--modes", "train"]) == 0
+    recorded = json.loads(base.read_text())
+    assert recorded[MB.ENVIRONMENT] == MB.environment()
+    capsys.readouterr()
+    assert MB.main(["--compare", str(base), "--modes", "train"]) == 0
+    assert "recorded with" not in capsys.readouterr().err
+    recorded[MB.ENVIRONMENT]["packages"]["jax"] = "0.0.1"
+    recorded[MB.ENVIRONMENT]["cpu"] = {"model": "another CPU"}
+    base.write_text(json.dumps(recorded))
+    assert MB.main(["--compare", str(base), "--modes", "train"]) == 0
+    err = capsys.readouterr().err
+    here = MB.environment()["packages"]["jax"]
+    assert f"jax 0.0.1 (here {here}), another CPU (another CPU)" in err
+    del recorded[MB.ENVIRONMENT]
+    base.write_text(json.dumps(recorded))
+    assert MB.main(["--compare", str(base), "--modes", "train"]) == 0
+    assert "no record of its packages and CPU" in capsys.readouterr().err

@@ -13,8 +13,10 @@ final parameter digest, every metrics row (wall-clock fields left out), the summ
 (likewise) and a SHA-256 of every row of every Parquet table; `golden` leaves a SHA-256 of
 every step's digests and of its fault rows, clean and injected. The comparison names the
 first mode and field that differ; without `--modes` it takes the modes the base file holds
-(a base recorded before a mode existed compares the others). `--lowered` records only a
-digest of each mode's lowered step program: a check in seconds.
+(a base recorded before a mode existed compares the others). A record also holds the
+packages and CPU it was made with (`environment`): XLA's code, and so the bits, follow them,
+and a comparison with a base made elsewhere says so before it compares. `--lowered` records
+only a digest of each mode's lowered step program: a check in seconds.
 """
 
 from __future__ import annotations
@@ -239,6 +241,29 @@ def record(modes=MODES, progress=print) -> dict:
     return result
 
 
+ENVIRONMENT = "environment"
+
+
+def environment() -> dict:
+    """The packages and the CPU this process runs with."""
+    from sdcstudy.core import determinism
+
+    return {"packages": determinism.package_versions(), "cpu": determinism.cpu_info()}
+
+
+def other_environment(base: dict) -> str | None:
+    """How `base`'s environment differs from this one's, in words, or None where they agree."""
+    if ENVIRONMENT not in base:
+        return "no record of its packages and CPU"
+    here, there = environment(), base[ENVIRONMENT]
+    changed = [f"{name} {there['packages'].get(name)} (here {version})"
+               for name, version in here["packages"].items()
+               if name != "sdcstudy" and there["packages"].get(name) != version]
+    if there.get("cpu") != here["cpu"]:
+        changed.append(f"another CPU ({there.get('cpu', {}).get('model')})")
+    return ", ".join(changed) or None
+
+
 def first_difference(base, new, where: str = "") -> str | None:
     """The path of the first field where `new` differs from `base`, or None."""
     if isinstance(base, dict) and isinstance(new, dict):
@@ -280,7 +305,11 @@ def main(argv=None) -> int:
             newer := [m for m in modes if m not in base]):
         say(f"mode-bits: not in {args.compare}, left out: {', '.join(newer)}")
         modes = [m for m in modes if m in base]
+    if base is not None and (elsewhere := other_environment(base)):
+        say(f"mode-bits: {args.compare} was recorded with {elsewhere}: bits may differ for that "
+            f"alone")
     bits = lowered_programs(modes, say) if args.lowered else record(modes, say)
+    bits[ENVIRONMENT] = environment()
     if args.lowered:
         skipped = [m for m in modes if m not in bits]
         if skipped:
