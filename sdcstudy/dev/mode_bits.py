@@ -254,14 +254,14 @@ def environment() -> dict:
 def other_environment(base: dict) -> str | None:
     """How `base`'s environment differs from this one's, in words, or None where they agree."""
     if ENVIRONMENT not in base:
-        return "no record of its packages and CPU"
+        return "holds no record of its packages and CPU"
     here, there = environment(), base[ENVIRONMENT]
     changed = [f"{name} {there['packages'].get(name)} (here {version})"
                for name, version in here["packages"].items()
                if name != "sdcstudy" and there["packages"].get(name) != version]
     if there.get("cpu") != here["cpu"]:
         changed.append(f"another CPU ({there.get('cpu', {}).get('model')})")
-    return ", ".join(changed) or None
+    return f"recorded with {', '.join(changed)}" if changed else None
 
 
 def first_difference(base, new, where: str = "") -> str | None:
@@ -306,8 +306,7 @@ def main(argv=None) -> int:
         say(f"mode-bits: not in {args.compare}, left out: {', '.join(newer)}")
         modes = [m for m in modes if m in base]
     if base is not None and (elsewhere := other_environment(base)):
-        say(f"mode-bits: {args.compare} was recorded with {elsewhere}: bits may differ for that "
-            f"alone")
+        say(f"mode-bits: {args.compare}: {elsewhere}; bits may differ for that alone")
     bits = lowered_programs(modes, say) if args.lowered else record(modes, say)
     bits[ENVIRONMENT] = environment()
     if args.lowered:
