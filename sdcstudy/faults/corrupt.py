@@ -129,10 +129,10 @@ def corrupt_and_record(x, key_data, rate, spec: FaultSpec, limit: int,
 # A stack draws each tensor in a row as long as its longest one's: tensors of sizes within
 # PAD_RATIO of one another share a stack, where the draws allow it (`stack_groups`).
 PAD_RATIO = 2
-# Padded sizes are whole multiples of this: XLA's CPU backend computes `exp` and `log` of the
+# Padded sizes are whole multiples of this: XLA's CPU backend can compute `exp` and `log` of the
 # last few elements of an array whose length is not a multiple of its vector width apart from
-# the rest (an ulp apart, measured on 2026-12-01), so neither a tensor's own draws nor its
-# padded row may have such a tail.
+# the rest (an ulp apart at lengths 3, 7 and 15, measured on 2026-12-01), so neither a tensor's
+# own draws nor its padded row may have such a tail.
 PAD_MULTIPLE = 128
 
 
