@@ -547,28 +547,6 @@ def test_stacked_leaves_are_corrupted_as_one_at_a_time(monkeypatch):
     assert max(landed) > FD.HIT_CAP  # the additive spec drew past the listed hits
 
 
-@pytest.mark.parametrize("dtype, spec", [
-    (jnp.bfloat16, FS.FaultSpec("grad", "random", rate=1.0, lanes=(1, 3))),
-    (jnp.float32, FS.FaultSpec("grad", "zero", rate=1.0)),
-    (jnp.float32, FS.FaultSpec("update", "bitflip", count=2, bits=(20,)))])
-def test_a_stack_of_tensors_is_corrupted_as_each_alone(dtype, spec):
-    # The kinds the step test above leaves out, a bfloat16 stack and lanes; per tensor a rate
-    # of its own: off, sparse, and dense enough to draw past the listed hits (2,560 elements
-    # at 0.5: about 1,280 hits; in two lanes of 64, about 40; a count spec: its count).
-    spec = spec.validate()
-    xs = _x(dtype, (3, 40, 64))
-    key_data = jax.random.key_data(jax.random.split(jax.random.key(1), 3))
-    rates = jnp.asarray([0.0, 1e-3, 0.5], jnp.float32)
-    alone = jax.jit(lambda xs, kd, r: [FC.corrupt_and_record(xs[i], kd[i], r[i], spec, 16)
-                                        for i in range(3)])(xs, key_data, rates)
-    stacked = jax.jit(lambda xs, *a: FC.corrupt_and_record_stacked(list(xs), *a, spec, 16))(
-        xs, key_data, rates)
-    _assert_each_as_alone(stacked, alone, dtype)
-    landed = [FR.decode_record(record)[0] for _, record in stacked]
-    least = spec.count if spec.count else 20 if spec.lanes else FD.HIT_CAP
-    assert landed[0] == 0 and landed[2] >= least
-
-
 def _assert_each_as_alone(stacked, alone, dtype):
     for i, ((y_stacked, record_stacked), (y, record)) in enumerate(zip(stacked, alone)):
         assert y_stacked.shape == y.shape, i
@@ -605,6 +583,26 @@ def _second_word_tie(key_data, spec, size: int, length: int, near: float):
         if 0.8 * near < parts[0] * 2.0 ** -24 < 1.2 * near and own != other:
             return np.float32(max(own, other) * np.float32(2.0 ** -24)), i, bool(own < other)
     raise AssertionError("no element of the dense rest tells the two words apart")
+
+
+@pytest.mark.parametrize("dtype, spec", [
+    (jnp.bfloat16, FS.FaultSpec("grad", "random", rate=1.0, lanes=(1, 3))),
+    (jnp.float32, FS.FaultSpec("grad", "zero", rate=1.0)),
+    (jnp.float32, FS.FaultSpec("update", "bitflip", count=2, bits=(20,)))])
+def test_a_stack_of_tensors_is_corrupted_as_each_alone(dtype, spec):
+    # The kinds the step test above leaves out, a bfloat16 stack and lanes; per tensor a rate
+    # of its own: off, sparse, and dense enough to draw past the listed hits (2,560 elements
+    # at 0.5: about 1,280 hits; in two lanes of 64, about 40; a count spec: its count).
+    spec = spec.validate()
+    xs = _x(dtype, (3, 40, 64))
+    key_data = jax.random.key_data(jax.random.split(jax.random.key(1), 3))
+    rates = jnp.asarray([0.0, 1e-3, 0.5], jnp.float32)
+    alone = _each_alone(spec)(list(xs), key_data, rates)
+    stacked = _as_a_stack(spec)(list(xs), key_data, rates)
+    _assert_each_as_alone(stacked, alone, dtype)
+    landed = [FR.decode_record(record)[0] for _, record in stacked]
+    least = spec.count if spec.count else 20 if spec.lanes else FD.HIT_CAP
+    assert landed[0] == 0 and landed[2] >= least
 
 
 def test_tensors_of_other_sizes_share_a_padded_stack_and_are_corrupted_as_each_alone(
