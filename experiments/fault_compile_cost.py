@@ -7,9 +7,8 @@ of them.
 whole step that carries them (`jit(train_step)`, as `sdcstudy run` compiles it), read from
 JAX's own compile-time events, with the persistent compilation cache off. Every fault site
 adds its draws, its fallback for a tensor with more hits than the sparse draw lists, and its
-record to the program; a `grad` spec adds its draws once per stack of parameter leaves (of one
-size, or sizes within 2x), its corruption and record once per leaf shape (and all of them once
-per leaf, the second column, as before leaves were corrupted as stacks).
+record to the program; a `grad` spec adds them once per group of same-shape parameter leaves
+(once per leaf, the second column, before leaves were corrupted as stacks).
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ PROFILES = {
     "grad, every leaf": [{"site": "grad", "rate": 1e-2, **ADDITIVE}],
     "paper-node-1 (four sites and grad)": "paper-node-1",
 }
-# The profiles with a `grad` spec are compiled twice: leaves in stacks (what runs) and one leaf
-# at a time (`inject.STACK_LEAVES = False`, as before stacks).
+# The profiles with a `grad` spec are compiled twice: same-shape leaves as one stack (what runs)
+# and one leaf at a time (`inject.STACK_LEAVES = False`, as before stacks).
 TREE_PROFILES = ("grad, every leaf", "paper-node-1 (four sites and grad)")
 
 

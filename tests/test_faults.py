@@ -18,7 +18,6 @@ from sdcstudy.faults import inject as F
 from sdcstudy.faults.feature import Faults
 from sdcstudy.faults import corrupt as FC
 from sdcstudy.faults import draws as FD
-from sdcstudy.faults import hashing as FH
 from sdcstudy.faults import bits as FB
 from sdcstudy.faults import records as FR
 from sdcstudy.core import mesh as M
@@ -516,15 +515,14 @@ def test_skipping_idle_draws_keeps_every_bit(monkeypatch):
 
 
 def test_stacked_leaves_are_corrupted_as_one_at_a_time(monkeypatch):
-    # `grad` and `update` specs corrupt every parameter leaf; leaves of one size, or of sizes
-    # within PAD_RATIO, are corrupted as one stack (inject.STACK_LEAVES), which XLA compiles
-    # once instead of once a leaf. Every leaf's faults, its record and all the step computes
-    # from them must be those of corrupting it alone, bit for bit, in the compiled step: an
-    # additive gradient spec (the kind that reads each row's RMS, a reduction XLA may fuse
-    # apart) dense enough to draw past the listed hits, over two steps (XLA fuses the
-    # corruption into the optimizer's update, and on the CPU contracts its multiply-adds by how
-    # that fusion reads: the Adam moments' contractions show from the second step on, when
-    # they no longer start from 0).
+    # `grad` and `update` specs corrupt every parameter leaf; leaves of one shape are corrupted
+    # as one stack (inject.STACK_LEAVES), which XLA compiles once instead of once a leaf. Every
+    # leaf's faults, its record and all the step computes from them must be those of
+    # corrupting it alone, bit for bit, in the compiled step: an additive gradient spec (the
+    # kind that reads each row's RMS, a reduction XLA may fuse apart) dense enough to draw past
+    # the listed hits, over two steps (XLA fuses the corruption into the optimizer's update,
+    # and on the CPU contracts its multiply-adds by how that fusion reads: the Adam moments'
+    # contractions show from the second step on, when they no longer start from 0).
     profile = FS.Profile("stacked", (
         FS.FaultSpec("grad", "additive", rate=0.3, scale=(2.0 ** -8, 1.0)),))
     batch = _one_layer_batch()
@@ -547,44 +545,6 @@ def test_stacked_leaves_are_corrupted_as_one_at_a_time(monkeypatch):
     assert max(landed) > FD.HIT_CAP  # the additive spec drew past the listed hits
 
 
-def _assert_each_as_alone(stacked, alone, dtype):
-    for i, ((y_stacked, record_stacked), (y, record)) in enumerate(zip(stacked, alone)):
-        assert y_stacked.shape == y.shape, i
-        assert np.array_equal(_bits(y_stacked, dtype), _bits(y, dtype)), i
-        assert np.array_equal(np.asarray(record_stacked).view(np.uint32),
-                              np.asarray(record).view(np.uint32)), i
-
-
-def _each_alone(spec):
-    return jax.jit(lambda xs, kd, r: [FC.corrupt_and_record(x, kd[i], r[i], spec, 16)
-                                      for i, x in enumerate(xs)])
-
-
-def _as_a_stack(spec):
-    return jax.jit(lambda xs, *a: FC.corrupt_and_record_stacked(xs, *a, spec, 16))
-
-
-@functools.partial(jax.jit, static_argnums=(1, 3))
-def _listed(key_data, spec, rate, size: int):
-    return FD.listed_draws(jax.random.wrap_key_data(key_data), spec, rate, size, 32)
-
-
-def _second_word_tie(key_data, spec, size: int, length: int, near: float):
-    """(rate, element, hit): a rate at which an element in the dense rest of a `size`-element
-    tensor is hit or not by its second word alone, the word of counter size + i; the word of
-    counter length + i (a draw of a tensor of the padded length) decides the other way."""
-    dense_key = _listed(key_data, spec, near, size)[3][0]
-    firsts = np.arange(size * 9 // 10, size, dtype=np.uint32)
-    words = jax.jit(lambda c: FH.as_bits(FH.hashes([(dense_key, c)])[0], (3, firsts.size)))(
-        np.concatenate([firsts, size + firsts, length + firsts]))
-    for i, parts in zip(firsts.tolist(), (np.asarray(words).T >> 8).astype(np.float32)):
-        own, other = (parts[0] + parts[k] * np.float32(2.0 ** -24) for k in (1, 2))
-        # As draws._fine adds them; a rate near `near`.
-        if 0.8 * near < parts[0] * 2.0 ** -24 < 1.2 * near and own != other:
-            return np.float32(max(own, other) * np.float32(2.0 ** -24)), i, bool(own < other)
-    raise AssertionError("no element of the dense rest tells the two words apart")
-
-
 @pytest.mark.parametrize("dtype, spec", [
     (jnp.bfloat16, FS.FaultSpec("grad", "random", rate=1.0, lanes=(1, 3))),
     (jnp.float32, FS.FaultSpec("grad", "zero", rate=1.0)),
@@ -597,60 +557,17 @@ def test_a_stack_of_tensors_is_corrupted_as_each_alone(dtype, spec):
     xs = _x(dtype, (3, 40, 64))
     key_data = jax.random.key_data(jax.random.split(jax.random.key(1), 3))
     rates = jnp.asarray([0.0, 1e-3, 0.5], jnp.float32)
-    alone = _each_alone(spec)(list(xs), key_data, rates)
-    stacked = _as_a_stack(spec)(list(xs), key_data, rates)
-    _assert_each_as_alone(stacked, alone, dtype)
-    landed = [FR.decode_record(record)[0] for _, record in stacked]
+    alone = jax.jit(lambda xs, kd, r: [FC.corrupt_and_record(xs[i], kd[i], r[i], spec, 16)
+                                        for i in range(3)])(xs, key_data, rates)
+    ys, records = jax.jit(lambda *a: FC.corrupt_and_record_stacked(*a, spec, 16))(
+        xs, key_data, rates)
+    for i, (y, record) in enumerate(alone):
+        assert np.array_equal(_bits(ys[i], dtype), _bits(y, dtype)), i
+        assert np.array_equal(np.asarray(records[i]).view(np.uint32),
+                              np.asarray(record).view(np.uint32)), i
+    landed = [FR.decode_record(record)[0] for record in records]
     least = spec.count if spec.count else 20 if spec.lanes else FD.HIT_CAP
     assert landed[0] == 0 and landed[2] >= least
-
-
-def test_tensors_of_other_sizes_share_a_padded_stack_and_are_corrupted_as_each_alone(
-        monkeypatch):
-    # Tensors of sizes within PAD_RATIO of one another share one stack of draws, each in a row
-    # padded to the longest; each tensor's draws must be its own (the hit positions, the dense
-    # rest's counters and the elements it draws), or a hit lands elsewhere or moves: compared
-    # with each corrupted alone, bit for bit, for an additive spec (hit values, each row's
-    # RMS), with rates of their own: off, and past the listed hits, and the longest sparse or
-    # past the gathered share; so the dense rest is drawn in its gathered two passes (their
-    # threshold lowered to these sizes) and in one. A dense element's uniform is two words,
-    # counters i and size + i, and in a padded row the second must still count from its own
-    # size. It decides a hit only where the first word ties with the rate (one element in
-    # 2^24 at random), so one rate is made a tie: at it, an element is hit by its own second
-    # word and not by the padded length's, or the other way.
-    monkeypatch.setattr(FD, "GATHERED_MIN_SIZE", 2 ** 14)
-    spec = FS.FaultSpec("grad", "additive", rate=1.0, scale=(2.0 ** -8, 1.0)).validate()
-    shapes = [(256, 128), (192, 128), (160, 128)]
-    assert FC.stack_groups(shapes, spec) == [[0, 1, 2]]
-    xs = [_x(jnp.float32, shape, seed=i) for i, shape in enumerate(shapes)]
-    key_data = jax.random.key_data(jax.random.split(jax.random.key(7), len(xs)))
-    rate, at, hit = _second_word_tie(key_data[1], spec, 192 * 128, 256 * 128, near=0.1)
-    assert _listed(key_data[1], spec, rate, 192 * 128)[2][-1] < at  # in the dense rest
-    each_alone, as_a_stack = _each_alone(spec), _as_a_stack(spec)
-    for longest in (0.02, 0.5):
-        rates = jnp.asarray([longest, rate, 0.0], jnp.float32)
-        alone = each_alone(xs, key_data, rates)
-        changed = FB.to_bits(alone[1][0]).reshape(-1)[at] != FB.to_bits(xs[1]).reshape(-1)[at]
-        assert bool(changed) == hit
-        landed = [FR.decode_record(record)[0] for _, record in alone]
-        assert landed[0] > 0 and landed[1] > FD.HIT_CAP and landed[2] == 0, landed
-        _assert_each_as_alone(as_a_stack(xs, key_data, rates), alone, jnp.float32)
-
-
-def test_stacks_pad_only_what_every_draw_allows():
-    # Padding is for specs whose hit lists are HIT_CAP long and whose values come from the
-    # hashes: a count spec's choice and a random value's normal draw depend on the length, so
-    # those stack tensors of one size only; so does a tensor under HIT_CAP elements (its hit
-    # list is shorter) or not a whole multiple of PAD_MULTIPLE; and no tensor is padded past
-    # PAD_RATIO times its size.
-    rate = FS.FaultSpec("grad", "additive", rate=0.1, scale=(2.0 ** -8, 1.0)).validate()
-    count = FS.FaultSpec("grad", "bitflip", count=2, bits=(20,)).validate()
-    normal = FS.FaultSpec("grad", "random", rate=0.1).validate()
-    shapes = [(64, 64), (64, 32), (4096,), (64, 16), (64,), (64,), (32, 64), (1000, 3)]
-    assert FC.stack_groups(shapes, rate) == [[0, 1, 2, 6], [3], [4, 5], [7]]
-    for exact in (count, normal):
-        assert FC.stack_groups(shapes, exact) == [[0, 2], [1, 6], [3], [4, 5], [7]]
-    assert FC.stack_groups([(8192,), (4096,), (2048,)], rate) == [[0, 1], [2]]
 
 
 def test_an_additive_error_is_rounded_before_it_is_added():
@@ -667,8 +584,8 @@ def test_an_additive_error_is_rounded_before_it_is_added():
     rates = jnp.asarray([0.5, 0.5], jnp.float32)
     alone = jax.jit(lambda x, kd: FC.corrupt_and_record(x, kd, 0.5, spec, 16)).lower(
         xs[0], key_data[0]).as_text()
-    stacked = jax.jit(lambda xs, *a: FC.corrupt_and_record_stacked(list(xs), *a, spec, 16)
-                      ).lower(xs, key_data, rates).as_text()
+    stacked = jax.jit(lambda *a: FC.corrupt_and_record_stacked(*a, spec, 16)).lower(
+        xs, key_data, rates).as_text()
     assert alone.count("stablehlo.optimization_barrier") == 1
     assert stacked.count("stablehlo.optimization_barrier") == 1
 

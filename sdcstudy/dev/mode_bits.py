@@ -7,8 +7,8 @@ no computation.
 Each mode (train, lockstep, paramsync, free, abft, detect, paft, finetune, golden) runs a few
 steps of a tiny model with faults that fire in every fault-bearing mode (forward and backward
 sites, the gradient and the update; lock-step with ABFT on), and `stacks` runs the train mode
-with gradient and update faults drawn by rate, whose leaves of other sizes share padded stacks
-(`faults.corrupt.stack_groups`, a dense additive error past the listed hits). Each leaves its
+with gradient and update faults drawn by rate (a dense additive error past the listed hits of
+the stacked leaves, `faults.corrupt.corrupt_and_record_stacked`). Each leaves its
 final parameter digest, every metrics row (wall-clock fields left out), the summary
 (likewise) and a SHA-256 of every row of every Parquet table; `golden` leaves a SHA-256 of
 every step's digests and of its fault rows, clean and injected. The comparison names the
@@ -58,8 +58,9 @@ specs:
   - {site: collective/grad_allreduce, kind: bitflip, count: 1, bit_class: mantissa}
   - {site: update, kind: bitflip, count: 1, bit_class: mantissa}
 """
-# Drawn by rate, so that leaves of other sizes share a stack: dense additive gradient errors
-# (past the listed hits of the 2,048-element leaves) and lane-bound mantissa flips of updates.
+# Drawn by rate, where the other runs' gradient and update faults are counts: dense additive
+# gradient errors (past the listed hits of the 2,048-element leaves) and lane-bound mantissa
+# flips of updates.
 STACKS_PROFILE = """\
 name: mode-bits-stacks
 specs:

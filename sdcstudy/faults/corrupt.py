@@ -17,8 +17,8 @@ from jax import lax
 
 from sdcstudy.core.mesh import vary
 from sdcstudy.faults.bits import bit_width, from_bits, to_bits
-from sdcstudy.faults.draws import (HIT_CAP, _counted_draws, _dense_after_stacked,
-                                   listed_draws, _no_draws, _shaped, _varying, draw)
+from sdcstudy.faults.draws import (_counted_draws, _dense_after_stacked, listed_draws,
+                                   _no_draws, _shaped, _varying, draw)
 from sdcstudy.faults.records import empty_record, make_record, record_at
 from sdcstudy.faults.specs import FaultSpec
 
@@ -62,8 +62,9 @@ def _apply(x, spec: FaultSpec, hit, aux, rms=None):
         # not in others: on an H100 the same draw landed an ulp apart in a stack of leaves and
         # in each leaf alone. XLA's CPU backend removes the barrier before it fuses and
         # contracts the two wherever they share a fusion (measured 2026-12-01), so there the
-        # corruption's form must be the same in the programs that must agree (a stack corrupts
-        # each shape's tensors as each alone reads, `corrupt_and_record_stacked`).
+        # corruption must be written alike in the programs that must agree: a stack corrupts
+        # each leaf as it reads alone, and in a compiled step XLA fuses that into the
+        # optimizer's update (docs/developing.md, "Its cause").
         error = lax.optimization_barrier(aux * rms)
         bad_bits = to_bits((x32 + error).astype(x.dtype))
     elif spec.kind in ("random", "inf"):
@@ -126,102 +127,37 @@ def corrupt_and_record(x, key_data, rate, spec: FaultSpec, limit: int,
     return y, record
 
 
-# A stack draws each tensor in a row as long as its longest one's: tensors of sizes within
-# PAD_RATIO of one another share a stack, where the draws allow it (`stack_groups`).
-PAD_RATIO = 2
-# Padded sizes are whole multiples of this: XLA's CPU backend can compute `exp` and `log` of the
-# last few elements of an array whose length is not a multiple of its vector width apart from
-# the rest (an ulp apart at lengths 3, 7 and 15, measured on 2026-12-01), so neither a tensor's
-# own draws nor its padded row may have such a tail.
-PAD_MULTIPLE = 128
+def corrupt_and_record_stacked(xs, key_data, rates, spec: FaultSpec, limit: int):
+    """`corrupt_and_record` (unconditional draws) of each of the same-shape tensors stacked on
+    the first axis of `xs`, with its own key data and rate, bit for bit: (ys, records).
 
-
-def stack_groups(shapes: list, spec: FaultSpec) -> list[list[int]]:
-    """The indices of `shapes` (tensors of one dtype and mesh axes) that `spec` corrupts as one
-    stack, each group in increasing order. Tensors of one size always share a stack; a spec
-    whose hit lists are HIT_CAP long (a rate, not a count) and whose values are drawn from the
-    hashes (not a random normal value) also pads tensors of at least HIT_CAP elements, whole
-    multiples of PAD_MULTIPLE, to the largest of their group, no tensor beyond PAD_RATIO times
-    its own size."""
-    sizes = [math.prod(shape) for shape in shapes]
-
-    def paddable(size: int) -> bool:
-        return (spec.count is None and spec.kind != "random" and size >= HIT_CAP
-                and size % PAD_MULTIPLE == 0)
-
-    head_of, head = {}, None  # each size's group, named by its largest size
-    for size in sorted(set(sizes), reverse=True):
-        if paddable(size) and (head is None or head > PAD_RATIO * size):
-            head = size
-        head_of[size] = head if paddable(size) else size
-    groups: dict = {}
-    for index, size in enumerate(sizes):
-        groups.setdefault(head_of[size], []).append(index)
-    return sorted(groups.values())
-
-
-def corrupt_and_record_stacked(xs: list, key_data, rates, spec: FaultSpec, limit: int) -> list:
-    """`corrupt_and_record` (unconditional draws) of each tensor of `xs` (one dtype, sizes as
-    `stack_groups` groups them), with its own key data and rate, bit for bit: [(y, record)].
-
-    The draws, most of what a corruption costs to compile, are `vmap`ped over the tensors in
-    rows padded to the longest one's length (each row's first elements are its tensor's own
-    draw, `draws.py`), so XLA compiles them once for the stack instead of once a tensor (the
-    `grad` and `update` sites corrupt every parameter leaf, and a deep model's leaves come in
-    a few sizes). The dense rest of a draw runs for the whole stack when any tensor needs it:
-    for a tensor whose listed positions hold every hit it changes nothing, so each result is
-    the one its own draw gives. The corruption and the record are `vmap`ped over the tensors
-    of each shape, unpadded, as each tensor alone reads: in a compiled step XLA fuses them
-    into the optimizer's update, whose multiply-adds the CPU backend contracts into FMAs or not
-    by how the fusion reads (corrupted in padded rows, a paired run's Adam moments moved by an
-    ulp from its second step, 2026-12-01).
+    The draws, the corruption and the record are `vmap`ped, so XLA compiles them once for the
+    stack instead of once a tensor (the `grad` and `update` sites corrupt every parameter leaf,
+    and a deep model's leaves come in a few shapes). The dense rest of a draw runs for the whole
+    stack when any tensor needs it: for a tensor whose listed positions hold every hit it
+    changes nothing, so each result is the one its own draw gives.
     """
-    sizes = [x.size for x in xs]
-    length, width = max(sizes), bit_width(xs[0].dtype)
-    lives = None if len(set(sizes)) == 1 else jnp.asarray(sizes, jnp.uint32)
+    shape, width = xs.shape[1:], bit_width(xs.dtype)
+    size = math.prod(shape)
     keys = jax.vmap(jax.random.wrap_key_data)(key_data)
-    if spec.count is not None:  # `stack_groups`: tensors of one size
+    if spec.count is not None:
         hit, aux, _, _ = jax.vmap(
-            lambda key, rate: _counted_draws(key, spec, rate, length, width))(keys, rates)
+            lambda key, rate: _counted_draws(key, spec, rate, size, width))(keys, rates)
     else:
         hit, aux, positions, dense_keys = jax.vmap(
-            lambda key, rate: listed_draws(key, spec, rate, length, width))(keys, rates)
+            lambda key, rate: listed_draws(key, spec, rate, size, width))(keys, rates)
         axes = _varying(key_data, rates)
-        unlisted = positions[:, -1] < (length if lives is None else lives)
-        hit, aux = lax.cond(jnp.any(unlisted),
+        hit, aux = lax.cond(jnp.any(positions[:, -1] < size),
                             lambda: vary(_dense_after_stacked(dense_keys, spec, rates, width,
-                                                              hit, aux, positions, lives), axes),
+                                                              hit, aux, positions), axes),
                             lambda: vary((hit, aux), axes))
 
     def one(x, hit, aux, rms):
-        y, bit = _apply(x, spec, *_shaped(spec, x.shape, hit, aux), rms)
+        y, bit = _apply(x, spec, *_shaped(spec, shape, hit, aux), rms)
         landed, bit = _landed(x, y, bit)
         return y, make_record(x, y, landed, bit, limit)
 
-    # The draws are padded; the tensors are not: each shape's tensors are corrupted as a stack
-    # of their own, from their rows of the draws.
-    out = [None] * len(xs)
-    for shape, members in _by_shape(xs).items():
-        size = math.prod(shape)
-
-        def rows(draws):
-            if draws is None or members == list(range(len(xs))):
-                return draws
-            return jnp.stack([draws[j, :size] for j in members])
-
-        # Each row's RMS is reduced tensor by tensor: a reduction over the stack may round apart.
-        rms = None if spec.kind != "additive" else jnp.stack(
-            [row_rms(xs[j].astype(jnp.float32)) for j in members])
-        ys, records = jax.vmap(one)(jnp.stack([xs[j] for j in members]), rows(hit), rows(aux),
-                                    rms)
-        for k, j in enumerate(members):
-            out[j] = (ys[k], records[k])
-    return out
-
-
-def _by_shape(xs: list) -> dict:
-    """The indices of `xs` by shape, in order."""
-    members: dict = {}
-    for j, x in enumerate(xs):
-        members.setdefault(x.shape, []).append(j)
-    return members
+    # Each row's RMS is reduced tensor by tensor: a reduction over the stack may round apart.
+    rms = None if spec.kind != "additive" else jnp.stack(
+        [row_rms(x.astype(jnp.float32)) for x in xs])
+    return jax.vmap(one)(xs, hit, aux, rms)

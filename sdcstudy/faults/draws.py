@@ -202,14 +202,6 @@ def listed_draws(key, spec: FaultSpec, rate, size: int, width: int):
     return hit, aux, positions, dense_keys
 
 
-# A stack of tensors of other sizes (`corrupt.corrupt_and_record_stacked`) draws each in a row
-# padded to the longest one's length, as if that were its size, and keeps the row's first
-# `live` elements (its own size, at least HIT_CAP). Their hits and values are its own: the
-# listed positions are sums of gaps drawn from counters 0 .. HIT_CAP - 1 (the size only caps
-# gaps that end past it), and a dense element's words are counted from its index, but for the
-# second word of its uniform, counter size + i: the dense rest takes `live` for it (and so that
-# the gathered pass does not count the padding).
-#
 # The dense rest in two passes, bit for bit the same draws: an element's uniform is two words
 # (`_fine`), and its first word alone settles it unless the element is hit or within 2^-24 of
 # the rate; so the first words are drawn for every element, and the second word and the hit's
@@ -260,53 +252,44 @@ def dense_after(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positio
                      axes))
 
 
-def _dense_after_stacked(dense_keys, spec: FaultSpec, rates, width: int, hit, aux, positions,
-                         lives=None):
+def _dense_after_stacked(dense_keys, spec: FaultSpec, rates, width: int, hit, aux, positions):
     """`dense_after` of each tensor of a stack (the first axis of every argument), with one
     choice between the passes for the whole stack: under `vmap`, a `lax.cond` on each tensor's
-    own count would run both. `lives`: each tensor's `live`, where the stack is padded."""
-    every = jax.vmap(
-        lambda k, r, h, a, p, n: dense_after_one_pass(k, spec, r, width, h, a, p, n))
+    own count would run both."""
+    every = jax.vmap(lambda k, r, h, a, p: dense_after_one_pass(k, spec, r, width, h, a, p))
     size = hit.shape[1]
     if not _gathers(spec, size):
-        return every(dense_keys, rates, hit, aux, positions, lives)
-    first, undecided = jax.vmap(lambda k, r, p, n: _undecided(k[0], r, p, size, n))(
-        dense_keys, rates, positions, lives)
+        return every(dense_keys, rates, hit, aux, positions)
+    first, undecided = jax.vmap(lambda k, r, p: _undecided(k[0], r, p, size))(
+        dense_keys, rates, positions)
     gathered = jax.vmap(
-        lambda k, r, h, a, f, u, n: _undecided_drawn(k, spec, r, width, h, a, f, u, n))
+        lambda k, r, h, a, f, u: _undecided_drawn(k, spec, r, width, h, a, f, u))
     axes = _varying(dense_keys, rates, hit, positions)
-    return lax.cond(
-        jnp.all(jnp.sum(undecided, axis=1) <= _gathered_size(size)),
-        lambda: vary(gathered(dense_keys, rates, hit, aux, first, undecided, lives), axes),
-        lambda: vary(every(dense_keys, rates, hit, aux, positions, lives), axes))
+    return lax.cond(jnp.all(jnp.sum(undecided, axis=1) <= _gathered_size(size)),
+                    lambda: vary(gathered(dense_keys, rates, hit, aux, first, undecided), axes),
+                    lambda: vary(every(dense_keys, rates, hit, aux, positions), axes))
 
 
-def _undecided(key, rate, positions, size: int, live=None):
+def _undecided(key, rate, positions, size: int):
     """(first, undecided): the bits of every element's first word (counter i), and the
-    elements after the last listed position that it leaves undecided or hit (of the first
-    `live`, where given). An element whose first word's part p0 2^-24 is at least the rate is
-    not hit: `_fine` gives it at least that (the second word adds under 2^-24, and its clip
-    stays above)."""
+    elements after the last listed position that it leaves undecided or hit. An element whose
+    first word's part p0 2^-24 is at least the rate is not hit: `_fine` gives it at least that
+    (the second word adds under 2^-24, and its clip stays above)."""
     (words,) = H.hashes([(key, size)])
     first = H.as_bits(words, (size,))
-    index = jnp.arange(size, dtype=jnp.uint32)
-    after = index > positions[-1]
-    if live is not None:  # the padding of a row is no element's: the gathered pass skips it
-        after &= index < live
+    after = jnp.arange(size, dtype=jnp.uint32) > positions[-1]
     return first, after & ((first >> 8).astype(jnp.float32) * 2.0 ** -24 < rate)
 
 
 def _undecided_drawn(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, first,
-                     undecided, live=None):
+                     undecided):
     """`dense_after`'s (hit, aux) from the `_undecided` elements alone (at most
-    `_gathered_size`): their second words (counter size + i, `live` + i where given) and hit
-    values (counter i)."""
+    `_gathered_size`): their second words (counter size + i) and hit values (counter i)."""
     size = hit.size
     (index,) = jnp.nonzero(undecided, size=_gathered_size(size), fill_value=size)
     index = index.astype(jnp.uint32)  # the fill, size, is dropped below
     bit_keys = H.split(dense_keys[1], 2) if _draws_a_bit(spec, width) else None
-    second = jnp.uint32(size) if live is None else live
-    words = H.hashes([(dense_keys[0], index + second),
+    words = H.hashes([(dense_keys[0], index + jnp.uint32(size)),
                       *_value_requests(spec, dense_keys[1:], bit_keys, index)])
     n = index.shape[0]
     uniform = _fine(jnp.stack([first.at[index].get(mode="fill", fill_value=0),
@@ -319,15 +302,11 @@ def _undecided_drawn(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, fi
     return hit, aux.at[at].set(more_aux, mode="drop")
 
 
-def dense_after_one_pass(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positions,
-                         live=None):
-    """`dense_after` in one pass: every element's uniform and hit value drawn (its two words
-    are counters i and size + i, or `live` + i where given)."""
+def dense_after_one_pass(dense_keys, spec: FaultSpec, rate, width: int, hit, aux, positions):
+    """`dense_after` in one pass: every element's uniform and hit value drawn."""
     size = hit.size
     bit_keys = H.split(dense_keys[1], 2) if _draws_a_bit(spec, width) else None
-    counters = 2 * size if live is None else jnp.concatenate(
-        [jnp.arange(size, dtype=jnp.uint32), jnp.arange(size, dtype=jnp.uint32) + live])
-    words = H.hashes([(dense_keys[0], counters),
+    words = H.hashes([(dense_keys[0], 2 * size),
                       *_value_requests(spec, dense_keys[1:], bit_keys, size)])
     aux_bits = _value_bits(spec, words[1:], (size,))
     after = jnp.arange(size, dtype=jnp.uint32) > positions[-1]

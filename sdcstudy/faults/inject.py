@@ -26,8 +26,7 @@ from jax import lax
 from sdcstudy.core import sites as S
 from sdcstudy.faults import hashing as H
 from sdcstudy.faults.bits import to_bits
-from sdcstudy.faults.corrupt import (corrupt_and_record, corrupt_and_record_stacked,
-                                     stack_groups)
+from sdcstudy.faults.corrupt import corrupt_and_record, corrupt_and_record_stacked
 from sdcstudy.faults.records import RECORD_WIDTH, decode_record
 from sdcstudy.faults.specs import (
     COLLECTIVE_SITES, MODEL_COLLECTIVES, TREE_SITES, FaultSpec, Profile, pattern_multiplier)
@@ -86,8 +85,7 @@ class Injector:
     def corrupt_tree(self, tree, ctx: FaultContext, site: str):
         """Apply the profile's specs for a pytree site ("grad", "update") leaf by leaf.
 
-        Leaves of one dtype and set of varying mesh axes, and of one size or sizes the spec
-        may pad to one (`stack_groups`), are corrupted as one stack
+        Leaves of one shape, dtype and set of varying mesh axes are corrupted as one stack
         (`corrupt_and_record_stacked`, bitwise each leaf's own corruption), so the program
         holds one copy of the draws per such group, not one per leaf."""
         from sdcstudy.core.digest import path_name
@@ -98,17 +96,15 @@ class Injector:
             return tree
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
         leaves = [leaf for _, leaf in paths_leaves]
-        kinds: dict = {}  # leaves by dtype and varying mesh axes
+        groups: dict = {}
         for leaf_index, leaf in enumerate(leaves):
-            kinds.setdefault((leaf.dtype, frozenset(varying_axes(leaf))), []).append(leaf_index)
+            shape_key = (leaf.shape, leaf.dtype, frozenset(varying_axes(leaf)))
+            groups.setdefault(shape_key, []).append(leaf_index)
         site_base = 1000 + (TREE_SITES + COLLECTIVE_SITES).index(site) * 100_000
         names = [f"{site}/{path_name(path)}" for path, _ in paths_leaves]
         records = {}
         for i, spec in specs:
-            groups = [(varying, [same[j] for j in group])
-                      for (_, varying), same in kinds.items()
-                      for group in stack_groups([leaves[m].shape for m in same], spec)]
-            for varying, members in groups:
+            for (_, _, varying), members in groups.items():
                 # A leaf replicated over dp or tp must stay replicated: draw the same faults.
                 leaf_ctx = dataclasses.replace(
                     ctx, tp_axis=ctx.tp_axis if ctx.tp_axis in varying else None,
@@ -234,19 +230,20 @@ def _site_id(site: str, direction: str) -> int:
     return S.ALL_SITES.index(site) + (100 if direction == "bwd" else 0)
 
 
-# Leaves of a group corrupted as one stack (False: one at a time, the reference the tests
+# Same-shape leaves corrupted as one stack (False: one at a time, the reference the tests
 # compare the stacks with bit for bit).
 STACK_LEAVES = True
 
 
 def _corrupt_leaves(leaves: list, key_data, rate, spec: FaultSpec, limit: int) -> list:
-    """[(corrupted leaf, record)] of the leaves of one of `stack_groups`' groups, each with
-    its row of `key_data`, at one `rate`."""
+    """[(corrupted leaf, record)] of same-shape leaves, each with its row of `key_data`, at
+    one `rate`."""
     if len(leaves) == 1 or not STACK_LEAVES:
         return [corrupt_and_record(leaf, key_data[j], rate, spec, limit)
                 for j, leaf in enumerate(leaves)]
     rates = jnp.broadcast_to(rate, (len(leaves),))
-    return corrupt_and_record_stacked(leaves, key_data, rates, spec, limit)
+    ys, records = corrupt_and_record_stacked(jnp.stack(leaves), key_data, rates, spec, limit)
+    return [(ys[j], records[j]) for j in range(len(leaves))]
 
 
 # Forward injection: the corrupted value goes on, and the backward passes the cotangent through
