@@ -337,3 +337,16 @@ def test_what_sdcstudy_writes_as_yaml_it_reads_back():
                                    {"site": "fwd/ffn", "scale": scale}]}
     text = yamlsafe.dump(data, sort_keys=False)
     assert "&" not in text and yamlsafe.load_text(text) == data
+
+
+def test_a_file_that_is_not_a_mapping_is_quoted_short(tmp_path, capsys):
+    """A text file given as the config is refused in one sentence that quotes its start and
+    says its length, not the whole file."""
+    path = tmp_path / "notes.txt"
+    path.write_text(" ".join(f"line{i}" for i in range(500)) + "\n")
+    code, err = _cli(capsys, "run", str(path), "--out", str(tmp_path / "run"))
+    assert code == 2 and err.count("\n") == 1
+    assert "the config must be a mapping, not 'line0 line1" in err
+    assert f"... ({len(repr(path.read_text().strip())):,} characters)." in err
+    assert "line499" not in err and len(err) < 200
+    assert not (tmp_path / "run").exists()

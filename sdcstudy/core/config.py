@@ -18,7 +18,7 @@ from typing import Any
 
 
 from sdcstudy.core import bounds, yamlsafe
-from sdcstudy.core.errors import ConfigError, UserError, did_you_mean
+from sdcstudy.core.errors import ConfigError, UserError, did_you_mean, quoted
 from sdcstudy.core.presets import PRESETS, ModelConfig, ModelDims, model_dims
 
 __all__ = ["Config", "ConfigError", "UserError", "ModelConfig", "ModelDims", "PRESETS",
@@ -253,12 +253,12 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
     name = getattr(annotation, "__name__", str(annotation))
-    raise ConfigError(f"{key} must be {name}, not {value!r}.")
+    raise ConfigError(f"{key} must be {name}, not {quoted(value)}.")
 
 
 def _build(cls, data: dict, prefix: str = ""):
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping, not {data!r}.")
+        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping, not {quoted(data)}.")
     types_ = _field_types(cls)
     kwargs = {}
     for key, value in data.items():

@@ -67,3 +67,11 @@ def first_line(error: BaseException, limit: int | None = None) -> str:
     inside a one-sentence error; at most `limit` characters when given."""
     text = str(error).strip()
     return text.splitlines()[0][:limit] if text else type(error).__name__
+
+
+def quoted(value, limit: int = 60) -> str:
+    """`repr(value)` to quote a user's value inside a one-sentence error: the first `limit`
+    characters, an ellipsis and the whole length where it is longer (a whole file read as a
+    config, say)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
