@@ -30,6 +30,7 @@ from sdcstudy.core.checkpoint import (Checkpointer, CheckpointWriteError, check_
                                      config_hash, saved_steps, write_reason)
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.interrupts import Interrupted, Signals
+from sdcstudy.core.ticker import ticking
 from sdcstudy.core.train import STEP_ONLY, NonFiniteError, compile_step
 
 class WriteError(Exception):
@@ -235,7 +236,9 @@ def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int
     example = trainer.make_batch(batches.batch(0))
     shardings = trainer.shardings(state, example)
     state = _put(state, None if shardings is None else shardings[0])
-    step_fn, hlo, compile_s = compile_step(trainer.train_step, state, example, shardings, pinned)
+    with ticking(f"{e.mode}: compiling the step", enabled=progress):
+        step_fn, hlo, compile_s = compile_step(trainer.train_step, state, example, shardings,
+                                               pinned)
     step_fn = mode.step(step_fn)
     ckpt = Checkpointer(run_dir / RF.CHECKPOINTS, keep=e.checkpoint_keep)
     log = None

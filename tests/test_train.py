@@ -60,6 +60,20 @@ def test_resume_after_lost_metrics_rewinds_to_the_checkpoint(uninterrupted, tmp_
     assert _view(out) == _view(uninterrupted)
 
 
+def test_a_run_shows_its_compile_before_its_steps(uninterrupted, tmp_path, capsys):
+    # Compiling is most of a short run on the CPU: the run shows a line counting its seconds
+    # before the step bar starts, and the run is the same for it.
+    out = tmp_path / "shown"
+    shutil.copytree(uninterrupted, out)
+    (out / RF.SUMMARY).unlink()
+    shutil.rmtree(out / RF.CHECKPOINTS / "12")  # resumes from 8: steps 9-12 run again
+    runner.run(_cfg(), out, resume=True, progress=True)
+    err = capsys.readouterr().err
+    assert "train: compiling the step: 00:" in err
+    assert err.index("train: compiling the step") < err.index("12/12")
+    assert _view(out) == _view(uninterrupted)
+
+
 def test_resume_refuses_another_config(uninterrupted, tmp_path, capsys):
     out = tmp_path / "copy"
     shutil.copytree(uninterrupted, out)

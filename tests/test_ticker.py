@@ -1,0 +1,42 @@
+"""The elapsed-time line shown while a step compiles (core/ticker.py): it is redrawn while the
+work runs, left on screen when it ends, and gone without a trace when progress is off."""
+
+import io
+import threading
+import time
+
+import pytest
+
+from sdcstudy.core.ticker import ticking
+
+
+def _tickers():
+    return [t for t in threading.enumerate() if t.name == "sdcstudy-ticker"]
+
+
+def test_the_line_is_redrawn_while_the_work_runs_and_left_when_it_ends():
+    out = io.StringIO()
+    with ticking("train: compiling the step", file=out, interval=0.01):
+        time.sleep(0.2)
+        assert len(_tickers()) == 1
+    text = out.getvalue()
+    # Drawn at the start, redrawn by the thread while the block slept, drawn once more at the
+    # end and left on its own line: if the thread never redraws, the count stays at 2.
+    assert text.count("\rtrain: compiling the step: 00:0") >= 5
+    assert text.endswith("\n") and not _tickers()
+
+
+def test_nothing_is_shown_when_progress_is_off():
+    out = io.StringIO()
+    with ticking("train: compiling the step", enabled=False, file=out, interval=0.01):
+        time.sleep(0.05)
+        assert not _tickers()
+    assert out.getvalue() == ""
+
+
+def test_a_failure_in_the_work_ends_the_line_and_its_thread():
+    out = io.StringIO()
+    with pytest.raises(RuntimeError, match="compile failed"):
+        with ticking("train: compiling the step", file=out, interval=0.01):
+            raise RuntimeError("compile failed")
+    assert out.getvalue().endswith("\n") and not _tickers()
