@@ -173,6 +173,17 @@ def test_clean_node_passes_every_repetition(golden_dir, tmp_path):
     assert report["golden"]["manifest_sha256"] == _sha(golden_dir)
 
 
+def test_a_check_shows_its_compile_before_its_steps(golden_dir, capsys):
+    # A full record's workload compiles for a while on a GPU: the check counts its seconds on
+    # one line (stderr) before its step bar, and the verdict (stdout) is unchanged.
+    code = cli.main(["golden", "check", str(golden_dir), "--device", "1"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "PASS" in out
+    line = "golden check: preparing and compiling the workload: 00:"
+    assert line in err and err.index(line) < err.index("step/s")
+    assert "compiling" not in out
+
+
 def test_the_acceptances_cross_machine_flip_is_found_where_it_was_put(golden_dir):
     """`accept-gpu`'s golden_other_machine checks another GPU's record plainly and with
     `CROSS_FLIP`, and its judge reads both reports: PASS, then FAIL at the flip's step, layer

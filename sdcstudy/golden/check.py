@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from sdcstudy.core import determinism
+from sdcstudy.core.ticker import ticking
 from sdcstudy.core.errors import CouldNotRun
 from sdcstudy.faults import specs as FS
 from sdcstudy.core.config import UserError
@@ -106,7 +107,8 @@ def check(golden: Path | Golden, *, inject: str | None = None, allow_env_drift: 
     if env_verdict(env_differences(golden_env, observed_env, skip=("compiled_step_sha256",))):
         return report
     try:
-        work, cached = workload(cfg, arrays["tokens"], device, injection, sizing)
+        with ticking("golden check: preparing and compiling the workload", enabled=progress):
+            work, cached = workload(cfg, arrays["tokens"], device, injection, sizing)
         report["timing"].update(compile_s=0.0 if cached else work.compile_s,
                                 compiled_earlier_in_process=cached)
         _check_layout(work, meta, arrays)

@@ -26,6 +26,7 @@ import numpy as np
 from sdcstudy.core import config as C
 from sdcstudy.core import data as D
 from sdcstudy.core import determinism
+from sdcstudy.core.ticker import ticking
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
 from sdcstudy.core.config import Config, UserError
@@ -81,7 +82,8 @@ def _record(cfg: Config | None, out_dir: Path, device_index: int, progress: bool
         sizing = full_sizing(device, device_index, memory_share)
         cfg = C.from_dict(sizing.config())
     tokens = load_tokens(cfg)
-    work, _ = workload(cfg, tokens, device, sizing=sizing)
+    with ticking("golden record: preparing and compiling the workload", enabled=progress):
+        work, _ = workload(cfg, tokens, device, sizing=sizing)
     steps, micro = work.steps, work.microsteps
     arrays = {"tokens": tokens, "loss": np.zeros(steps, np.uint32),
               "grad_norm": np.zeros(steps, np.uint32)}
