@@ -258,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the device --inject corrupts (default: every device)")
     g.add_argument("--workers", type=int, default=None, metavar="N",
                    help="devices run at once (default: the CPU cores)")
+    g.add_argument("--no-progress", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_golden)
 
     from sdcstudy.fleet.cli import add_parser as add_fleet_parser

@@ -441,8 +441,10 @@ def test_the_record_is_read_once_for_every_device(golden_dir, monkeypatch, capsy
     monkeypatch.setattr(zipfile.ZipFile, "__init__", counting)
     monkeypatch.setattr(G, "workload", no_workload)
     code = cli.main(["golden", "check", str(golden_dir), "--device", "all", "--workers", "2"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert code == 2 and "8 device(s), 8 not PASS" in out
+    # Each device's verdict on stdout as it comes, the count of devices done on stderr.
+    assert out.count(": INCONCLUSIVE (") == 8 and "golden check: 8/8 devices done [" in err
     assert "could not build the golden workload: RuntimeError" in out
     assert len(opened) == 1
 

@@ -55,6 +55,10 @@ def test_check_all_fails_the_injected_device_only(check_all):
     assert (first["step"], first["microstep"], first["layer"], first["site"]) == \
         (2, 0, 1, "fwd/attn_out")
     assert f"device {BAD_DEVICE} FAIL: step 2, microstep 0, layer 1" in proc.stdout
+    # Each device's verdict as it came, and the line counting the devices done (stderr).
+    assert all(f"  device {i}: {'FAIL' if i == BAD_DEVICE else 'PASS'} (" in proc.stdout
+               for i in range(N_DEVICES))
+    assert f"golden check: {N_DEVICES}/{N_DEVICES} devices done [" in proc.stderr
 
 
 def test_check_all_junit_has_one_case_per_device(check_all):
@@ -76,6 +80,7 @@ def test_quorum_finds_the_same_device_without_a_record(check_all, tmp_path):
     assert [r["device"] for r in report["devices"] if r["verdict"] == "FAIL"] == [BAD_DEVICE]
     assert report["devices"][BAD_DEVICE]["first_difference"] == \
         checked["devices"][BAD_DEVICE]["first_difference"]
+    assert f"golden quorum: {N_DEVICES}/{N_DEVICES} devices done [" in proc.stderr
 
 
 @pytest.mark.parametrize("digests, majority, groups", [

@@ -40,3 +40,30 @@ def test_a_failure_in_the_work_ends_the_line_and_its_thread():
         with ticking("train: compiling the step", file=out, interval=0.01):
             raise RuntimeError("compile failed")
     assert out.getvalue().endswith("\n") and not _tickers()
+
+
+def test_a_counted_line_counts_items_done_from_several_threads(capsys):
+    # `golden check --device all`: each device's thread prints its verdict and counts itself
+    # done; the messages go to stdout whole, the count to the line.
+    out = io.StringIO()
+    with ticking("golden check", file=out, interval=0.01, total=8, unit="devices") as line:
+        def one(i):
+            line.write(f"  device {i}: PASS")
+            line.advance()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    printed = capsys.readouterr().out.splitlines()
+    assert sorted(printed) == sorted(f"  device {i}: PASS" for i in range(8))
+    text = out.getvalue()
+    assert "golden check: 0/8 devices done [00:00]" in text
+    assert text.rstrip("\n").endswith("golden check: 8/8 devices done [00:00]")
+
+
+def test_without_the_line_messages_are_printed_and_counting_does_nothing(capsys):
+    with ticking("golden check", enabled=False, total=2, unit="devices") as line:
+        line.write("  device 0: PASS")
+        line.advance()
+    assert capsys.readouterr() == ("  device 0: PASS\n", "")

@@ -118,7 +118,7 @@ def main(args) -> int:
         from sdcstudy.golden import devices
 
         report = devices.quorum(cfg, inject=args.inject, inject_device=args.inject_device,
-                                workers=args.workers)
+                                workers=args.workers, progress=not args.no_progress)
         return _finish(args, report)
     if args.repeat is not None and args.repeat < 1:
         raise UserError("--repeat must be at least 1.")
@@ -138,7 +138,7 @@ def main(args) -> int:
     if device == ALL:
         report = devices.check_all(golden, inject=args.inject,
                                    inject_device=args.inject_device, workers=args.workers,
-                                   progress=False, **options)
+                                   progress=not args.no_progress, **options)
         for row in report["devices"]:
             row.pop("report")
         return _finish(args, report)

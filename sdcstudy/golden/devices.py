@@ -30,6 +30,7 @@ import numpy as np
 
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.digest import tensor_digests
+from sdcstudy.core.ticker import ticking
 from sdcstudy.golden.check import _check_flip, check
 from sdcstudy.golden.contents import Golden, open_record
 from sdcstudy.golden.manifest import GoldenError
@@ -73,10 +74,12 @@ def _injected(index: int, inject: str | None, inject_device: int | None) -> str 
 
 
 def check_all(golden: Path | Golden, *, inject: str | None = None,
-              inject_device: int | None = None, workers: int | None = None, echo=print,
-              expect_sha: str | None = None, **options) -> dict:
+              inject_device: int | None = None, workers: int | None = None,
+              progress: bool = False, expect_sha: str | None = None, **options) -> dict:
     """`check` on every local device against one copy of the record, read once here when
-    `golden` is a folder; `options` as `check` takes them (repeat, ...)."""
+    `golden` is a folder; `options` as `check` takes them (repeat, ...). Each device's verdict
+    is printed as it comes; with `progress`, below them a line counts the devices done and the
+    seconds (the devices compile at once, for a while, before the first is done)."""
     started = time.time()
     if not isinstance(golden, Golden):
         try:
@@ -88,8 +91,9 @@ def check_all(golden: Path | Golden, *, inject: str | None = None,
     def one(index: int) -> dict:
         report = check(golden, inject=_injected(index, inject, inject_device),
                        device_index=index, **options)
-        echo(f"  device {index}: {report['verdict']} "
-             f"({report['timing'].get('total_s', 0.0):.1f} s)")
+        line.write(f"  device {index}: {report['verdict']} "
+                   f"({report['timing'].get('total_s', 0.0):.1f} s)")
+        line.advance()
         return {"device": index, "kind": report["device"].get("kind"),
                 "verdict": report["verdict"], "reason": report["reason"],
                 "first_difference": _where(report["first_difference"]),
@@ -97,7 +101,8 @@ def check_all(golden: Path | Golden, *, inject: str | None = None,
                 "seconds": report["timing"].get("total_s", 0.0),
                 "coverage": report.get("coverage"), "report": report}
 
-    rows = in_threads(one, len(devices), workers)
+    with ticking("golden check", enabled=progress, total=len(devices), unit="devices") as line:
+        rows = in_threads(one, len(devices), workers)
     return node_report("check", rows, started, workers=_workers(workers, len(devices)),
                        golden={"dir": str(golden.dir),
                                "manifest_sha256": golden.manifest_sha256})
@@ -163,8 +168,9 @@ def vote(digests: list[str]) -> tuple[list[int] | None, list[list[int]]]:
 
 
 def quorum(cfg: Config, *, inject: str | None = None, inject_device: int | None = None,
-           workers: int | None = None, echo=print) -> dict:
-    """Run `cfg`'s workload on every local device and let the devices vote (module doc)."""
+           workers: int | None = None, progress: bool = False) -> dict:
+    """Run `cfg`'s workload on every local device and let the devices vote (module doc); with
+    `progress`, a line counts the devices done, as `check_all`'s does."""
     started = time.time()
     check_config(cfg)
     devices = local_devices(inject, inject_device, least=3)
@@ -177,12 +183,14 @@ def quorum(cfg: Config, *, inject: str | None = None, inject_device: int | None 
         work, _ = workload(cfg, tokens, devices[index], injection if text else None)
         outs, final = _run(work)
         seconds = time.perf_counter() - t0
-        echo(f"  device {index}: ran {work.steps} steps ({seconds:.1f} s)")
+        line.write(f"  device {index}: ran {work.steps} steps ({seconds:.1f} s)")
+        line.advance()
         return {"device": index, "kind": device_info(devices[index], index)["kind"],
                 "injected": text, "outs": outs, "digest": _fingerprint(outs, final),
                 "seconds": seconds, "work": work}
 
-    runs = in_threads(one, len(devices), workers)
+    with ticking("golden quorum", enabled=progress, total=len(devices), unit="devices") as line:
+        runs = in_threads(one, len(devices), workers)
     work = runs[0]["work"]  # every device runs the same layout
     meta = {"site_order": work.site_order, "sites": work.sites, "microsteps": work.microsteps,
             "steps": work.steps,
