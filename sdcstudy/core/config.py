@@ -258,7 +258,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
 
 def _build(cls, data: dict, prefix: str = ""):
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping, not {quoted(data)}.")
+        what = prefix.rstrip('.') or 'the config'
+        raise ConfigError(f"{what} must be a mapping, not {quoted(data)}.")
     types_ = _field_types(cls)
     kwargs = {}
     for key, value in data.items():

@@ -5,7 +5,7 @@ the work runs, left on screen with its total when it ends.
     with ticking("lockstep: compiling the step", enabled=progress):
         compiled = jitted.lower(state, batch).compile()
 
-    with ticking("golden check", enabled=progress, total=8, unit="device") as line:
+    with ticking("golden check", enabled=progress, total=8, unit="devices") as line:
         ...  # in each device's thread, when it is done:
         line.write("  device 3: PASS (15.2 s)")
         line.advance()
