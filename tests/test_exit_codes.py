@@ -47,7 +47,7 @@ def unwritable(tmp_path, how: str, monkeypatch, name: str = "report.json"):
 def one_warning(err: str, path) -> str:
     """The one stderr line, a warning naming `path` that says the result stands."""
     [line] = err.strip().splitlines()
-    assert line.startswith(f"sdcstudy: warning: could not write the ") and repr(str(path)) in line
+    assert line.startswith("sdcstudy: warning: could not write the ") and repr(str(path)) in line
     assert line.endswith("the result printed above stands."), line
     return line
 
