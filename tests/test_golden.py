@@ -4,7 +4,10 @@ and a check that could not verify anything is never a PASS."""
 import contextlib
 import io
 import json
+import os
 import shutil
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 import zipfile
 
@@ -518,6 +521,38 @@ def test_the_host_cpu_matters_on_cpu_only():
         "cpu.model", "cpu.isa"}
     # ... and the GPU stack of a CPU record is not compared (a CPU's bits do not use it).
     assert GC.env_differences(_env("cpu"), _env("cpu", gpu_stack={"driver": "1"})) == []
+
+
+def test_the_cores_a_check_may_run_on_are_compared_where_the_record_has_them():
+    # XLA:CPU sizes its thread pool by the process's CPU affinity and compiles another program
+    # for another size: a CPU check confined to fewer cores must say so, not a program hash.
+    golden = _env("cpu", cpu={"schedulable_cores": 8})
+    differences = GC.env_differences(golden, _env("cpu", cpu={"schedulable_cores": 1}))
+    assert differences == [{"field": "cpu.schedulable_cores", "golden": 8, "observed": 1}]
+    # A record made before env.json held the field is not compared on it (its compiled step's
+    # hash still is); one holding it is compared even against an observer without it.
+    assert GC.env_differences(_env("cpu"), _env("cpu", cpu={"schedulable_cores": 1})) == []
+    assert len(GC.env_differences(golden, _env("cpu"))) == 1
+
+
+@pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2,
+                    reason="needs a process that may run on two cores or more")
+def test_a_check_on_fewer_cores_than_its_record_stops_before_compiling(golden_dir, tmp_path):
+    # The real thing: the same record checked by a process confined to one core.
+    here = determinism.schedulable_cores()
+    env = json.loads((golden_dir / "env.json").read_text())
+    assert env["cpu"]["schedulable_cores"] == here
+    one_core = min(os.sched_getaffinity(0))
+    check = [sys.executable, "-m", "sdcstudy", "golden", "check", str(golden_dir),
+             "--no-progress", "--json", str(tmp_path / "check.json")]
+    confined = (f"import os, sys; os.sched_setaffinity(0, {{{one_core}}}); "
+                f"os.execv(sys.executable, {check!r})")
+    done = subprocess.run([sys.executable, "-c", confined], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"cpu.schedulable_cores {here} -> 1" in done.stdout + done.stderr
+    report = json.loads((tmp_path / "check.json").read_text())
+    assert report["failed_stage"] == "environment"  # stopped before the workload was built
 
 
 def test_flags_that_only_say_how_long_to_wait_are_not_compared():

@@ -46,12 +46,25 @@ def test_a_base_made_with_other_packages_or_another_cpu_says_so_before_comparing
     assert MB.main(["--compare", str(base), "--modes", "train"]) == 0
     assert "recorded with" not in capsys.readouterr().err
     recorded[MB.ENVIRONMENT]["packages"]["jax"] = "0.0.1"
-    recorded[MB.ENVIRONMENT]["cpu"] = {"model": "another CPU"}
+    here_cpu = MB.environment()["cpu"]
+    recorded[MB.ENVIRONMENT]["cpu"] = {"model": "another CPU", "isa": here_cpu["isa"]}
     base.write_text(json.dumps(recorded))
     assert MB.main(["--compare", str(base), "--modes", "train"]) == 0
     err = capsys.readouterr().err
     here = MB.environment()["packages"]["jax"]
-    assert f"jax 0.0.1 (here {here}), another CPU (another CPU)" in err
+    assert (f"jax 0.0.1 (here {here}), another CPU (model another CPU (here "
+            f"{here_cpu['model']}))") in err
+    # A field the record lacks (env.json gained it later) is not a difference; one it holds is.
+    recorded[MB.ENVIRONMENT] = MB.environment()
+    del recorded[MB.ENVIRONMENT]["cpu"]["schedulable_cores"]
+    base.write_text(json.dumps(recorded))
+    assert MB.main(["--compare", str(base), "--modes", "train"]) == 0
+    assert "recorded with" not in capsys.readouterr().err
+    recorded[MB.ENVIRONMENT]["cpu"]["cores"] = here_cpu["cores"] + 1
+    base.write_text(json.dumps(recorded))
+    assert MB.main(["--compare", str(base), "--modes", "train"]) == 0
+    assert (f"another CPU (cores {here_cpu['cores'] + 1} (here {here_cpu['cores']}))"
+            in capsys.readouterr().err)
     del recorded[MB.ENVIRONMENT]
     base.write_text(json.dumps(recorded))
     assert MB.main(["--compare", str(base), "--modes", "train"]) == 0

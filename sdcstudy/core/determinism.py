@@ -99,7 +99,18 @@ def cpu_info() -> dict:
     except OSError:
         pass
     return {"model": model, "machine": platform.machine(),
-            "isa": sorted(flags.intersection(ISA_FLAGS)), "cores": os.cpu_count()}
+            "isa": sorted(flags.intersection(ISA_FLAGS)), "cores": os.cpu_count(),
+            "schedulable_cores": schedulable_cores()}
+
+
+def schedulable_cores() -> int | None:
+    """The cores this process may run on (its CPU affinity: `taskset`, a container's cpuset),
+    which is how many threads XLA:CPU gives its thread pool; its compiled programs differ with
+    it (a step compiled under `taskset -c 0` on a 2-core machine hashes differently)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
 
 
 def package_versions() -> dict:

@@ -260,8 +260,11 @@ def other_environment(base: dict) -> str | None:
     changed = [f"{name} {there['packages'].get(name)} (here {version})"
                for name, version in here["packages"].items()
                if name != "sdcstudy" and there["packages"].get(name) != version]
-    if there.get("cpu") != here["cpu"]:
-        changed.append(f"another CPU ({there.get('cpu', {}).get('model')})")
+    there_cpu = there.get("cpu") or {}  # a field the record lacks was added since: not compared
+    cpu_fields = [f"{key} {value} (here {here['cpu'].get(key)})"
+                  for key, value in there_cpu.items() if here["cpu"].get(key) != value]
+    if cpu_fields or not there_cpu:
+        changed.append(f"another CPU ({', '.join(cpu_fields) or 'none recorded'})")
     return f"recorded with {', '.join(changed)}" if changed else None
 
 

@@ -40,6 +40,9 @@ COMMON_FIELDS = ("packages", "xla_flags", "platform", "device_kinds", "device_co
                  "local_device_count", "process_count", "compiled_step_sha256")
 PLATFORM_FIELDS = {"cpu": ("cpu",), "gpu": ("gpu_stack", "backend_version")}
 ENV_FIELDS = COMMON_FIELDS + ("cpu", "gpu_stack", "backend_version")
+# Fields env.json gained after records were first made: a record without one is not compared on
+# it (what it decides still shows in `compiled_step_sha256`, compared after compiling).
+ADDED_FIELDS = ("cpu.schedulable_cores",)
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
@@ -79,7 +82,8 @@ def env_differences(golden: dict, observed: dict, skip: tuple[str, ...] = ()) ->
     a, b = _flatten_env(golden, fields), _flatten_env(observed, fields)
     return [{"field": k, "golden": a.get(k), "observed": b.get(k)}
             for k in sorted(a.keys() | b.keys())
-            if a.get(k) != b.get(k) and k.split(".")[0] not in skip]
+            if a.get(k) != b.get(k) and k.split(".")[0] not in skip
+            and (k in a or k not in ADDED_FIELDS)]
 
 
 def env_sentence(differences: list[dict]) -> str:
