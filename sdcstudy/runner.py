@@ -222,21 +222,23 @@ def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int
          progress: bool, echo, signals: Signals) -> dict:
     e = cfg.experiment
     pinned = determinism.autotune_options(run_dir, jax.default_backend(), dump=writes)
-    mode = modes.build(cfg)
-    trainer = mode.trainer
     scratch = None if writes else tempfile.TemporaryDirectory(prefix="sdcstudy-peer-")
     files = run_dir if writes else Path(scratch.name)
     if writes:
         RF.atomic_write_text(run_dir / RF.CONFIG, C.dump(cfg))
-    batches = mode.batches()
-    if batches.seq_len != cfg.data.seq_len:
-        raise UserError(f"prepared data has sequence length {batches.seq_len}, "
-                        f"not data.seq_len={cfg.data.seq_len}.")
-    state = trainer.init_state()
-    example = trainer.make_batch(batches.batch(0))
-    shardings = trainer.shardings(state, example)
-    state = _put(state, None if shardings is None else shardings[0])
-    with ticking(f"{e.mode}: compiling the step", enabled=progress):
+    # The data, the initial state (its own compile) and the step's compile: seconds to minutes
+    # before the first step, on one line.
+    with ticking(f"{e.mode}: preparing and compiling the step", enabled=progress):
+        mode = modes.build(cfg)
+        trainer = mode.trainer
+        batches = mode.batches()
+        if batches.seq_len != cfg.data.seq_len:
+            raise UserError(f"prepared data has sequence length {batches.seq_len}, "
+                            f"not data.seq_len={cfg.data.seq_len}.")
+        state = trainer.init_state()
+        example = trainer.make_batch(batches.batch(0))
+        shardings = trainer.shardings(state, example)
+        state = _put(state, None if shardings is None else shardings[0])
         step_fn, hlo, compile_s = compile_step(trainer.train_step, state, example, shardings,
                                                pinned)
     step_fn = mode.step(step_fn)

@@ -39,7 +39,7 @@ def _run(tmp_path, capsys, suite, *extra):
     # The Markdown file is the printed table, and progress went to stderr, not into it.
     assert md_path.read_text() == out.out
     assert "repetition 1/1" in out.err and "repetition 1/1" not in out.out
-    return report, out.out
+    return report, out.out, out.err
 
 
 def _positive(spread):
@@ -62,8 +62,12 @@ def _read_by_the_acceptance(report, contenders, plain):
         assert figures["contenders"][name].get("conditionals") == c.get("conditionals"), name
 
 
-def test_faults_suite(tmp_path, capsys):
-    report, table = _run(tmp_path, capsys, "faults")
+def test_faults_suite(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "live_line", lambda: True)  # as on a terminal
+    report, table, err = _run(tmp_path, capsys, "faults")
+    # The seconds its contenders take to compile are counted on one line before the timing.
+    assert "tiny: preparing and compiling: 00:" in err
+    assert err.index("preparing and compiling") < err.index("repetition 1/1")
     (result,) = report["results"]
     variants = result["variants"]
     assert list(variants) == list(bench_faults.FAULT_VARIANTS)
@@ -115,7 +119,7 @@ def test_faults_suite(tmp_path, capsys):
 
 def test_paired_suite(tmp_path, capsys):
     # Two tp degrees timed in one rotation: one result each, ratios to free at its own degree.
-    report, table = _run(tmp_path, capsys, "paired", "--tp", "1,2")
+    report, table, err = _run(tmp_path, capsys, "paired", "--tp", "1,2")
     assert [r["mesh"] for r in report["results"]] == [{"node": 2, "dp": 1, "tp": tp}
                                                       for tp in (1, 2)]
     for result in report["results"]:
@@ -155,7 +159,7 @@ def test_tp_degrees(text, degrees):
 
 
 def test_detect_suite(tmp_path, capsys):
-    report, table = _run(tmp_path, capsys, "detect")
+    report, table, err = _run(tmp_path, capsys, "detect")
     (result,) = report["results"]
     variants = result["variants"]
     assert list(variants) == ["none", *DETECTORS]
@@ -178,7 +182,7 @@ def test_detect_suite(tmp_path, capsys):
 
 
 def test_abft_suite(tmp_path, capsys):
-    report, table = _run(tmp_path, capsys, "abft")
+    report, table, err = _run(tmp_path, capsys, "abft")
     (result,) = report["results"]
     variants = result["variants"]
     assert list(variants) == list(bench_abft.ABFT_VARIANTS)
@@ -194,9 +198,11 @@ def test_abft_suite(tmp_path, capsys):
         assert variants[name]["flags"] == 0 and variants[name]["losses_equal_off"], name
 
 
-def test_train_suite_matches_torch(tmp_path, capsys):
+def test_train_suite_matches_torch(tmp_path, capsys, monkeypatch):
     pytest.importorskip("transformers")
-    report, table = _run(tmp_path, capsys, "train", "--torch-attention", "sdpa")
+    monkeypatch.setattr(bench, "live_line", lambda: True)
+    report, table, err = _run(tmp_path, capsys, "train", "--torch-attention", "sdpa")
+    assert "tiny: compiling our step: 00:" in err
     (result,) = report["results"]
     assert result["torch_baseline"] == "sdpa" and _positive(result["ratio"])
     # The comparison is only fair if torch trains the same model the same way: the warm-up

@@ -69,8 +69,8 @@ def test_a_run_shows_its_compile_before_its_steps(uninterrupted, tmp_path, capsy
     shutil.rmtree(out / RF.CHECKPOINTS / "12")  # resumes from 8: steps 9-12 run again
     runner.run(_cfg(), out, resume=True, progress=True)
     err = capsys.readouterr().err
-    assert "train: compiling the step: 00:" in err
-    assert err.index("train: compiling the step") < err.index("12/12")
+    assert "train: preparing and compiling the step: 00:" in err
+    assert err.index("train: preparing and compiling the step") < err.index("12/12")
     assert _view(out) == _view(uninterrupted)
 
 

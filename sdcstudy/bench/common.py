@@ -81,6 +81,13 @@ def echo_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def live_line() -> bool:
+    """Whether to keep a line of seconds on stderr while contenders compile: only on a
+    terminal (a bench writing to a log file, as the GPU acceptance's children do, gets its
+    lines alone)."""
+    return sys.stderr.isatty()
+
+
 def check_args(args) -> list[str]:
     """The presets asked for; one-sentence errors for numbers below 1 or no preset."""
     for name in ("batch", "seq_len", "steps", "repeats", "dp", "compile_threads"):

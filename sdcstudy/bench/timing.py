@@ -20,6 +20,7 @@ import time
 
 from sdcstudy.bench import common as B
 from sdcstudy.core.config import tokens_per_step
+from sdcstudy.core.ticker import ticking
 
 
 def random_tokens(cfg):
@@ -156,7 +157,8 @@ def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{
 
     placed, lower_s, same_as, futures, by_text, initial_states = {}, {}, {}, {}, {}, {}
     init_s, first_compile = 0.0, None
-    with ThreadPoolExecutor(threads) as pool:
+    with (ticking(f"{preset}: preparing and compiling", enabled=B.live_line()),
+          ThreadPoolExecutor(threads) as pool):
         for variant, trainer in trainers.items():
             t0 = time.perf_counter()
             placed[variant] = place(trainer, tokens_MBL1, initial_states)

@@ -23,6 +23,7 @@ from sdcstudy.bench import goals as G
 from sdcstudy.bench import timing as BT
 from sdcstudy.bench import roofline
 from sdcstudy.core.config import UserError, tokens_per_step
+from sdcstudy.core.ticker import ticking
 
 TORCH_ATTENTION = ("eager", "sdpa")
 TARGET_RATIO = G.GOALS["train.ours_over_torch"].limit  # ours / torch tokens/s, at least
@@ -182,7 +183,8 @@ def measure_train(preset: str, args, attentions: tuple[str, ...], echo=B.echo_st
     e = cfg.experiment
     echo(f"{preset}: compiling our step ({dims.n_params:,} parameters, batch {e.batch_size} x "
          f"{cfg.data.seq_len})")
-    ours = BT.StepRunner(Trainer.from_config(cfg), tokens_MBL1)
+    with ticking(f"{preset}: compiling our step", enabled=B.live_line()):
+        ours = BT.StepRunner(Trainer.from_config(cfg), tokens_MBL1)
     runners = {"ours": ours}
     if attentions:
         # Copied before our first step donates (and so may overwrite) the parameter buffers.

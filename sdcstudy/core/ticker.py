@@ -2,7 +2,7 @@
 device of a node compiling at once): the seconds so far, redrawn every `interval` seconds while
 the work runs, left on screen with its total when it ends.
 
-    with ticking("lockstep: compiling the step", enabled=progress):
+    with ticking("lockstep: preparing and compiling the step", enabled=progress):
         compiled = jitted.lower(state, batch).compile()
 
     with ticking("golden check", enabled=progress, total=8, unit="devices") as line:
