@@ -14,8 +14,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Prepared datasets are cached per test session, never in the user's home.
-os.environ.setdefault("SDCSTUDY_CACHE", tempfile.mkdtemp(prefix="sdcstudy-test-cache-"))
+# Prepared datasets are cached per test session, never in the user's home: a folder the
+# session's first process makes (the xdist workers inherit it) and removes at the end.
+MADE_DATA_CACHE = "SDCSTUDY_CACHE" not in os.environ
+if MADE_DATA_CACHE:
+    os.environ["SDCSTUDY_CACHE"] = tempfile.mkdtemp(prefix="sdcstudy-test-cache-")
 
 # Compiled programs are shared through JAX's persistent compilation cache: a folder made fresh
 # for each test session (never the user's own cache), passed on in the environment, so the
@@ -112,5 +115,8 @@ def _uncached_test(request):
 
 
 def pytest_sessionfinish(session):
-    if MADE_CACHE:  # the process that made the folder ends last (xdist's controller)
+    # The process that made a folder ends last (xdist's controller).
+    if MADE_CACHE:
         shutil.rmtree(os.environ[SESSION_CACHE], ignore_errors=True)
+    if MADE_DATA_CACHE:
+        shutil.rmtree(os.environ["SDCSTUDY_CACHE"], ignore_errors=True)

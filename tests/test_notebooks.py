@@ -26,8 +26,11 @@ def run_dirs(tmp_path_factory):
 
 def _execute(name, run_dirs, monkeypatch, tmp_path):
     """Execute notebooks/`name` with SDCSTUDY_RUNS set; returns its outputs' text and the
-    number of images it showed. A cell that raises fails the test."""
+    number of images it showed, each of them also kept in SDCSTUDY_FIGURES. A cell that
+    raises fails the test."""
     monkeypatch.setenv("SDCSTUDY_RUNS", os.pathsep.join(run_dirs))
+    figures = tmp_path / "figures"
+    monkeypatch.setenv("SDCSTUDY_FIGURES", str(figures))
     book = nbformat.read(NOTEBOOKS / name, as_version=4)
     assert all(not cell.get("outputs") for cell in book.cells if cell.cell_type == "code"), \
         f"{name} is stored with outputs; clear them before committing."
@@ -40,6 +43,8 @@ def _execute(name, run_dirs, monkeypatch, tmp_path):
             images += "image/png" in data
             text += [output.get("text", ""), data.get("text/markdown", ""),
                      data.get("text/html", ""), data.get("text/plain", "")]
+    saved = list(figures.glob("*.png"))  # every figure shown from a file (not drawn inline)
+    assert saved and all(f"{path.name}" in repr(book) for path in saved)
     return "\n".join(text), images
 
 
@@ -54,6 +59,9 @@ def test_mismatch_tables_notebook(run_dirs, monkeypatch, tmp_path):
     assert T.markdown(bits.loc[:, (bits != 0).any()], ["node", "site"]) in text
     assert T.markdown(T.abft_rate_table(runs), ["matmul", "direction"]) in text
     assert images == 5  # the heatmap, Figures 3 and 4, bit positions, Figure 10
+    assert {p.name for p in (tmp_path / "figures").glob("*.png")} == {  # all but the heatmap
+        "fig3_mismatch_frequency.png", "fig4_mismatch_frequency_smoothed.png",
+        "bit_positions.png", "fig10_abft_flag_frequency.png"}
 
 
 def test_training_dynamics_notebook(run_dirs, monkeypatch, tmp_path):
