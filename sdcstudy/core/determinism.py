@@ -104,9 +104,10 @@ def cpu_info() -> dict:
 
 
 def schedulable_cores() -> int | None:
-    """The cores this process may run on (its CPU affinity: `taskset`, a container's cpuset),
-    which is how many threads XLA:CPU gives its thread pool; its compiled programs differ with
-    it (a step compiled under `taskset -c 0` on a 2-core machine hashes differently)."""
+    """The cores this process may run on (its CPU affinity: `taskset`, a container's cpuset).
+    XLA:CPU splits its loops over threads by it and by the device count, so its programs differ
+    with it (a step compiled under `taskset -c 0` on a 2-core machine hashes differently;
+    docs/golden.md)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
