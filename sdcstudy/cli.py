@@ -95,7 +95,7 @@ def cmd_demo(args) -> int:
 def cmd_doctor(args) -> int:
     from sdcstudy import doctor
 
-    return doctor.main(json_path=args.json, keep=args.keep)
+    return doctor.main(json_path=args.json, keep=args.keep, progress=not args.no_progress)
 
 
 def cmd_golden(args) -> int:
@@ -196,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="determinism self-test and environment fingerprint")
     p.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     p.add_argument("--keep", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-progress", action="store_true",
+                   help="no line counting the runs done")
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("golden", help="pre-admission golden-run test: record on a trusted "

@@ -18,6 +18,7 @@ from sdcstudy.core import config as C
 from sdcstudy.core import errors
 from sdcstudy.core import reports
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core.ticker import ticking
 
 DOCTOR = {
     "experiment": {"mode": "train", "steps": 20, "batch_size": 8, "microsteps": 2,
@@ -67,22 +68,28 @@ def compare(a: dict, b: dict) -> list[str]:
     return problems
 
 
-def main(json_path: Path | None = None, keep: Path | None = None) -> int:
+def main(json_path: Path | None = None, keep: Path | None = None, progress: bool = True) -> int:
     with tempfile.TemporaryDirectory(prefix="sdcstudy-doctor-") as tmp:
         root = Path(keep) if keep else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         config_path = root / "doctor.yaml"
         RF.atomic_write_text(config_path, C.dump(C.from_dict(DOCTOR)))
         print("sdcstudy doctor: two tiny trainings in separate processes ...", flush=True)
-        views = []
-        for name in ("a", "b"):
-            proc = _run(config_path, root / name)
-            if proc.returncode != 0:
-                tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
-                print(f"sdcstudy doctor: run {name} failed (exit {proc.returncode}): {tail[0]}",
-                      file=sys.stderr)
-                return errors.EXIT_COULD_NOT_RUN
-            views.append(deterministic_view(root / name))
+        views, failed = [], None
+        with ticking("sdcstudy doctor", enabled=progress, total=2, unit="runs") as line:
+            for name in ("a", "b"):
+                proc = _run(config_path, root / name)
+                if proc.returncode != 0:
+                    failed = name, proc
+                    break
+                views.append(deterministic_view(root / name))
+                line.advance()
+        if failed:  # said once the line is closed
+            name, proc = failed
+            tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+            print(f"sdcstudy doctor: run {name} failed (exit {proc.returncode}): {tail[0]}",
+                  file=sys.stderr)
+            return errors.EXIT_COULD_NOT_RUN
         env = RF.json_load(root / "a" / RF.ENV)
     problems = compare(*views)
     verdict = "PASS" if not problems else "FAIL"

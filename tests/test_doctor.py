@@ -19,7 +19,8 @@ def test_two_processes_agree_bitwise(tmp_path, capsys):
     # The determinism claim of the whole project: the same config in two fresh processes
     # gives the same metrics, the same compiled program and the same parameters, bit for bit.
     code = doctor.main(json_path=tmp_path / "report.json", keep=tmp_path / "runs")
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "sdcstudy doctor: 2/2 runs done [" in err  # the line counting its two runs
     report = json.loads((tmp_path / "report.json").read_text())
     assert code == 0, out
     assert report["verdict"] == "PASS" and report["steps"] == doctor.DOCTOR["experiment"]["steps"]

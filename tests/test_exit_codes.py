@@ -69,7 +69,7 @@ def test_doctor_prints_its_verdict_and_keeps_its_code_when_json_cannot_be_writte
         tmp_path, monkeypatch, capsys, how):
     monkeypatch.setattr(doctor, "_run", _fake_run)
     path = unwritable(tmp_path, how, monkeypatch)
-    assert cli.main(["doctor", "--json", str(path)]) == errors.EXIT_PASS
+    assert cli.main(["doctor", "--json", str(path), "--no-progress"]) == errors.EXIT_PASS
     out, err = capsys.readouterr()
     assert "PASS: 2 steps" in out
     one_warning(err, path)

@@ -904,6 +904,37 @@ def test_a_crashed_child_is_an_error_never_a_fail(tmp_path, monkeypatch):
     assert GS.state(acc.doctor()) == "FAIL"
 
 
+def test_every_sdcstudy_command_a_check_starts_parses(tmp_path, monkeypatch):
+    """The first `sdcstudy` command of each check, parsed by the CLI's own parser: a flag a
+    subcommand does not take (a `--no-progress` handed to one without it) would otherwise
+    show only as a GPU check's ERROR."""
+    from sdcstudy import cli
+
+    monkeypatch.setattr(GC, "cudnn_fails_here", lambda: False)
+    monkeypatch.setattr(GS, "versions", lambda: {})
+    args = SimpleNamespace(out=tmp_path, stage="full", budget=540)
+    acc = GC.Acceptance(args, sys.executable, {"device_kind": H100}, tmp_path)
+    commands = []
+
+    def child(label, argv, cap, env=None, sample=None):
+        commands.append([str(a) for a in argv])
+        return {"exit_code": 3, "seconds": 1.0, "timed_out": False, "command": []}
+
+    monkeypatch.setattr(acc, "child", child)
+    for check in (acc.doctor, lambda: acc.abft_healthy("float32"),
+                  lambda: acc.abft_recall("bfloat16"), acc.golden_full, acc.fingerprint,
+                  acc.attention_repeat, acc.free_step, lambda: acc.overhead("o", "faults"),
+                  lambda: acc.bench("b", ("tiny", 1, 16, 1, 1), "bfloat16", cap=60),
+                  acc.bench_tuned, acc.bench_pinned, acc.bench_untuned):
+        check()
+    ours = [argv[2:] for argv in commands if argv[:2] == ["-m", "sdcstudy"]]
+    assert len(ours) >= 10
+    parser = cli.build_parser()
+    for argv in ours:
+        parser.parse_args(argv)  # exits 2 on a flag it does not know
+    assert ["doctor", "--json", str(tmp_path / "doctor.json"), "--no-progress"] in ours
+
+
 def test_children_get_absolute_folders(tmp_path, monkeypatch):
     """The children run in the checkout, so a relative --out or --work given from elsewhere
     must reach them as the folder the user meant."""

@@ -67,7 +67,7 @@ class Acceptance(GoldenChecks, FreeStepChecks):
 
     def doctor(self) -> dict:
         path = self.work / "doctor.json"
-        run = self.sdcstudy("doctor", ["doctor", "--json", path], cap=240)
+        run = self.sdcstudy("doctor", ["doctor", "--json", path, "--no-progress"], cap=240)
         if "skipped" in run:
             return run
         if run["exit_code"] not in (0, 1) or not path.exists():  # 1: the doctor's FAIL
