@@ -242,7 +242,8 @@ def draw_figures(runs: dict, out: Path):
         return draw_here
 
     plots.pyplot()  # imported once, before the fork
-    pool = multiprocessing.get_context("fork").Pool(min(cpus, len(names)))
+    pool = multiprocessing.get_context("fork").Pool(min(cpus, len(names)),
+                                                    initializer=_worker_signals)
     pending = pool.map_async(_draw, names, chunksize=1)
     _DRAWING.clear()  # the workers have their copies
 
@@ -254,6 +255,16 @@ def draw_figures(runs: dict, out: Path):
             pool.join()
         return [name for name, made in zip(names, drawn) if made]
     return wait
+
+
+def _worker_signals() -> None:
+    """A drawing worker ends quietly: SIGTERM (the pool's `terminate`) with the default action,
+    not the CLI's handler it was forked with (which raised and printed a traceback), and
+    Ctrl-C left to the parent, which stops the pool."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def load_runs(paths) -> tuple[dict, list[str]]:
