@@ -313,6 +313,23 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(args)
 
 
+def entry() -> int:
+    """The `sdcstudy` command (`python -m sdcstudy` too): `main`, and after an interrupt
+    (exit 130 or 143) an exit without the interpreter's clean-up, whose every file and
+    sentence the command has already written and flushed. A compile that Ctrl-C cut short goes
+    on in a thread of XLA's own, and the clean-up freed what that thread was using: a
+    segmentation fault (exit 139) after the sentence saying how to run again."""
+    code = main()
+    if code in (errors.EXIT_SIGINT, errors.EXIT_SIGTERM):
+        jax = sys.modules.get("jax")
+        if jax is not None and jax.distributed.is_initialized():
+            jax.distributed.shutdown()  # the handshake the clean-up would have made with peers
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 def _dispatch(args) -> int:
     """Run the command; every way it can end becomes an exit code of the contract."""
     try:

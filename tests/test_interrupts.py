@@ -20,6 +20,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -243,3 +244,31 @@ def test_a_run_refused_before_its_first_step_leaves_no_folder(command, tmp_path,
     assert "data.source" in capsys.readouterr().err
     assert not out.exists()
     runlock.refuse_early(out, create=True)  # what the corrected command checks first
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_while_the_step_compiles_exits_with_its_code(tmp_path, signum, code):
+    # Ctrl-C cuts XLA's compile short in the main thread while the compile goes on in a thread
+    # of XLA's own; the interpreter's clean-up then freed what that thread used, and the
+    # process died of a segmentation fault (exit 139) after its sentence. The command must end
+    # with its code. Uncached, so that the step really compiles.
+    out, log = tmp_path / "run", tmp_path / "stderr.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "sdcstudy", "run", "configs/demo.yaml",
+                                 "--set", "experiment.steps=2", "--out", str(out)], cwd=ROOT,
+                                env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            deadline = time.monotonic() + 120
+            while "compiling the step: 00:05" not in log.read_text():  # well into compiling
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            proc.send_signal(signum)
+            assert proc.wait(timeout=120) == code, log.read_text()[-2000:]
+        finally:
+            proc.kill()
+    said = log.read_text()
+    assert "before its first step" in said and "Fatal Python error" not in said
+    assert not out.exists()
