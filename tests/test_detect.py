@@ -258,10 +258,11 @@ def test_scores_count_recall_latency_and_precision_by_hand():
     assert scores["latency_steps"] == 2.0
     assert scores["precision"] == 0.5
     # With no window (the run advanced on the clean gradient) only same-step flags count, and
-    # a latency would be 0 by definition: none is given.
+    # a detection's latency is 0 by definition.
     same_step = detector_scores(frame.assign(**{"detect/monitor": frame["detect/truth"]}),
                                 "monitor", window=0)
-    assert same_step["recall"] == 1.0 and same_step["latency_steps"] is None
+    assert same_step["recall"] == 1.0
+    assert (same_step["latency_steps"], same_step["latency_steps_max"]) == (0.0, 0)
 
 
 def test_report_has_the_detector_table(tmp_path):

@@ -91,6 +91,21 @@ def test_with_the_reference_advancing_a_detection_is_at_its_step():
     assert scores["detect/abft/latency_steps"] == 0.0
 
 
+@pytest.mark.parametrize("advance", ["reference", "primary"])
+def test_the_report_table_scores_latency_as_summary_json_does(advance, tmp_path):
+    from sdcstudy.report.runs import Run
+
+    rows = [{"step": s, "detect/truth": int(s in (2, 5)), "detect/abft": int(s in (2, 6))}
+            for s in range(1, 9)]
+    config = {"experiment": {"mode": "detect"}, "suspect": {"profile": "exponent-flip"},
+              "detect": {"advance": advance}}
+    run = Run(tmp_path, config, {}, pd.DataFrame(rows))
+    (row,) = DT.benchmark_table({"faulty": run}).to_dict("records")
+    summary = DT.run_scores(rows, ("abft",), advance)
+    assert row["latency_steps"] == summary["detect/abft/latency_steps"]
+    assert row["latency_steps"] == {"reference": 0.0, "primary": 0.5}[advance]
+
+
 def test_a_resumed_run_scores_like_an_unbroken_one(unbroken, tmp_path):
     # The monitor's history is saved with each checkpoint; without it the resumed monitor
     # would start empty and flag later.

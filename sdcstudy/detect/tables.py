@@ -9,7 +9,7 @@ Per detector and fault profile:
   is not its detection. It is `LATENCY_WINDOW` when the run trained on the corrupted
   gradients (`primary`), where a fault can surface steps later (a loss spike);
 - latency: mean steps from an event to the detector's first flag, over detected events;
-  none with a window of 0, where every detection is at its event's step by definition;
+  0 with a window of 0, where every detection is at its event's step by definition;
 - precision: flags that fall in some event's window, over all flags of the run;
 - false alarms: flagged steps over steps of the healthy run(s) (profile `healthy`);
 - named (localization only): events at which the named device is the one that was wrong;
@@ -51,6 +51,16 @@ def _flags(metrics: pd.DataFrame, name: str) -> np.ndarray:
     return metrics[key].fillna(0).to_numpy(bool) if key in metrics else None
 
 
+def _latency(delays: list[int], window: int) -> tuple[float | None, int | None]:
+    """Mean and most steps from an event to its first flag, over detected events (None, None
+    when none was detected). With a window of 0 a detection is at its event's step: 0.0, 0."""
+    if not delays:
+        return None, None
+    if window == 0:
+        return 0.0, 0
+    return float(np.mean(delays)), int(max(delays))
+
+
 def detector_scores(metrics: pd.DataFrame, name: str, window: int = LATENCY_WINDOW) -> dict:
     """Recall, latency and precision of one detector in one run's metrics.jsonl frame."""
     flags, truth = _flags(metrics, name), _flags(metrics, "truth")
@@ -72,10 +82,10 @@ def detector_scores(metrics: pd.DataFrame, name: str, window: int = LATENCY_WIND
         # Events where the named device is the one whose gradient differed.
         localized = metrics["detect/localized"].to_numpy()[events]
         named = float(np.mean(localized == metrics["detect/truth_device"].to_numpy()[events]))
+    latency, latency_max = _latency(delays, window)
     return {"steps": len(steps), "events": len(events), "named": named,
             "recall": len(delays) / len(events) if len(events) else None,
-            "latency_steps": float(np.mean(delays)) if delays and window else None,
-            "latency_steps_max": int(max(delays)) if delays and window else None,
+            "latency_steps": latency, "latency_steps_max": latency_max,
             "precision": float(covered[flagged].mean()) if len(flagged) else None,
             "false_alarms": int(np.sum(~covered[flagged])),
             "flags": len(flagged)}
@@ -130,8 +140,6 @@ def run_scores(rows: list[dict], detectors, advance: str) -> dict:
         scores = detector_scores(frame, name, window)
         if not scores:
             continue
-        if window == 0 and scores["recall"]:
-            scores.update(latency_steps=0.0, latency_steps_max=0)
         out.update({f"detect/{name}/{k}": scores[k] for k in SCORES})
     return out
 
