@@ -158,6 +158,7 @@ class _Log:
     def __init__(self, mode, files: Path, start: int, carried: dict, board_dir: Path | None,
                  bar):
         self.trainer, self.loss_key, self.bar = mode.trainer, mode.loss_key, bar
+        self.shown = mode.shown
         self.lines = [RF.MetricsWriter(files / RF.METRICS, keep_below_step=start + 1)]
         if board_dir is not None:  # TensorBoard's events, beside metrics.jsonl
             from sdcstudy.core import tensorboard
@@ -195,7 +196,8 @@ class _Log:
             out.write({"step": step, **values})
         self.steps_written += 1
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{loss:.3f}")
+        self.bar.set_postfix({label: f"{values[key]:.3f}" for label, key in self.shown.items()
+                              if key in values})
 
     def carried(self) -> dict:
         """What a checkpoint keeps of this log: the counters and histograms so far."""

@@ -2,6 +2,8 @@
 ground truth, summary aggregates follow docs/metrics.md's formulas, synchronization is exact,
 and the healthy node trains as one device does."""
 
+import contextlib
+import io
 import math
 
 import jax
@@ -65,9 +67,20 @@ ONE_LAYER = "model.n_layers=1"
 @pytest.fixture(scope="module", params=["lockstep", "paramsync", "free"])
 def healthy_run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("healthy") / request.param
-    summary = runner.run(_cfg(f"experiment.mode={request.param}", ONE_LAYER), out,
-                         progress=False)
+    shown = io.StringIO()
+    with contextlib.redirect_stderr(shown):
+        summary = runner.run(_cfg(f"experiment.mode={request.param}", ONE_LAYER), out,
+                             progress=True)
+    (out.parent / "stderr.txt").write_text(shown.getvalue())
     return request.param, out, summary
+
+
+def test_the_step_bar_shows_the_suspects_loss_beside_the_healthy_one(healthy_run):
+    # A suspect gone NaN in a free run showed nowhere on the terminal until it was over.
+    mode, out, _ = healthy_run
+    last = _metric_rows(out)[-1]
+    bar = (out.parent / "stderr.txt").read_text().split("\r")[-1]
+    assert f"loss={last['loss/healthy']:.3f}, suspect={last['loss/suspect']:.3f}" in bar, bar
 
 
 def test_healthy_pair_agrees_exactly(healthy_run):

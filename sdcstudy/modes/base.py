@@ -82,6 +82,11 @@ class Mode:
         return getattr(self.trainer, "loss_key", "loss/healthy")
 
     @property
+    def shown(self) -> dict[str, str]:
+        """What the step bar shows after each step: label -> metric."""
+        return {"loss": self.loss_key}
+
+    @property
     def tables(self) -> dict[str, tuple[str, ...]]:
         """The run folder's Parquet tables this mode writes: file name -> columns (a step
         feature's own table: the columns the feature declares, `columns`)."""

@@ -49,6 +49,11 @@ class PairedMode(Mode):
     def build(self):
         return PairedTrainer.from_config(self.cfg)
 
+    @property
+    def shown(self) -> dict[str, str]:
+        """The suspect's loss beside the healthy one: a suspect gone NaN shows as it happens."""
+        return {"loss": self.loss_key, "suspect": "loss/suspect"}
+
     def summarize(self, rows, tables, histograms) -> dict:
         return paired_summary(rows, tables, histograms, self.cfg.model.dtype)
 
