@@ -314,10 +314,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> int:
-    """The `sdcstudy` command (`python -m sdcstudy` too): `main`, and after an interrupt
-    (exit 130 or 143) an exit without the interpreter's clean-up, whose every file and
-    sentence the command has already written and flushed. A compile that Ctrl-C cut short goes
-    on in a thread of XLA's own, and the clean-up freed what that thread was using: a
+    """The `sdcstudy` command (and `python -m sdcstudy`): `main`, then after an interrupt (130,
+    143; every file and sentence written) an exit without the interpreter's clean-up. A compile
+    cut short by Ctrl-C goes on in XLA's own thread, and the clean-up freed what it used: a
     segmentation fault (exit 139) after the sentence saying how to run again."""
     code = main()
     if code in (errors.EXIT_SIGINT, errors.EXIT_SIGTERM):
@@ -398,7 +397,3 @@ def _stopped(error: Exception) -> int:
         traceback.print_exception(error, file=sys.stderr)
     print(f"sdcstudy: error: {errors.unexpected(error)}", file=sys.stderr)
     return errors.EXIT_COULD_NOT_RUN
-
-
-if __name__ == "__main__":
-    sys.exit(main())
