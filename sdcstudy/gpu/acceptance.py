@@ -89,7 +89,8 @@ def add_arguments(p) -> None:
                         "(created if missing)")
     p.add_argument("--stage", choices=tuple(STAGES), default="full",
                    help="full: speed, determinism, torch, ABFT (about 9 minutes); quick: the "
-                        "golden full workload and the stack fingerprint (about 4 minutes)")
+                        "golden checks, repeated bits, the step without the flags, the "
+                        "step costs and the 8B step (about 4 minutes; docs/gpu.md)")
     p.add_argument("--budget", type=int, default=None, metavar="SECONDS",
                    help="wall-clock limit (default: full 540, quick 240)")
     p.add_argument("--work", type=Path, default=None, metavar="DIR",

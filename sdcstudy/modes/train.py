@@ -15,7 +15,7 @@ class TrainMode(Mode):
         "loss/healthy": "mean next-token loss of the step",
         "grad/norm": "global L2 norm of the gradient, before clipping",
         "lr": "learning rate of the step",
-        "faults/landed": "corruptions the injector made this step (faults.parquet rows)",
+        "faults/landed": "corruptions the injector made this step (logged and unlogged)",
         "faults/unlogged": "corruptions beyond suspect.log_limit, counted but not logged",
     }
     summary = {
