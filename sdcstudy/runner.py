@@ -76,9 +76,12 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
                         echo(f"{run_dir} already finished at step {summary['steps_done']} of "
                              f"{summary['steps']}; nothing to do")
                         return {**summary, "run_dir": str(run_dir)}
+                # The others' scratch folder goes however the run ends.
+                files = run_dir if writes else Path(held.enter_context(
+                    tempfile.TemporaryDirectory(prefix="sdcstudy-peer-")))
                 with _writing(run_dir, new=not resume) if writes else contextlib.nullcontext():
-                    return _run(cfg, run_dir, writes, resume, stop_after, progress, echo,
-                                signals)
+                    return _run(cfg, run_dir, files, writes, resume, stop_after, progress,
+                                echo, signals)
         except KeyboardInterrupt as stop:  # what the folder holds now, the lock given back
             raise Interrupted(getattr(stop, "signum", signal.SIGINT), run_dir) from None
 
@@ -220,12 +223,10 @@ def _close_all(*closers) -> BaseException | None:
     return failure
 
 
-def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int | None,
-         progress: bool, echo, signals: Signals) -> dict:
+def _run(cfg: Config, run_dir: Path, files: Path, writes: bool, resume: bool,
+         stop_after: int | None, progress: bool, echo, signals: Signals) -> dict:
     e = cfg.experiment
     pinned = determinism.autotune_options(run_dir, jax.default_backend(), dump=writes)
-    scratch = None if writes else tempfile.TemporaryDirectory(prefix="sdcstudy-peer-")
-    files = run_dir if writes else Path(scratch.name)
     if writes:
         RF.atomic_write_text(run_dir / RF.CONFIG, C.dump(cfg))
     # The data, the initial state (its own compile) and the step's compile: seconds to minutes
@@ -314,8 +315,6 @@ def _run(cfg: Config, run_dir: Path, writes: bool, resume: bool, stop_after: int
     summary.update(mode.evaluate(state, run_dir if writes else None))
     if writes:
         RF.atomic_write_json(run_dir / RF.SUMMARY, summary)
-    else:
-        scratch.cleanup()
     summary["run_dir"] = str(run_dir)
     return summary
 

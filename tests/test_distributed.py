@@ -72,7 +72,8 @@ def _env(root: Path, devices: int) -> dict:
         # The same in every run, whatever --timeout says: XLA flags are part of the
         # compilation cache key, and a killed peer fails a collective at once anyway.
         flags.append(f"{distributed.COLLECTIVE_TIMEOUT_FLAG}={RUN_TIMEOUT_S}")
-    env.update({"XLA_FLAGS": " ".join(flags),
+    (root / "tmp").mkdir(exist_ok=True)  # the processes' temporary folders, looked at below
+    env.update({"XLA_FLAGS": " ".join(flags), "TMPDIR": str(root / "tmp"),
                 "JAX_COMPILATION_CACHE_DIR": str(root / "jax-cache"),
                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                 "PYTHONUNBUFFERED": "1"})
@@ -339,6 +340,7 @@ def test_a_signal_to_one_process_stops_both_at_the_same_checkpoint(setup, proces
     nothing checkpointed. Every process asks the others at each safe point
     (`distributed.stop_signal`), so both finish the same step, save it together and exit 143."""
     out, port = setup / "signalled", _free_port()
+    scratch = set((setup / "tmp").glob("sdcstudy-peer-*"))
     first, second = _pair(processes, "signal", out, port, "--set", "experiment.steps=2000",
                           "--set", "experiment.checkpoint_every=5")
     end = time.monotonic() + DEADLINE_S
@@ -356,3 +358,5 @@ def test_a_signal_to_one_process_stops_both_at_the_same_checkpoint(setup, proces
     assert int(stopped[1].group(1)) == step and 5 <= step < 2000
     assert (out / RF.CHECKPOINTS / str(step)).is_dir()
     assert [r["step"] for r in _metrics(out)] == list(range(1, step + 1))
+    # Process 1's scratch folder (it writes no run folder) is gone with it.
+    assert set((setup / "tmp").glob("sdcstudy-peer-*")) == scratch
