@@ -223,7 +223,7 @@ def test_kill_during_flush_leaves_a_readable_table(tmp_path):
 
 
 def _sdcstudy(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "sdcstudy.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "sdcstudy", *args], cwd=ROOT,
                           capture_output=True, text=True, **kwargs)
 
 
@@ -237,7 +237,7 @@ def test_run_killed_with_sigkill_reports_and_resumes(tmp_path):
     profile = tmp_path / "two-sites.yaml"
     profile.write_text(yaml.safe_dump({"name": "two-sites", "specs": [
         {"site": site, "kind": "additive", "rate": 2e-4} for site in ("fwd/attn", "bwd/ffn")]}))
-    cmd = [sys.executable, "-m", "sdcstudy.cli", "run", "configs/demo.yaml", "--no-progress",
+    cmd = [sys.executable, "-m", "sdcstudy", "run", "configs/demo.yaml", "--no-progress",
            "--set", f"suspect.profile={profile}", "--set", f"experiment.steps={steps}",
            "--set", f"experiment.checkpoint_every={every}", "--set", "experiment.batch_size=4",
            "--set", "model.n_layers=1", "--out", str(out)]
