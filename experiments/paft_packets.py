@@ -8,7 +8,7 @@ p in {0, 10, 20, 30, 40}%; each worker aggregates what reached it: renormalized 
 an arrival), zero-filled, or stale reuse. Then bursty drops (mean run of 8 packets) and lossy
 owner broadcasts of the parameters. Writes tables (Markdown, CSV) and PNG figures. Should show
 the renormalized average staying closest to the loss-free run as p grows, zero-fill slowing
-training (its average is shrunk by 1 - p), and the copies' divergence staying bounded under
+training (its average is shrunk by about 1 - p (M-1)/M), and the copies' divergence staying bounded under
 lossy broadcasts.
 """
 

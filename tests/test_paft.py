@@ -276,6 +276,23 @@ def test_lossy_broadcast_drift_is_bounded_as_derived():
     assert abs(np.mean(values) / paper - 1) > TOLERANCE
 
 
+def test_lost_broadcast_keeps_the_applied_average():
+    """Lossy owner broadcasts with an overlapped average on every step: each step starts from
+    the average, so a worker that loses a broadcast keeps the average and lags the owner by
+    one step: the same formula with a = q s and c = q^2 s. If this fails, a lost broadcast
+    hands back the copy the average replaced (the lag then builds up as without averages)."""
+    sigma2, q = 1e-2, 0.5
+    stepper = Stepper([f"paft.noise.sigma2={sigma2}", f"paft.loss.param_p={q}",
+                       "paft.sync_every=1", "paft.overlap=true"])
+    rows = stepper.run(20)
+    assert [r["paft/sync"] for r in rows] == [0.0] + [1.0] * 19  # launched 1, applied from 2
+    s, m = LR ** 2 * sigma2, WORKERS
+    a, c = q * s, q * q * s
+    expected = stepper.d * (m - 1) / m ** 2 * ((m - 1) * a - (m - 2) * c)
+    values = [r["div/mean_sq"] for r in rows[1:]]
+    assert abs(np.mean(values) / expected - 1) < TOLERANCE, (np.mean(values), expected)
+
+
 # --- the benchmark suite ----------------------------------------------------------------------
 
 

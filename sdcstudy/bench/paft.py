@@ -11,7 +11,7 @@ Contenders, all on the same batch and mesh (M simulated devices):
 - `dyn-overlap`: the same error with PAFT-Dyn and overlapped averages, the divergence measured
   only when an average is applied (`paft.div_every=0`), as Algorithm 2 needs it.
 
-The PAFT paper compares PAFT with plain DSGD under the same aggregation errors. Here the error
+The PAFT paper's Table 1 compares PAFT's iteration time with plain DSGD's. Here the error
 is the environment, so the like-for-like baseline of PAFT's cost is `noised`: the goal is
 dyn-overlap / noised <= 1.05 (the paper's Table 1: 1.12x at 32 workers), "PAFT's cost over
 data-parallel training under the same simulated error". dyn-overlap / dp (error-free plain data
@@ -19,9 +19,9 @@ parallel) is reported beside it: it includes the simulator's cost, noised / dp.
 
 The batch grows with M by default: each worker trains on the suite's sequences per worker
 (`--worker-batch`), so the step's batch is M times that. This is how data parallelism is
-used and how the PAFT paper's Table 1 measures (its DSGD iteration time grows from 4 to 32
-workers). PAFT's own cost is per parameter (an all-reduce of the copies, the divergence) and
-does not grow with the tokens a worker trains on, so its share shrinks as they grow: with a
+used; the PAFT paper's Table 1 does not give its batch (its DSGD iteration time grows from 4
+to 32 workers, as it would with each worker's batch fixed). PAFT's own cost is per parameter
+(an all-reduce of the copies, the divergence) and does not grow with the tokens a worker trains on, so its share shrinks as they grow: with a
 fixed global batch (`--batch B`, split over the workers) it is largest. `--batch` must split
 over the M workers: a batch that does not is rounded up to the next multiple of M (for every
 contender of that M), and the table says so.

@@ -275,7 +275,9 @@ class PaftTrainer:
                                      "step": state["step"]}, grads, features.transform_updates)
         new_params, new_opt = new["params"], new["opt_state"]
         if c.loss.param_p is not None:
-            new_params = self._broadcast(new_params, params, key, step, me)
+            # A lost broadcast leaves the copy the worker held before this step's update:
+            # with overlap, the average this step applied (params_in), not the copy it replaced.
+            new_params = self._broadcast(new_params, params_in, key, step, me)
 
         if c.overlap:
             if not average_before_update:  # never averages: pending stays 0
