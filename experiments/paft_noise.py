@@ -40,7 +40,6 @@ def methods(sigma2: float) -> dict[str, list[str]]:
 
 def main() -> int:
     args = PC.parse(__doc__, steps=150)
-    PC.compile_cache(args.out / ".compile-cache")
     args.overrides = PC.OPTIM + args.overrides
     from sdcstudy.paft import report as R
 

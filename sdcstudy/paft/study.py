@@ -1,6 +1,10 @@
 """The set-up the PAFT studies share (experiments/paft_noise.py, experiments/paft_packets.py):
-their base config and optimizer, their command line, one compilation cache, one run folder per
-method under --out, and the tables written beside them.
+their base config and optimizer, their command line, one run folder per method under --out, and
+the tables written beside them.
+
+No persistent compilation cache: each run compiles its own step. On the CPU a step loaded from
+JAX's cache crashed in XLA's collectives (docs/developing.md, "A crash in programs loaded from
+the compilation cache").
 
 JAX is imported inside the functions: a study sets XLA_FLAGS (8 simulated CPU devices) first.
 """
@@ -38,16 +42,6 @@ def parse(doc: str, steps: int, argv=None) -> argparse.Namespace:
                  f"(or --resume an interrupted study).")
     args.out.mkdir(parents=True, exist_ok=True)
     return args
-
-
-def compile_cache(folder: Path) -> None:
-    """Runs that differ only in state (noise levels, H, loss rate) compile to the same program:
-    XLA's persistent cache then compiles each program once."""
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def run(args, name: str, overrides: list[str]):
