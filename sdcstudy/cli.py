@@ -339,7 +339,7 @@ def _dispatch(args) -> int:
         print(f"sdcstudy: error: {e}", file=sys.stderr)
         return errors.EXIT_BAD_INPUT
     except KeyboardInterrupt as e:  # SIGINT, or SIGTERM through _terminate_as_interrupt
-        print(f"sdcstudy: {e or 'interrupted'}", file=sys.stderr)
+        print(f"sdcstudy: {str(e) or 'interrupted'}", file=sys.stderr)
         return getattr(e, "exit_code", errors.EXIT_SIGINT)
     except BrokenPipeError:  # `sdcstudy profiles | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit

@@ -168,3 +168,14 @@ def test_sigterm_outside_a_runs_loop_exits_143_and_an_unforeseen_error_3(monkeyp
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "AssertionError: backend did not start" in err
     assert "Traceback" not in err
+
+
+def test_ctrl_c_during_any_command_says_interrupted_and_exits_130(monkeypatch, capsys):
+    """A bare KeyboardInterrupt (Ctrl-C where no run names what it kept) is exit 130 and the
+    word "interrupted". If this fails, the line read "sdcstudy: " and nothing more."""
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_profiles", interrupted)
+    assert cli.main(["profiles"]) == errors.EXIT_SIGINT == 130
+    assert capsys.readouterr().err == "sdcstudy: interrupted\n"

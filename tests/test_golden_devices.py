@@ -2,16 +2,26 @@
 device and passes the rest, `golden quorum` finds the same device with no golden record, and
 bad input is one sentence and exit 2."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 import xml.etree.ElementTree as ET
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from sdcstudy import cli
+from sdcstudy.core import config as C
+from sdcstudy.golden import cli as GCLI
+from sdcstudy.golden import contents as GCon
 from sdcstudy.golden import devices as GV
+from sdcstudy.golden import sizing as GS
 
 # A short golden workload (the default's microsteps; one layer, fewer steps and tokens).
 SHORT = ["--set", "experiment.steps=3", "--set", "data.seq_len=32", "--set", "model.n_layers=1"]
@@ -107,6 +117,18 @@ def test_the_node_fails_if_any_device_fails():
     (["golden", "check", "GOLDEN", "--device", "x"], "a device index or 'all'"),
     (["golden", "check", "GOLDEN", "--device", "1", "--inject", FLIP, "--inject-device", "1"],
      "--inject-device chooses among the devices of --device all"),
+    # A flip that cannot land is refused once, before any device runs (it was one
+    # INCONCLUSIVE row and reason per device).
+    (["golden", "check", "GOLDEN", "--device", "all", "--inject",
+      "flip:step=9,site=fwd/attn,layer=1,bit=30"], "step must be 1 to 3, not 9"),
+    (["golden", "check", "GOLDEN", "--device", "all", "--inject",
+      "flip:step=1,site=fwd/attn,layer=5,bit=30"], "has layers [1], not 5"),
+    # The same in a quorum: refused before any device runs (it was refused after every device
+    # had compiled and run the workload).
+    (["golden", "quorum", *SHORT, "--inject", "flip:step=1,site=fwd/attn,layer=5,bit=30",
+      "--inject-device", "1"], "has layers [1], not 5"),
+    (["golden", "quorum", *SHORT, "--inject", "flip:step=9,site=fwd/attn,layer=1,bit=30",
+      "--inject-device", "1"], "step must be 1 to 3, not 9"),
 ])
 def test_bad_input_is_one_sentence_and_exit_2(argv, message, capsys, golden_dir):
     argv = [str(golden_dir) if a == "GOLDEN" else a for a in argv]
@@ -127,15 +149,18 @@ def test_quorum_needs_three_devices(monkeypatch, capsys):
     ["golden", "check", "NOWHERE", "--device", "all"],
     ["golden", "check", "NOWHERE"],
     ["golden", "check", "DAMAGED", "--device", "all"],
+    ["golden", "check", "AFILE", "--device", "all"],
     ["golden", "quorum", "NOWHERE.yaml"],
-], ids=["check-all", "check-one", "check-all-damaged", "quorum"])
+], ids=["check-all", "check-one", "check-all-damaged", "check-all-file", "quorum"])
 def test_an_unusable_record_is_refused_once_before_jax(argv, tmp_path):
     # A typo in the golden path must cost one sentence and exit 2, not a line, a table row and
     # a reason per device: refused before JAX is imported and any device touched.
     (tmp_path / "damaged").mkdir()
     (tmp_path / "damaged" / "MANIFEST.json").write_text("{}")
+    (tmp_path / "afile").write_text("")
     argv = [str(tmp_path / "nowhere") if a == "NOWHERE" else
             str(tmp_path / "damaged") if a == "DAMAGED" else
+            str(tmp_path / "afile") if a == "AFILE" else
             str(tmp_path / "nowhere.yaml") if a == "NOWHERE.yaml" else a for a in argv]
     code = ("import sys; from sdcstudy import cli; "
             f"rc = cli.main({argv!r}); print(rc, 'jax' in sys.modules)")
@@ -143,4 +168,97 @@ def test_an_unusable_record_is_refused_once_before_jax(argv, tmp_path):
                           timeout=120)
     assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("sdcstudy: error: ")
-    assert ("does not exist" in done.stderr) or ("damaged" in done.stderr)
+    if argv[2].endswith("afile"):  # named as a file (it was said not to exist)
+        assert "is a file, not a folder" in done.stderr, done.stderr
+    else:
+        assert ("does not exist" in done.stderr) or ("damaged" in done.stderr)
+
+
+class _Recorder:
+    """A progress line that keeps what is written and counts the devices done."""
+
+    def __init__(self):
+        self.lines, self.count = [], 0
+        self.changed = threading.Condition()
+
+    def write(self, text):
+        with self.changed:
+            self.lines.append(text)
+
+    def advance(self, n=1):
+        with self.changed:
+            self.count += n
+            self.changed.notify_all()
+
+
+def test_device_lines_come_in_device_order_whichever_finishes_first(monkeypatch, capsys):
+    # The devices finish last to first (each waits until every higher-numbered one is counted
+    # done): each device's line must still come in device order (it came in the order they
+    # finished), and the summary must say the devices ran at once, so that their seconds,
+    # which add up to more than the total, are not read as a sequence.
+    n = 3
+    line = _Recorder()
+
+    def last_to_first(golden, *, inject=None, device_index=0, **options):
+        with line.changed:
+            assert line.changed.wait_for(lambda: line.count >= n - 1 - device_index, 30)
+        return {"verdict": "PASS", "reason": "equal", "first_difference": None,
+                "inject": inject, "coverage": None, "device": {"kind": "cpu"},
+                "timing": {"total_s": 10.0 + device_index}}
+
+    monkeypatch.setattr(GV, "check", last_to_first)
+    monkeypatch.setattr(GV, "backend_devices", lambda: [object()] * n)
+    monkeypatch.setattr(GV, "ticking", lambda *a, **k: contextlib.nullcontext(line))
+    golden = GCon.Golden(Path("g"), "0" * 64, C.from_dict(GS.TINY), {}, {}, {})
+    report = GV.check_all(golden, workers=n)
+    assert line.lines == [f"  device {i}: PASS ({10.0 + i:.1f} s)" for i in range(n)]
+    assert [row["device"] for row in report["devices"]] == list(range(n))
+    for row in report["devices"]:
+        row.pop("report")
+    GCLI._finish(SimpleNamespace(json=None, junit=None), report)
+    out = capsys.readouterr().out
+    assert f"golden check PASS: {n} device(s), 0 not PASS, " in out
+    assert f" s wall time ({n} devices at a time: their seconds overlap)" in out
+
+
+def test_an_interrupt_does_not_wait_for_the_devices_still_running():
+    # Ctrl-C or SIGTERM reaches the main thread while devices compile or run (minutes on a
+    # GPU): the command must stop at once (exit 130, 143), not after every device started or
+    # queued has finished, which a scheduler's grace period would end with SIGKILL.
+    release = threading.Event()
+    ran = []
+
+    def device(index):
+        if index == 0:
+            raise KeyboardInterrupt
+        ran.append(index)
+        release.wait(30)
+        return index
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        GV.in_threads(device, 4, 2)
+    waited = time.monotonic() - started
+    release.set()
+    assert waited < 10, f"the interrupt waited {waited:.0f} s for the running devices"
+    assert 3 not in ran  # a device not started never starts
+
+
+def test_sigterm_during_a_check_of_every_device_is_143_never_fail(golden_dir):
+    # An interrupted check is no verdict: exit 143, one sentence, and no FAIL anywhere that a
+    # fleet script would read as "drain this node".
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={N_DEVICES}")
+    proc = subprocess.Popen([sys.executable, "-m", "sdcstudy", "golden", "check",
+                             str(golden_dir), "--device", "all", "--workers", "1",
+                             "--no-progress"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()  # device 0 done; device 1 runs, device 2 waits
+        assert first.startswith("  device 0: PASS"), first
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, (out, err)
+    assert "FAIL" not in first + out + err
+    assert err.strip().splitlines()[-1] == "sdcstudy: terminated (SIGTERM)"

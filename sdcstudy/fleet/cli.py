@@ -81,7 +81,8 @@ def run(cfg: FC.FleetConfig, bench: dict | None = None) -> dict:
             row.update(monte_carlo(job, strategy, trials, seed))
         else:
             row.update({"goodput_mc": 0.0, "corrupted_steps_mc": None,
-                        "rollback_steps_mc": None, "trials": trials, "finished": False})
+                        "rollback_steps_mc": None, "trials": trials, "finished": False,
+                        "simulated": False})
         limit = cfg["max_corrupted_steps"]
         row["meets_limit"] = (not row["diverges"]
                               and (limit is None or row["corrupted_steps"] <= limit))
@@ -101,6 +102,13 @@ def _steps(x: float | None) -> str:
 
 def _share(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def _no_strategy(limit: float | None) -> str:
+    """Why no strategy is the cheapest, in words that cannot be read as the strategy `none`."""
+    if limit is None:
+        return "no strategy: in every one, rework outgrows progress and the job never ends"
+    return "no strategy meets the limit"
 
 
 def table(report: dict) -> str:
@@ -123,12 +131,15 @@ def table(report: dict) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["strategies"]:
         mark = " *" if r["name"] == report["cheapest"] else ""
+        drawn = r["goodput_mc"] is not None  # None: too many events a job to draw (montecarlo)
+        goodput_mc = f"{r['goodput_mc']:.4f}" if drawn else "-"
+        corrupted_mc = _steps(r["corrupted_steps_mc"]) if drawn else "-"
+        rollback_mc = _steps(r["rollback_steps_mc"]) if drawn else "-"
         lines.append(
             f"| {r['name']}{mark} | {r['overhead']:.3f} | {r['recall']['transient']:.3f} / "
-            f"{r['recall']['persistent']:.3f} | {r['goodput']:.4f} | {r['goodput_mc']:.4f} | "
-            f"{_steps(r['corrupted_steps'])} | {_steps(r['corrupted_steps_mc'])} | "
-            f"{_steps(r['rollback_steps'])} | {_steps(r['rollback_steps_mc'])} | "
-            f"{_share(r['restarts'])} |")
+            f"{r['recall']['persistent']:.3f} | {r['goodput']:.4f} | {goodput_mc} | "
+            f"{_steps(r['corrupted_steps'])} | {corrupted_mc} | "
+            f"{_steps(r['rollback_steps'])} | {rollback_mc} | {_share(r['restarts'])} |")
     limit = cfg["max_corrupted_steps"]
     mc = cfg["montecarlo"]
     lines += ["",
@@ -138,7 +149,7 @@ def table(report: dict) -> str:
               "detection, or to the job's end.",
               ("cheapest strategy (highest goodput)"
                + (f" with at most {limit:g} expected corrupted steps" if limit is not None
-                  else "") + f": {report['cheapest'] or 'none meets the limit'}")]
+                  else "") + f": {report['cheapest'] or _no_strategy(limit)}")]
     if report["bench_detect"]:
         b = report["bench_detect"]
         lines.append(f"overheads from {b['file']} (preset {b['preset']}): "

@@ -8,6 +8,7 @@ only the keys it changes. Every bad key or value ends in a one-sentence `UserErr
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from sdcstudy.core import yamlsafe
 from sdcstudy.core.errors import UserError, did_you_mean
 
 MAX_NODES = 100_000
+MAX_STEPS = 10_000_000  # 13 times the default job; model.py sums arrays of this length
 DETECTORS = ("monitor", "abft", "shadow", "reexec", "lockstep")
 NONE = "none"
 
@@ -129,6 +131,9 @@ def _coerce(dotted: str, value):
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"fleet config key {dotted!r} must be a number, not {value!r}.")
+        if not math.isfinite(value):  # inf and nan pass every range check below
+            raise UserError(f"fleet config key {dotted!r} must be a finite number, not "
+                            f"{value!r}.")
         return float(value)
     if isinstance(default, str):
         if not isinstance(value, str):
@@ -163,6 +168,10 @@ def _check(data: dict) -> None:
         need(job[key] >= 0, f"job.{key} must not be negative, not {job[key]}.")
     need(job["hours"] * 3600 >= job["step_seconds"],
          "job.hours must hold at least one step of job.step_seconds.")
+    steps = job["hours"] * 3600 // job["step_seconds"]
+    shown = f"{steps:,.0f}" if steps < 1e15 else f"{steps:.3g}"
+    need(steps <= MAX_STEPS, f"job.hours / job.step_seconds gives {shown} steps; the model "
+                             f"sums over every step, so at most {MAX_STEPS:,}.")
     for key, rate in data["sdc"].items():
         need(rate >= 0, f"sdc.{key} must not be negative, not {rate}.")
     golden = data["golden"]

@@ -161,6 +161,14 @@ def main(args) -> int:
     return report["exit_code"]
 
 
+def at_once(workers: int | None) -> str:
+    """How many devices ran at a time, and so why the devices' seconds add up to more than
+    the wall time."""
+    if not workers or workers < 2:
+        return ""
+    return f" ({workers} devices at a time: their seconds overlap)"
+
+
 def _finish(args, report: dict) -> int:
     """Print the per-device table and the node's verdict; write the files asked for."""
     from sdcstudy.golden.report import node_table
@@ -169,7 +177,8 @@ def _finish(args, report: dict) -> int:
     print(node_table(report), end="")
     failing = [r for r in report["devices"] if r["verdict"] != "PASS"]
     print(f"golden {report['command']} {report['verdict']}: {len(report['devices'])} device(s), "
-          f"{len(failing)} not PASS, {report['seconds']:.1f} s")
+          f"{len(failing)} not PASS, {report['seconds']:.1f} s wall time"
+          f"{at_once(report.get('workers'))}")
     for row in failing:
         print(f"  device {row['device']} {row['verdict']}: {row['reason']}")
     for row in report["devices"]:

@@ -3,7 +3,10 @@
 `check_all` runs the golden check (`golden.check.check`) on every local device, `workers`
 devices at a time in threads (XLA compiles and runs without holding the GIL); each device
 compiles its own program, since XLA binds an executable to its device. A device's result does
-not depend on what runs beside it: every device runs the same deterministic program.
+not depend on what runs beside it: every device runs the same deterministic program. Each
+device's line is printed in device order (`InOrder`), whichever finishes first; its seconds
+are its own, counted while other devices ran beside it, so they add up to more than the
+command's wall time.
 
 `quorum` is for new hardware with no trusted node: the same workload runs on every local
 device (at least 3) and the devices vote. Devices whose digests agree in every step form a
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,7 +43,8 @@ from sdcstudy.golden.record import load_tokens, store_digests
 from sdcstudy.golden.report import (  # noqa: F401  (the node's report, importable here)
     _sentence, node_junit_xml as junit_xml, node_report, node_table as table, node_verdict)
 from sdcstudy.golden.workload import (
-    _param_leaves, backend_devices, check_config, device_info, parse_injection, workload)
+    _param_leaves, backend_devices, check_config, device_info, layout, parse_injection,
+    workload)
 
 
 
@@ -70,6 +75,25 @@ def _injected(index: int, inject: str | None, inject_device: int | None) -> str 
     return inject if inject_device is None or index == inject_device else None
 
 
+class InOrder:
+    """Each device's line, printed in device order on `line` (a `ticker.Line`): a device done
+    before a lower-numbered one is counted done at once (the progress line) and its line waits
+    until every lower-numbered device's is printed. Safe from several threads."""
+
+    def __init__(self, line):
+        self._line, self._lock = line, threading.Lock()
+        self._waiting: dict[int, str] = {}
+        self._next = 0
+
+    def done(self, index: int, text: str) -> None:
+        with self._lock:
+            self._waiting[index] = text
+            while self._next in self._waiting:
+                self._line.write(self._waiting.pop(self._next))
+                self._next += 1
+        self._line.advance()
+
+
 # --- golden check --device all ----------------------------------------------------------------
 
 
@@ -78,8 +102,9 @@ def check_all(golden: Path | Golden, *, inject: str | None = None,
               progress: bool = False, expect_sha: str | None = None, **options) -> dict:
     """`check` on every local device against one copy of the record, read once here when
     `golden` is a folder; `options` as `check` takes them (repeat, ...). Each device's verdict
-    is printed as it comes; with `progress`, below them a line counts the devices done and the
-    seconds (the devices compile at once, for a while, before the first is done)."""
+    is printed in device order (`InOrder`); with `progress`, below them a line counts the
+    devices done and the seconds (the devices compile at once, for a while, before the first
+    is done). An `inject` that cannot land is refused here, once, before any device runs."""
     started = time.time()
     if not isinstance(golden, Golden):
         try:
@@ -87,13 +112,16 @@ def check_all(golden: Path | Golden, *, inject: str | None = None,
         except GoldenError as e:
             raise UserError(str(e)) from None
     devices = local_devices(inject, inject_device)
+    if inject is not None:
+        injection = parse_injection(inject)
+        if injection.flip is not None:
+            _check_flip(injection.flip, golden.meta)
 
     def one(index: int) -> dict:
         report = check(golden, inject=_injected(index, inject, inject_device),
                        device_index=index, **options)
-        line.write(f"  device {index}: {report['verdict']} "
-                   f"({report['timing'].get('total_s', 0.0):.1f} s)")
-        line.advance()
+        printer.done(index, f"  device {index}: {report['verdict']} "
+                            f"({report['timing'].get('total_s', 0.0):.1f} s)")
         return {"device": index, "kind": report["device"].get("kind"),
                 "verdict": report["verdict"], "reason": report["reason"],
                 "first_difference": _where(report["first_difference"]),
@@ -102,6 +130,7 @@ def check_all(golden: Path | Golden, *, inject: str | None = None,
                 "coverage": report.get("coverage"), "report": report}
 
     with ticking("golden check", enabled=progress, total=len(devices), unit="devices") as line:
+        printer = InOrder(line)
         rows = in_threads(one, len(devices), workers)
     return node_report("check", rows, started, workers=_workers(workers, len(devices)),
                        golden={"dir": str(golden.dir),
@@ -113,9 +142,18 @@ def _workers(workers: int | None, n: int) -> int:
 
 
 def in_threads(fn, n: int, workers: int | None) -> list:
-    """[fn(0), ..., fn(n - 1)], `workers` at a time (default: the CPU cores)."""
-    with ThreadPoolExecutor(max_workers=_workers(workers, n)) as pool:
-        return list(pool.map(fn, range(n)))
+    """[fn(0), ..., fn(n - 1)], `workers` at a time (default: the CPU cores). An interrupt
+    (Ctrl-C, SIGTERM) or an exception in the main thread returns at once, without waiting for
+    the devices still compiling or running (minutes on a GPU): the ones not started never
+    start, and the command's exit (130, 143) ends the others."""
+    pool = ThreadPoolExecutor(max_workers=_workers(workers, n))
+    try:
+        rows = list(pool.map(fn, range(n)))
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return rows
 
 
 # --- golden quorum ----------------------------------------------------------------------------
@@ -176,6 +214,8 @@ def quorum(cfg: Config, *, inject: str | None = None, inject_device: int | None 
     devices = local_devices(inject, inject_device, least=3)
     tokens = load_tokens(cfg)
     injection = parse_injection(inject) if inject else None  # a typo fails before compiling
+    if injection is not None and injection.flip is not None:
+        _check_flip(injection.flip, layout(cfg, tokens))  # a flip that never lands proves nothing
 
     def one(index: int) -> dict:
         t0 = time.perf_counter()
@@ -183,21 +223,19 @@ def quorum(cfg: Config, *, inject: str | None = None, inject_device: int | None 
         work, _ = workload(cfg, tokens, devices[index], injection if text else None)
         outs, final = _run(work)
         seconds = time.perf_counter() - t0
-        line.write(f"  device {index}: ran {work.steps} steps ({seconds:.1f} s)")
-        line.advance()
+        printer.done(index, f"  device {index}: ran {work.steps} steps ({seconds:.1f} s)")
         return {"device": index, "kind": device_info(devices[index], index)["kind"],
                 "injected": text, "outs": outs, "digest": _fingerprint(outs, final),
                 "seconds": seconds, "work": work}
 
     with ticking("golden quorum", enabled=progress, total=len(devices), unit="devices") as line:
+        printer = InOrder(line)
         runs = in_threads(one, len(devices), workers)
     work = runs[0]["work"]  # every device runs the same layout
     meta = {"site_order": work.site_order, "sites": work.sites, "microsteps": work.microsteps,
             "steps": work.steps,
             "params": {p: {"shape": list(np.shape(v)), "dtype": str(v.dtype)}
                        for p, v in _param_leaves(work.initial["params"]).items()}}
-    if injection is not None and injection.flip is not None:
-        _check_flip(injection.flip, meta)  # a flip that never lands would prove nothing
     majority, groups = vote([run["digest"] for run in runs])
     rows = []
     if majority is None:

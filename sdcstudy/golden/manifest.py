@@ -80,7 +80,8 @@ def read_manifest(golden_dir: Path, expect_sha: str | None = None) -> dict:
     golden_dir = Path(golden_dir)
     where = repr(str(golden_dir))
     if not golden_dir.is_dir():
-        raise GoldenError(f"golden folder {where} does not exist.")
+        what = "is a file, not a folder" if golden_dir.exists() else "does not exist"
+        raise GoldenError(f"golden folder {where} {what}.")
     try:
         manifest = json.loads(_read_bounded(golden_dir / MANIFEST, MAX_BYTES[MANIFEST]))
         body, claimed = manifest["body"], manifest["sha256"]

@@ -144,22 +144,7 @@ class Workload:
         self._param_digests = jax.jit(lambda p: _digest_tree(p)).lower(state["params"]).compile()
 
     def _layout(self):
-        """Forward order of the sites and their shapes, traced abstractly."""
-        order, shapes = [], {}
-
-        def hook(site, x, layer):
-            key = site_key(site, layer)
-            order.append(key)
-            shapes[key] = {"shape": list(x.shape), "dtype": str(x.dtype)}
-            return x
-
-        params = jax.eval_shape(lambda: self.trainer.init_state()["params"])
-        tokens = jax.ShapeDtypeStruct(self.tokens.shape[2:], jnp.int32)
-        jax.eval_shape(lambda p, t: model.token_losses(self.trainer.graphdef, p, t, hook=hook),
-                       params, tokens)
-        if len(set(order)) != len(order):
-            raise ValueError("the model calls the hook twice at one (site, layer).")
-        return order, shapes
+        return site_layout(self.trainer, self.tokens.shape[2:])
 
     def initial_state(self):
         state = jax.device_put(self.initial, self.device)
@@ -256,6 +241,32 @@ class Workload:
 _INITIAL: dict = {}
 _WORKLOADS: dict = {}
 _LOCK = threading.Lock()
+
+
+def site_layout(trainer: T.Trainer, token_shape) -> tuple[list, dict]:
+    """Forward order of the sites and their shapes, traced abstractly (nothing compiles)."""
+    order, shapes = [], {}
+
+    def hook(site, x, layer):
+        key = site_key(site, layer)
+        order.append(key)
+        shapes[key] = {"shape": list(x.shape), "dtype": str(x.dtype)}
+        return x
+
+    params = jax.eval_shape(lambda: trainer.init_state()["params"])
+    tokens = jax.ShapeDtypeStruct(tuple(token_shape), jnp.int32)
+    jax.eval_shape(lambda p, t: model.token_losses(trainer.graphdef, p, t, hook=hook),
+                   params, tokens)
+    if len(set(order)) != len(order):
+        raise ValueError("the model calls the hook twice at one (site, layer).")
+    return order, shapes
+
+
+def layout(cfg: Config, tokens: np.ndarray) -> dict:
+    """What a flip is checked against (`check._check_flip`), before any device compiles."""
+    order, sites = site_layout(T.Trainer.from_config(cfg), tokens.shape[2:])
+    return {"steps": tokens.shape[0], "microsteps": tokens.shape[1], "site_order": order,
+            "sites": sites}
 
 
 def _initial_state(trainer: T.Trainer, device):
