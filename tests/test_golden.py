@@ -159,6 +159,27 @@ def test_record_is_small_complete_and_never_overwritten(golden_dir, capsys):
     assert (golden_dir / GR.MANIFEST).read_bytes() == before
 
 
+def test_a_record_that_cannot_be_written_could_not_run_and_leaves_nothing(
+        golden_dir, tmp_path, monkeypatch, capsys):
+    # A disk that fills while the record is written is not bad input: exit 3 (could not run),
+    # as for a run folder that cannot be written (docs/golden.md, exit codes), and no file of
+    # the unfinished record is left. If this fails, a full disk read as a fixable argument (2)
+    # or left a half record. (The workload compiled for golden_dir is reused: only a run.)
+    import errno
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(GR.RF, "atomic_write_bytes", full)
+    out = tmp_path / "record"
+    code = cli.main(["golden", "record", "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "could not write the golden record" in err and "nothing of it was kept" in err
+    names = (GR.CONFIG, GR.ENV, GR.META, GR.ARRAYS, GR.MANIFEST)
+    assert not [name for name in names if (out / name).exists()]
+
+
 def test_clean_node_passes_every_repetition(golden_dir, tmp_path):
     # The same machine, another simulated device, three repetitions: every step of every
     # repetition must be bitwise equal (if not, the golden step is not deterministic, or the

@@ -30,6 +30,7 @@ from sdcstudy.core.ticker import ticking
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
 from sdcstudy.core.config import Config, UserError
+from sdcstudy.core.errors import CouldNotRun
 from sdcstudy.core.digest import tensor_digests, tree_digest
 from sdcstudy.golden import coverage, telemetry
 from sdcstudy.golden.contents import (  # noqa: F401  (the record's budgets, importable here)
@@ -137,8 +138,8 @@ def _record(cfg: Config | None, out_dir: Path, device_index: int, progress: bool
     except OSError as e:
         for path in written:  # nothing of an unfinished record is left
             path.unlink(missing_ok=True)
-        raise UserError(f"could not write the golden record into {str(out_dir)!r} "
-                        f"({e.strerror}); nothing of it was kept.") from None
+        raise CouldNotRun(f"could not write the golden record into {str(out_dir)!r} "
+                          f"({e.strerror}); nothing of it was kept.") from None
     meta["manifest_sha256"] = manifest["sha256"]
     meta["bytes"] = sum(f["bytes"] for f in manifest["body"]["files"].values())
     meta["golden_dir"] = str(out_dir)
