@@ -18,13 +18,13 @@ data-parallel training under the same simulated error". dyn-overlap / dp (error-
 parallel) is reported beside it: it includes the simulator's cost, noised / dp.
 
 The batch grows with M by default: each worker trains on the suite's sequences per worker
-(`--worker-batch`), so the step's batch is M times that. This is how data parallelism is
-used; the PAFT paper's Table 1 does not give its batch (its DSGD iteration time grows from 4
-to 32 workers, as it would with each worker's batch fixed). PAFT's own cost is per parameter
-(an all-reduce of the copies, the divergence) and does not grow with the tokens a worker trains on, so its share shrinks as they grow: with a
-fixed global batch (`--batch B`, split over the workers) it is largest. `--batch` must split
-over the M workers: a batch that does not is rounded up to the next multiple of M (for every
-contender of that M), and the table says so.
+(`--worker-batch`), so the step's batch is M times that. This is how data parallelism is used;
+the PAFT paper's Table 1 does not give its batch (its DSGD iteration time grows from 4 to 32
+workers, as it would with each worker's batch fixed). PAFT's own cost is per parameter (an
+all-reduce of the copies, the divergence) and does not grow with the tokens a worker trains on,
+so its share shrinks as they grow: with a fixed global batch (`--batch B`, split over the
+workers) it is largest. `--batch` must split over the M workers: a batch that does not is
+rounded up to the next multiple of M (for every contender of that M), and the table says so.
 """
 
 from __future__ import annotations
