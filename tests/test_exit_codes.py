@@ -179,3 +179,15 @@ def test_ctrl_c_during_any_command_says_interrupted_and_exits_130(monkeypatch, c
     monkeypatch.setattr(cli, "cmd_profiles", interrupted)
     assert cli.main(["profiles"]) == errors.EXIT_SIGINT == 130
     assert capsys.readouterr().err == "sdcstudy: interrupted\n"
+
+
+def test_version_names_the_package_and_exits_0(capsys):
+    # A bug report's first line: `sdcstudy --version` prints the installed version (and the
+    # commit of a git checkout), exits 0, and needs no command.
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["--version"])
+    assert ended.value.code == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith(f"sdcstudy {metadata.version('sdcstudy')}")
