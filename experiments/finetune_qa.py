@@ -14,7 +14,7 @@ node, free-running, once per suspect profile:
   the loss by only 0.4 nats on this task).
 
 What it should show: the healthy node's test accuracy (TA) well above chance (1/3) and above
-always answering "." or "?" (50%); the zoo profiles' models near the healthy one, with a
+always answering "?" (50%) or "." (45%); the zoo profiles' models near the healthy one, with a
 disagreement (DP) of the order of the other seed's; the late corruption flagged as a loss
 spike, with its damage in TA and DP. Results in DIR: report/ (report.md with Table 3, the
 loss-spike table and Figure 7), finetune_qa.md and finetune_qa.csv (Table 3), the run

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import inspect
 import io
+import re
 import sys
 import tokenize
 import typing
@@ -27,6 +28,18 @@ from sdcstudy.modes.base import COMMON_METRICS, COMMON_SUMMARY
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 REGENERATE = "python -m sdcstudy.reference --write"
+
+
+def undocumented(mode: str, summary: dict, metrics_rows: list[dict]) -> list[str]:
+    """The fields of a run's summary.json and metrics.jsonl rows that the mode's tables (and the
+    tables every mode shares) leave out; a `<name>` in a documented field stands for any name."""
+    cls = modes.get(mode)
+    metrics = sorted({f for row in metrics_rows for f in row})
+    found = [(f, (COMMON_SUMMARY, cls.summary)) for f in summary] + [
+        (f, (COMMON_METRICS, cls.metrics)) for f in metrics]
+    return [field for field, tables in found if not any(
+        re.fullmatch(re.sub(r"<[^>]+>", ".+", re.escape(key)), field)
+        for table in tables for key in table)]
 
 
 def field_comments(cls) -> dict[str, str]:

@@ -165,6 +165,18 @@ def test_rows_longer_than_seq_len_are_cut_and_counted():
     assert bytes(evals.inputs[0].tolist()).decode().endswith(qa.ANSWER_HEADER)
 
 
+def test_seq_len_that_cuts_off_every_answer_is_one_sentence_not_a_nan_loss():
+    """Under loss_on: answer, rows cut before their answer count nothing; when that is every
+    row the loss is 0/0 and the run used to die as "the loss became nan at step 1"."""
+    records = qa.synthetic_records(4)
+    with pytest.raises(UserError, match="data.seq_len 32 cuts off every training answer"):
+        qa.encode_training(records, TK.ByteTokenizer(), 32, "answer")
+    # One answer token left is something to learn from: no error, exactly that token counts.
+    need = min(len(qa.prompt(r).encode()) for r in records) + 1
+    rows = qa.encode_training(records, TK.ByteTokenizer(), need - 1, "answer")
+    assert rows.mask.sum() >= 1 and rows.truncated == 4
+
+
 def test_batches_are_a_function_of_step_and_seed():
     rows = qa.encode_training(qa.synthetic_records(20), TK.ByteTokenizer(), 176)
     a, b = qa.QABatches(rows, 4, 2, seed=0), qa.QABatches(rows, 4, 2, seed=0)
@@ -224,6 +236,22 @@ def test_config_errors_are_one_sentence():
     with pytest.raises(UserError, match="needs data.source"):
         FinetuneTrainer.from_config(C.from_dict({"experiment": {"mode": "finetune"},
                                                  "finetune": {"task": "race"}}))
+    # A split the synthetic task has no use for was silently ignored.
+    with pytest.raises(UserError, match="finetune.test_split 'test' names a split of a dataset"):
+        FinetuneTrainer.from_config(C.from_dict({"experiment": {"mode": "finetune"},
+                                                 "finetune": {"test_split": "test"}}))
+
+
+def test_init_from_a_run_folder_of_a_pair_is_one_sentence(tmp_path):
+    """A free or finetune run's checkpoint holds two nodes; it used to fail as a checkpoint
+    "damaged or does not match this model"."""
+    from sdcstudy.finetune.trainer import initial_model
+
+    (tmp_path / "config.yaml").write_text("experiment: {mode: finetune}\n")
+    with pytest.raises(UserError, match="is a finetune run, whose checkpoint holds a "
+                                        "healthy/suspect pair, not one model"):
+        initial_model(C.from_dict({"experiment": {"mode": "finetune"},
+                                   "finetune": {"init": str(tmp_path)}}))
 
 
 # --- end to end ----------------------------------------------------------------------------
@@ -285,6 +313,19 @@ def test_finetune_run_writes_ta_and_dp_that_match_its_predictions(finetuned):
     assert (final["prediction"] == final["generated"]).all()  # predict: generate (E.2)
     assert len(run.metrics) == 2 and "loss/suspect" in run.metrics
     assert run.summary["qa/chance"] == pytest.approx(100 / 3)
+
+
+def test_finetune_run_writes_only_fields_docs_config_md_documents(finetuned):
+    # If this fails, summary.json or metrics.jsonl has a field the finetune mode's tables
+    # (modes/finetune.py, rendered into docs/config.md) do not name.
+    from sdcstudy import reference
+
+    out, _ = finetuned
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert reference.undocumented("finetune", summary, rows) == []
+    assert reference.undocumented("finetune", {"finetune/disagreement": 0.0}, rows) == [
+        "finetune/disagreement"]  # a field no table names is found
 
 
 def test_finetune_starts_from_the_run_folders_parameters_and_scores_like_numpy(pretrained):
@@ -388,3 +429,28 @@ def test_report_table3_rows_dp_of_the_other_seed_and_spike_flags(tmp_path):
     assert "| Unhealthy Node 4 | 50.00 (0.00) |" in md and "Node 4 at steps" not in md
     table = pd.read_csv(tmp_path / "report" / "table3_finetune.csv", index_col=0)
     assert table.loc["Healthy Node (seed=7)", "synthetic DP"] == pytest.approx(25.0)
+
+
+def test_report_table3_keeps_runs_that_would_share_a_row(tmp_path):
+    """Two runs of one node and seed (other fault seeds, or a node and its flip model) used to
+    share one row, the later hiding the earlier; each now has its row, named by its folder,
+    and the rows keep the paper's node order."""
+    from sdcstudy.report import writer as report
+
+    ref = np.array([0, 0, 1, 2, 0, 1, 1, 0])
+    late = np.array([2, 2, 2, 2, 2, 2, 2, 2])
+    _fake_finetune_run(tmp_path / "one", "paper-node-1", 0, ref, ref)
+    _fake_finetune_run(tmp_path / "two", "paper-node-1", 0, ref, late, spikes=(4, 5))
+    _fake_finetune_run(tmp_path / "flip", "paper-node-1-flip", 0, ref, ref[::-1])
+    _fake_finetune_run(tmp_path / "six", "paper-node-6", 0, ref, ref)
+    result = report.write_report([tmp_path / d for d in ("six", "one", "two", "flip")],
+                                 tmp_path / "report")
+    md = result["markdown"]
+    assert "| Unhealthy Node 1 (one) | 50.00 (0.00) |" in md
+    assert "| Unhealthy Node 1 (two) | 0.00 (87.50) * |" in md
+    flipped = qa.disagreement(ref[::-1], ref)
+    assert f"| Unhealthy Node 1 (flip) | 50.00 ({flipped:.2f}) |" in md
+    table = pd.read_csv(tmp_path / "report" / "table3_finetune.csv", index_col=0)
+    assert list(table.index) == ["without fine-tuning", "Healthy Node",
+                                 "Unhealthy Node 1 (flip)", "Unhealthy Node 1 (one)",
+                                 "Unhealthy Node 1 (two)", "Unhealthy Node 6"]

@@ -18,10 +18,11 @@ A record becomes the prompt of appendix E.2 (Figure 11):
     ### CORRECT ANSWER
     A: {choice 1}
 
-Training sees the whole text; evaluation cuts it after "### CORRECT ANSWER\\n" and reads the
-model's next token (E.2). Training rows are right-padded to a fixed length and the padding is
-left out of the loss (E.3). A built-in synthetic task, over the pseudo-language of the
-pre-training corpus (`corpus.synthetic_corpus`), makes the experiment run offline.
+Training sees the whole text; evaluation cuts it after "### CORRECT ANSWER\\n" (E.2: the model
+"continue[s] generating the answer") and reads its greedy next token, the letter it writes first
+(our reading: E.2 does not say how an answer becomes a prediction). Training rows are
+right-padded and the padding is left out of the loss (E.3). A synthetic task, over the
+pre-training corpus's pseudo-language (`corpus.synthetic_corpus`), runs offline.
 
 This module imports no JAX.
 """
@@ -222,7 +223,7 @@ def synthetic_records(n: int, split: str = "train") -> list[Record]:
     A sentence is a question ("?") exactly when it opens with one of the question words, else
     it ends in "." or, one time in ten, "!"; half the records are questions. So the first word
     decides "?" against "." and nothing in the text predicts "!": the best possible accuracy is
-    about 95 %, chance 1/3, always answering "." or "?" 50 %."""
+    about 95 %, chance 1/3, always answering "?" 50 % and always "." about 45 %."""
     draws = corpus._Draws(np.random.default_rng(corpus.SYNTHETIC_SEED))
     language = corpus._language(draws)  # the corpus's own words and successors
     draws = corpus._Draws(np.random.default_rng([corpus.SYNTHETIC_SEED, _SYNTHETIC_SEEDS[split]]))
@@ -293,18 +294,23 @@ def encode_training(records: list[Record], tokenizer, seq_len: int,
     pad = pad_id(tokenizer)
     tokens = np.full((len(records), seq_len + 1), pad, np.int32)
     mask = np.zeros((len(records), seq_len), np.float32)
-    truncated = 0
+    truncated = longest = 0
     for i, record in enumerate(records):
         # The prompt and the answer are encoded apart, so the answer's first token is the one
         # evaluation reads after the prompt's tokens.
         head = _bos(tokenizer) + _encode(tokenizer, prompt(record))
         ids = head + _encode(tokenizer, answer_text(record))
+        longest = max(longest, len(ids))
         if len(ids) > seq_len + 1:
             truncated += 1
             ids = ids[:seq_len + 1]
         tokens[i, :len(ids)] = ids
         first = 1 if loss_on == "all" else min(len(head), len(ids))  # first counted token
         mask[i, first - 1:len(ids) - 1] = 1.0
+    # No counted token anywhere: the loss would be 0/0, a NaN that reads as a numerical fault.
+    if len(records) and not mask.any():
+        raise UserError(f"data.seq_len {seq_len} cuts off every training answer: finetune.loss_on "
+                        f"{loss_on} leaves nothing to learn (the longest row needs {longest - 1}).")
     return TrainingRows(tokens, mask, truncated)
 
 

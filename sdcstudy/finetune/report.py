@@ -6,7 +6,8 @@
   node's: a suspect's against the healthy node of its own run (profiles with `grad` or
   `update` sites compile another step, whose healthy node may differ in rounding from the
   other runs'); the healthy node of a run with another shuffle seed against the reference
-  run's, through both runs' `predictions.parquet`.
+  run's, through both runs' `predictions.parquet`. Runs that would share a row (the same
+  node twice, or a node and its flip model) each get their folder's name added.
 - The loss-spike table: the steps the loss-spike criterion flags (`summary.json`
   `loss_spikes`: a suspect's training loss more than 0.5 nats above the healthy node's), the
   loss spikes among them (at least 2 consecutive flagged steps, `core.metrics.loss_spike_spans`),
@@ -85,6 +86,26 @@ def _spiked(run) -> bool:
     return bool(_spans(run))
 
 
+def _suspect_rows(group: list, seed: int) -> dict:
+    """{Table 3 row: run} for a task's runs with a suspect: "Unhealthy Node N" (the profile's
+    name for other profiles), with " (seed=S)" off the reference seed. Runs that would share a
+    row (the same node twice, say with other fault seeds, or a node and its flip model) each
+    get their folder's name added: a row holds one run, and none may hide another."""
+    rows = collections.defaultdict(list)
+    for run in group:
+        if T.run_profile(run) != "healthy":
+            tag = "" if _seed(run) == seed else f" (seed={_seed(run)})"
+            rows[_suspect_label(run) + tag].append(run)
+    out = {}
+    for label, shared in rows.items():
+        names = [Path(r.path).name for r in shared]
+        if len(set(names)) < len(names):  # folders of the same name in other places
+            names = [str(r.path) for r in shared]
+        out.update({label: shared[0]} if len(shared) == 1 else
+                   {f"{label} ({name})": r for name, r in zip(names, shared)})
+    return out
+
+
 def table3(runs: dict) -> pd.DataFrame:
     """Rows: configurations; columns `TASK TA`, `TASK DP` per task (NaN DP for the reference)."""
     runs = finetune_runs(runs)
@@ -92,6 +113,7 @@ def table3(runs: dict) -> pd.DataFrame:
     for run in runs.values():
         by_task[_task(run)].append(run)
     cells: dict = collections.defaultdict(dict)
+    rank: dict = {}  # suspect row -> its paper node's number (others after them)
     for task, group in by_task.items():
         seed = reference_seed(group)
         ref = next(r for r in group if _seed(r) == seed)
@@ -108,15 +130,14 @@ def table3(runs: dict) -> pd.DataFrame:
                       if mine is not None and reference is not None
                       and len(mine) == len(reference) else float("nan"))
                 cells[HEALTHY + tag][task] = (s["qa/ta/healthy"], dp, False)
-            if T.run_profile(run) != "healthy":
-                cells[_suspect_label(run) + tag][task] = (s["qa/ta/suspect"],
-                                                          s["qa/dp/suspect"], _spiked(run))
+        for label, run in _suspect_rows(group, seed).items():
+            s = run.summary
+            cells[label][task] = (s["qa/ta/suspect"], s["qa/dp/suspect"], _spiked(run))
+            rank[label] = PB.paper_node_number(T.run_profile(run)) or 10**6
     tasks = list(by_task)
     order = [INITIAL, HEALTHY] + sorted(
         (k for k in cells if k.startswith(HEALTHY + " ")), key=str) + sorted(
-        (k for k in cells if not k.startswith((INITIAL, HEALTHY))),
-        key=lambda k: (PB.paper_node_number(k.replace("Unhealthy Node ", "paper-node-")) or 10**6,
-                       k))
+        (k for k in cells if not k.startswith((INITIAL, HEALTHY))), key=lambda k: (rank[k], k))
     records = []
     for label in order:
         record = {"configuration": label}

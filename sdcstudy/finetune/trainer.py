@@ -39,6 +39,11 @@ PREDICTIONS = "predictions.parquet"
 PREDICTION_COLUMNS = ("stage", "node", "question", "answer", "n_choices", "scored", "generated",
                       "prediction", "correct")
 STAGES = ("initial", "final")  # before fine-tuning (both nodes alike), after it
+# Run folders whose checkpoint holds more than one model: finetune.init could not say which to
+# start from, and restoring one model from them fails as a checkpoint that "does not match".
+MANY_MODELS = {"lockstep": "a healthy/suspect pair", "paramsync": "a healthy/suspect pair",
+               "free": "a healthy/suspect pair", "finetune": "a healthy/suspect pair",
+               "paft": "one model per worker"}
 
 
 def initial_model(cfg: Config) -> tuple[C.ModelDims, Any]:
@@ -56,6 +61,10 @@ def initial_model(cfg: Config) -> tuple[C.ModelDims, Any]:
         from sdcstudy.core.train import final_params
 
         pretrained = C.load(folder / RF.CONFIG)
+        mode = pretrained.experiment.mode
+        if mode in MANY_MODELS:
+            raise UserError(f"finetune.init {source!r} is a {mode} run, whose checkpoint holds "
+                            f"{MANY_MODELS[mode]}, not one model; give a train run folder.")
         if pretrained.data.tokenizer != cfg.data.tokenizer:
             raise UserError(f"finetune.init {source!r} was trained with tokenizer "
                             f"{pretrained.data.tokenizer!r}, not data.tokenizer "
@@ -97,6 +106,9 @@ def validate(cfg: Config) -> None:
     if f.eval_batch_size < 1 or f.eval_batch_size % cfg.mesh.dp:
         raise UserError(f"finetune.eval_batch_size ({f.eval_batch_size}) must be a positive "
                         f"multiple of mesh.dp ({cfg.mesh.dp}).")
+    if f.task == "synthetic" and f.test_split is not None:
+        raise UserError(f"finetune.test_split {f.test_split!r} names a split of a dataset task; "
+                        f"the synthetic task's test questions are finetune.synthetic_test's.")
     for key in ("synthetic_train", "synthetic_test", "max_train", "max_test"):
         value = getattr(f, key)
         if value is not None and value < 1:

@@ -13,10 +13,17 @@ class FinetuneMode(PairedMode):
     description = "RQ3: fine-tune a pretrained model on QA on both nodes, then test them"
     reads = ("suspect", "abft", "finetune")
     summary = {**PairedMode.summary,
-               "finetune/<node>/accuracy": "test accuracy of each node (and of the model "
-                                           "before fine-tuning)",
-               "finetune/disagreement": "per cent of test questions the nodes answer "
-                                        "differently"}
+               "qa/ta/<node>": "TA, per cent of test questions answered right: `initial` (the "
+                               "model before fine-tuning), `healthy`, `suspect`",
+               "qa/dp/<node>": "DP, per cent of test questions answered otherwise than the "
+                               "healthy node after fine-tuning: `initial`, `suspect`",
+               "qa/chance": "per cent right by guessing (the mean of 1 / choices)",
+               "qa/task": "finetune.task",
+               "qa/predict": "finetune.predict",
+               "qa/shuffle_seed": "the seed of the training questions' order",
+               "qa/train_questions": "training questions",
+               "qa/test_questions": "test questions",
+               "qa/truncated_<split>": "questions of `train` or `test` cut to data.seq_len"}
 
     def build(self):
         return FinetuneTrainer.from_config(self.cfg)
