@@ -294,6 +294,23 @@ def test_report_without_lockstep_runs_says_what_is_missing(tmp_path):
     assert "need lock-step runs" in result["markdown"]
 
 
+def test_runs_stopped_before_their_last_step_are_named_under_the_runs_table(tmp_path):
+    # A run stopped by --stop-after, an interrupt or a crash reports the steps it did; the
+    # report must say so, or its numbers read as the whole run's.
+    curves = {"param/diff_l2": [0.0, 0.1, 0.2], "loss/suspect": [3.0, 3.0, 3.1]}
+    whole = write_run(tmp_path / "whole", mode="free", profile="paper-node-13",
+                      metrics=_metrics(3, **curves))
+    cut = write_run(tmp_path / "cut", mode="free", profile="paper-node-1",
+                    metrics=_metrics(3, **curves),
+                    config={"experiment": {"mode": "free", "steps": 8, "microsteps": 1}})
+    markdown = writer.write_report([whole, cut], tmp_path / "out")["markdown"]
+    runs_section = markdown[markdown.index("## Runs"):].split("\n## ")[0]
+    assert "every figure here is of the steps done: Node 1 at step 3 of 8." in runs_section
+    assert "Node 13 at step" not in markdown
+    only_whole = writer.write_report([whole], tmp_path / "out2")["markdown"]
+    assert "Stopped before their last step" not in only_whole
+
+
 def test_paft_table_and_curves_follow_the_metrics(tmp_path):
     dirs = paft_runs(tmp_path / "runs", steps=40, workers=4)
     result = writer.write_report(dirs, tmp_path / "out")

@@ -247,6 +247,18 @@ def runs_table(runs: dict) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
+def partial_runs(runs: dict) -> dict[str, tuple[int, int]]:
+    """{label: (steps done, experiment.steps)} of the runs that stopped before their last step
+    (`--stop-after`, an interrupt, a crash): their tables and figures are of the steps done."""
+    partial = {}
+    for label, run in runs.items():
+        asked = run.config.get("experiment", {}).get("steps")
+        done = int(run.metrics["step"].max()) if len(run.metrics) else 0
+        if isinstance(asked, int) and done < asked:
+            partial[label] = (done, asked)
+    return partial
+
+
 def frequency_by_step(run, site: str) -> pd.Series:
     """Mismatch frequency of `site` per optimizer step of `run` (eqs. (1)-(2) per microstep,
     averaged over the step's microsteps); zero where a step has rows but no mismatch."""

@@ -168,6 +168,10 @@ def _write_files(runs: dict, problems: list[str], out: Path, drawing) -> dict:
         note = " Ma et al.'s published value in parentheses." if fold else ""
         if shown.shape[1] < table.shape[1]:
             note += " Bit positions without a differing bit are left out here; the CSV has all."
+        if name == "runs.csv" and (partial := T.partial_runs(runs)):
+            note += " Stopped before their last step, so every figure here is of the steps done: " \
+                + ", ".join(f"{label} at step {done} of {asked}"
+                            for label, (done, asked) in partial.items()) + "."
         section = f"## {title}\n\n{text}\n\n[{name}]({name}){note}\n"
         sections.append(section)
         if name in SUMMARY_TABLES:
