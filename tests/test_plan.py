@@ -20,7 +20,8 @@ import pytest
 from sdcstudy import cli
 from sdcstudy.bench import roofline
 from sdcstudy.core import config as C
-from sdcstudy.plan import aot, crossing, devices as DV, summary
+from sdcstudy.core.config import UserError
+from sdcstudy.plan import aot, crossing, devices as DV, summary, text
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -159,6 +160,70 @@ def test_free_and_single_node_modes_send_no_sync():
     free = crossing.node_bytes(C.load(TINY, ["experiment.mode=free"]), dims, 10, 21)
     assert free == {"gradient copy (grad/diff_l2)": 40, "parameter copy (param/diff_l2)": 40}
     assert crossing.node_bytes(C.load(TINY, []), dims, 10, 21) == {}
+
+
+def test_a_typo_of_a_mode_gets_the_nearest_one_a_plan_compiles():
+    """A misspelt mode is offered the plannable mode it is closest to; a real mode a plan does
+    not compile is offered none (the nearest to `finetune` is `free`, which it is not)."""
+    with pytest.raises(UserError, match="did you mean 'lockstep'"):
+        DV.devices_needed(C.load(TINY, ["experiment.mode=lockstpe"]))
+    with pytest.raises(UserError) as refused:
+        DV.devices_needed(C.load(TINY, ["experiment.mode=finetune"]))
+    assert "did you mean" not in str(refused.value)
+
+
+# (unit, its size in the base unit) of each printer, largest first; the first is the top unit.
+PRINTED_UNITS = {
+    text.size: [("TiB", 2.0 ** 40), ("GiB", 2.0 ** 30), ("MiB", 2.0 ** 20), ("KiB", 2.0 ** 10),
+                ("B", 1.0)],
+    text.seconds: [("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)],
+    text.flop: [("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6),
+                ("FLOP", 1.0)],
+    text.count: [("B", 1e9), ("M", 1e6), ("K", 1e3), ("", 1.0)],
+}
+
+
+@pytest.mark.parametrize("printer", list(PRINTED_UNITS), ids=lambda f: f.__name__)
+def test_numbers_print_plainly_in_the_largest_unit_they_fill(printer):
+    """Every size, time, FLOP count and parameter count prints as a plain number, never in
+    Python's exponent form (`1.01e+03 MiB` came out of a real plan: small at 7 x 248 tokens),
+    in the largest unit where it reads at least 1, and reads back within its rounding; a size
+    fits the table's 10-character column."""
+    units = PRINTED_UNITS[printer]
+    mantissas = (1.0, 1.5, 7.12, 99.96, 999.4, 999.6, 1000.0, 1023.4, 1023.7)
+    values = sorted({m * scale for m in mantissas for _, scale in units} |
+                    {m * units[0][1] * 1000 for m in mantissas})
+    for value in values:
+        if printer is text.count:
+            value = round(value)
+        printed = printer(value)
+        plain = re.fullmatch(r"([\d,]+(?:\.\d+)?) ?([A-Za-z]*)", printed)  # not 1e+03
+        assert plain, printed
+        read, unit = float(plain.group(1).replace(",", "")), plain.group(2)
+        rank = [u for u, _ in units].index(unit)
+        scale = units[rank][1]
+        assert read >= 1 or rank == len(units) - 1, printed  # a larger unit than it fills
+        assert rank == 0 or read * scale < units[rank - 1][1], printed  # one it fills
+        assert read * scale == pytest.approx(value, rel=5e-3, abs=0.5 * units[-1][1]), printed
+        if printer is text.size and value < 1000 * 2.0 ** 40:
+            assert len(printed) <= 10, printed
+
+
+@pytest.mark.parametrize("path", ["", "."])
+def test_json_to_the_current_folder_is_one_sentence_and_exit_3(path, monkeypatch, capsys):
+    """`--json ""` (which argparse makes the folder `.`) and `--json .` end, after the printed
+    plan, with the sentence of any folder given as the plan file, exit 3; not "could not run:
+    ValueError", which calls the user's typo a bug (compilation stubbed, as in
+    tests/test_exit_codes.py)."""
+    monkeypatch.setattr(aot, "compile_program", lambda cfg: None)
+    monkeypatch.setattr(summary, "make_plan", lambda *args: {"plan": 1})
+    monkeypatch.setattr(text, "render", lambda plan: "the plan")
+    code = cli.main(["plan", str(TINY), "--json", path])
+    out, err = capsys.readouterr()
+    assert code == 3 and out.startswith("the plan"), err
+    [line] = err.strip().splitlines()
+    assert line.startswith("sdcstudy: error: could not write the plan file '.' (it is a "
+                           "folder)"), line
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -8,6 +8,7 @@ that cannot be written ends the command with one sentence naming it, exit 3.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -63,6 +64,10 @@ def main(args) -> int:
     print(text.render(plan))
     if args.json is not None:  # the plan's file: one that cannot be written is exit 3
         with reports.writing(args.json, "plan file"):
+            # `--json ""` is the folder `.`: the atomic write would stop at its empty name
+            # with a ValueError, not the OSError whose sentence says it is a folder.
+            if not args.json.name:
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
             atomic_write_json(args.json, plan)
         print(f"\nwrote {args.json}")
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sdcstudy import modes
 from sdcstudy.bench import roofline
 from sdcstudy.core.config import Config
 from sdcstudy.core.errors import UserError, did_you_mean
@@ -34,8 +35,11 @@ def devices_needed(cfg: Config) -> int:
     """Devices of the mode's mesh (node x dp x tp); a `UserError` for a mode a plan lacks."""
     mode = cfg.experiment.mode
     if mode not in NODES:
+        # A typo gets the nearest mode a plan compiles; a real mode it does not (finetune)
+        # gets none, or the sentence would offer `free` for `finetune`.
+        hint = "" if mode in modes.REGISTRY else did_you_mean(mode, NODES)
         raise UserError(f"sdcstudy plan compiles the modes {', '.join(NODES)}, not "
-                        f"experiment.mode {mode!r}.")
+                        f"experiment.mode {mode!r}{hint}.")
     return NODES[mode] * cfg.mesh.dp * cfg.mesh.tp
 
 

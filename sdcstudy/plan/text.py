@@ -5,34 +5,40 @@ from __future__ import annotations
 BACKENDS = {"cpu": "simulated CPU devices", "gpu": "GPUs", "tpu": "TPUs"}
 
 
+def _digits(x: float, digits: int) -> str:
+    """`x` to `digits` significant digits, never in exponent notation (Python's `g` writes
+    1023.7 as 1.02e+03): a value past them is written whole, with thousands separators."""
+    text = f"{x:.{digits}g}"
+    return f"{x:,.0f}" if "e" in text else text
+
+
+def _scaled(n: float, units, digits: int) -> str:
+    """`n` in the largest of `units` ((name, scale), largest first) where it prints as at least
+    1, so 0.9996 s is 1 s (not 1e+03 ms) and 1023.7 KiB is 1 MiB; the last unit takes the rest."""
+    for unit, scale in units[:-1]:
+        if float(_digits(n / scale, digits).replace(",", "")) >= 1:
+            return f"{_digits(n / scale, digits)}{unit}"
+    unit, scale = units[-1]
+    return f"{_digits(n / scale, digits)}{unit}"
+
+
 def size(n: float) -> str:
-    """Bytes in binary units: 512 B, 3.25 MiB, 14.7 GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    return f"{n:.3g} TiB"
+    """Bytes in binary units: 512 B, 3.25 MiB, 14.7 GiB, 1,010 MiB."""
+    return _scaled(n, ((" TiB", 2 ** 40), (" GiB", 2 ** 30), (" MiB", 2 ** 20), (" KiB", 2 ** 10),
+                       (" B", 1)), 3)
 
 
 def flop(n: float) -> str:
-    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
-        if n >= scale:
-            return f"{n / scale:.4g} {unit}"
-    return f"{n:.4g} FLOP"
+    return _scaled(n, ((" PFLOP", 1e15), (" TFLOP", 1e12), (" GFLOP", 1e9), (" MFLOP", 1e6),
+                       (" FLOP", 1.0)), 4)
 
 
 def count(n: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return str(n)
+    return _scaled(n, (("B", 1e9), ("M", 1e6), ("K", 1e3), ("", 1)), 3)
 
 
 def seconds(t: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if t >= scale:
-            return f"{t / scale:.3g} {unit}"
-    return f"{t / 1e-9:.3g} ns"
+    return _scaled(t, ((" s", 1.0), (" ms", 1e-3), (" us", 1e-6), (" ns", 1e-9)), 3)
 
 
 def _rows(rows: list[tuple[str, str, str]]) -> list[str]:
