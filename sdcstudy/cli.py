@@ -21,6 +21,7 @@ from pathlib import Path
 from sdcstudy.core import config as C
 from sdcstudy.core import errors
 from sdcstudy.core.config import UserError
+from sdcstudy.version import PrintVersion
 
 DEMO_STEPS = 40  # sdcstudy.demo.DEMO_STEPS (kept here so the parser needs no JAX)
 SIMULATED_CPU_DEVICES = 8
@@ -136,28 +137,10 @@ def cmd_bench(args) -> int:
     return bench.main(args)
 
 
-class _PrintVersion(argparse.Action):
-    """`--version`: the installed package's version and, run from a git checkout, its commit
-    (what a bug report should name); read only when asked."""
-
-    def __init__(self, option_strings, dest, **kwargs):
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        from sdcstudy.reproduce import provenance
-
-        source = provenance.commit()
-        print(f"sdcstudy {provenance.version() or 'unknown'}"
-              + (f" (git {source})" if source else ""))
-        parser.exit()
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="sdcstudy",
-        description="Silent data corruption in LLM training: paired-node experiments in JAX.")
-    parser.add_argument("--version", action=_PrintVersion,
-                        help="print the version (and the git commit of a source checkout)")
+    parser = argparse.ArgumentParser(prog="sdcstudy", description="Silent data corruption in "
+                                     "LLM training: paired-node experiments in JAX.")
+    parser.add_argument("--version", action=PrintVersion, help="the version (and git commit)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
