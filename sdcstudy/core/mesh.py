@@ -97,3 +97,24 @@ def broadcast_from(x, index: int, axis: str):
     bits = jax.lax.bitcast_convert_type(x, uint).astype(jnp.uint32)
     total = jax.lax.psum(jnp.where(mine, bits, jnp.uint32(0)), axis)
     return jax.lax.bitcast_convert_type(total.astype(uint), x.dtype)
+
+
+def after(pred, *trees):
+    """`pred`, as a value XLA computes only once every float array of `trees` is computed.
+
+    Gate a `lax.cond` whose branches hold collectives with it, `trees` the results of the
+    step's other collectives that the branch does not already depend on. In a program
+    compiled afresh, XLA:CPU keeps every device's collectives in one order through a
+    scheduling edge between any two of them; a program loaded from JAX's persistent
+    compilation cache loses the edges between a conditional's collectives and those outside
+    it, so devices can enter different collectives, which meet in one rendezvous and abort
+    the process (docs/developing.md, "A crash in programs loaded from the compilation
+    cache"). A data edge survives loading. `(p & s) | (p & ~s)` is `p` for any `s`, and
+    `s = x == x` reads `x` (a float may be NaN, so XLA cannot fold it away)."""
+    for x in jax.tree.leaves(trees):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"after() reads float arrays; got {x.dtype}")
+        first = jnp.ravel(x)[0]
+        same = first == first
+        pred = (pred & same) | (pred & ~same)
+    return pred

@@ -3,10 +3,8 @@ wrong (noise, packet loss), with PAFT's periodic parameter averaging against it.
 
 from __future__ import annotations
 
-import sys
-
 from sdcstudy.modes.base import Mode
-from sdcstudy.paft.checks import cache_warning, check_config
+from sdcstudy.paft.checks import check_config
 from sdcstudy.paft.trainer import PaftTrainer
 
 
@@ -26,13 +24,6 @@ class PaftMode(Mode):
         check_config(cfg)
 
     def build(self):
-        import jax
-
-        cache_on = bool(jax.config.jax_enable_compilation_cache
-                        and jax.config.jax_compilation_cache_dir)
-        warning = cache_warning(self.cfg, jax.default_backend(), cache_on)
-        if warning:
-            print(f"sdcstudy: warning: {warning}", file=sys.stderr)
         return PaftTrainer.from_config(self.cfg)
 
     def summarize(self, rows, tables, histograms) -> dict:

@@ -43,18 +43,4 @@ def check_config(cfg: Config) -> None:
         raise UserError("paft.dynamic needs paft.h_min >= 1.")
 
 
-def cache_warning(cfg: Config, backend: str, cache_on: bool) -> str | None:
-    """What to tell a run that aggregates stale packets on the CPU with JAX's persistent
-    compilation cache on: its step, loaded from the cache, crashed XLA:CPU's collectives in 6
-    of 8 loads (docs/developing.md, "A crash in programs loaded from the compilation cache");
-    None for every other run."""
-    loss = cfg.paft.loss
-    if backend != "cpu" or not cache_on or loss.aggregate != "stale" or loss.p <= 0:
-        return None
-    return ("JAX's persistent compilation cache is on, and on the CPU a stale-aggregation PAFT "
-            "step loaded from it has crashed in XLA's collectives (exit 134 or 139); if this "
-            "run crashes so, unset JAX_COMPILATION_CACHE_DIR and run it again (docs/guide.md, "
-            "\"Determinism\").")
-
-
-__all__ = ["cache_warning", "check_config"]
+__all__ = ["check_config"]

@@ -3,8 +3,9 @@ their base config and optimizer, their command line, one run folder per method u
 the tables written beside them.
 
 No persistent compilation cache: each run compiles its own step. On the CPU a step loaded from
-JAX's cache crashed in XLA's collectives (docs/developing.md, "A crash in programs loaded from
-the compilation cache").
+JAX's cache crashed in XLA's collectives until its conditionals were ordered by data
+(docs/developing.md, "A crash in programs loaded from the compilation cache"); a fresh compile
+never did.
 
 JAX is imported inside the functions: a study sets XLA_FLAGS (8 simulated CPU devices) first.
 """

@@ -249,18 +249,24 @@ class PaftTrainer:
         features = open_step(self.features, where_of(jnp.int32(-1)), records_M)
         grads = features.transform_grads(grads)
 
-        if average_before_update:
-            # The average's all-reduce comes first, so the divergence it removed rides in the
-            # gradients' all-reduce below (as Algorithm 2's all-reduce for H would): one
-            # all-reduce more than data-parallel training, not two.
-            params_in, opt_in, stats["sq_M"] = DV.average(applied, params, opt_in, m,
-                                                          gather=False)
-        new_prev = None
-        if c.loss.p > 0:  # each worker aggregates the packets that reached it
+        # A conditional that holds collectives (an average, the divergence) must be ordered by
+        # a data edge against every other collective of the step (core.mesh.after): a program
+        # loaded from the compilation cache keeps data edges where XLA:CPU's order is lost.
+        lossy, new_prev = c.loss.p > 0, None
+        if lossy:  # each worker aggregates the packets that reached it, in all-gathers
             prev = _squeeze(state["prev_grad"]) if "prev_grad" in state else None
             grads, new_prev = self._lossy_mean(grads, prev, ctl["loss_p"], key, step, me)
             stats = lax.psum(stats, M.DATA)
-        else:  # one all-reduce for the exact mean and the statistics
+        if average_before_update:
+            # The average's all-reduce comes first, so the divergence it removed rides in the
+            # gradients' all-reduce below (as Algorithm 2's all-reduce for H would): one
+            # all-reduce more than data-parallel training, not two. With lost packets it
+            # follows the gradients' all-gathers, and the divergence goes in a small one.
+            go = M.after(applied, grads, stats) if lossy else applied
+            params_in, opt_in, stats["sq_M"] = DV.average(go, params, opt_in, m, gather=False)
+            if lossy:
+                stats["sq_M"] = lax.psum(stats["sq_M"], M.DATA)
+        if not lossy:  # one all-reduce for the exact mean and the statistics
             grads, stats = lax.psum((grads, stats), M.DATA)
             grads = jax.tree.map(lambda g: M.vary(g / m, (M.DATA,)), grads)
         if average_before_update:
@@ -286,7 +292,7 @@ class PaftTrainer:
             applied = ctl["next_sync"] == step
             if self.averages:
                 new_params, opt_avg, (pre_div, pre_max) = DV.average(
-                    applied, new_params, new_opt if sync_opt else (), m)
+                    M.after(applied, stats), new_params, new_opt if sync_opt else (), m)
                 new_opt = opt_avg if sync_opt else new_opt
             else:  # next_sync stays 0: never applied
                 pre_div, pre_max = zero, zero
@@ -297,7 +303,7 @@ class PaftTrainer:
         measure = applied
         if c.div_every:
             measure = measure | (step % c.div_every == 0)
-            div, div_max = lax.cond(measure, DV.divergence,
+            div, div_max = lax.cond(M.after(measure, stats), DV.divergence,
                                     lambda _: (ctl["div"], ctl["div_max"]), new_params)
         else:  # only what the averages measure anyway: the divergence they removed
             div = jnp.where(applied, pre_div, ctl["div"])
