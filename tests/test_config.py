@@ -350,3 +350,20 @@ def test_a_file_that_is_not_a_mapping_is_quoted_short(tmp_path, capsys):
     assert f"... ({len(repr(path.read_text().strip())):,} characters)." in err
     assert "line499" not in err and len(err) < 200
     assert not (tmp_path / "run").exists()
+
+
+def test_cli_config_that_is_a_folder_says_so(tmp_path, capsys):
+    code, err = _cli(capsys, "run", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1 and "is a folder, not a YAML file" in err
+
+
+def test_tensor_parallelism_refused_in_the_mode_the_user_chose():
+    # The sentence names the mode of the run (abft here), not always 'train'.
+    import types
+
+    from sdcstudy.core.errors import UserError
+    from sdcstudy.core.train import Trainer
+
+    cfg = C.from_dict({"experiment": {"mode": "abft"}, "mesh": {"tp": 2}})
+    with pytest.raises(UserError, match="experiment.mode 'abft' runs data-parallel only"):
+        Trainer.shardings(types.SimpleNamespace(cfg=cfg), None, None)

@@ -329,7 +329,8 @@ def from_dict(data: dict | None, overrides: list[str] = ()) -> Config:
 def load(path: str | Path, overrides: list[str] = ()) -> Config:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist.")
+        what = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {str(path)!r} {what}.")
     return from_dict(yamlsafe.load_file(path, "config file"), overrides)
 
 

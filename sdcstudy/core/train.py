@@ -145,8 +145,9 @@ class Trainer:
     def shardings(self, state, batch):
         """(state, batch) shardings: data parallelism over `dp` devices, or None for one."""
         if self.cfg.mesh.tp > 1:
-            raise UserError("mesh.tp > 1 needs a paired mode (lockstep, paramsync, free); "
-                            "experiment.mode 'train' runs data-parallel only.")
+            raise UserError(f"mesh.tp > 1 needs a paired mode (lockstep, paramsync, free); "
+                            f"experiment.mode {self.cfg.experiment.mode!r} runs data-parallel "
+                            f"only.")
         if self.cfg.mesh.dp == 1:
             return None
         mesh = M.make_mesh(1, self.cfg.mesh.dp, 1)
