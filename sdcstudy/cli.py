@@ -138,7 +138,7 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sdcstudy", description="Silent data corruption in "
+    parser = errors.ArgumentParser(prog="sdcstudy", description="Silent data corruption in "
                                      "LLM training: paired-node experiments in JAX.")
     parser.add_argument("--version", action=PrintVersion, help="the version (and git commit)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -191,3 +191,18 @@ def test_version_names_the_package_and_exits_0(capsys):
     assert ended.value.code == 0
     printed = capsys.readouterr().out.strip()
     assert printed.startswith(f"sdcstudy {metadata.version('sdcstudy')}")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan", "configs/tiny.yaml", "--mfu", "abc"], "argument --mfu: invalid float value"),
+    (["golden", "check"], "the following arguments are required: golden_dir"),
+    (["bogus"], "argument COMMAND: invalid choice: 'bogus'"),
+])
+def test_a_mistyped_command_line_is_one_line_and_exit_2(argv, says, capsys):
+    # argparse's own refusals keep the contract of every other bad input: one line (no usage
+    # block), exit 2, and where the options are listed.
+    with pytest.raises(SystemExit) as ended:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and says in err and err.count("\n") == 1
+    assert "--help lists the options" in err

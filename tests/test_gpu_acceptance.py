@@ -111,9 +111,10 @@ def test_help_names_every_option(capsys, monkeypatch):
     ([], "the following arguments are required: --out"),
 ])
 def test_bad_arguments(capsys, monkeypatch, args, says):
-    """A wrong option or value must give exit 2 naming it (never start the checks)."""
+    """A wrong option or value must give exit 2 naming it in one line (never start the
+    checks)."""
     code, _, err = in_process(capsys, monkeypatch, *args)
-    assert code == 2 and says in err
+    assert code == 2 and says in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("args, says", [

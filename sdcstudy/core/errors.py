@@ -17,6 +17,7 @@ This module imports nothing of the package, so every module can use it.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 
 
@@ -75,3 +76,13 @@ def quoted(value, limit: int = 60) -> str:
     config, say)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose bad-input message is one line, exit `EXIT_BAD_INPUT`: the
+    sentence and where the options are listed, not the usage block before it (subcommands'
+    parsers are of the same class)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} ({self.prog} --help lists "
+                                  f"the options)\n")
