@@ -165,6 +165,33 @@ def test_rollback_with_transient_faults_ends_bitwise_equal_to_the_clean_run(tran
     assert faulty == clean
 
 
+def test_rollback_records_what_the_detectors_caught_not_the_clean_re_run(transient):
+    """A flagged step is accepted only once a re-run passes every detector, so the accepted
+    run's verdict is clean by construction: what the run folder scores (flags, ground truth,
+    the faults that landed) must be the step's first execution, or a rolled-back run would
+    show no detection and no fault at all."""
+    from sdcstudy.detect.rollback import VerifiedRollback
+
+    trainer = transient.trainer
+    wrapped = VerifiedRollback(transient.step, trainer, max_retries=8)
+    state, recorded = trainer.init_state(), []
+    for s in range(6):
+        out = wrapped(state, {**trainer.make_batch(transient.batches.batch(s)),
+                              "suspect": jnp.int32(1)})
+        state = out.state
+        tables, counters = trainer.host_tables(s + 1, jax.device_get(out.records))
+        recorded.append((out.records["detect"], counters, tables["detections.parquet"]))
+    verdicts = [verdict for verdict, _, _ in recorded]
+    for verdict in faulty_steps(verdicts):
+        assert verdict["lockstep"] == 1 and verdict["rollbacks"] >= 1
+    for verdict, counters, detections in recorded:
+        # A step was re-run exactly when its first execution was flagged, and then it has a
+        # row in detections.parquet.
+        assert bool(verdict["rollbacks"]) == trainer.flagged(verdict) == bool(detections)
+        if verdict["truth"]:
+            assert counters["faults/landed"] >= 1
+
+
 def test_rollback_gives_up_on_a_repeatable_fault(repeatable):
     """A repeatable fault recurs on every re-run: the run must stop, not loop or go on."""
     from sdcstudy.detect.rollback import VerifiedRollback
@@ -298,9 +325,29 @@ def test_report_has_the_detector_table(tmp_path):
 def test_bad_detect_settings_end_in_one_sentence():
     with pytest.raises(C.ConfigError, match="not one of monitor"):
         modes.check(make_config("healthy", "transient", detectors="shadow,lockstpe"))
-    with pytest.raises(C.ConfigError, match="at least 3"):
+    with pytest.raises(C.ConfigError, match="detect.replicas must be from 3 to 16"):
         modes.check(make_config("healthy", "transient", replicas=2))
     with pytest.raises(C.ConfigError, match="detect.advance=primary"):
         modes.check(make_config("healthy", "transient", rollback=True))
     with pytest.raises(C.ConfigError, match="suspect.fault_kind"):
         make_config("healthy", "sometimes")
+    with pytest.raises(C.ConfigError, match="all names every detector, so it stands alone"):
+        modes.check(make_config("healthy", "transient", detectors="all,abft"))
+    with pytest.raises(C.ConfigError, match="did you mean 'all'"):
+        modes.check(make_config("healthy", "transient", detectors="ALL"))
+    with pytest.raises(C.ConfigError, match="names 'shadow' twice"):
+        modes.check(make_config("healthy", "transient", detectors="shadow,reexec,shadow"))
+    # A mistyped count must be refused before a plan of a million copies is built (it hung).
+    with pytest.raises(C.ConfigError, match="detect.replicas must be from 3 to 16"):
+        modes.check(make_config("healthy", "transient", replicas=1_000_000))
+
+
+@pytest.mark.parametrize("site", ["update", "collective/grad_allreduce"])
+def test_a_fault_site_the_detect_step_never_applies_is_refused(site, tmp_path):
+    """The detect step has no all-reduce, and its update comes after every comparison: a
+    spec at either site would inject nothing while the run read as a healthy device."""
+    profile = tmp_path / "unapplied.yaml"
+    profile.write_text(yaml.safe_dump({"name": "unapplied", "specs": [
+        {"site": site, "kind": "bitflip", "bits": [30], "rate": 1.0}]}))
+    with pytest.raises(C.ConfigError, match=f"may not use the site '{site}'"):
+        DetectTrainer.from_config(make_config(str(profile), "transient"))

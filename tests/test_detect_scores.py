@@ -106,6 +106,25 @@ def test_the_report_table_scores_latency_as_summary_json_does(advance, tmp_path)
     assert row["latency_steps"] == {"reference": 0.0, "primary": 0.5}[advance]
 
 
+def test_a_rolled_back_run_counts_only_same_step_flags(tmp_path):
+    """With rollback every event is re-run before training goes on, so the corruption dies with
+    its step as with the reference advancing: a flag a step later is no detection of it, in
+    summary.json and in the report's table alike."""
+    from sdcstudy.report.runs import Run
+
+    rows = [{"step": s, "detect/truth": int(s in (2, 5)), "detect/abft": int(s in (2, 6)),
+             "detect/rollbacks": int(s in (2, 5))} for s in range(1, 9)]
+    summary = DT.run_scores(rows, ("abft",), "primary")
+    assert summary["detect/abft/recall"] == 0.5  # step 6's flag is no detection of step 5
+    assert summary["detect/abft/false_alarms"] == 1
+    config = {"experiment": {"mode": "detect"}, "suspect": {"profile": "exponent-flip"},
+              "detect": {"advance": "primary", "rollback": True}}
+    (row,) = DT.benchmark_table({"faulty": Run(tmp_path, config, {},
+                                               pd.DataFrame(rows))}).to_dict("records")
+    assert (row["recall"], row["precision"]) == (0.5, 0.5)
+    assert row["latency_steps"] == summary["detect/abft/latency_steps"] == 0.0
+
+
 def test_a_resumed_run_scores_like_an_unbroken_one(unbroken, tmp_path):
     # The monitor's history is saved with each checkpoint; without it the resumed monitor
     # would start empty and flag later.

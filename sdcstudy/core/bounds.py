@@ -20,6 +20,10 @@ from sdcstudy.core.errors import ConfigError
 
 INT_MAX = 2 ** 31 - 1  # every integer key: the largest a 32-bit signed integer holds
 MAX_STEPS = 10 ** 9  # far past any study's budget (the paper's runs take 4,500 steps)
+# Each localization copy is one more forward and backward of every rank in the one compiled
+# step; three name the one faulty device. A mistyped count (1000000) built a plan that never
+# compiled.
+MAX_REPLICAS = 16
 MAX_LOG_LIMIT = 10 ** 6  # each (site, layer, spec, microstep) holds this many rows on the device
 
 
@@ -120,7 +124,7 @@ RANGES: dict[str, Range] = {
     "finetune.synthetic_test": AT_LEAST_1,
     "detect.suspect_rank": AT_LEAST_0,
     "detect.shadow_rank": Range(-1),
-    "detect.replicas": Range(3),
+    "detect.replicas": Range(3, MAX_REPLICAS),
     "detect.spike_window": AT_LEAST_1,
     "detect.spike_loss": NON_NEGATIVE,
     "detect.spike_grad": POSITIVE,

@@ -141,7 +141,7 @@ class DetectConfig:
     detectors: str = "all"  # comma-separated: monitor, abft, shadow, reexec, lockstep, localize
     suspect_rank: int = 1  # the data-parallel rank whose device is faulty (non-negative)
     shadow_rank: int = -1  # the rank the shadow replica recomputes; -1: round robin (at least -1)
-    replicas: int = 3  # replicas of each rank's step for localization (at least 3)
+    replicas: int = 3  # replicas of each rank's step for localization (from 3 to 16)
     advance: str = "reference"  # train on the "reference" (clean) or the "primary" gradient
     spike_window: int = 8  # steps of history for the loss / gradient-norm monitor (at least 1)
     spike_loss: float = 0.5  # nats above the window's median loss (finite, non-negative)

@@ -42,10 +42,18 @@ def parse_detectors(text: str) -> tuple[str, ...]:
     if text.strip() == "all":
         return DETECTORS
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    for name in names:
+    for i, name in enumerate(names):
+        if name == "all":
+            raise ConfigError("detect.detectors: all names every detector, so it stands alone; "
+                              "write all, or a comma-separated list of "
+                              f"{', '.join(DETECTORS)}.")
         if name not in DETECTORS:
             raise ConfigError(f"detect.detectors names {name!r}, which is not one of "
-                              f"{', '.join(DETECTORS)}{did_you_mean(name, DETECTORS)}.")
+                              f"{', '.join(DETECTORS)}, or all"
+                              f"{did_you_mean(name.lower(), DETECTORS + ('all',))}.")
+        if name in names[:i]:  # a second copy would compare again, listed twice in detections
+            raise ConfigError(f"detect.detectors names {name!r} twice; name each detector "
+                              f"once.")
     if not names:
         raise ConfigError("detect.detectors is empty; name at least one of "
                           f"{', '.join(DETECTORS)}, or all.")

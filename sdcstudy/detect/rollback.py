@@ -11,6 +11,11 @@ stops after `max_retries`). The host loop only ever receives verified states, so
 folder's orbax checkpoints, every `experiment.checkpoint_every` steps, persist verified states
 only; orbax writes into a temporary folder and renames it when complete, so a process killed
 mid-write leaves the previous checkpoint as the latest, never a mix of two steps.
+
+What the run folder records of a step is its first execution's verdict and records (the
+detectors' flags, the ground truth, the faults that landed: what the detectors caught and are
+scored on) with `rollbacks`, the re-runs it took; its state and metrics are the accepted
+re-run's.
 """
 
 from __future__ import annotations
@@ -51,17 +56,22 @@ class VerifiedRollback:
     def __call__(self, state, batch):
         if self.verified is None or self.verified is not state:
             self.promote(state, int(jax.device_get(state["step"])))
+        first = None  # the first execution's (verdict, records): what the detectors caught
         for attempt in range(self.max_retries + 1):
             work = jax.tree.map(jnp.copy, self.verified)
             # Even attempt numbers: a re-execution detector uses attempt + 1 for its copy.
             out = self.compiled(work, {**batch, "attempt": jnp.int32(2 * attempt)})
             verdict = self.trainer.judge(out.records["detect"])
+            first = first or (verdict, out.records)
             if not self.trainer.flagged(verdict):
                 self.trainer.accept(verdict)
                 self.promote(out.state, self.verified_step + 1)
-                verdict["rollbacks"] = attempt
                 self.rollbacks += attempt
-                return out._replace(records={**out.records, "detect": verdict})
+                # The accepted re-run's verdict is clean by construction: recording it would
+                # erase every detection (and the faults behind it) from the run folder.
+                caught, records = first
+                return out._replace(records={**records,
+                                             "detect": {**caught, "rollbacks": attempt}})
         raise DetectionError(f"step {self.verified_step + 1} was still flagged after "
                              f"{self.max_retries} rollbacks: a repeatable fault (or a transient "
                              f"one that strikes nearly every execution) cannot be rolled back.")

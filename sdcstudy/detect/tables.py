@@ -4,10 +4,12 @@ Per detector and fault profile:
 - events: steps whose result the fault changed (a rank's gradient differs bitwise from its
   healthy mirror's, `detect/truth`);
 - recall: events followed by a flag of the detector within a window of steps (the same step
-  included), over events. The window is 0 when the run advanced on the clean gradient
-  (`detect.advance: reference`): a corruption then never outlives its step, so a later flag
-  is not its detection. It is `LATENCY_WINDOW` when the run trained on the corrupted
-  gradients (`primary`), where a fault can surface steps later (a loss spike);
+  included), over events. The window is 0 when a corruption never outlives its step, so a
+  later flag is not its detection: the run advanced on the clean gradient (`detect.advance:
+  reference`), or it rolled back every flagged step (`detect.rollback`; a run with a ground
+  truth has the mirror, which flags every event, so no event is trained on). It is
+  `LATENCY_WINDOW` when the run trained on the corrupted gradients (`primary`), where a fault
+  can surface steps later (a loss spike);
 - latency: mean steps from an event to the detector's first flag, over detected events;
   0 with a window of 0, where every detection is at its event's step by definition;
 - precision: flags that fall in some event's window, over all flags of the run;
@@ -120,21 +122,27 @@ def confusion(frame: pd.DataFrame) -> pd.DataFrame:
     return table.reindex(columns=list(CLASSES), fill_value=0)
 
 
-def window_of(advance: str) -> int:
-    """Steps after an event in which a flag counts as its detection: 0 when the run trains on
-    the clean gradient (the corruption dies with its step), LATENCY_WINDOW otherwise."""
-    return 0 if advance == "reference" else LATENCY_WINDOW
+def window_of(advance: str, rollback: bool = False) -> int:
+    """Steps after an event in which a flag counts as its detection: 0 when the corruption dies
+    with its step (the run trains on the clean gradient, or re-runs every flagged step from a
+    verified state), LATENCY_WINDOW otherwise."""
+    return 0 if advance == "reference" or rollback else LATENCY_WINDOW
+
+
+# metrics.jsonl's count of re-runs, which only a run with `detect.rollback` writes (rollback.py).
+ROLLBACKS = "detect/rollbacks"
 
 
 def run_scores(rows: list[dict], detectors, advance: str) -> dict:
     """summary.json's `detect/<name>/<score>` of one run, from its metrics.jsonl rows.
 
-    With `advance: reference` a detection can only be at its event's step, so a detected
-    event's latency is 0 (reported as 0.0); a detector that saw no event has recall null."""
+    With `advance: reference` or rollback a detection can only be at its event's step, so a
+    detected event's latency is 0 (reported as 0.0); a detector that saw no event has recall
+    null. Whether the run rolled back is read from its rows (`ROLLBACKS`)."""
     frame = pd.DataFrame(rows)
     if "detect/truth" not in frame:
         return {}
-    window = window_of(advance)
+    window = window_of(advance, ROLLBACKS in frame)
     out = {}
     for name in detectors:
         scores = detector_scores(frame, name, window)
@@ -170,8 +178,8 @@ def benchmark_table(runs: dict) -> pd.DataFrame:
         if profile == "healthy":
             continue
         overhead = _overhead(run.path)
-        advance = (run.config.get("detect") or {}).get("advance", "reference")
-        window = window_of(advance)
+        detect = run.config.get("detect") or {}
+        window = window_of(detect.get("advance", "reference"), bool(detect.get("rollback")))
         for name in DETECTORS:
             scores = detector_scores(run.metrics, name, window)
             if not scores:

@@ -1,6 +1,6 @@
 """SDC detectors side by side on the same faults: `experiment.mode: detect`.
 
-One jitted step runs every execution that the chosen detectors need (`detect_plan.py`): the
+One jitted step runs every execution that the chosen detectors need (`detect/plan.py`): the
 data-parallel ranks' microbatches, and again on spare devices (shadow replica, lock-step
 mirror, localization replicas) or on the same device (re-execution). Executions are batched
 with `vmap`; each carries the node index of its device (1 on the faulty rank's device, 0
@@ -30,6 +30,7 @@ import optax
 from sdcstudy import features as FT
 from sdcstudy.core.compose import apply_update, feature_grads
 from sdcstudy.core.config import Config
+from sdcstudy.core.errors import ConfigError
 from sdcstudy.core.step import Place, Records, StepOut, Where
 from sdcstudy.detect import detectors as DD
 from sdcstudy.detect import tables as DT
@@ -40,6 +41,22 @@ from sdcstudy.detect.rollback import DetectionError, VerifiedRollback
 from sdcstudy.faults.trainer import REPORTED, NodeTrainer
 
 # --- the trainer ------------------------------------------------------------------------------
+
+# Fault sites a detect step never applies: the ranks' gradients are averaged exactly (there is
+# no all-reduce to corrupt) and the update comes after every comparison. A profile's spec at
+# one of them would inject nothing, and the run would read as if the detectors had no work.
+UNAPPLIED_SITES = ("update", "collective/grad_allreduce")
+
+
+def _check_sites(faults) -> None:
+    profile = None if faults is None else faults.profile
+    unapplied = [] if profile is None else [s.site for s in profile.specs
+                                            if s.base_rate > 0 and s.site in UNAPPLIED_SITES]
+    if unapplied:
+        raise ConfigError(f"experiment.mode detect injects faults only while the ranks compute "
+                          f"their gradients (the model's sites and grad), so profile "
+                          f"{profile.name!r} may not use the site {unapplied[0]!r}, which it "
+                          f"would never apply.")
 
 
 def _abft_checker(cfg: Config, n_layers: int, detectors):
@@ -66,6 +83,7 @@ class DetectTrainer(NodeTrainer):
     def from_config(cls, cfg: Config) -> "DetectTrainer":
         validate(cfg)
         trainer = super().from_config(cfg)
+        _check_sites(trainer.faults)
         d = cfg.detect
         trainer.detectors = parse_detectors(d.detectors)
         trainer.plan = tuple(executions(trainer.detectors, cfg.mesh.dp, d.replicas, d.advance))

@@ -33,6 +33,8 @@ class DetectMode(Mode):
         "detect/truth_device": "the rank whose gradient differed (-1 none, -2 several)",
         "detect/localized": "the device localize named (-1 none, -2 no single one)",
         "detect/shadow_rank": "the rank the shadow replica recomputed this step",
+        "detect/rollbacks": "with detect.rollback: re-runs the step took (the other detect "
+                            "fields are of its first execution)",
     }
     summary = {
         "detect/<detector>": "steps the detector flagged",
@@ -43,7 +45,8 @@ class DetectMode(Mode):
                                        "(null: no flag)",
         "detect/<detector>/false_alarms": "flags within no event's window",
         "detect/<detector>/latency_steps": "mean steps from an event to its first flag; 0 "
-                                           "with detect.advance reference (module doc)",
+                                           "with detect.advance reference or rollback "
+                                           "(module doc)",
         "detect/<detector>/latency_steps_max": "most steps from an event to its first flag",
         "faults/landed": "corruptions made over the run",
         "faults/unlogged": "corruptions made but not logged",
