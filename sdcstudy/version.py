@@ -7,7 +7,7 @@ import argparse
 
 
 def describe() -> str:
-    """"sdcstudy VERSION" and, from a git checkout, " (git DESCRIBE)"."""
+    """The line `sdcstudy VERSION`, with ` (git DESCRIBE)` from a git checkout."""
     from sdcstudy.reproduce import provenance
 
     source = provenance.commit()
