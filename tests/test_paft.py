@@ -6,6 +6,7 @@ Definition 2.1 / Algorithms 1-2 as documented, or the derivation in docs/paft.md
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,8 @@ class Stepper:
         batch = self.trainer.make_batch(tokens)
         self.shardings = self.trainer.shardings(state, batch)
         self.batch = jax.device_put(batch, self.shardings[1])
-        self.fn, _, _ = compile_step(self.trainer.train_step, state, self.batch, self.shardings)
+        self.fn, self.hlo, _ = compile_step(self.trainer.train_step, state, self.batch,
+                                            self.shardings)
         self.d = self.trainer.dims.n_params
 
     def run(self, steps, seed=0, next_sync=None, loss_p=None):
@@ -235,7 +237,7 @@ def lossy_runs():
     for mode in AGGREGATES:
         lossy = Stepper(["paft.noise.sigma2=0", "paft.loss.p=0.3",
                          f"paft.loss.aggregate={mode}", "paft.loss.packet_size=64"])
-        out[mode] = lossy.run(3, loss_p=0.0), lossy.run(3)
+        out[mode] = lossy.run(3, loss_p=0.0), lossy.run(3), lossy.hlo
     return out
 
 
@@ -247,7 +249,7 @@ def test_lossy_aggregation_in_the_trainer(mode, exact_rows, lossy_runs):
     packets and their copies drift apart, and each mode weighs the same drops its own way, so
     no two modes train alike. If this fails, the path mixes up senders, packets or leaves, or
     a mode weighs what arrived wrongly (or the setting is not read at all)."""
-    none_lost, dropped = lossy_runs[mode]
+    none_lost, dropped, _ = lossy_runs[mode]
     assert [r["div/mean_sq"] for r in none_lost] == [0.0] * 3
     for e, r in zip(exact_rows, none_lost):
         assert r["loss/mean"] == pytest.approx(e["loss/mean"], rel=1e-6)  # float32 sums
@@ -256,6 +258,42 @@ def test_lossy_aggregation_in_the_trainer(mode, exact_rows, lossy_runs):
         if other != mode:
             assert [r["div/mean_sq"] for r in dropped] != \
                 [r["div/mean_sq"] for r in lossy_runs[other][1]], f"{mode} trains as {other}"
+
+
+def _collective_order(hlo: str) -> dict[str, list[str]]:
+    """{conditional: the collectives it has no data path to or from} in the entry computation
+    of a compiled program's HLO text, for the conditionals whose branches hold collectives."""
+    computations = dict(re.findall(r"\n(?:ENTRY )?%([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S))
+    entry = re.search(r"\nENTRY %([\w.\-]+)", hlo).group(1)
+    defined = dict(re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$", computations[entry], re.M))
+    uses = {name: set(re.findall(r"%([\w.\-]+)", text)) & defined.keys()
+            for name, text in defined.items()}
+    collective = re.compile(r"\b(all-reduce|all-gather|collective-permute|all-to-all)\(")
+
+    def before(name):  # every instruction `name` reads, directly or not
+        seen, todo = set(), [name]
+        while todo:
+            for used in uses[todo.pop()] - seen:
+                seen.add(used)
+                todo.append(used)
+        return seen
+
+    collectives = [n for n, text in defined.items() if collective.search(text)]
+    conditionals = [n for n, text in defined.items() if " conditional(" in text and any(
+        collective.search(computations[branch]) for branch in
+        re.findall(r"%([\w.\-]+)", text.split("branch_computations=")[1].split("}")[0]))]
+    return {c: [k for k in collectives if k not in before(c) and c not in before(k)]
+            for c in conditionals}
+
+
+def test_the_compiled_stale_step_orders_its_collectives_by_data(lossy_runs):
+    """What tests/test_paft_checks.py checks in the traced step must survive XLA's
+    optimizations: in the compiled program the divergence's conditional (its collectives
+    inside) reads, or is read by, every other collective. If this fails, XLA folded the data
+    edge away (core.mesh.after) and a program loaded from the cache can crash again
+    (docs/developing.md)."""
+    order = _collective_order(lossy_runs["stale"][2])
+    assert order and all(found == [] for found in order.values()), order
 
 
 def test_lossy_broadcast_drift_is_bounded_as_derived():
