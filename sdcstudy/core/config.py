@@ -147,7 +147,7 @@ class DetectConfig:
     spike_loss: float = 0.5  # nats above the window's median loss (finite, non-negative)
     spike_grad: float = 4.0  # times the window's median gradient norm (finite, positive)
     rollback: bool = False  # re-run a flagged step from the last verified snapshot
-    max_retries: int = 8  # attempts per step before the run gives up (non-negative)
+    max_retries: int = 8  # re-runs of a flagged step before the run gives up (non-negative)
 
 
 @dataclass
