@@ -310,7 +310,7 @@ def encode_training(records: list[Record], tokenizer, seq_len: int,
     # No counted token anywhere: the loss would be 0/0, a NaN that reads as a numerical fault.
     if len(records) and not mask.any():
         raise UserError(f"data.seq_len {seq_len} cuts off every training answer: finetune.loss_on "
-                        f"{loss_on} leaves nothing to learn (the longest row needs {longest - 1}).")
+                        f"{loss_on} learns nothing (every row fits data.seq_len {longest - 1}).")
     return TrainingRows(tokens, mask, truncated)
 
 
