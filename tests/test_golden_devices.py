@@ -109,6 +109,17 @@ def test_the_node_fails_if_any_device_fails():
     assert GV.node_verdict(["PASS", "PASS"]) == "PASS"
 
 
+def test_a_reason_every_device_shares_is_printed_once():
+    # Another software stack made every device INCONCLUSIVE with one reason, printed once per
+    # device; now once for them all, in device order, apart from another device's own reason.
+    stack = "the environment differs from the golden record's in device_count 8 -> 4."
+    rows = [{"device": i, "verdict": "INCONCLUSIVE", "reason": stack} for i in (0, 1, 3)]
+    rows.insert(2, {"device": 2, "verdict": "FAIL", "reason": "step 2 differs"})
+    assert GCLI.same_reasons(rows) == [("devices 0, 1, 3", "INCONCLUSIVE", stack),
+                                       ("device 2", "FAIL", "step 2 differs")]
+    assert GCLI.device_names([4, 5, 6, 7]) == "devices 4 to 7"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["golden", "quorum", "--device", "0"], "give --device all"),
     (["golden", "quorum", "--inject-device", "1"], "--inject-device needs --inject"),

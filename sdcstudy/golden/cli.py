@@ -169,6 +169,25 @@ def at_once(workers: int | None) -> str:
     return f" ({workers} devices at a time: their seconds overlap)"
 
 
+def same_reasons(rows: list[dict]) -> list[tuple[str, str, str]]:
+    """The not-PASS devices grouped by verdict and reason, in device order, so that a reason
+    every device shares (another software stack, say) is printed once."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for row in rows:
+        groups.setdefault((row["verdict"], row["reason"]), []).append(row["device"])
+    return [(device_names(indices), verdict, reason)
+            for (verdict, reason), indices in groups.items()]
+
+
+def device_names(indices: list[int]) -> str:
+    """`device 2`, `devices 0 to 3` or `devices 0, 2, 5`."""
+    if len(indices) == 1:
+        return f"device {indices[0]}"
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return f"devices {indices[0]} to {indices[-1]}"
+    return "devices " + ", ".join(str(i) for i in indices)
+
+
 def _finish(args, report: dict) -> int:
     """Print the per-device table and the node's verdict; write the files asked for."""
     from sdcstudy.golden.report import node_table
@@ -179,8 +198,8 @@ def _finish(args, report: dict) -> int:
     print(f"golden {report['command']} {report['verdict']}: {len(report['devices'])} device(s), "
           f"{len(failing)} not PASS, {report['seconds']:.1f} s wall time"
           f"{at_once(report.get('workers'))}")
-    for row in failing:
-        print(f"  device {row['device']} {row['verdict']}: {row['reason']}")
+    for devices, verdict, reason in same_reasons(failing):
+        print(f"  {devices} {verdict}: {reason}")
     for row in report["devices"]:
         if row.get("coverage") is not None:
             print(f"  device {row['device']} {coverage_line(row['coverage'])}")
