@@ -136,17 +136,15 @@ class Task:
     test_split: str  # where the labelled test questions are (some test splits are unlabelled)
     to_record: object
     keep: object = None
-    lr: float = 1e-5  # Ma et al., Table 4
 
 
 TASKS = {t.name: t for t in (
-    Task("cosmosqa", "allenai/cosmos_qa", None, "validation", _cosmosqa, lr=5e-6),
-    Task("mathqa", "allenai/math_qa", None, "test", _mathqa, lr=1e-5),
-    Task("scienceqa", "derek-thomas/ScienceQA", None, "test", _scienceqa, _scienceqa_keep,
-         lr=1e-6),
-    Task("openbookqa", "allenai/openbookqa", "additional", "test", _openbookqa, lr=2e-6),
-    Task("boolq", "google/boolq", None, "validation", _boolq, lr=5e-6),
-    Task("race", "ehovy/race", "all", "test", _race, lr=1e-5),
+    Task("cosmosqa", "allenai/cosmos_qa", None, "validation", _cosmosqa),
+    Task("mathqa", "allenai/math_qa", None, "test", _mathqa),
+    Task("scienceqa", "derek-thomas/ScienceQA", None, "test", _scienceqa, _scienceqa_keep),
+    Task("openbookqa", "allenai/openbookqa", "additional", "test", _openbookqa),
+    Task("boolq", "google/boolq", None, "validation", _boolq),
+    Task("race", "ehovy/race", "all", "test", _race),
 )}
 TASK_NAMES = ("synthetic", *TASKS)
 _LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
