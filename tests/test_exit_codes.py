@@ -170,6 +170,20 @@ def test_sigterm_outside_a_runs_loop_exits_143_and_an_unforeseen_error_3(monkeyp
     assert "Traceback" not in err
 
 
+def test_a_device_out_of_memory_is_one_sentence_naming_the_fix_and_exit_3(monkeypatch, capsys):
+    """XLA's allocation failure (a data.seq_len of 100,000 on tiny asked for 17.9 TB) is a setup
+    too large for the device: one sentence that says so and how to shrink it, exit 3, never a
+    FAIL. If this fails, it reads as "a bug or a broken environment" again, or as a verdict."""
+    def too_large(args):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 17932051265668 bytes.")
+
+    monkeypatch.setattr(cli, "cmd_profiles", too_large)
+    assert cli.main(["profiles"]) == errors.EXIT_COULD_NOT_RUN
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ran out of memory (XLA asked for 17.9 TB at once)" in err
+    assert "sdcstudy plan CONFIG" in err and "a bug" not in err
+
+
 def test_ctrl_c_during_any_command_says_interrupted_and_exits_130(monkeypatch, capsys):
     """A bare KeyboardInterrupt (Ctrl-C where no run names what it kept) is exit 130 and the
     word "interrupted". If this fails, the line read "sdcstudy: " and nothing more."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 
 
 EXIT_PASS = 0
@@ -51,10 +52,36 @@ class ReportWriteError(CouldNotRun):
 
 
 def unexpected(error: BaseException) -> str:
-    """The one sentence that ends a command stopped by an exception nobody foresaw."""
+    """The one sentence that ends a command stopped by an exception nobody foresaw (or by a
+    device that ran out of memory, which is no bug: `out_of_memory`)."""
+    oom = out_of_memory(error)
+    if oom is not None:
+        return oom
     return (f"could not run: {type(error).__name__}: {first_line(error, 300)} (a bug or a broken "
             f"environment, not a verdict on the hardware; set SDCSTUDY_TRACEBACK=1 for the "
             f"traceback)")
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """The sentence for XLA's RESOURCE_EXHAUSTED allocation failure: the setup does not fit the
+    device's memory (a setup the user can shrink, not a bug, not a verdict); None for any
+    other error."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text or "Out of memory" not in text:
+        return None
+    asked = re.search(r"allocating (\d+) bytes", text)
+    size = f" (XLA asked for {_bytes(int(asked.group(1)))} at once)" if asked else ""
+    return (f"could not run: the device ran out of memory{size}; the setup is too large for "
+            f"it: `sdcstudy plan CONFIG` states its memory per device, and a shorter "
+            f"data.seq_len, a smaller experiment.batch_size (more experiment.microsteps) or a "
+            f"smaller model fits (not a verdict on the hardware)")
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("TB", 10 ** 12), ("GB", 10 ** 9), ("MB", 10 ** 6)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:,} bytes"
 
 
 def did_you_mean(word: str, choices) -> str:
