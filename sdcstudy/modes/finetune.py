@@ -5,14 +5,14 @@ evaluated on the test questions."""
 from __future__ import annotations
 
 from sdcstudy.finetune.trainer import FinetuneTrainer
-from sdcstudy.modes.paired import PairedMode
+from sdcstudy.modes.paired import FREE_SUMMARY, PairedMode
 
 
 class FinetuneMode(PairedMode):
     name = "finetune"
     description = "RQ3: fine-tune a pretrained model on QA on both nodes, then test them"
     reads = ("suspect", "abft", "finetune")
-    summary = {**PairedMode.summary,
+    summary = {**FREE_SUMMARY,  # free-running: its wcnts is not eq. (5) either
                "qa/ta/<node>": "TA, per cent of test questions answered right: `initial` (the "
                                "model before fine-tuning), `healthy`, `suspect`",
                "qa/dp/<node>": "DP, per cent of test questions answered otherwise than the "

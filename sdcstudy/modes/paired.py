@@ -24,7 +24,10 @@ METRICS = {
     "faults/unlogged": "corruptions beyond suspect.log_limit, counted but not logged",
 }
 SUMMARY = {
-    "wcnts": "eq. (5): max over steps of grad/nts",
+    "wcnts": "eq. (5): max over steps of grad/nts, steps where it is not finite left out",
+    "grad/nonfinite_steps": "steps whose grad/nts is NaN or infinite (a suspect gradient "
+                            "holding a NaN or an Inf), which wcnts leaves out",
+    "grad/first_nonfinite_step": "the first of those steps (null when none)",
     "param/diff_l2": "the last step's parameter difference",
     "loss_spikes": "steps the loss-spike criterion flags (suspect loss over the healthy one "
                    "by more than 0.5 nats; core/metrics.py); a spike is 2 or more "
@@ -32,6 +35,12 @@ SUMMARY = {
     "faults/landed": "corruptions made over the run",
     "faults/unlogged": "corruptions made but not logged",
 }
+# Without synchronization the gradients of the two nodes differ by their drift as well as by
+# the step's corruption: the same maximum, but not eq. (5)'s one-step noise (free, finetune).
+FREE_SUMMARY = {**SUMMARY, "wcnts": "max over steps of finite grad/nts as in eq. (5), but "
+                                    "between nodes whose parameters have drifted apart, so not eq. "
+                                    "(5)'s one-step noise (the report's WCNTS table leaves "
+                                    "these runs out)"}
 LOCKSTEP_SUMMARY = {
     "freq": "per site: mismatch frequency, eqs. (1)-(2), mean over microsteps",
     "max_severity": "per site: mismatch severity, eqs. (3)-(4), max over microsteps",
@@ -76,3 +85,4 @@ class ParamsyncMode(PairedMode):
 class FreeMode(PairedMode):
     name = "free"
     description = "RQ3: no synchronization; the nodes drift apart"
+    summary = FREE_SUMMARY

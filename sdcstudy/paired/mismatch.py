@@ -4,16 +4,17 @@ healthy one, computed on device bit for bit and decoded on the host.
 Ma et al., "Understanding Silent Data Corruption in LLM Training", section 4 and appendix C.1:
 `compare` counts the elements whose bits differ, their relative errors (eq. (3)), the
 mismatches that are Inf or NaN and the differing bits per bit position, in one float32 vector
-of `STATS_LEN` entries that can leave a jitted step (and be summed over microsteps and dp
-workers) with no host sync; `decode` and `merge` turn such vectors into python numbers, as
-`core/stats.py`'s reference computes them. The taps that call `compare` at the four sites are
-in `paired/lockstep.py`.
+of `STATS_LEN` entries that can leave a jitted step with no host sync; `decode` turns one
+such vector into python numbers, as `core/stats.py`'s reference computes them, and `merge`
+combines decoded vectors (dp workers). Vectors must not be summed: the counts would add up,
+but each vector's relative errors are scaled by its own exponent (REL_EXP). The taps that call
+`compare` at the four sites are in `paired/lockstep.py`.
 
 Every count is an exact integer held as a (hi, lo) pair, n = hi * 2**12 + lo: float32 holds
 integers exactly only below 2**24, and one llama3-8b tensor per rank has more elements than
-that. With 12 low bits, sums of up to 4096 vectors (microsteps, dp workers) still decode
-exactly. Relative errors are held as a sum and a max scaled by 2**-REL_EXP, with the per-tap
-integer exponent REL_EXP: flipping the top exponent bit of a value below 1 gives a relative
+that. With 12 low bits, sums of up to 4096 encoded counts still decode exactly. Relative
+errors are held as a sum and a max scaled by 2**-REL_EXP, with the per-tap integer exponent
+REL_EXP: flipping the top exponent bit of a value below 1 gives a relative
 error above 2**128, beyond float32's range.
 """
 
