@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from sdcstudy import modes
 from sdcstudy.core import config as C
+from sdcstudy.core import data as D
 from sdcstudy.core import determinism, digest, distributed
 from sdcstudy.core import metrics as MX
 from sdcstudy.core import runfolder as RF
@@ -223,6 +224,16 @@ def _close_all(*closers) -> BaseException | None:
     return failure
 
 
+def _same_data(was: str | None, now: str | None, cfg: Config, run_dir: Path, step: int) -> None:
+    """Refuse a resume whose prepared rows differ from those the checkpoint trained on (a
+    corpus edited since): the batch of every step follows from the rows. A checkpoint or a
+    prepared folder from before the rows were fingerprinted passes."""
+    if was and now and was != now:
+        raise UserError(f"the data of {str(run_dir)!r} changed since checkpoint {step}: "
+                        f"data.source {cfg.data.source!r} now gives other rows; restore the "
+                        f"corpus the run started with, or start a new run with another --out.")
+
+
 def _run(cfg: Config, run_dir: Path, files: Path, writes: bool, resume: bool,
          stop_after: int | None, progress: bool, echo, signals: Signals) -> dict:
     e = cfg.experiment
@@ -231,7 +242,8 @@ def _run(cfg: Config, run_dir: Path, files: Path, writes: bool, resume: bool,
         RF.atomic_write_text(run_dir / RF.CONFIG, C.dump(cfg))
     # The data, the initial state (its own compile) and the step's compile: seconds to minutes
     # before the first step, on one line.
-    with ticking(f"{e.mode}: preparing and compiling the step", enabled=progress):
+    with ticking(f"{e.mode}: preparing and compiling the step", enabled=progress), \
+            D.datasets_progress(progress):
         mode = modes.build(cfg)
         trainer = mode.trainer
         batches = mode.batches()
@@ -254,6 +266,8 @@ def _run(cfg: Config, run_dir: Path, files: Path, writes: bool, resume: bool,
             if record.get("config_hash") != config_hash(cfg):
                 raise UserError(f"checkpoint {start} in {str(run_dir)!r} was written by another "
                                 f"configuration; it was left as it is.")
+            _same_data(record.get("data"), getattr(batches, "fingerprint", None), cfg, run_dir,
+                       start)
             carried = record.get("carried", {})
             mode.resume(carried.get("mode", {}))
             echo(f"resuming {run_dir} from step {start}")
@@ -274,7 +288,8 @@ def _run(cfg: Config, run_dir: Path, files: Path, writes: bool, resume: bool,
             if carry := mode.carry():
                 kept["mode"] = carry
             ckpt.save(step, state, {"config_hash": config_hash(cfg), "step": step,
-                                    "carried": kept})
+                                    "carried": kept,
+                                    "data": getattr(batches, "fingerprint", None)})
 
         wall_start = time.perf_counter()
         pending = None  # the step dispatched last, recorded once the next one is dispatched

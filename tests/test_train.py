@@ -100,6 +100,14 @@ def test_damaged_checkpoint_is_a_clear_error_and_left_alone(uninterrupted, tmp_p
     assert code == 2, err
     assert "damaged" in err and err.count("\n") == 1
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # The sentence names the way on: the checkpoint before it. Followed, the run ends as the
+    # uninterrupted one did.
+    assert (f"move {str(latest.resolve())!r} out of {str(latest.parent.resolve())!r} and run "
+            f"the same command again to resume from step 8, the checkpoint before it") in err
+    shutil.move(latest, tmp_path / "damaged-12")
+    assert cli.main(["run", str(out / RF.CONFIG), "--out", str(out), "--resume",
+                     "--no-progress"]) == 0
+    assert _view(out) == _view(uninterrupted)
 
 
 def test_loss_falls_well_below_uniform(tmp_path):

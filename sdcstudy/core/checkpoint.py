@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 from sdcstudy.core import config as C
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import Config, UserError
-from sdcstudy.core.errors import first_line
+from sdcstudy.core.errors import first_line, quoted
 
 # Sections that change how a run is watched, not what it computes: left out of the hash that
 # ties a checkpoint to its configuration, and free to change on --resume.
@@ -51,15 +51,28 @@ def check_resumable(saved: Config, cfg: Config) -> None:
     """Refuse to continue a run folder written with `saved` under `cfg` unless the two differ
     only in what `config_hash` leaves out, and a changed step count keeps the schedule."""
     a, b = C.to_dict(saved), C.to_dict(cfg)
-    differing = {f"{section}.{key}" for section in a if section not in WATCHING
-                 for key in a[section] if a[section][key] != b[section][key]}
-    if differing - {"experiment.steps"}:
-        raise UserError(f"cannot resume with a different configuration: "
-                        f"{', '.join(sorted(differing - {'experiment.steps'}))} differ from the "
-                        f"run folder's config.yaml.")
-    if differing and cfg.optim.schedule != "constant" and cfg.optim.decay_steps is None:
-        raise UserError("changing experiment.steps on resume would change the cosine schedule; "
-                        "set optim.decay_steps to the original step count to keep it.")
+    differing = [f"{section}.{key}" for section in a if section not in WATCHING
+                 for key in a[section] if a[section][key] != b[section][key]]
+    if changed := [key for key in differing if key != "experiment.steps"]:
+        shown = "; ".join(f"{key} is {_value(b, key)} here, {_value(a, key)} in the run "
+                          f"folder's config.yaml" for key in changed[:3])
+        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+        raise UserError(f"cannot resume with another configuration: {shown}{more}; resume "
+                        f"with the settings the run started with, or start a new run with "
+                        f"another --out.")
+    if differing and saved.optim.schedule != "constant" and saved.optim.decay_steps is None:
+        steps = saved.experiment.steps
+        raise UserError(f"cannot resume with experiment.steps={cfg.experiment.steps}: the run's "
+                        f"cosine schedule decays over its experiment.steps={steps} (it left "
+                        f"optim.decay_steps unset), so another step count would change every "
+                        f"step's learning rate; resume with experiment.steps={steps}, or start "
+                        f"a new run with another --out (with optim.decay_steps set, a run's "
+                        f"experiment.steps may change on resume).")
+
+
+def _value(config: dict, key: str) -> str:
+    section, name = key.split(".", 1)
+    return quoted(config[section][name])
 
 
 class CheckpointWriteError(Exception):
@@ -76,6 +89,12 @@ def write_reason(error: BaseException) -> str:
     if code := re.search(r"os_error_code='(\d+)'", str(error)):
         return os.strerror(int(code.group(1)))
     return first_line(error, 200)
+
+
+def _reason(error: BaseException) -> str:
+    """Why a restore failed, in a few words: TensorStore's messages trail a dump of their
+    internals after "See full TensorStore details"."""
+    return first_line(error, 200).split(" See full TensorStore details")[0]
 
 
 def saved_steps(directory: Path) -> list[int]:
@@ -176,10 +195,19 @@ class Checkpointer:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         except Exception as e:  # orbax raises many types for damaged or foreign files
-            reason = first_line(e, 200)
             raise UserError(f"checkpoint {str(where)!r} is damaged or does not match this model "
-                            f"({reason}); it was left as it is.") from e
+                            f"({_reason(e)}); it was left as it is: "
+                            f"{self._without(step)}.") from e
         return out.state, dict(out.meta)
+
+    def _without(self, step: int) -> str:
+        """How to continue without the checkpoint of `step`: from the one before it, if any."""
+        earlier = [s for s in saved_steps(self.directory) if s < step]
+        if earlier:
+            return (f"move {str(self.directory / str(step))!r} out of "
+                    f"{str(self.directory)!r} and run the same command again to resume from "
+                    f"step {earlier[-1]}, the checkpoint before it")
+        return "it is the run's only checkpoint, so start the run again with another --out"
 
     def wait(self) -> None:
         """Until the last save is on disk; `CheckpointWriteError` if it failed."""

@@ -152,7 +152,9 @@ class DetectConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"  # "synthetic", a local .txt/.jsonl file or folder, or a hub name
+    # "synthetic", a local .txt/.jsonl/.json/.parquet file (text and JSON also .gz) or folder,
+    # a datasets save_to_disk folder, or a hub name
+    source: str = "synthetic"
     hub_config: str | None = None  # e.g. "20220301.en" for wikipedia
     split: str = "train"  # dataset split to read
     text_field: str = "text"  # the column holding the text

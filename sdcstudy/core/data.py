@@ -3,8 +3,9 @@ token stream, chunk it into sequences, shuffle the sequences once with a fixed s
 training then reads batches in order.
 
 - A document is one row of the source: a line of a .txt file (the `datasets` "text" builder),
-  a record of a .jsonl/.json file, an example of a hub dataset, or a document of the built-in
-  synthetic corpus. Empty documents are dropped.
+  a record of a .jsonl/.json file, a row of a Parquet file or of a save_to_disk folder, an
+  example of a hub dataset, or a document of the built-in synthetic corpus. Empty documents
+  are dropped.
 - Every document's tokens are followed by a separator: the newline byte 10 for the byte
   tokenizer (so the byte stream of a .txt file is the file itself, less its blank lines), and
   `eos_token_id` for a Hugging Face tokenizer (nothing if it has none). Nothing else is added:
@@ -14,7 +15,8 @@ training then reads batches in order.
 - The rows are permuted once by `np.random.default_rng(seed).permutation(n)` and saved with
   `Dataset.save_to_disk` in a folder named by a hash of everything that determines them.
 - `TokenBatches.batch(step)` is a pure function of the step number, so the data position a
-  checkpoint needs is the step number and nothing else.
+  checkpoint needs is the step number and nothing else; `TokenBatches.fingerprint`, the
+  SHA-256 of the rows in their shuffled order, tells whether a resume reads the same rows.
 
 Where the documents come from is `core/sources.py`; the tokenizers are `core/tokenizer.py`.
 This module turns the documents into the prepared rows and reads them back by step.
@@ -24,6 +26,7 @@ This module imports no JAX.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -98,8 +101,10 @@ def _identity(data_cfg: DataConfig, kind: str, files: list[Path], seed: int) -> 
                   "split": data_cfg.split, "text_field": data_cfg.text_field}
     else:
         source = {"kind": kind, "files": [_file_identity(p) for p in files]}
-        if kind == "json":
+        if kind in ("json", "parquet", "saved"):
             source["text_field"] = data_cfg.text_field
+        if kind == "saved":
+            source["split"] = data_cfg.split
     return {"pipeline": PIPELINE_VERSION, "source": source,
             "tokenizer": _tokenizer_identity(data_cfg.tokenizer), "seq_len": data_cfg.seq_len,
             "seed": seed}
@@ -107,6 +112,20 @@ def _identity(data_cfg: DataConfig, kind: str, files: list[Path], seed: int) -> 
 
 def _is_complete(folder: Path) -> bool:
     return (folder / META_FILE).is_file() and (folder / "state.json").is_file()
+
+
+@contextlib.contextmanager
+def datasets_progress(shown: bool):
+    """`datasets`' own progress bars (reading, mapping and saving a corpus) shown or not inside
+    the block, as before it afterwards: a command run with --no-progress prints none."""
+    import datasets
+
+    was = datasets.is_progress_bar_enabled()
+    (datasets.enable_progress_bars if shown else datasets.disable_progress_bars)()
+    try:
+        yield
+    finally:
+        (datasets.enable_progress_bars if was else datasets.disable_progress_bars)()
 
 
 def prepare(data_cfg: DataConfig, seed: int, cache_dir: Path | None = None) -> Path:
@@ -159,14 +178,16 @@ def _build(data_cfg, kind, files, seed, identity, key, root: Path, work: Path) -
                         f"row of data.seq_len + 1 = {row_len}; use a larger corpus or a smaller "
                         f"data.seq_len.")
     permutation = np.random.default_rng(seed).permutation(n_rows)
-    _write_rows(work / "stream.int32", n_rows, row_len, permutation, work / "rows.arrow")
+    rows_sha256 = _write_rows(work / "stream.int32", n_rows, row_len, permutation,
+                              work / "rows.arrow")
     rows = datasets.Dataset.from_file(str(work / "rows.arrow"))
     rows.save_to_disk(str(work / "dataset"))
     meta = {"num_sequences": n_rows, "seq_len": data_cfg.seq_len, "tokens": n_rows * row_len,
             "stream_tokens": total, "dropped_tokens": total - n_rows * row_len,
             "documents": len(tokenized), "vocab_size": len(tokenizer),
             "separator": separator_ids(tokenizer), "source": data_cfg.source,
-            "tokenizer": data_cfg.tokenizer, "seed": seed, "key": key, "identity": identity}
+            "tokenizer": data_cfg.tokenizer, "seed": seed, "key": key, "identity": identity,
+            "rows_sha256": rows_sha256}
     (work / "dataset" / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -183,8 +204,9 @@ def _write_stream(tokenized, path: Path) -> int:
 
 
 def _write_rows(stream_path: Path, n_rows: int, row_len: int, permutation: np.ndarray,
-                path: Path) -> None:
-    """Write row `permutation[j]` of the stream as row j of an Arrow file, in bounded memory."""
+                path: Path) -> str:
+    """Write row `permutation[j]` of the stream as row j of an Arrow file, in bounded memory;
+    returns the SHA-256 of the rows in that order (little-endian int32), their fingerprint."""
     import datasets
     import pyarrow as pa
 
@@ -194,12 +216,15 @@ def _write_rows(stream_path: Path, n_rows: int, row_len: int, permutation: np.nd
                                                         length=row_len)})
     schema = features.arrow_schema
     rows_per_batch = max(1, (4 << 20) // row_len)
+    digest = hashlib.sha256()
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for start in range(0, n_rows, rows_per_batch):
             rows = np.ascontiguousarray(stream_NR[permutation[start:start + rows_per_batch]])
+            digest.update(rows.astype("<i4", copy=False).tobytes())
             column = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), row_len)
             writer.write_batch(pa.record_batch([column], schema=schema))
     del stream_NR
+    return digest.hexdigest()
 
 
 def describe(path) -> dict:
@@ -242,6 +267,9 @@ class TokenBatches:
         self._starts = np.cumsum([0] + [len(c) for c in self._chunks])
         self.num_sequences = int(self._starts[-1])
         self.seq_len = row_len - 1
+        # The rows' SHA-256 in their shuffled order, which the batches of every step follow
+        # from; None for a folder prepared before prepare recorded it.
+        self.fingerprint = describe(self.path).get("rows_sha256")
 
     @property
     def rows_per_step(self) -> int:

@@ -16,10 +16,14 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from sdcstudy.core.config import UserError
+from sdcstudy.core.runlock import LOCK
 
 CONFIG, ENV, METRICS, SUMMARY, CHECKPOINTS = (
     "config.yaml", "env.json", "metrics.jsonl", "summary.json", "checkpoints")
 FAULTS, MISMATCH, ABFT = "faults.parquet", "mismatch.parquet", "abft.parquet"
+# What a run writes beside config.yaml, any one of which makes a folder one to resume: a run
+# killed before its first step leaves only its config.yaml and its lock file.
+RUN_MARKS = (CHECKPOINTS, METRICS, ENV, SUMMARY, LOCK)
 
 # Columns of the Parquet tables (README's run-folder table, docs/metrics.md).
 FAULT_COLUMNS = ("step", "microstep", "layer", "site", "tp_rank", "node", "kind", "bit",
@@ -97,6 +101,11 @@ def open_run_dir(path: Path, resume: bool) -> Path:
         if not (path / CONFIG).is_file():
             raise UserError(f"cannot resume {str(path)!r}: it is not a run folder "
                             f"(no {CONFIG}).")
+        if not any((path / name).exists() for name in RUN_MARKS):
+            raise UserError(f"cannot resume {str(path)!r}: it holds a {CONFIG} but nothing a "
+                            f"run writes ({', '.join(RUN_MARKS[:-1])}), so it is not a run "
+                            f"folder and a resume would overwrite its {CONFIG}; start the run "
+                            f"without --resume and with another --out.")
         return path
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise UserError(f"run folder {str(path)!r} already exists and is not empty; pass "
