@@ -78,8 +78,9 @@ def sweep(config_path, profiles: list[str], out: Path | None = None, overrides=(
                                                        f"experiment.name={name}"]))
     mode = next(iter(configs.values()))[1].experiment.mode
     if mode == "train":
-        raise UserError("a sweep pairs a healthy node with each suspect profile, and "
-                        "experiment.mode train has one node; use lockstep, paramsync or free.")
+        raise UserError("a sweep compares each suspect profile with a healthy node or scores "
+                        "a detector on it, and experiment.mode train does neither; use "
+                        "lockstep, paramsync or free (paired), or abft.")
     request = {"config": str(config_path), "overrides": overrides, "profiles": list(profiles)}
     if resume and (out is None or not (Path(out) / SWEEP).is_file()):
         raise UserError(f"--resume needs --out SWEEP_DIR, a folder an earlier sweep wrote "

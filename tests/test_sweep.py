@@ -86,7 +86,8 @@ def test_sweep_never_writes_into_a_folder_it_did_not_make(fake, tmp_path, capsys
     assert cli.main(["sweep", str(CONFIG), "--profiles", "healthy", "--out", str(out)]) == 2
     assert "already exists and is not empty" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and fake.calls == []
-    with pytest.raises(Exception, match="experiment.mode train has one node"):
+    with pytest.raises(Exception, match="experiment.mode train does neither; use lockstep, "
+                                        "paramsync or free .paired., or abft"):
         SW.sweep(CONFIG, ["healthy"], tmp_path / "train", ["experiment.mode=train"])
 
 

@@ -7,27 +7,23 @@ an SDC is flagged when
     ||C w - A (B w)||_inf > tau ||A||_inf ||B||_inf,   tau = k u                  (eq. 6)
 
 with u the unit roundoff. We add the column checksums w^T C - (w^T A) B against
-tau ||A||_1 ||B||_1: the row whose row residual is largest and the column whose column residual
-is largest locate a single corrupted element.
+tau ||A||_1 ||B||_1: the rows and columns of the largest residuals locate a corrupted element.
 
 Thresholds (`abft.threshold`):
-- `paper`: tau = k * 2**-23 (float32's machine epsilon, as the paper takes
-  `torch.finfo(float32).eps`), one threshold per check. Checked as is on bfloat16 matmuls
-  (bfloat16 inputs, float32 accumulation) it raises false alarms: rounding C to bfloat16 moves
-  a row sum by up to 2**-8 (|C| w)_i, and (|C| w)_i can be as large as ||A|| ||B||, so the
-  bound is only safe for k >= 2**15.
-- `rounding` (ours): a bound, row by row and column by column, on everything rounding can do
-  to the residual, for the arithmetic the product runs in (`abft/bound.py` derives it and
-  states what it assumes: operand rounding, float32 accumulation, output rounding, split-K,
-  underflow).
-  On the CPU it is 1.01 [(u_out + n u) (|C| w)_i + (2k + n) u (|A| (|B| w))_i]. No rounding
-  pattern of that arithmetic can exceed it, nor can underflow (its own term, about 3e-33: a
-  row of about 1e-37, the last position's key and value cotangent late in training, flagged
-  healthy bfloat16 runs without it), so a healthy run never flags; being per row
-  rather than through the norms it is about sqrt(k) tighter than the norm form, so it still
-  catches corruptions larger than the bfloat16 rounding of their own row. The checksums
-  reproduce the operands the GEMM multiplies (`abft.operand_rounding`: TF32 on a GPU at
-  DEFAULT precision; reduced-precision operands re-rounded to their own format).
+- `paper`: tau = k * 2**-23, one threshold per check: float32's machine epsilon (the paper's
+  u, `torch.finfo(float32).eps` in its float32 experiment; twice float32's unit roundoff). The
+  paper takes u of the matmul's dtype: with bfloat16's that is `paper-dtype` below. With
+  float32's u on bfloat16 matmuls (bfloat16 inputs, float32 accumulation) it raises false
+  alarms: rounding C to bfloat16 moves a row sum by up to 2**-8 (|C| w)_i, which can be as
+  large as 2**-8 ||A|| ||B||, so the bound is only safe for k >= 2**15.
+- `rounding` (ours): a bound, row by row and column by column, on everything the product's
+  arithmetic can do to the residual (`abft/bound.py` derives it and states what it assumes:
+  operand rounding, float32 accumulation, output rounding, split-K, underflow). On the CPU it
+  is 1.01 [(u_out + n u) (|C| w)_i + (2k + n) u (|A| (|B| w))_i] plus about 3e-33 for
+  underflow (rows of about 1e-37, the last position's key and value cotangents late in
+  training, flagged healthy bfloat16 runs without it), so a healthy run never flags; being
+  per row rather than through the norms it is about sqrt(k) tighter than the norm form, so it
+  still catches corruptions larger than the bfloat16 rounding of their own row.
 - `paper-dtype` (host side only, for the evaluation): tau = k times the input dtype's epsilon
   (2**-7 for bfloat16), the paper's formula read with the bfloat16 epsilon.
 Every rule's residuals come from the operands as the GEMM multiplies them (`bound.py`).
@@ -55,30 +51,37 @@ from sdcstudy.core import sites as S
 from sdcstudy.core.step import SiteHooks, StepFeature
 from sdcstudy.abft import bound as B
 from sdcstudy.abft.tables import (
-    COLUMNS, DIRECTIONS, EPS, EPS32, HOST_THRESHOLDS, MATMUL_OF_SITE, counters, detection_summary,
-    host_flags, host_ratios, tau)
+    DIRECTIONS, HOST_THRESHOLDS, MATMUL_OF_SITE, counters, detection_summary, host_flags,
+    host_ratios, tau)
+
+# Also the host tables' names (`abft/tables.py`), for callers that import this module alone.
+__all__ = ["AbftHook", "Checker", "check", "check_values", "checked_matmul", "DIRECTIONS",
+           "HOST_THRESHOLDS", "detection_summary", "host_flags", "host_ratios"]
 
 MATMULS = MATMUL_OF_SITE  # model site of each protected matmul's output -> matmul name
 MATMUL_SITES = {name: site for site, name in MATMULS.items()}
 THRESHOLDS = ("paper", "rounding")
 PREFIX = "abft|"
 
-# One check's record: float32 values (integers below 2**24 are exact). Largest residuals
-# and norm products (the paper's rules), largest residual-to-bound ratios (ours), then the
-# device rule's reported residual, threshold and flag, the located row and column, and the
-# arithmetic the bound assumed (`bound.ROUNDINGS` index, -log2 u_acc, output partials).
+# One check's record, float32 (integers below 2**24 exact): largest residuals and norm products
+# (the paper's rules), largest residual-to-bound ratios (ours), the device rule's residual,
+# threshold and flag, the located row and column, and the arithmetic the bound assumed.
 (ROW_MAX, COL_MAX, NORM_INF, NORM_ONE, ROW_RATIO, COL_RATIO, ROW_RESIDUAL, ROW_THRESHOLD,
  COL_RESIDUAL, COL_THRESHOLD, FLAGGED, ROW, COL, RECOMPUTED, K, M_ROWS, N_COLS, OUT_BITS,
  IN_BITS, OPERAND_ROUNDING, ACC_BITS, OUTPUT_PARTIALS) = range(22)
 RECORD_LEN = 22
 
+
 def _bits(dtype) -> int:
     return jnp.dtype(dtype).itemsize * 8
 
 
-def _ratio(residual, bound):
-    """residual / bound, 0 where both are 0 (exact zeros), inf where only the bound is."""
-    return jnp.where(residual == 0, 0.0, residual / bound)
+def _ratio(residual, bound, operands_fit):
+    """residual / bound: 0 where the residual is 0, inf where both are infinite but the
+    operands' part of the bound is finite (`operands_fit`: |C| w overflowed, which no rounding
+    can do); NaN, from non-finite operands, is no flag."""
+    ratio = jnp.where(residual == 0, 0.0, residual / bound)
+    return jnp.where(jnp.isnan(ratio) & operands_fit, jnp.inf, ratio)
 
 
 def check(a_MK, b_KN, c_MN, rule: str, arithmetic: B.Arithmetic = B.CPU):
@@ -86,8 +89,7 @@ def check(a_MK, b_KN, c_MN, rule: str, arithmetic: B.Arithmetic = B.CPU):
     the configured rule's flag, and the located row and column. Under `rounding` the record
     also holds our bound's ratios (so both rules can be read from one run); under `paper` they
     are left out (NaN), which keeps the check cheaper."""
-    f32 = jnp.float32
-    return check_values(a_MK.astype(f32), b_KN.astype(f32), c_MN.astype(f32),
+    return check_values(*(x.astype(jnp.float32) for x in (a_MK, b_KN, c_MN)),
                         (a_MK.dtype, b_KN.dtype, c_MN.dtype), rule, arithmetic)
 
 
@@ -122,7 +124,10 @@ def check_values(a32, b32, c32, dtypes, rule: str, arithmetic: B.Arithmetic):
                               *(rows or (None, None)), k=k, other=n, **same)
         col_bound_N = B.bound(jnp.sum(abs_c, axis=0), abs_b.T, jnp.sum(abs_a, axis=0),
                               *(cols or (None, None)), k=k, other=m, **same)
-        row_ratio_M, col_ratio_N = _ratio(row_M, row_bound_M), _ratio(col_N, col_bound_N)
+        row_fit_M = jnp.isfinite(jnp.dot(abs_a, jnp.sum(abs_b, axis=1), precision=hi))
+        col_fit_N = jnp.isfinite(jnp.dot(jnp.sum(abs_a, axis=0), abs_b, precision=hi))
+        row_ratio_M = _ratio(row_M, row_bound_M, row_fit_M)
+        col_ratio_N = _ratio(col_N, col_bound_N, col_fit_N)
         row, col = jnp.argmax(row_ratio_M), jnp.argmax(col_ratio_N)
         row_thr, col_thr = row_bound_M[row], col_bound_N[col]
         row_ratio, col_ratio = row_ratio_M[row], col_ratio_N[col]

@@ -20,8 +20,9 @@ class AbftMode(TrainMode):
     description = "one node with ABFT checksums on every matmul, scored against the faults"
     metrics = {**TrainMode.metrics, **COUNTERS}
     summary = {**TrainMode.summary, **COUNTERS,
-               "abft/detection": "ABFT's flags against the injected faults (recall, false "
-                                 "alarms per site and direction)"}
+               "abft/detection": "ABFT's flags against the injected faults: corrupted and "
+                                 "detected products, faults outside the matmuls, flags, "
+                                 "recall and precision"}
 
     def summarize(self, rows, tables, histograms) -> dict:
         return {"abft/detection": A.detection_summary(

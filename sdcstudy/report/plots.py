@@ -81,9 +81,23 @@ def _legend_columns(n: int) -> int:
     return 1 if n <= 18 else 2
 
 
-def _legend_outside(fig, ax, n: int) -> None:
+def _count(entries) -> int:
+    """The number of legend entries: `entries` is their count or their labels."""
+    return entries if isinstance(entries, int) else len(entries)
+
+
+def _legend_width(entries) -> float:
+    """Inches for one legend column of `entries` (a count, or the labels, whose longest sets
+    the width, so that no label runs off the figure): the line sample and about 0.068 inch
+    per character at font size 8."""
+    if isinstance(entries, int) or not entries:
+        return LEGEND_WIDTH
+    return max(LEGEND_WIDTH, 0.5 + 0.068 * max(len(str(label)) for label in entries))
+
+
+def _legend_outside(fig, ax, n) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False,
-              ncol=_legend_columns(n))
+              ncol=_legend_columns(_count(n)))
 
 
 def margins(fig, left: float = 0.95, right: float = 0.15, bottom: float = 0.6,
@@ -96,13 +110,14 @@ def margins(fig, left: float = 0.95, right: float = 0.15, bottom: float = 0.6,
                         top=1 - top / height, wspace=wspace)
 
 
-def _with_legend_room(plt, ncols: int, n: int, plot_width: float, height: float,
+def _with_legend_room(plt, ncols: int, n, plot_width: float, height: float,
                       wspace: float = 0.08, **kw):
-    """`plt.subplots(1, ncols)` with fixed margins in inches and `LEGEND_WIDTH` inches per
-    legend column on the right, for a legend of `n` entries."""
-    width = plot_width + LEGEND_WIDTH * _legend_columns(n)
-    fig, axes = plt.subplots(1, ncols, figsize=(width, height), **kw)
-    margins(fig, right=0.15 + LEGEND_WIDTH * _legend_columns(n), wspace=wspace)
+    """`plt.subplots(1, ncols)` with fixed margins in inches and room on the right for a
+    legend of `n` entries (a count: `LEGEND_WIDTH` inches per legend column; or the labels:
+    as wide as the longest needs)."""
+    legend = _legend_width(n) * _legend_columns(_count(n))
+    fig, axes = plt.subplots(1, ncols, figsize=(plot_width + legend, height), **kw)
+    margins(fig, right=0.15 + legend, wspace=wspace)
     return fig, axes
 
 
@@ -181,14 +196,16 @@ def frequency_smoothed(runs: dict, path: Path, site: str = "fwd/attn",
     plt = pyplot()
     longest = max(_last_step(run.mismatch_rollup.by_microstep) for run in runs.values())
     window = window or max(1, round(longest / 20))
-    fig, ax = _with_legend_room(plt, 1, len(runs), 7.5, 4.2)
+    fig, ax = _with_legend_room(plt, 1, list(runs), 7.5, 4.2)
     for (label, run), style in zip(runs.items(), styles(runs).values()):
         freq = T.frequency_by_step(run, site)
         smooth = _positive(freq.rolling(window, min_periods=1).mean())
-        ax.plot(smooth.index, smooth.values, lw=1.2, label=label, **style)
+        ax.plot(smooth.index, smooth.values, lw=1.2, label=label, marker=".", markersize=3,
+                **style)  # the marker keeps a step between two zeros visible
     log_scale(ax)
+    _integer_steps(ax)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel(f"{site} mismatch frequency\n(moving mean over {window} steps)")
+    ax.set_ylabel(f"{site} mismatch frequency\n({_smoothing(window)})")
     ax.set_title(f"Smoothed mismatch frequency of {site}", y=1.0)
     ax.grid(alpha=0.3, which="major")
     _legend_outside(fig, ax, len(runs))
@@ -237,7 +254,7 @@ def training(runs: dict, path: Path) -> Path | None:
     if not runs:
         return None
     plt = pyplot()
-    fig, axes = _with_legend_room(plt, 3, len(runs) + 1, 13.4, 4.2, wspace=0.25)
+    fig, axes = _with_legend_room(plt, 3, [*runs, "healthy"], 13.4, 4.2, wspace=0.25)
     drawn_healthy = []
     for (label, run), style in zip(runs.items(), styles(runs).values()):
         diff = _positive(_series(run, "param/diff_l2"))
@@ -269,11 +286,12 @@ def training(runs: dict, path: Path) -> Path | None:
 
 def bit_positions(runs: dict, path: Path) -> Path | None:
     """Differing-bit counts per bit position (sign left, lowest mantissa bit right), one bar
-    per site, one panel per run with bit histograms in its summary.json."""
+    per site, one panel per run whose summary.json's bit histograms count a differing bit
+    (a run without mismatches has histograms of zeros: nothing to draw)."""
     histograms = {}
     for label, run in runs.items():
         sites = {site: np.asarray(h["bits"], float)
-                 for site, h in T.bit_histograms(run).items() if h.get("bits")}
+                 for site, h in T.bit_histograms(run).items() if any(h.get("bits") or ())}
         if sites:
             histograms[label] = sites
     if not histograms:
@@ -316,28 +334,56 @@ def abft_flags(runs: dict, path: Path, matmul: str = "o", direction: str = "fwd"
     ranks) for the attention output projection's forward product (left, as Ma et al.'s Figure
     10) and for every checked product (right), one line per run with ABFT checks; a moving
     mean over `window` steps (a twentieth of the longest run by default) keeps 15-20 runs
-    apart. The flag rate table has the unsmoothed rates."""
+    apart. Steps without a flag are gaps on the log axis, so every flagged step has a marker
+    (a single one is a point), a run that never flagged says so in the legend, and a panel
+    without any flag says so inside. The flag rate table has the unsmoothed rates."""
     runs = T.abft_runs(runs)
     if not runs:
         return None
     plt = pyplot()
+    first = min(int(run.abft_by_step.index.get_level_values("step").min())
+                for run in runs.values())
     longest = max(_last_step(run.abft_by_step) for run in runs.values())
     window = window or max(1, round(longest / 20))
-    fig, axes = _with_legend_room(plt, 2, len(runs), 11.5, 4.4, sharey=True)
+    labels = {label: label if run.abft_by_step["flagged"].sum() else f"{label} (no flags)"
+              for label, run in runs.items()}
+    fig, axes = _with_legend_room(plt, 2, list(labels.values()), 11.5, 4.4, sharex=True,
+                                  sharey=True)
+    drawn = [False, False]
     for (label, run), style in zip(runs.items(), styles(runs).values()):
-        for ax, (mm, dr) in zip(axes, ((matmul, direction), (None, None))):
+        for i, (ax, (mm, dr)) in enumerate(zip(axes, ((matmul, direction), (None, None)))):
             freq = T.abft_frequency_by_step(run, mm, dr)
             shown = _positive(freq.rolling(window, min_periods=1).mean())
-            ax.plot(shown.index, shown.values, lw=1.1, label=label, **style)
-    for ax, title in ((axes[0], f"{matmul} ({direction}), as Figure 10 of Ma et al."),
-                      (axes[1], "all checked matmuls and directions")):
+            drawn[i] |= bool(shown.notna().any())
+            ax.plot(shown.index, shown.values, lw=1.1, marker=".", markersize=4,
+                    label=labels[label], **style)
+    for ax, drew, what, title in (
+            (axes[0], drawn[0], f"{matmul} ({direction}) ",
+             f"{matmul} ({direction}), as Figure 10 of Ma et al."),
+            (axes[1], drawn[1], "", "all checked matmuls and directions")):
         log_scale(ax)
+        if not drew:
+            ax.text(0.5, 0.5, f"no {what}check flagged in any run", transform=ax.transAxes,
+                    ha="center", va="center", fontsize=9, color="0.4")
         ax.set_xlabel("optimizer step")
         ax.set_title(f"ABFT flag frequency: {title}", fontsize=10, y=1.0)
         ax.grid(alpha=0.3, which="major")
+    axes[0].set_xlim(first - 0.5, longest + 0.5)  # shared: an empty panel keeps the steps
+    _integer_steps(axes[0])
     _legend_outside(fig, axes[1], len(runs))
-    axes[0].set_ylabel(f"fraction of checks flagged\n(moving mean over {window} steps)")
+    axes[0].set_ylabel(f"fraction of checks flagged\n({_smoothing(window)})")
     return save_figure(fig, path)
+
+
+def _smoothing(window: int) -> str:
+    return "per step" if window == 1 else f"moving mean over {window} steps"
+
+
+def _integer_steps(ax) -> None:
+    """Ticks at whole optimizer steps only (a short run would get 1.25, 1.5, ...)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
 
 
 def _xy(series: pd.Series):

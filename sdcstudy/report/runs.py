@@ -169,9 +169,10 @@ def load_run(run_dir, strict: bool = True) -> Run:
     """The run folder `run_dir` as a `Run`. A damaged file raises a UserError
     naming it; with `strict=False` it is read as absent instead and named in `run.problems`,
     as is a missing file that a finished run of its mode has."""
-    import pandas as pd
-
     path = Path(run_dir)
+    if not path.exists():
+        raise UserError(f"{str(path)!r} does not exist; give a run folder (one with "
+                        f"{RF.CONFIG}) or a folder of them.")
     if not (path / RF.CONFIG).is_file():
         raise UserError(f"{str(path)!r} is not a run folder (it has no {RF.CONFIG}).")
     config = _read(path / RF.CONFIG, lambda p: yamlsafe.load_file(p, "run config"), None) or {}

@@ -7,7 +7,8 @@ Ma et al., "Understanding Silent Data Corruption in LLM Training", measured here
 - Tables 8-9: severity per decoder layer (forward, backward), maximised over microsteps;
 - the WCNTS table of Figure 5, eq. (5);
 - which bit fields (sign / exponent / mantissa) and bit positions the mismatches touched;
-- ABFT flag rates per checked matmul and direction, and per step (Appendix D, Figure 10).
+- ABFT per run (threshold rule, flags, recall and precision), flag rates per checked matmul
+  and direction, and per step (Appendix D, Figure 10).
 Every function takes `runs`, an ordered {label: Run} (`report.label_runs`), and computes from
 the run folders' tables (only the bit histograms come from summary.json), so an interrupted
 run reports what it has.
@@ -178,9 +179,44 @@ def _order_rank(order: tuple, value) -> tuple:
     return (order.index(value), "") if value in order else (len(order), str(value))
 
 
+def abft_runs_table(runs: dict) -> pd.DataFrame:
+    """One row per run with ABFT checks: the threshold rule its flags are of (`paper`, eq. (6);
+    `rounding`, our bound), the model's dtype, whether a flagged product was recomputed,
+    checks and flags, and, for `experiment.mode: abft`, summary.json's `abft/detection`
+    (corrupted products, those detected, recall, precision; `-` where a run has none)."""
+    rows = {}
+    for label, run in abft_runs(runs).items():
+        abft = run.config.get("abft") or {}
+        detection = run.summary.get("abft/detection")
+        detection = detection if isinstance(detection, dict) else {}
+        sums = run.abft_by_step.sum()
+        rows[label] = {
+            "threshold": str(abft.get("threshold", "paper")),
+            "dtype": str((run.config.get("model") or {}).get("dtype", "float32")),
+            "recompute": "yes" if abft.get("recompute") else "no",
+            "checks": int(sums["checks"]), "flags": int(sums["flagged"]),
+            **{column: _number(detection.get(key)) for key, column in ABFT_DETECTION.items()}}
+    return pd.DataFrame.from_dict(
+        rows, orient="index",
+        columns=["threshold", "dtype", "recompute", "checks", "flags", *ABFT_DETECTION.values()])
+
+
+# summary.json's abft/detection keys -> the ABFT runs table's columns
+ABFT_DETECTION = {"corrupted_products": "corrupted products",
+                  "detected_products": "detected", "recall": "recall",
+                  "precision": "precision"}
+
+
+def _number(value) -> float:
+    """A summary value as a float: NaN (shown as -) where it is absent, null or not a number."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else math.nan
+
+
 def abft_rate_table(runs: dict) -> pd.DataFrame:
     """Rows (matmul, direction), one column per run with ABFT checks: the fraction of checks
-    (over steps, microsteps, layers and tp ranks) that the checksum test flagged (eq. (6))."""
+    (over steps, microsteps, layers and tp ranks) that flagged under the run's threshold rule
+    (`abft_runs_table` names it)."""
     columns = {}
     for label, run in abft_runs(runs).items():
         sums = run.abft_by_step.groupby(level=["matmul", "direction"]).sum()

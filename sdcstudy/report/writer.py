@@ -31,7 +31,7 @@ REPORT = "report.md"
 CSV_FILES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv",
              "table6_layer_frequency_fwd.csv", "table7_layer_frequency_bwd.csv",
              "table8_layer_severity_fwd.csv", "table9_layer_severity_bwd.csv", "bit_fields.csv",
-             "bit_positions.csv", "wcnts.csv", "abft_flag_rate.csv")
+             "bit_positions.csv", "wcnts.csv", "abft_runs.csv", "abft_flag_rate.csv")
 # Wide tables whose Markdown shows only the columns with a non-zero value (the CSV has all).
 SPARSE_TABLES = ("bit_positions.csv",)
 FIGURE_TITLES = {
@@ -48,11 +48,13 @@ FIGURE_TITLES = {
 NEEDED_BY = {RF.MISMATCH: "Tables 1-2 and 6-9 and Figures 3-4",
              RF.METRICS: "the runs table's step values, WCNTS, Figures 5-6 and the PAFT "
                          "table and figure",
-             RF.SUMMARY: "the bit-field and bit-position tables and figure",
-             RF.ABFT: "the ABFT table and Figure 10",
+             RF.SUMMARY: "the bit-field and bit-position tables and figure and the ABFT "
+                         "runs table's recall and precision",
+             RF.ABFT: "the ABFT tables and Figure 10",
              RF.FAULTS: "the runs table's fault count",
              RF.ENV: "nothing (the report does not use it)"}
-SUMMARY_TABLES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv", "wcnts.csv")
+SUMMARY_TABLES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv", "wcnts.csv",
+                  "abft_runs.csv")
 
 
 def _out_dir(out) -> Path:
@@ -120,9 +122,13 @@ def report_tables(runs: dict, sections: list | None = None) -> dict:
                               ["node", "site"], False),
         "wcnts.csv": ("WCNTS (Figure 5): worst-case noise-to-signal ratio of the weight "
                       "gradients, eq. (5)", T.wcnts_table(runs), ["node"], True),
-        "abft_flag_rate.csv": ("ABFT flag rate: the fraction of checksum tests, eq. (6), that "
-                               "flagged, per matmul and direction", T.abft_rate_table(runs),
-                               ["matmul", "direction"], False),
+        "abft_runs.csv": ("ABFT: checksummed matmuls per run, the threshold rule of their "
+                          "flags (paper: eq. (6); rounding: our bound), and recall and "
+                          "precision against the injected faults (experiment.mode abft)",
+                          T.abft_runs_table(runs), ["node"], False),
+        "abft_flag_rate.csv": ("ABFT flag rate: the fraction of checksum tests that flagged "
+                               "under each run's threshold rule, per matmul and direction",
+                               T.abft_rate_table(runs), ["matmul", "direction"], False),
         **{name: table for s in sections for name, table in s.tables(runs).items()},
     }
 
@@ -133,7 +139,8 @@ def write_report(run_dirs, out=None) -> dict:
     written into `out` (default runs/report-TIME). A file that is missing or damaged leaves
     out what needs it (`NEEDED_BY`) and is named in "problems" and in report.md. Returns
     {"out", "files", "markdown", "summary", "problems"} where "summary" is the Markdown of the
-    runs, Table 1, Table 2 and WCNTS, and "problems" one sentence per unreadable file."""
+    runs, Table 1, Table 2, WCNTS and the ABFT runs table, and "problems" one sentence per
+    unreadable file."""
     paths = [run for p in run_dirs for run in expand_run_dirs(p)]
     if not paths:
         raise UserError("sdcstudy report needs at least one run folder.")
@@ -165,8 +172,12 @@ def _write_files(runs: dict, problems: list[str], out: Path, drawing) -> dict:
             continue
         shown = table.loc[:, (table.fillna(0) != 0).any()] if name in SPARSE_TABLES else table
         text = T.markdown(shown, index, with_published=fold)
-        note = " Ma et al.'s published value in parentheses." if fold else ""
-        if shown.shape[1] < table.shape[1]:
+        if shown.shape[1] == 0:  # a sparse table with nothing non-zero
+            text = "No mismatching element differs in any bit position."
+        published = [c for c in table.columns if str(c).endswith(T.PUBLISHED_SUFFIX)]
+        note = " Ma et al.'s published value in parentheses." \
+            if fold and table[published].notna().any().any() else ""
+        if 0 < shown.shape[1] < table.shape[1]:
             note += " Bit positions without a differing bit are left out here; the CSV has all."
         if name == "runs.csv" and (partial := T.partial_runs(runs)):
             note += " Stopped before their last step, so every figure here is of the steps done: " \
