@@ -214,14 +214,50 @@ def test_wcnts_table_is_eq_5_over_synchronized_runs(tmp_path):
                      metrics=_metrics(4, **{"grad/nts": [1.0, 2.0, 3.0, 4.0]}))
     clean = write_run(tmp_path / "clean", mode="lockstep", profile="healthy",
                       metrics=_metrics(2, **{"grad/nts": [0.0, 0.0]}))
-    table = T.wcnts_table(_runs(sync, free, clean))
+    lock = write_run(tmp_path / "lock", mode="lockstep", profile="paper-node-11",
+                     metrics=_metrics(2, **{"grad/nts": [0.0, 0.0]}))
+    table = T.wcnts_table(_runs(sync, free, clean, lock))
     # Free-running pairs drift apart: their gradient ratio is not eq. (5), so no row.
     node = "Node 11 (paramsync)"
-    assert list(table.index) == [node, "healthy"]
+    assert list(table.index) == [node, "Node 11 (lockstep)", "healthy"]
     assert table.loc[node, "wcnts"] == 0.03 and table.loc[node, "step"] == 3
     assert table.loc[node, "wcnts" + T.PUBLISHED_SUFFIX] == 0.051
+    # The NaN step is left out of the max, and said: a run gone NaN does not read as clean.
+    assert table.loc[node, "non-finite steps"] == 1
     assert table.loc["healthy", "wcnts"] == 0 and math.isnan(table.loc["healthy", "step"])
     assert math.isnan(table.loc["healthy", "wcnts" + T.PUBLISHED_SUFFIX])
+    # Figure 5 is of parameter synchronization: under lock-step the taps repair the sites
+    # before any weight gradient reads them, so no published value beside a lock-step row.
+    assert math.isnan(table.loc["Node 11 (lockstep)", "wcnts" + T.PUBLISHED_SUFFIX])
+
+
+def test_a_value_gone_nan_is_told_from_one_never_measured(tmp_path):
+    # runs_table showed a suspect loss that went NaN as "-", the same as a loss the run does not
+    # measure; and Figure 6 drew the run's curves up to the NaN with nothing to say why they end.
+    gone = write_run(tmp_path / "gone", mode="free", profile="paper-node-11",
+                     metrics=_metrics(3, **{"loss/suspect": [3.0, "nan", "nan"],
+                                            "param/diff_l2": [0.1, 0.2, "nan"]}))
+    one = write_run(tmp_path / "one", mode="train", profile="healthy", metrics=_metrics(2))
+    runs = _runs(gone, one)
+    table = T.runs_table(runs)
+    assert table.loc["Node 11", "loss/suspect"] == "nan"
+    assert table.loc["Node 11", "param/diff_l2"] == "nan"
+    assert table.loc["Node 11", "loss/healthy"] == 3.0
+    assert T.fmt(table.loc["healthy", "loss/suspect"]) == "-"
+    assert T.nonfinite_label(runs["Node 11"], "Node 11") == "Node 11 (not finite from step 2)"
+    assert T.nonfinite_label(runs["healthy"], "healthy") == "healthy"
+
+
+def test_figure_6_is_of_pre_training_pairs_only(tmp_path):
+    # The paper's Figure 6 is pre-training; a fine-tuning pair (its own Figure 7) was drawn
+    # beside the free runs.
+    diff = {"param/diff_l2": [0.1, 0.2], "loss/suspect": [3.0, 3.1]}
+    fine = write_run(tmp_path / "fine", mode="finetune", profile="paper-node-11",
+                     metrics=_metrics(2, **diff))
+    assert plots.training(_runs(fine), tmp_path / "fig6.png") is None
+    free = write_run(tmp_path / "free", mode="free", profile="paper-node-11",
+                     metrics=_metrics(2, **diff))
+    assert plots.training(_runs(fine, free), tmp_path / "fig6.png").is_file()
 
 
 def test_labels_name_paper_nodes_order_them_and_tell_clashes_apart(tmp_path):

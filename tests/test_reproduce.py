@@ -296,6 +296,11 @@ def test_figure5_wcnts_within_a_factor_three():
     assert row(0.1).verdict == "pass" and row(0.1).ratio == pytest.approx(0.1 / 0.037)
     assert row(0.2).verdict == "fail"
     assert row(0.1, landed=0).verdict == "no events"
+    # A step gone NaN is left out of eq. (5)'s max; the run must not pass on the finite rest.
+    gone = paired_run("paramsync", {"grad/nts": [0.0, 0.1, float("nan")]})
+    e = entry(mode="paramsync", steps=3)
+    for judged in (TR.figure5_row(1, "n", gone, e), TR.figure5_rms_row(1, "n", gone, e)):
+        assert judged.verdict == "fail" and "not finite (the first, step 3)" in judged.reason
 
 
 def test_figure5_rms_of_grad_nts_is_judged_beside_its_maximum():

@@ -248,9 +248,9 @@ def gradients(runs: dict, path: Path) -> Path | None:
 
 def training(runs: dict, path: Path) -> Path | None:
     """Figure 6: parameter difference, gradient norms and training losses of free-running
-    pairs (the healthy node's curves in black)."""
+    pre-training pairs (healthy in black; fine-tuning has Figure 7, `finetune/report.py`)."""
     runs = {label: run for label, run in runs.items()
-            if T.run_mode(run) in T.FREE_MODES and "param/diff_l2" in run.metrics}
+            if T.run_mode(run) == "free" and "param/diff_l2" in run.metrics}
     if not runs:
         return None
     plt = pyplot()
@@ -258,7 +258,7 @@ def training(runs: dict, path: Path) -> Path | None:
     drawn_healthy = []
     for (label, run), style in zip(runs.items(), styles(runs).values()):
         diff = _positive(_series(run, "param/diff_l2"))
-        axes[0].plot(diff.index, diff.values, lw=1.0, label=label, **style)
+        axes[0].plot(*_xy(diff), lw=1.0, label=T.nonfinite_label(run, label), **style)
         axes[1].plot(*_xy(_series(run, "grad/norm_suspect")), lw=0.9, **style)
         axes[2].plot(*_xy(_series(run, "loss/suspect")), lw=0.9, **style)
         loss = _series(run, "loss/healthy")

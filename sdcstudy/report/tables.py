@@ -244,19 +244,35 @@ def abft_frequency_by_step(run, matmul: str | None = None,
 
 def wcnts_table(runs: dict) -> pd.DataFrame:
     """The WCNTS table of Figure 5, eq. (5): per synchronized run, the worst noise-to-signal
-    ratio of the weight gradients, the step where it occurred, and the published value."""
+    ratio of the weight gradients, the step where it occurred, the steps whose ratio is not
+    finite (a suspect gradient holding a NaN or an Inf: left out of the max, so a run that
+    went NaN does not read as clean), and the published value. Figure 5 is of parameter
+    synchronization: a `lockstep` run's taps repair the compared sites before any weight
+    gradient reads them, so only `paramsync` rows carry the published value."""
     rows = {}
     for label, run in synchronized_runs(runs).items():
         nts = pd.to_numeric(run.metrics["grad/nts"], errors="coerce")
         finite = nts[nts.map(math.isfinite)]
         worst = MX.wcnts(run.metrics.to_dict("records"))
-        paper = PB.published(run_profile(run))
+        paper = PB.published(run_profile(run)) if run_mode(run) == "paramsync" else None
         rows[label] = {"mode": run_mode(run), "wcnts": math.nan if worst is None else worst,
                        "step": int(run.metrics["step"][finite.idxmax()])
                        if len(finite) and finite.max() > 0 else math.nan,
+                       "non-finite steps": int(len(nts) - len(finite)),
                        "wcnts" + PUBLISHED_SUFFIX: paper["wcnts"] if paper else math.nan}
-    return pd.DataFrame.from_dict(rows, orient="index",
-                                  columns=["mode", "wcnts", "step", "wcnts" + PUBLISHED_SUFFIX])
+    return pd.DataFrame.from_dict(
+        rows, orient="index",
+        columns=["mode", "wcnts", "step", "non-finite steps", "wcnts" + PUBLISHED_SUFFIX])
+
+
+def nonfinite_label(run, label: str,
+                    keys=("loss/suspect", "grad/norm_suspect", "param/diff_l2")) -> str:
+    """`label`, and the first step at which any of the suspect's curves `keys` is NaN or
+    infinite (from there its plotted line vanishes, so the legend says why)."""
+    steps = [int(run.metrics["step"][bad].min()) for key in keys if key in run.metrics
+             for bad in [~pd.to_numeric(run.metrics[key], errors="coerce").map(math.isfinite)]
+             if bad.any()]
+    return f"{label} (not finite from step {min(steps)})" if steps else label
 
 
 def runs_table(runs: dict) -> pd.DataFrame:
@@ -274,9 +290,8 @@ def runs_table(runs: dict) -> pd.DataFrame:
             "faults injected": faults,
             "mismatches": int(run.mismatch_rollup.by_microstep["mismatches"].sum())
             if len(run.mismatch_rollup) else math.nan,
-            "loss/healthy": last.get("loss/healthy", math.nan),
-            "loss/suspect": last.get("loss/suspect", math.nan),
-            "param/diff_l2": last.get("param/diff_l2", math.nan),
+            **{key: _measured(last, key) for key in ("loss/healthy", "loss/suspect",
+                                                     "param/diff_l2")},
             "loss spikes": len(MX.loss_spike_spans(spikes)) if isinstance(spikes, list)
             else math.nan,
         }
@@ -302,6 +317,15 @@ def frequency_by_step(run, site: str) -> pd.Series:
     if site not in micro.index.get_level_values("site"):
         return pd.Series(dtype=float, name=site)
     return micro.xs(site, level="site").groupby(level="step").mean().rename(site)
+
+
+def _measured(last: pd.Series, key: str):
+    """The last step's `key`: NaN (shown as -) where the run does not measure it, and the text
+    `nan` or `inf` where it measured a value that is not finite."""
+    value = pd.to_numeric(pd.Series([last.get(key, math.nan)]), errors="coerce")[0]
+    if key in last and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
 
 
 def run_profile(run) -> str:

@@ -29,6 +29,15 @@ def series(run, key: str) -> pd.Series:
                      index=run.metrics["step"].astype(int).to_numpy())
 
 
+def not_finite(run) -> str | None:
+    """Why a run's WCNTS cannot pass: steps whose `grad/nts` is NaN or infinite, which eq. (5)'s
+    max leaves out (a suspect gradient gone NaN would pass on its finite steps); else None."""
+    nts = series(run, "grad/nts")
+    bad = nts[~nts.map(math.isfinite)]
+    return (f"{len(bad)} step(s) have a grad/nts that is not finite (the first, step "
+            f"{int(bad.index.min())}), left out of the max") if len(bad) else None
+
+
 def figure5_row(node: int, name: str, run, entry: dict) -> Row:
     """The WCNTS table of Figure 5, eq. (5), from the parameter-synchronized run."""
     published = PB.WCNTS[node]
@@ -39,7 +48,7 @@ def figure5_row(node: int, name: str, run, entry: dict) -> Row:
     if ours is None:
         return Row(node, "Figure 5", "WCNTS", published, None, None, band, "fail",
                    "the run has no grad/nts")
-    if wrong := site_fault_count(run, entry):
+    if wrong := site_fault_count(run, entry) or not_finite(run):
         return Row(node, "Figure 5", "WCNTS", published, ours, B.ratio(ours, published), band,
                    "fail", wrong, published)
     if B.faults_landed(run) == 0:
@@ -62,7 +71,7 @@ def figure5_rms_row(node: int, name: str, run, entry: dict) -> Row:
         return Row(node, "Figure 5", quantity, published, None, None, band, "fail",
                    "the run has no grad/nts")
     ours = float((nts ** 2).mean() ** 0.5)
-    if wrong := site_fault_count(run, entry):
+    if wrong := site_fault_count(run, entry) or not_finite(run):
         return Row(node, "Figure 5", quantity, published, ours, B.ratio(ours, published), band,
                    "fail", wrong, published)
     if B.faults_landed(run) == 0:
