@@ -382,14 +382,15 @@ def test_finetune_starts_from_a_hugging_face_llama_folder(tmp_path):
 # --- Table 3 in sdcstudy report -------------------------------------------------------------
 
 
-def _fake_finetune_run(folder, profile, seed, healthy, suspect, spikes=()):
-    """A finetune run folder as the runner leaves it (summary, metrics, predictions)."""
+def _fake_finetune_run(folder, profile, seed, healthy, suspect, spikes=(), steps=5):
+    """A finetune run folder as the runner leaves it (summary, metrics of 5 steps,
+    predictions); `steps` more than 5 makes it a run stopped early (`--stop-after`)."""
     from sdcstudy.core import runfolder as RF
 
     answers = np.zeros(len(healthy), int)
     folder.mkdir()
     (folder / "config.yaml").write_text(
-        f"experiment: {{mode: finetune}}\nsuspect: {{profile: {profile}}}\n")
+        f"experiment: {{mode: finetune, steps: {steps}}}\nsuspect: {{profile: {profile}}}\n")
     RF.atomic_write_json(folder / "summary.json", {
         "qa/task": "synthetic", "qa/shuffle_seed": seed, "loss_spikes": list(spikes),
         "qa/ta/initial": 10.0, "qa/dp/initial": 90.0,
@@ -429,6 +430,22 @@ def test_report_table3_rows_dp_of_the_other_seed_and_spike_flags(tmp_path):
     assert "| Unhealthy Node 4 | 50.00 (0.00) |" in md and "Node 4 at steps" not in md
     table = pd.read_csv(tmp_path / "report" / "table3_finetune.csv", index_col=0)
     assert table.loc["Healthy Node (seed=7)", "synthetic DP"] == pytest.approx(25.0)
+
+
+def test_report_table3_marks_the_cells_of_a_run_stopped_early(tmp_path):
+    """A run stopped by --stop-after is evaluated at the step it stopped at: its cells (the
+    suspect's, and the healthy node's where it is the reference run) carry a dagger, where
+    they read as full fine-tuning before."""
+    from sdcstudy.report import writer as report
+
+    ref = np.array([0, 0, 1, 2, 0, 1, 1, 0])
+    _fake_finetune_run(tmp_path / "a", "paper-node-6", 0, ref, ref, steps=9)
+    _fake_finetune_run(tmp_path / "b", "paper-node-4", 0, ref, ref)
+    md = report.write_report([tmp_path / "a", tmp_path / "b"], tmp_path / "report")["markdown"]
+    assert "| Unhealthy Node 6 | 50.00 (0.00) † |" in md
+    assert "| Unhealthy Node 4 | 50.00 (0.00) |" in md
+    assert "| without fine-tuning | 10.00 (90.00) |" in md
+    assert "† a run stopped before its last step" in md
 
 
 def test_report_table3_keeps_runs_that_would_share_a_row(tmp_path):

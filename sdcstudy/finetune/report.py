@@ -11,7 +11,8 @@
 - The loss-spike table: the steps the loss-spike criterion flags (`summary.json`
   `loss_spikes`: a suspect's training loss more than 0.5 nats above the healthy node's), the
   loss spikes among them (at least 2 consecutive flagged steps, `core.metrics.loss_spike_spans`),
-  the largest gap, and the TA they left; a Table 3 cell whose run had a spike is marked with *.
+  the largest gap, and the TA they left; a Table 3 cell whose run had a spike is marked with *,
+  one whose run stopped before its last step (`--stop-after`, an interrupt) with a dagger.
 - Figure 7: training loss of the healthy and suspect nodes during fine-tuning, flagged steps
   marked.
 
@@ -82,6 +83,11 @@ def _spans(run) -> list[tuple[int, int]]:
     return MX.loss_spike_spans(run.summary.get("loss_spikes") or [])
 
 
+def _partial(run) -> bool:
+    """The run stopped before its last step: its model is of the steps done."""
+    return bool(T.partial_runs({"run": run}))
+
+
 def _spiked(run) -> bool:
     return bool(_spans(run))
 
@@ -118,8 +124,8 @@ def table3(runs: dict) -> pd.DataFrame:
         seed = reference_seed(group)
         ref = next(r for r in group if _seed(r) == seed)
         s = ref.summary
-        cells[INITIAL][task] = (s["qa/ta/initial"], s["qa/dp/initial"], False)
-        cells[HEALTHY][task] = (s["qa/ta/healthy"], float("nan"), False)
+        cells[INITIAL][task] = (s["qa/ta/initial"], s["qa/dp/initial"], False, False)
+        cells[HEALTHY][task] = (s["qa/ta/healthy"], float("nan"), False, _partial(ref))
         reference = _final_healthy(ref)
         for run in group:
             s = run.summary
@@ -129,10 +135,11 @@ def table3(runs: dict) -> pd.DataFrame:
                 dp = (float(100.0 * np.mean(mine != reference))
                       if mine is not None and reference is not None
                       and len(mine) == len(reference) else float("nan"))
-                cells[HEALTHY + tag][task] = (s["qa/ta/healthy"], dp, False)
+                cells[HEALTHY + tag][task] = (s["qa/ta/healthy"], dp, False, _partial(run))
         for label, run in _suspect_rows(group, seed).items():
             s = run.summary
-            cells[label][task] = (s["qa/ta/suspect"], s["qa/dp/suspect"], _spiked(run))
+            cells[label][task] = (s["qa/ta/suspect"], s["qa/dp/suspect"], _spiked(run),
+                                  _partial(run))
             rank[label] = PB.paper_node_number(T.run_profile(run)) or 10**6
     tasks = list(by_task)
     order = [INITIAL, HEALTHY] + sorted(
@@ -142,15 +149,16 @@ def table3(runs: dict) -> pd.DataFrame:
     for label in order:
         record = {"configuration": label}
         for task in tasks:
-            ta, dp, spike = cells[label].get(task, (float("nan"), float("nan"), False))
+            ta, dp, spike, partial = cells[label].get(task, (float("nan"),) * 2 + (False,) * 2)
             record[f"{task} TA"], record[f"{task} DP"] = ta, dp
-            record[f"{task} spike"] = spike
+            record[f"{task} spike"], record[f"{task} partial"] = spike, partial
         records.append(record)
     return pd.DataFrame(records).set_index("configuration") if records else pd.DataFrame()
 
 
 def table3_markdown(table: pd.DataFrame) -> str:
-    """`TA (DP)` per task as in Table 3; `*` marks a run with a loss spike."""
+    """`TA (DP)` per task as in Table 3; `*` marks a run with a loss spike, a dagger a run
+    stopped before its last step."""
     tasks = [c[:-3] for c in table.columns if c.endswith(" TA")]
     lines = ["| configuration | " + " | ".join(f"{t} TA (DP)" for t in tasks) + " |",
              "|---|" + "---:|" * len(tasks)]
@@ -159,7 +167,7 @@ def table3_markdown(table: pd.DataFrame) -> str:
         for t in tasks:
             ta, dp, spike = row[f"{t} TA"], row[f"{t} DP"], row[f"{t} spike"]
             text = "-" if pd.isna(ta) else f"{ta:.2f} ({'-' if pd.isna(dp) else f'{dp:.2f}'})"
-            cells.append(text + (" *" if spike else ""))
+            cells.append(text + (" *" if spike else "") + (" †" if row[f"{t} partial"] else ""))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -197,7 +205,8 @@ def sections(runs: dict) -> tuple[list[str], dict]:
     text = [f"## Table 3: test accuracy (TA) and disagreement percentage (DP) after "
             f"fine-tuning\n\n{table3_markdown(table)}\n\n[{TABLE3_CSV}]({TABLE3_CSV}) DP: per "
             f"cent of test questions answered differently from the healthy node. * marks a run "
-            f"whose suspect had a loss spike.\n"]
+            f"whose suspect had a loss spike; † a run stopped before its last step, its "
+            f"accuracy that of the steps done.\n"]
     files = {TABLE3_CSV: T.csv(table, ["configuration"])}
     if not spikes.empty:
         spiked = spikes[spikes["spikes"] > 0]
