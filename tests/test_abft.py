@@ -293,3 +293,9 @@ def test_detection_summary_counts_products_not_rows():
     assert A.detection_summary(checks, faults) == {
         "corrupted_products": 2, "faults_outside": 1, "detected_products": 1, "recall": 0.5,
         "flags": 2, "precision": 0.5}
+    # Two data-parallel ranks flagging one product (faults.parquet has no dp rank, so their
+    # faults are one corrupted product) are one flagged product: precision 1, not 0.5.
+    both = [{**checks[0], "dp_rank": rank} for rank in (0, 1)]
+    assert A.detection_summary(both, faults[:1]) == {
+        "corrupted_products": 1, "faults_outside": 0, "detected_products": 1, "recall": 1.0,
+        "flags": 2, "precision": 1.0}

@@ -74,8 +74,10 @@ def detection_summary(abft_rows: list[dict], fault_rows: list[dict]) -> dict:
 
     A corrupted product (a matmul's output at one step, microstep, layer and tp rank with at
     least one fault) is detected when its forward check flagged; precision is the detected
-    products over all flags. Faults at other sites (outside the matmuls) are counted apart:
-    ABFT cannot see them except through what they do to later matmuls."""
+    products over the flagged products (a check's matmul, direction, step, microstep, layer
+    and tp rank; the data-parallel ranks of one are one, as faults.parquet does not tell them
+    apart), `flags` the flagged checks. Faults at other sites (outside the matmuls) are
+    counted apart: ABFT cannot see them except through what they do to later matmuls."""
     site_matmul = {f"fwd/{site}": name for site, name in MATMUL_OF_SITE.items()}
     site_matmul.update({"fwd/attn": "o", "fwd/ffn": "down"})
 
@@ -86,9 +88,10 @@ def detection_summary(abft_rows: list[dict], fault_rows: list[dict]) -> dict:
     inside = {where(r, site_matmul[r["site"]]) for r in fault_rows if r["site"] in site_matmul}
     outside = [r for r in fault_rows if r["site"] not in site_matmul]
     all_flags = sum(r["flagged"] for r in abft_rows)
+    flagged = {(*where(r, r["matmul"]), r["direction"]) for r in abft_rows if r["flagged"]}
     true_flags = len(flags & inside)
     return {"corrupted_products": len(inside), "faults_outside": len(outside),
             "detected_products": true_flags,
             "recall": true_flags / len(inside) if inside else None,
             "flags": all_flags,
-            "precision": true_flags / all_flags if all_flags else None}
+            "precision": true_flags / len(flagged) if flagged else None}
