@@ -67,7 +67,7 @@ def cmd_run(args) -> int:
     try:
         with distributed.ends_together():
             distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                                   args.timeout)
+                                   args.timeout, run=distributed.run_settings(cfg, args))
             from sdcstudy import runner
 
             summary = runner.run(cfg, args.out, resume=args.resume, stop_after=args.stop_after,

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from sdcstudy import modes
 from sdcstudy.core import config as C
 from sdcstudy.core import data as D
-from sdcstudy.core import determinism, digest, distributed
+from sdcstudy.core import determinism, digest, distributed, errors
 from sdcstudy.core import metrics as MX
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
@@ -34,7 +34,7 @@ from sdcstudy.core.interrupts import Interrupted, Signals
 from sdcstudy.core.ticker import ticking
 from sdcstudy.core.train import STEP_ONLY, NonFiniteError, compile_step
 
-class WriteError(Exception):
+class WriteError(errors.CouldNotRun):
     """The run folder could not be written (disk full, permission, the folder gone): the run
     stopped; the message names the folder, its last good checkpoint and how to continue."""
 
@@ -61,6 +61,7 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         tensorboard.require()
     if out_dir is None and jax.process_count() > 1:
         raise UserError("a run on several processes needs --out RUN_DIR, the same on each.")
+    modes.check_processes(cfg, jax.process_count())
     run_dir = None
     with Signals() as signals:
         try:

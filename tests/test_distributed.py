@@ -294,16 +294,37 @@ def test_two_processes_with_one_id_each_say_so(setup, processes, num_processes, 
     """Two processes given the same --process-id: every process exits 2 with one sentence
     naming the id and both pids (was: SIGABRT, or one of them aborting while the others ran
     on). A second process 0 finds the port taken and hears the sentence from the first (each
-    with its own --out, as on two hosts: one shared folder is refused by its lock first)."""
+    with its own --out, as on two hosts: one shared folder is refused by its lock first); the
+    others share process 0's --out, as they must (another --out is refused for itself)."""
     port = _free_port()
     ids = [0, 1, 1] if duplicate else [0, 0]
-    started = [_launch(processes, f"dup{duplicate}-{k}", setup / f"dup{duplicate}-{k}", port,
+    started = [_launch(processes, f"dup{duplicate}-{k}",
+                       setup / f"dup{duplicate}-{k if duplicate == 0 else 0}", port,
                        num_processes, i) for k, i in enumerate(ids)]
     lines = _refused(processes, f"two processes were started with --process-id {duplicate} (")
     twins = [p.pid for p, i in zip(started, ids) if i == duplicate]
     for line in lines.values():
         assert all(f"pid {pid} on " in line for pid in twins), line
         assert line.endswith(f"give each process its own id, from 0 to {num_processes - 1}.")
+
+
+def test_processes_started_with_another_setting_are_refused(setup, processes):
+    """The suspect started with another optim.lr ran to the end beside the healthy node, both
+    exiting 0, its divergence recorded as SDC under process 0's config.yaml: now both exit 2
+    with one sentence naming the setting and both values, before anything compiles."""
+    port = _free_port()
+    out = setup / "other-lr"
+    first = processes.start("lr-p0", ["--out", str(out), "--coordinator", f"127.0.0.1:{port}",
+                                      "--num-processes", "2", "--process-id", "0",
+                                      "--timeout", str(REFUSAL_TIMEOUT_S)], devices=1)
+    processes.start("lr-p1", ["--out", str(out), "--coordinator", f"127.0.0.1:{port}",
+                              "--num-processes", "2", "--process-id", "1", "--set",
+                              "optim.lr=0.01", "--timeout", str(REFUSAL_TIMEOUT_S)], devices=1)
+    for line in _refused(processes, "process 1 (pid ").values():
+        assert "was started with optim.lr=0.01 and process 0 " in line
+        assert f"(pid {first.pid} on " in line
+        assert line.endswith("start every process with the same config file and --set values.")
+    assert not (out / "checkpoints").exists()
 
 
 def test_the_meeting_binds_the_address_given_and_names_a_ports_holder(monkeypatch):
@@ -338,7 +359,7 @@ def test_a_signal_to_one_process_stops_both_at_the_same_checkpoint(setup, proces
     one signalled must not stop alone: its peer would wait in the next step's collective and
     the save would wait for the peer, until the timeout ends both as lost peers (exit 3) with
     nothing checkpointed. Every process asks the others at each safe point
-    (`distributed.stop_signal`), so both finish the same step, save it together and exit 143."""
+    (`interrupts.stop_signal`), so both finish the same step, save it together and exit 143."""
     out, port = setup / "signalled", _free_port()
     scratch = set((setup / "tmp").glob("sdcstudy-peer-*"))
     first, second = _pair(processes, "signal", out, port, "--set", "experiment.steps=2000",

@@ -7,8 +7,8 @@ over TCP on CPU, NCCL on GPU). Nothing in the step changes: only the host side d
 - `initialize` joins the run through `jax.distributed` with one timeout S for what waits on
   a peer: start-up, shutdown and (on CPU) each collective; a peer silent for 2 S is dead. A
   dead or stuck peer ends the run with an error instead of a hang. Before jax, the processes
-  meet over a plain socket (`rendezvous`), so that a port in use, disagreeing process counts
-  or an id given twice end with one sentence, and jax's coordinator binds the address given.
+  meet over a plain socket (`rendezvous`), so that a launch mistake (a port in use, another
+  process count, an id twice, other versions or `run_settings`) ends with one sentence.
   `meet_peers` then runs the first collective while the processes are together.
 - `put` builds global arrays from host values that every process holds in full.
 - `fetch` copies arrays to host numpy on every process, gathering the pieces that live on
@@ -51,6 +51,8 @@ RENDEZVOUS_PATIENCE_S = 600  # seconds after XLA's 20 s warning; its own default
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
               "SLURM_LOCALID")
 EXIT_LOST_PEER = errors.EXIT_COULD_NOT_RUN  # not a FAIL: nothing was compared
+FAILED_STATUSES = ("UNKNOWN", "INTERNAL", "UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED",
+                   "CANCELLED", "DATA_LOSS")
 
 
 @dataclass(frozen=True)
@@ -108,11 +110,13 @@ def launch_settings(coordinator: str | None = None, num_processes: int | None = 
                         f"--num-processes N and --process-id I (or {ENV_COORDINATOR}, "
                         f"{ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}); {', '.join(missing)} "
                         f"{'is' if len(missing) == 1 else 'are'} missing.")
-    if num_processes < 1 or not 0 <= process_id < num_processes:
+    if num_processes < 1:
+        raise UserError(f"--num-processes must be at least 1, not {num_processes}.")
+    if not 0 <= process_id < num_processes:
         raise UserError(f"--process-id must be between 0 and --num-processes - 1 "
                         f"({num_processes - 1}), not {process_id}.")
     host, _, port = coordinator.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"--coordinator must be HOST:PORT (process 0's address), "
                         f"not {coordinator!r}.")
     if num_processes == 1:
@@ -141,11 +145,8 @@ def xla_knows_flag(flag: str) -> bool:
 
 
 def set_collective_timeout(seconds: int) -> bool:
-    """Make a CPU collective that waits longer than `seconds` an error, not a hang.
-
-    Goes into XLA_FLAGS, so it must run before JAX starts its backend; a value already there
-    wins. Returns whether the flag is set.
-    """
+    """Make a CPU collective that waits longer than `seconds` an error, not a hang (XLA_FLAGS,
+    before JAX starts its backend; a value already there wins); whether the flag is set."""
     return _add_xla_flag(COLLECTIVE_TIMEOUT_FLAG, seconds)
 
 
@@ -165,24 +166,24 @@ def tolerate_slow_threads(seconds: int = RENDEZVOUS_PATIENCE_S) -> bool:
     """Let the local devices' threads meet at a CPU collective however late one of them comes,
     up to `seconds` after XLA's "may be stuck" warning.
 
-    XLA:CPU runs each simulated device on its own thread and, by default, aborts the whole
-    process (SIGABRT, no Python error, nothing checkpointed since the last save) when one of
-    them reaches a collective a minute after the others (its warning at 20 s, then 40 s
-    more; measured: the termination timeout counts from the warning): on a loaded machine a
-    run dies of a starved thread, not of anything it computed. Measured: two bfloat16 `small`
-    runs beside the test suite on 2 cores saw threads 28 and 38 s late, and one run died of a
-    later one. A real deadlock still ends after `seconds`. Goes into XLA_FLAGS before JAX
-    starts its backend; a value already there wins. Returns whether the flag is set.
+    XLA:CPU runs each simulated device on its own thread and by default aborts the process
+    (SIGABRT, nothing checkpointed since the last save) when one of them reaches a collective
+    a minute after the others (a warning at 20 s, then 40 s more). Measured: two bfloat16
+    `small` runs beside the test suite on 2 cores saw threads 28 and 38 s late, and one died
+    of a later one. A real deadlock still ends after `seconds`. Goes into XLA_FLAGS before
+    JAX starts its backend; a value already there wins. Returns whether the flag is set.
     """
     return _add_xla_flag(RENDEZVOUS_TERMINATE_FLAG, seconds)
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, timeout_s: int | None = None) -> bool:
+               process_id: int | None = None, timeout_s: int | None = None,
+               run: dict | None = None) -> bool:
     """Join a run of several processes before JAX starts; False (and nothing done) for one.
 
     With explicit settings every local device stays visible (process i holds all of node i's
-    devices; `JAX_LOCAL_DEVICE_IDS` narrows them); under Slurm jax detects the rest.
+    devices; `JAX_LOCAL_DEVICE_IDS` narrows them); under Slurm jax detects the rest. `run`
+    (`run_settings`) must be the same on every process, or the meeting refuses the run.
     """
     launch = launch_settings(coordinator, num_processes, process_id, timeout_s)
     if launch is None:
@@ -196,7 +197,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     # Before importing jax, so that a launch mistake is refused in a moment; a process that
     # comes while process 0 imports jax finds no listener and asks again.
     bind = None if launch.detect else rendezvous.meet(
-        launch.coordinator, launch.num_processes, launch.process_id, seconds)
+        launch.coordinator, launch.num_processes, launch.process_id, seconds, run=run)
     set_collective_timeout(launch.timeout_s)
     import jax
 
@@ -217,6 +218,17 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
           f"through {launch.coordinator or 'the Slurm coordinator'}", file=sys.stderr,
           flush=True)
     return True
+
+
+def run_settings(cfg, args) -> dict:
+    """What every process of a run must be started with alike, flat: each config key (the
+    file's value or its --set) and --out (absolute), --resume and --stop-after of `args`."""
+    from sdcstudy.core.config import all_keys, to_dict
+
+    tree = to_dict(cfg)
+    out = None if args.out is None else os.path.abspath(args.out)
+    return {**{key: functools.reduce(dict.get, key.split("."), tree) for key in all_keys()},
+            "--out": out, "--resume": bool(args.resume), "--stop-after": args.stop_after}
 
 
 def meet_peers() -> None:
@@ -320,23 +332,6 @@ def fetch(tree):
     return jax.tree.unflatten(treedef, [host(x) for x in leaves])
 
 
-def stop_signal(signum: int | None) -> int | None:
-    """The stop signal to act on at a safe point of the run: this process's own (None: none),
-    and in a run of several processes the largest any process received, so that a signal that
-    reached one process only (or each at a different step) stops them all at the same step.
-
-    Every process must call it at the same safe points (a collective); one process alone
-    costs nothing."""
-    import jax
-
-    if jax.process_count() == 1:
-        return signum
-    from jax.experimental import multihost_utils
-
-    received = multihost_utils.process_allgather(np.int32(signum or 0))
-    return int(np.max(received)) or None
-
-
 # --- ending a run --------------------------------------------------------------------------
 
 
@@ -355,15 +350,31 @@ def _describe(error: BaseException) -> tuple[int, str]:
                 f"{me}: {error or 'interrupted'}")
     if isinstance(error, NonFiniteError):
         return errors.EXIT_FAIL, f"{me}: {error}"
-    if isinstance(error, errors.CouldNotRun):
-        return errors.EXIT_COULD_NOT_RUN, f"{me}: {error}"
-    if isinstance(error, jax.errors.JaxRuntimeError):
-        return EXIT_LOST_PEER, (f"{me} lost its peers ({first_line(error, 300)}): another process "
+    if failed := _failed_collective(error):  # also under a WriteError (a checkpoint's save)
+        return EXIT_LOST_PEER, (f"{me} lost its peers ({first_line(failed, 300)}): another process "
                                 f"died, hung past the timeout or cannot be reached; see its "
                                 f"log.")
+    if isinstance(error, errors.CouldNotRun):
+        return errors.EXIT_COULD_NOT_RUN, f"{me}: {error}"
     if os.environ.get("SDCSTUDY_TRACEBACK"):
         traceback.print_exception(error, file=sys.stderr)
     return errors.EXIT_COULD_NOT_RUN, f"{me}: {errors.unexpected(error)}"
+
+
+def _failed_collective(error: BaseException | None) -> BaseException | None:
+    """The failed collective behind `error` (or behind what it caused: a checkpoint save's
+    `WriteError`), or None: a JaxRuntimeError, or (gloo, jax 0.10.2) a ValueError that starts
+    with the status: `UNKNOWN: Gloo AllGather failed: ... Connection reset by peer`."""
+    import jax
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, jax.errors.JaxRuntimeError) or isinstance(error, ValueError) \
+                and str(error).split(":")[0] in FAILED_STATUSES:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 @contextlib.contextmanager

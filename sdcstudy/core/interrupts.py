@@ -2,7 +2,7 @@
 and acted on at the loop's next safe point (the step finished, recorded and checkpointed);
 `Interrupted` is the stop, with the sentence that says how to continue. In a run of several
 processes the processes agree at each safe point, so a signal that reached one of them stops
-them all after the same step (`distributed.stop_signal`).
+them all after the same step (`stop_signal`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,29 @@ import sys
 import threading
 from pathlib import Path
 
-from sdcstudy.core import distributed
+import numpy as np
+
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.checkpoint import saved_steps
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_signal(signum: int | None) -> int | None:
+    """The stop signal to act on at a safe point of the run: this process's own (None: none),
+    and in a run of several processes the largest any process received, so that a signal that
+    reached one process only (or each at a different step) stops them all at the same step.
+
+    Every process must call it at the same safe points (a collective); one process alone
+    costs nothing."""
+    import jax
+
+    if jax.process_count() == 1:
+        return signum
+    from jax.experimental import multihost_utils
+
+    received = multihost_utils.process_allgather(np.int32(signum or 0))
+    return int(np.max(received)) or None
 
 
 class Interrupted(KeyboardInterrupt):
@@ -67,9 +85,9 @@ class Signals:
 
     def agreed(self) -> int | None:
         """The signal to stop on at this safe point: the one received here, or in a run of
-        several processes any process's (`distributed.stop_signal`; every process asks at the
+        several processes any process's (`stop_signal`; every process asks at the
         same steps, so all stop at the same one and save the same checkpoint together)."""
-        agreed = distributed.stop_signal(self.received)
+        agreed = stop_signal(self.received)
         if self.received is None:  # a signal that lands during the call counts at the next
             self.received = agreed
         return agreed

@@ -17,6 +17,11 @@ AXES = (NODE, DATA, TP)
 HEALTHY, SUSPECT = 0, 1
 
 
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """"1 node", "2 nodes"; `many` for an irregular plural ("1 is", "2 are")."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def make_mesh(nodes: int = 1, dp: int = 1, tp: int = 1, devices=None) -> Mesh:
     """A (node, dp, tp) mesh over the first nodes*dp*tp devices (all processes' devices)."""
     devices = list(jax.devices() if devices is None else devices)
@@ -25,7 +30,7 @@ def make_mesh(nodes: int = 1, dp: int = 1, tp: int = 1, devices=None) -> Mesh:
         from sdcstudy.core.config import UserError
 
         raise UserError(f"the mesh needs {need} devices (node={nodes} x dp={dp} x tp={tp}) but "
-                        f"only {len(devices)} are visible; on CPU set "
+                        f"only {_count(len(devices), 'is', 'are')} visible; on CPU set "
                         f"XLA_FLAGS=--xla_force_host_platform_device_count={need}.")
     grid = np.array(devices[:need], dtype=object).reshape(nodes, dp, tp)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
@@ -44,15 +49,16 @@ def make_node_mesh(nodes: int = 1, dp: int = 1, tp: int = 1) -> Mesh:
 
     if processes != nodes:
         raise UserError(f"a run on {processes} processes needs one node per process, but the "
-                        f"mesh has {nodes} nodes; start {nodes} processes.")
+                        f"mesh has {_count(nodes, 'node')}; start "
+                        f"{_count(nodes, 'process', 'processes')}.")
     per_node = dp * tp
     devices = []
     for process in range(processes):
         local = sorted((d for d in jax.devices() if d.process_index == process),
                        key=lambda d: d.id)
         if len(local) < per_node:
-            raise UserError(f"process {process} has {len(local)} devices but a node needs "
-                            f"{per_node} (dp={dp} x tp={tp}); on CPU set XLA_FLAGS="
+            raise UserError(f"process {process} has {_count(len(local), 'device')} but a node "
+                            f"needs {per_node} (dp={dp} x tp={tp}); on CPU set XLA_FLAGS="
                             f"--xla_force_host_platform_device_count={per_node} on every "
                             f"process.")
         devices += local[:per_node]

@@ -1,35 +1,30 @@
 """Before `jax.distributed` starts: process 0 listens on the coordinator's address and meets
 every other process there over a plain TCP socket, so that a launch mistake ends with one
-sentence instead of a C++ abort or a timeout.
-
-Measured with jax 0.10.2 on loopback, without this meeting: a port in use gave "could not
-join ... within S s" on process 0 and, S later, a SIGABRT with a C++ stack on the others;
-processes that disagree on the process count, or two processes with one id, ended in SIGABRT
-(`CoordinationServiceAgent::Connect`) or, depending on who came first, one of them aborted
-while the others ran on. So, before jax:
-
-- process 0 binds the coordinator's address itself: the port in use is refused at once,
-  naming the process that holds it when this host can tell (`listeners`); the same address
-  is what jax's coordinator binds afterwards (`bind_address`), not every interface;
-- every other process connects and says who it is (`hello`); process 0 waits until each id
-  1..N-1 has said hello once, with the same N, then answers every one "ok", closes the socket
-  and lets jax's coordinator take the port. A different N, an id given twice or a second
-  process 0 ends every process that took part with one sentence (a `UserError`, exit 2);
-- a process that comes after the others have met finds jax's coordinator on the port, which
-  does not answer in this protocol, and says so.
+sentence instead of a C++ abort, a timeout or a run that goes on wrong (docs/pairing.md,
+"Launch mistakes"). Process 0 binds the address itself (a port in use is refused at once,
+naming its holder: `listeners`), the address jax's coordinator binds after it
+(`bind_address`). Every other process connects and says who it is and what it runs
+(`hello`); process 0 waits until each id 1..N-1 has said hello once, then answers every one
+"ok", closes the socket and lets jax's coordinator take the port. A different N, an id given
+twice, a second process 0 or a version or setting that differs from process 0's ends every
+process that took part with one sentence (`UserError`, exit 2). A process that comes after
+the others met finds jax's coordinator, which does not answer in this protocol, and says so.
 
 Slurm's own detection (no explicit settings) skips the meeting: Slurm gives the counts and ids.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import ipaddress
 import json
 import os
 import select
 import socket
 import time
+from importlib import metadata
 from pathlib import Path
 
 from sdcstudy.core.errors import UserError
@@ -37,7 +32,7 @@ from sdcstudy.core.errors import UserError
 PROTOCOL = "sdcstudy-join/1"
 ENV_BIND = "JAX_COORDINATOR_BIND_ADDRESS"
 ALL_INTERFACES = "::"
-MAX_LINE = 4096
+MAX_LINE = 1 << 20  # a hello carries the whole config
 HELLO_WAIT_S = 5.0  # how long process 0 waits for a connected process to say who it is
 RETRY_S = 0.2
 
@@ -90,7 +85,6 @@ def bind_address(coordinator: str, environ=None) -> str:
 
 
 # --- who holds a port ----------------------------------------------------------------------
-
 
 def _proc_address(hex_address: str) -> str:
     raw = bytes.fromhex(hex_address)
@@ -151,10 +145,28 @@ def _holder(port: int) -> str:
 
 # --- the meeting ---------------------------------------------------------------------------
 
+PACKAGES = ("sdcstudy", "jax", "jaxlib")  # what the compiled step (so its bits) depends on
 
-def hello(num_processes: int, process_id: int) -> dict:
+
+def versions() -> dict[str, str]:
+    """The installed versions of `PACKAGES`, sdcstudy's with a digest of its source files
+    (two checkouts of one version may differ)."""
+    package, sha = Path(__file__).resolve().parents[1], hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        sha.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    found = {}
+    for name in PACKAGES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[name] = metadata.version(name)
+    return {**found, "sdcstudy": f"{found.get('sdcstudy')} (source {sha.hexdigest()[:12]})"}
+
+
+def hello(num_processes: int, process_id: int, run: dict | None = None) -> dict:
+    """What a process says of itself; `run` (flat: "--out", "experiment.steps", ...), what it
+    was asked to run, and the versions must be the same on every process."""
     return {"protocol": PROTOCOL, "num_processes": num_processes, "process_id": process_id,
-            "pid": os.getpid(), "host": socket.gethostname()}
+            "pid": os.getpid(), "host": socket.gethostname(),
+            "run": json.loads(json.dumps({**versions(), **(run or {})}, default=str))}
 
 
 def _who(said: dict) -> str:
@@ -162,10 +174,8 @@ def _who(said: dict) -> str:
 
 
 def _send(conn: socket.socket, message: dict) -> None:
-    try:
+    with contextlib.suppress(OSError):  # that process is gone; it learns nothing more from us
         conn.sendall(json.dumps({"protocol": PROTOCOL, **message}).encode() + b"\n")
-    except OSError:
-        pass  # that process is gone; it learns nothing more from us
 
 
 def _read_line(conn: socket.socket, timeout_s: float) -> bytes:
@@ -191,9 +201,44 @@ def _parse(line: bytes) -> dict | None:
         else None
 
 
-def _problem(num_processes: int, said: dict, met: dict[int, dict]) -> str | None:
-    """The sentence that refuses what a process said, or None to accept it."""
-    me = hello(num_processes, 0)
+def _shown(key: str, value) -> str:
+    """A setting as a user gives it: `jax 0.10.2`, `--resume`, `no --stop-after`, `a.b=3`."""
+    if key in PACKAGES or key.startswith("--") and value not in (None, False, True):
+        return f"{key} {value}"
+    if key.startswith("--"):
+        return key if value is True else f"no {key}"
+    return f"{key}={value if isinstance(value, str) else json.dumps(value)}"
+
+
+def _listed(words: list[str]) -> str:
+    return ", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else words[0]
+
+
+def _settings_problem(said: dict, me: dict) -> str | None:
+    """The sentence refusing a process whose versions or settings differ from process 0's."""
+    theirs, mine = said.get("run") or {}, me["run"]
+    differing = [key for key in sorted(set(theirs) | set(mine), key=lambda k: (
+        k not in PACKAGES, k[:2] != "--", k)) if theirs.get(key) != mine.get(key)]
+    if not differing:
+        return None
+    fixes = [fix for keys, fix in (
+        (PACKAGES, "install the same sdcstudy, jax and jaxlib on every host"),
+        (("--out",), "give every process the same --out, a folder every host sees"),
+        (("--resume", "--stop-after"), "pass --resume and --stop-after to every process alike"))
+        if set(keys) & set(differing)]
+    if any(key not in PACKAGES and key[:2] != "--" for key in differing):
+        fixes.append("start every process with the same config file and --set values")
+    more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
+    return (f"process {said.get('process_id')} ({_who(said)}) was started with "
+            f"{_listed([_shown(k, theirs.get(k)) for k in differing[:3]])} and process 0 "
+            f"({_who(me)}) with {_listed([_shown(k, mine.get(k)) for k in differing[:3]])}"
+            f"{more}: {'; '.join(fixes)}.")
+
+
+def _problem(me: dict, said: dict, met: dict[int, dict]) -> str | None:
+    """The sentence that refuses what a process said to process 0 (`me`, its own hello), or
+    None to accept it."""
+    num_processes = me["num_processes"]
     their_count, their_id = said.get("num_processes"), said.get("process_id")
     if their_count != num_processes:
         return (f"process {their_id} ({_who(said)}) was started with --num-processes "
@@ -205,7 +250,12 @@ def _problem(num_processes: int, said: dict, met: dict[int, dict]) -> str | None
                 f"{_who(said)}): give each process its own id, from 0 to {num_processes - 1}.")
     if not isinstance(their_id, int) or not 0 < their_id < num_processes:
         return f"process {their_id} ({_who(said)}) has no place in a run of {num_processes}."
-    return None
+    return _settings_problem(said, me)
+
+
+def _close(sockets: list[socket.socket]) -> None:
+    for sock in sockets:
+        sock.close()
 
 
 def _listen(bind: str, coordinator: str, num_processes: int) -> list[socket.socket]:
@@ -224,8 +274,7 @@ def _listen(bind: str, coordinator: str, num_processes: int) -> list[socket.sock
             server.bind(sockaddr)
             server.listen(64)
     except OSError as e:
-        for server in servers:
-            server.close()
+        _close(servers)
         if e.errno == errno.EADDRINUSE:
             _ask_the_holder(coordinator, num_processes)
             raise UserError(f"process 0 of {num_processes} cannot listen on {bind} for its "
@@ -241,9 +290,8 @@ def _listen(bind: str, coordinator: str, num_processes: int) -> list[socket.sock
 
 
 def _ask_the_holder(coordinator: str, num_processes: int) -> None:
-    """When the port's holder is a process 0 still meeting its peers, it refuses a second
-    process 0 with the sentence naming both: raise that sentence. (Refused connections are
-    tried again a few times: the holder may be between its bind and its listen.)"""
+    """A process 0 holding the port refuses a second one with a sentence naming both: raise
+    it. (Tried a few times: the holder may be between its bind and its listen.)"""
     for _ in range(3):
         try:
             with socket.create_connection(split_address(coordinator), timeout=1) as conn:
@@ -261,19 +309,22 @@ def _ask_the_holder(coordinator: str, num_processes: int) -> None:
 
 
 def _host_meeting(coordinator: str, bind: str, num_processes: int, timeout_s: int,
-                  deadline: float) -> None:
+                  deadline: float, run: dict | None = None) -> None:
     """Process 0: wait for ids 1..N-1, refuse a mistake, answer "ok" to all."""
     met: dict[int, tuple[socket.socket, dict]] = {}
+    me = hello(num_processes, 0, run)
     servers = _listen(bind, coordinator, num_processes)
     try:
         while len(met) < num_processes - 1:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(1, num_processes)) - set(met))
-                raise UserError(f"process 0 of {num_processes}: process(es) "
-                                f"{', '.join(map(str, missing))} did not reach {coordinator} "
-                                f"within {timeout_s} s; start every process with this "
-                                f"--coordinator and --num-processes (or a longer --timeout).")
+                who = f"process {missing[0]}" if len(missing) == 1 else \
+                    f"processes {_listed([str(i) for i in missing])}"
+                raise UserError(f"process 0 of {num_processes}: {who} did not reach "
+                                f"{coordinator} within {timeout_s} s; start every process with "
+                                f"this --coordinator and --num-processes (or a longer "
+                                f"--timeout).")
             ready, _, _ = select.select(servers, [], [], min(left, RETRY_S))
             for server in ready:
                 conn, _ = server.accept()
@@ -284,29 +335,24 @@ def _host_meeting(coordinator: str, bind: str, num_processes: int, timeout_s: in
                 if said is None:  # not a process of this protocol: not one of ours
                     conn.close()
                     continue
-                problem = _problem(num_processes, said, {i: s for i, (_, s) in met.items()})
+                problem = _problem(me, said, {i: s for i, (_, s) in met.items()})
                 if problem:
                     for other in [conn] + [c for c, _ in met.values()]:
                         _send(other, {"error": problem})
                     conn.close()
                     raise UserError(problem)
                 met[said["process_id"]] = (conn, said)
-        for server in servers:  # closed before "ok": what answers next is jax's coordinator
-            server.close()
+        _close(servers)  # before "ok": what answers next is jax's coordinator
         for conn, _ in met.values():
             _send(conn, {"ok": True})
     finally:
-        for conn, _ in met.values():
-            conn.close()
-        for server in servers:
-            server.close()
+        _close([conn for conn, _ in met.values()] + servers)
 
 
 def _join_meeting(coordinator: str, num_processes: int, process_id: int, timeout_s: int,
-                  deadline: float) -> None:
+                  deadline: float, run: dict | None = None) -> None:
     """Any other process: say hello to process 0 until it answers, within the deadline."""
-    me = f"process {process_id} of {num_processes}"
-    last = "nothing answered"
+    me, last = f"process {process_id} of {num_processes}", "nothing answered"
     while time.monotonic() < deadline:
         try:
             conn = socket.create_connection(split_address(coordinator), timeout=RETRY_S * 10)
@@ -316,7 +362,7 @@ def _join_meeting(coordinator: str, num_processes: int, process_id: int, timeout
             continue
         try:
             with conn:
-                conn.sendall(json.dumps(hello(num_processes, process_id)).encode() + b"\n")
+                conn.sendall(json.dumps(hello(num_processes, process_id, run)).encode() + b"\n")
                 line = _read_line(conn, deadline - time.monotonic())
         except socket.timeout:
             raise UserError(f"{me} reached {coordinator} but had no answer within "
@@ -342,13 +388,13 @@ def _join_meeting(coordinator: str, num_processes: int, process_id: int, timeout
 
 
 def meet(coordinator: str, num_processes: int, process_id: int, timeout_s: int,
-         environ=None) -> str:
-    """Meet every process of the run before jax does; returns the address jax's coordinator
-    binds (`bind_address`)."""
+         environ=None, run: dict | None = None) -> str:
+    """Meet every process of the run before jax does (`run`: see `hello`); returns the address
+    jax's coordinator binds (`bind_address`)."""
     bind = bind_address(coordinator, environ)
     deadline = time.monotonic() + timeout_s
     if process_id == 0:
-        _host_meeting(coordinator, bind, num_processes, timeout_s, deadline)
+        _host_meeting(coordinator, bind, num_processes, timeout_s, deadline, run)
     else:
-        _join_meeting(coordinator, num_processes, process_id, timeout_s, deadline)
+        _join_meeting(coordinator, num_processes, process_id, timeout_s, deadline, run)
     return bind

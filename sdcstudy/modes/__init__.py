@@ -47,6 +47,16 @@ def get(name: str):
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
+def check_processes(cfg: Config, processes: int) -> None:
+    """Refuse a run of several processes in a mode whose nodes are not processes of their own
+    (each process trained its own copy and the run failed at its first checkpoint)."""
+    if processes > 1 and not get(cfg.experiment.mode).pairs_processes:
+        paired = [name for name in REGISTRY if get(name).pairs_processes]
+        raise ConfigError(f"experiment.mode {cfg.experiment.mode} runs in one process, not "
+                          f"{processes}; only {', '.join(paired)} pair processes "
+                          f"(docs/pairing.md).")
+
+
 def check(cfg: Config) -> None:
     """Every check of `cfg`: its mode exists and accepts the mode's own sections."""
     get(cfg.experiment.mode).check(cfg)

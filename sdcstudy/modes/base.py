@@ -60,6 +60,9 @@ class Mode:
     description: ClassVar[str] = ""
     # Config sections the mode reads beyond the ones every mode reads (docs/config.md).
     reads: ClassVar[tuple[str, ...]] = ()
+    # The mode's nodes may be processes of their own (`jax.distributed`, docs/pairing.md): the
+    # paired modes. The others run in one process.
+    pairs_processes: ClassVar[bool] = False
     # What the mode adds to metrics.jsonl and summary.json: field -> one-line meaning.
     metrics: ClassVar[dict[str, str]] = {}
     summary: ClassVar[dict[str, str]] = {}

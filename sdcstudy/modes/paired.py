@@ -52,6 +52,7 @@ LOCKSTEP_SUMMARY = {
 
 class PairedMode(Mode):
     reads = ("suspect", "abft", "collectives")
+    pairs_processes = True
     metrics = METRICS
     summary = SUMMARY
 
