@@ -184,20 +184,35 @@ def paper_node(node: int, attn_placement: str = "o_proj", context_width: int | N
                           if site == "fwd/attn" else [spec])
     if (grad := weight_grad_spec(node, GRAD_PATTERNS.get(node, TimePattern()))) is not None:
         specs.append(grad)
-    kind = {"burst": "rare bursts", "decay": "initial spike", "onset": f"onset at step "
-            f"{pattern.onset_step}"}.get(pattern.kind, "constant rate")
     busiest = max(TABLE1_FREQUENCY.get(node, (0,)))
-    what = (f"submodule mismatches up to {busiest:.2g} per element, {kind}"
-            if busiest else "no submodule mismatch; weight-gradient noise only")
+    what = (f"Table 1 mismatch frequency up to {busiest:.2g} per element (run average), "
+            f"{pattern_words(pattern)}" if busiest
+            else "no submodule mismatch; weight-gradient noise only")
     name = f"paper-node-{node}" + (FLIP_SUFFIX if fault_model == "flip" else "")
     if spike_amplitude is not None:
         name += f"-spike{spike_amplitude:g}"
     model = ""
-    if fault_model == "flip":
-        model = (", bfloat16 mantissa flips with an accumulator-error tail" if busiest else
-                 f", as paper-node-{node} (no submodule faults to model)")
+    if fault_model == "flip" and busiest:
+        tail = [s.site for s in specs if s.kind == "additive" and s.site != "grad"]
+        alone = [s.site for s in specs if s.kind == "bitflip" and s.rate == 0]
+        model = (", bfloat16 mantissa flips" + (" with an accumulator-error tail" if tail else "")
+                 + (f" ({', '.join(alone)}: accumulator errors only)" if alone else ""))
+    elif fault_model == "flip":
+        model = f", as paper-node-{node} (no submodule faults to model)"
     return Profile(name, tuple(specs),
                    f"Ma et al. node {node}: {what}{model}; WCNTS {WCNTS[node]:g}")
+
+
+def pattern_words(pattern: TimePattern) -> str:
+    """A node's time pattern as its description states it."""
+    if pattern.kind == "burst":
+        return f"in bursts on about 1 step in {1 / pattern.p_active:,.0f}"
+    if pattern.kind == "decay":
+        return (f"an initial spike ({1 + pattern.amplitude:g}x at step 1, decaying over "
+                f"{pattern.decay_steps:g} steps)")
+    if pattern.kind == "onset":
+        return f"none before step {pattern.onset_step}"
+    return "constant rate"
 
 
 def synthetic() -> list[Profile]:
@@ -208,7 +223,8 @@ def synthetic() -> list[Profile]:
             "single exponent-bit flips in attention and FFN outputs (huge relative errors)"),
         Profile("mantissa-noise", tuple(
             FaultSpec(s, "bitflip", rate=1e-4, bit_class="mantissa") for s in SITES),
-            "low-order mantissa flips at all four sites (small relative errors, many events)"),
+            "flips of one mantissa bit, any of them, at all four sites (relative errors "
+            "below 1, many events)"),
         Profile("stuck-lane", (
             FaultSpec("fwd/ffn", "zero", rate=1.0, lanes=(3,), tp_ranks=(0,)),),
             "tp rank 0 keeps FFN output column 3 stuck at zero (a dead lane)"),
@@ -278,18 +294,61 @@ def load(name_or_path: str, fault_kind: str = "profile") -> Profile:
     return with_fault_kind(_load(name_or_path), fault_kind)
 
 
+# Tree sites only some modes apply; a spec at one elsewhere would never fire. (Detect mode
+# refuses its own, `detect.trainer.UNAPPLIED_SITES`.)
+SITE_MODES = {"collective/grad_allreduce": ("paft", "detect")}
+
+
 def load_for(cfg, fault_kind: str | None = None) -> Profile:
     """`cfg.suspect.profile` as `load` gives it (with `fault_kind`, by default the config's),
-    refused when a spec names layers, lanes or tp ranks the config's model lacks
-    (`specs.check_fits`): such a spec would never fire."""
+    refused when a spec could never fire in the config's run: layers, lanes or tp ranks its
+    model lacks (`specs.check_fits`), a site its mode does not have (`SITE_MODES`), or, in a
+    profile file, a time pattern whose steps all lie past experiment.steps (`check_reached`;
+    the zoo's nodes are as published: node 13 is clean before step 450 in any run)."""
     from sdcstudy.core.config import model_dims
 
     profile = load(cfg.suspect.profile,
                    cfg.suspect.fault_kind if fault_kind is None else fault_kind)
     try:
-        return check_fits(profile, model_dims(cfg.model), cfg.mesh.tp, cfg.data.seq_len)
+        check_fits(profile, model_dims(cfg.model), cfg.mesh.tp, cfg.data.seq_len)
+        check_mode(profile, cfg.experiment.mode)
+        if cfg.suspect.profile not in {**zoo(), **flip_variants()}:
+            check_reached(profile, cfg.experiment.steps)
     except FaultSpecError as e:
         raise UserError(f"suspect.profile: {e}") from None
+    return profile
+
+
+def _where(profile: Profile, i: int) -> str:
+    return f"profile {profile.name!r}: specs[{i}] ({profile.specs[i].site})"
+
+
+def check_mode(profile: Profile, mode: str) -> None:
+    """A `FaultSpecError` for a spec at a site that experiment.mode `mode` never applies."""
+    for i, spec in enumerate(profile.specs):
+        modes = SITE_MODES.get(spec.site)
+        if modes is not None and mode not in modes and spec.base_rate > 0:
+            raise FaultSpecError(f"{_where(profile, i)}: {spec.site} is the gradient "
+                                 f"all-reduce of experiment.mode paft, which mode {mode} does "
+                                 f"not have; use site grad (the accumulated gradient) or mode "
+                                 f"paft.")
+
+
+def check_reached(profile: Profile, steps: int) -> None:
+    """A `FaultSpecError` for a spec whose time pattern is off at every step of a run of
+    `steps` optimizer steps (counted from 1): a steps pattern past them, or a later onset."""
+    for i, spec in enumerate(profile.specs):
+        p = spec.pattern
+        if spec.base_rate > 0 and p.kind == "steps" and p.steps and min(p.steps) > steps:
+            raise FaultSpecError(f"{_where(profile, i)}: pattern.steps {list(p.steps)} all lie "
+                                 f"past the run's last step (experiment.steps = {steps}), so "
+                                 f"the spec would never fire; list a step from 1 to {steps} "
+                                 f"or raise experiment.steps.")
+        if spec.base_rate > 0 and p.kind == "onset" and p.onset_step > steps:
+            raise FaultSpecError(f"{_where(profile, i)}: pattern.onset_step {p.onset_step} "
+                                 f"lies past the run's last step (experiment.steps = {steps}), "
+                                 f"so the spec would never fire; lower it or raise "
+                                 f"experiment.steps.")
 
 
 def _load(name_or_path: str) -> Profile:
@@ -329,3 +388,8 @@ def listing() -> str:
     rows = [(name, p.description) for name, p in {**zoo(), **flip_variants()}.items()]
     width = max(len(n) for n, _ in rows)
     return "\n".join(f"{name:<{width}}  {desc}" for name, desc in rows)
+
+
+# What callers read from here: the zoo, loading, and (for `demo`) the published numbers.
+__all__ = ["zoo", "flip_variants", "paper_node", "load", "load_for", "to_dict", "listing",
+           "published", "check_mode", "check_reached"]

@@ -116,8 +116,13 @@ class FaultSpec:
         return direction, name
 
     def validate(self, where: str = "fault spec") -> "FaultSpec":
-        """Every field of the right type and in its range (docs/faults.md, section 7); a
-        spec whose layers, lanes or tp ranks the model lacks is refused by `check_fits`."""
+        """Every field of the right type and in its range, and none that the spec's kind,
+        site or pattern would ignore (docs/faults.md, section 8); a spec whose layers, lanes
+        or tp ranks the model lacks is refused by `check_fits`."""
+        for name in ("site", "kind", "bit_class", "note"):
+            if not isinstance(getattr(self, name), str):
+                raise FaultSpecError(f"{where}: {name} must be text, not "
+                                     f"{getattr(self, name)!r}.")
         _check_numbers(self, where)
         direction, name = self.resolve()
         ok = (direction == "tree" or name in MODEL_COLLECTIVES
@@ -146,10 +151,55 @@ class FaultSpec:
             raise FaultSpecError(f"{where}: pattern.kind must be one of {', '.join(PATTERNS)}.")
         if p.kind == "periodic" and p.period < 1:
             raise FaultSpecError(f"{where}: a periodic pattern needs pattern.period >= 1.")
+        _check_fields_apply(self, where)
         return self
 
 
-# The range of each numeric field of a spec and of its pattern (docs/faults.md, section 7).
+# The fields each corruption kind and each time pattern reads; a field another kind or pattern
+# reads must keep its default (docs/faults.md, section 8): given, it would be ignored.
+KIND_FIELDS = {"bitflip": ("bits", "bit_class"), "scale": ("scale",),
+               "additive": ("scale",), "random": ("value_std",)}
+PATTERN_FIELDS = {"constant": (), "burst": ("p_active",), "onset": ("onset_step",),
+                  "steps": ("steps",), "decay": ("amplitude", "decay_steps"),
+                  "periodic": ("period", "amplitude")}
+
+
+def _check_fields_apply(spec: "FaultSpec", where: str) -> None:
+    """One sentence for a field that the spec's kind, site or pattern would ignore, or for
+    two fields that contradict each other."""
+    if spec.count is not None and spec.rate > 0:
+        raise FaultSpecError(f"{where}: give either rate (per element) or count (elements "
+                             f"per tensor), not both; count would override rate {spec.rate:g}.")
+    if spec.count is not None and spec.lanes is not None:
+        raise FaultSpecError(f"{where}: count picks its elements from the whole tensor, so "
+                             f"lanes would keep only the few that fall in lanes "
+                             f"{list(spec.lanes)}; use a rate (per element of those lanes) "
+                             f"instead of count.")
+    default = FaultSpec(spec.site)
+    for name in ("bits", "bit_class", "scale", "value_std"):
+        kinds = [k for k, fields in KIND_FIELDS.items() if name in fields]
+        if spec.kind not in kinds and getattr(spec, name) != getattr(default, name):
+            raise FaultSpecError(f"{where}: {name} applies to kind {' or '.join(kinds)} "
+                                 f"only, and a {spec.kind} spec would ignore it: remove it.")
+    if spec.bits is not None and spec.bit_class != default.bit_class:
+        raise FaultSpecError(f"{where}: give either bits or bit_class, not both (bits "
+                             f"{list(spec.bits)} would override bit_class {spec.bit_class!r}).")
+    _, site = spec.resolve()
+    outside = site not in S.BLOCK_SITES and site not in MODEL_COLLECTIVES
+    if outside and spec.layers is not None and set(spec.layers) != {0}:
+        raise FaultSpecError(f"{where}: layers {list(spec.layers)} name blocks, but "
+                             f"{spec.site} lies outside them (faults.parquet records it at "
+                             f"layer 0); remove layers.")
+    p, plain = spec.pattern, TimePattern()
+    for name in ("p_active", "onset_step", "amplitude", "decay_steps", "period", "steps"):
+        if name not in PATTERN_FIELDS[p.kind] and getattr(p, name) != getattr(plain, name):
+            kinds = " or ".join(k for k, n in PATTERN_FIELDS.items() if name in n)
+            raise FaultSpecError(f"{where}: pattern.{name} applies to pattern.kind {kinds}, "
+                                 f"and this pattern's kind is {p.kind}, which ignores it: set "
+                                 f"pattern.kind or remove pattern.{name}.")
+
+
+# The range of each numeric field of a spec and of its pattern (docs/faults.md, section 8).
 # Layers count the model's blocks from 1 (0: the sites outside them); bits are positions in a
 # float32 (a bfloat16 site has 0-15, checked where the step is traced).
 SPEC_INTS = {"count": AT_LEAST_1, "bits": Range(0, 31), "lanes": AT_LEAST_0,
@@ -281,10 +331,17 @@ def spec_from_dict(data: dict, where: str) -> FaultSpec:
             raise FaultSpecError(f"{where}: unknown field {key!r}{hint}.")
         if key == "pattern":
             pfields = {f.name for f in dataclasses.fields(TimePattern)}
-            if not isinstance(value, dict) or set(value) - pfields:
-                bad = sorted(set(value) - pfields) if isinstance(value, dict) else value
-                raise FaultSpecError(f"{where}: pattern has unknown fields {bad}; it takes "
+            if not isinstance(value, dict):
+                raise FaultSpecError(f"{where}: pattern must be a mapping such as {{kind: "
+                                     f"burst, p_active: 0.05}}, not {value!r}.")
+            if set(value) - pfields:
+                raise FaultSpecError(f"{where}: pattern has unknown fields "
+                                     f"{sorted(set(value) - pfields, key=str)}; it takes "
                                      f"{', '.join(sorted(pfields))}.")
+            if value.get("kind") == "steps" and "steps" not in value:
+                raise FaultSpecError(f"{where}: a steps pattern needs pattern.steps, the "
+                                     f"optimizer steps (from 1) at which the spec is on, e.g. "
+                                     f"[3, 7] ([] keeps it off at every step).")
             if "steps" in value:
                 steps = value["steps"]
                 value = {**value, "steps": tuple(steps) if isinstance(steps, list) else (steps,)}
@@ -303,18 +360,40 @@ def spec_from_dict(data: dict, where: str) -> FaultSpec:
         spec.validate(where)
     except TypeError as e:
         raise FaultSpecError(f"{where}: {e}.") from None
+    if "rate" not in kwargs and spec.count is None:
+        raise FaultSpecError(f"{where}: give rate (the probability that each element is hit, "
+                             f"e.g. 1.0e-5) or count (how many elements of each tensor); "
+                             f"without either the spec injects nothing.")
     return spec
 
 
+PROFILE_FIELDS = ("name", "description", "specs")
+SHAPE = ("a mapping with a list 'specs' of fault specs (and, optionally, 'name' and "
+         "'description'), as docs/faults.md section 8 shows")
+
+
 def profile_from_dict(data: dict, source: str) -> Profile:
-    if not isinstance(data, dict) or "specs" not in data:
-        raise FaultSpecError(f"{source}: a profile needs 'name' and a list 'specs'.")
-    unknown = set(data) - {"name", "description", "specs"}
+    """The profile a YAML file's value `data` describes (`source` names the file)."""
+    if not isinstance(data, dict):
+        what = ("a list (start it with 'specs:' and indent the list under it)"
+                if isinstance(data, list) else "empty" if data is None else repr(data))
+        raise FaultSpecError(f"{source}: a profile file is {SHAPE}; this one is {what}.")
+    unknown = sorted(set(data) - set(PROFILE_FIELDS), key=str)
     if unknown:
-        raise FaultSpecError(f"{source}: unknown profile field {sorted(unknown)[0]!r}.")
-    specs = data["specs"] or []
-    if not isinstance(specs, list):
-        raise FaultSpecError(f"{source}: 'specs' must be a list.")
-    return Profile(str(data.get("name", source)),
+        raise FaultSpecError(f"{source}: unknown profile field {unknown[0]!r}; a profile "
+                             f"takes {', '.join(PROFILE_FIELDS)}.")
+    if "specs" not in data:
+        raise FaultSpecError(f"{source}: a profile file is {SHAPE}; this one has no 'specs'.")
+    for key in ("name", "description"):
+        if key in data and not isinstance(data[key], str):
+            raise FaultSpecError(f"{source}: {key} must be text, not {data[key]!r}.")
+    specs = data["specs"]
+    if specs is not None and not isinstance(specs, list):
+        raise FaultSpecError(f"{source}: 'specs' must be a list of fault specs, each "
+                             f"starting with '- '.")
+    if not specs:
+        raise FaultSpecError(f"{source}: the profile has no specs, so it would inject nothing; "
+                             f"add a spec, or use suspect.profile=healthy for a healthy node.")
+    return Profile(data.get("name", source),
                    tuple(spec_from_dict(s, f"{source}: specs[{i}]") for i, s in enumerate(specs)),
-                   str(data.get("description", "")))
+                   data.get("description", ""))
