@@ -168,3 +168,19 @@ def test_the_cli_names_a_non_text_site_in_one_sentence_and_exits_2(tmp_path, cap
     (line,) = [x for x in err.splitlines() if x.startswith("sdcstudy: error:")]
     assert "site" in line and "specs[0]" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_bits_a_site_lacks_are_refused_even_when_some_exist():
+    # bits [3, 20] on a bfloat16 site flipped bit 3 alone, silently: half of what the spec
+    # says. Only a spec none of whose bits exist was refused.
+    from sdcstudy.faults import draws
+    from sdcstudy.faults import specs as FS
+
+    spec = FS.FaultSpec("fwd/attn", "bitflip", rate=0.01, bits=(3, 20))
+    assert draws._allowed_bits(spec, 32) == (3, 20)
+    with pytest.raises(FS.FaultSpecError, match=r"bits \[20\] of bits \[3, 20\] exist in the "
+                                                r"16-bit values"):
+        draws._allowed_bits(spec, 16)
+    with pytest.raises(FS.FaultSpecError, match=r"none of bits \[20\] exist"):
+        draws._allowed_bits(FS.FaultSpec("fwd/attn", "bitflip", rate=0.01, bits=(20,)), 16)
+    assert len(draws._allowed_bits(FS.FaultSpec("fwd/attn", "bitflip", rate=0.01), 16)) == 16

@@ -23,13 +23,16 @@ from sdcstudy.faults.specs import FaultSpec, FaultSpecError
 
 def _allowed_bits(spec: FaultSpec, width: int) -> tuple[int, ...]:
     """The bits a bit-flip spec may flip in `width`-bit values."""
-    allowed = spec.bits if spec.bits is not None else bits_of_class(spec.bit_class, width)
-    allowed = tuple(b for b in allowed if b < width)
-    if not allowed:
-        raise FaultSpecError(f"{spec.site}: none of bits {list(spec.bits)} exist in the "
+    if spec.bits is None:
+        return tuple(b for b in bits_of_class(spec.bit_class, width) if b < width)
+    missing = [b for b in spec.bits if b >= width]
+    if missing:  # flipping the others alone would inject less than the spec says
+        which = ("none of bits" if len(missing) == len(spec.bits) else
+                 f"bits {missing} of bits")
+        raise FaultSpecError(f"{spec.site}: {which} {list(spec.bits)} exist in the "
                              f"{width}-bit values at this site; a {width}-bit float has bits "
                              f"0-{width - 1}.")
-    return allowed
+    return tuple(spec.bits)
 
 
 def _draws_a_bit(spec: FaultSpec, width: int) -> bool:
