@@ -76,6 +76,7 @@ def sweep(config_path, profiles: list[str], out: Path | None = None, overrides=(
                             f"run folder {name!r}; rename one of the files.")
         configs[name] = (profile, C.load(config_path, [*overrides, f"suspect.profile={profile}",
                                                        f"experiment.name={name}"]))
+        zoo.load_for(configs[name][1])  # so does a spec this run's model or mode cannot fire
     mode = next(iter(configs.values()))[1].experiment.mode
     if mode == "train":
         raise UserError("a sweep compares each suspect profile with a healthy node or scores "

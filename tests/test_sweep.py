@@ -79,6 +79,19 @@ def test_sweep_checks_every_profile_before_running(fake, tmp_path, capsys, profi
     assert fake.calls == [] and not out.exists()
 
 
+def test_sweep_checks_every_profile_against_the_run_before_running(fake, tmp_path, capsys):
+    # A spec the run's model cannot fire (layer 9 of a 2-layer model) was found only when its
+    # run started, after the runs before it had finished.
+    late = tmp_path / "late.yaml"
+    late.write_text("specs:\n  - {site: fwd/attn, kind: bitflip, rate: 1.0e-3, layers: [9]}\n")
+    out = tmp_path / "zoo"
+    assert cli.main(["sweep", str(CONFIG), "--profiles", f"paper-node-1,{late}",
+                     "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "layers [9]" in err and len(err.strip().splitlines()) == 1, err
+    assert fake.calls == [] and not out.exists()
+
+
 def test_sweep_never_writes_into_a_folder_it_did_not_make(fake, tmp_path, capsys):
     out = tmp_path / "mine"
     out.mkdir()
