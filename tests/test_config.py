@@ -367,3 +367,17 @@ def test_tensor_parallelism_refused_in_the_mode_the_user_chose():
     cfg = C.from_dict({"experiment": {"mode": "abft"}, "mesh": {"tp": 2}})
     with pytest.raises(UserError, match="experiment.mode 'abft' runs data-parallel only"):
         Trainer.shardings(types.SimpleNamespace(cfg=cfg), None, None)
+
+
+def test_a_key_given_twice_in_one_mapping_is_refused():
+    """YAML's loader keeps the last of two equal keys silently (a profile's `{rate: 0.1,
+    rate: 0.2}` read as 0.2, a config's second `optim:` section replacing the first)."""
+    from sdcstudy.core import yamlsafe
+
+    for text, key in (("p: {rate: 0.1, rate: 0.2}\n", "rate"),
+                      ("optim: {lr: 0.1}\nmodel: {preset: tiny}\noptim: {lr: 0.2}\n", "optim")):
+        with pytest.raises(C.ConfigError, match=f"gives the key '{key}' twice in one mapping"):
+            yamlsafe.load_text(text)
+    # The same key in different mappings, nested or in list items, is no repeat.
+    assert yamlsafe.load_text("m: {k: 1, n: {k: 2}, j: 3}\nl: [{x: 1}, {x: 2}]\n") == {
+        "m": {"k": 1, "n": {"k": 2}, "j": 3}, "l": [{"x": 1}, {"x": 2}]}

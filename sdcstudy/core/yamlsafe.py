@@ -4,8 +4,8 @@ Configs, fault profiles, model preset files, a golden record's config.yaml and t
 all come through here, and some arrive from other machines and are read as root. So the text
 is screened event by event before it is loaded: a file over `MAX_BYTES` is not read, and an
 anchor or alias (the "billion laughs": 617 bytes that expand past 4 GB), a tag other than
-YAML's plain ones (`!!python/object`, `!!binary`), nesting deeper than `MAX_DEPTH` or more
-than `MAX_NODES` values end in one `ConfigError` sentence. Only then does the safe loader
+YAML's plain ones (`!!python/object`, `!!binary`), nesting deeper than `MAX_DEPTH`, more
+than `MAX_NODES` values or a key given twice in one mapping end in one `ConfigError` sentence. Only then does the safe loader
 build the value, which the screen has bounded to `MAX_NODES` plain values. No config needs an
 anchor: write the value out in full. Imports no JAX.
 """
@@ -75,9 +75,12 @@ def load_text(text: str, what: str = "YAML text") -> Any:
 
 
 def screen(text: str, what: str = "YAML text") -> None:
-    """Refuse anchors, aliases, tags beyond YAML's plain ones, and nesting or value counts
-    past the bounds, reading the parser's events one at a time (no value is built)."""
+    """Refuse anchors, aliases, tags beyond YAML's plain ones, nesting or value counts past
+    the bounds, and a key given twice in one mapping (YAML's loader keeps the last one
+    silently: `{rate: 0.1, rate: 0.2}` read as 0.2), reading the parser's events one at a time
+    (no value is built)."""
     depth = nodes = 0
+    mappings: list[tuple[set, list] | None] = []  # per open collection: keys seen, key next?
     try:
         for event in yaml.parse(text, Loader=_LOADER):
             where = f"line {event.start_mark.line + 1}" if event.start_mark else "somewhere"
@@ -87,7 +90,9 @@ def screen(text: str, what: str = "YAML text") -> None:
             if not isinstance(event, _NODE_EVENTS):
                 if isinstance(event, _CLOSE_EVENTS):
                     depth -= 1
+                    mappings.pop()
                 continue
+            _check_key(mappings[-1] if mappings else None, event, what, where)
             if event.anchor is not None:
                 raise ConfigError(f"{what} defines the YAML anchor &{event.anchor} ({where}); "
                                   f"sdcstudy reads no anchors or aliases, so write the value out.")
@@ -100,12 +105,27 @@ def screen(text: str, what: str = "YAML text") -> None:
                 raise ConfigError(f"{what} holds more than {MAX_NODES} values, the most "
                                   f"sdcstudy reads of a YAML file.")
             if isinstance(event, _OPEN_EVENTS):
+                mappings.append((set(), [True]) if isinstance(event, yaml.MappingStartEvent)
+                                else None)
                 depth += 1
                 if depth > MAX_DEPTH:
                     raise ConfigError(f"{what} nests lists or mappings more than {MAX_DEPTH} "
                                       f"deep ({where}), deeper than sdcstudy reads.")
     except yaml.YAMLError as e:
         raise InvalidYaml(f"{what} is not valid YAML ({first_line(e)}).") from None
+
+
+def _check_key(mapping: tuple[set, list] | None, event, what: str, where: str) -> None:
+    """In a mapping, events alternate key and value: refuse a scalar key seen before."""
+    if mapping is None:
+        return
+    seen, key_next = mapping
+    if key_next[0] and isinstance(event, yaml.ScalarEvent):
+        if event.value in seen:
+            raise ConfigError(f"{what} gives the key {event.value!r} twice in one mapping "
+                              f"({where}); YAML would keep the last silently: keep one.")
+        seen.add(event.value)
+    key_next[0] = not key_next[0]
 
 
 def _short(tag: str) -> str:
