@@ -170,3 +170,14 @@ def test_a_flip_outside_the_models_sites_is_one_sentence(site):
     from sdcstudy.golden import workload
     with pytest.raises(UserError, match="a flip strikes a model site"):
         workload.parse_injection(f"flip:step=1,site={site},layer=1,bit=3")
+
+
+def test_a_flip_at_a_site_outside_the_blocks_takes_no_layer():
+    # The logits lie outside the blocks: layer=1 was refused as "remove layers", a field the
+    # user never typed; layer=0 (where faults.parquet records such a site) is accepted.
+    from sdcstudy.core.errors import UserError
+    from sdcstudy.golden import workload
+    with pytest.raises(UserError, match="fwd/logits lies outside the blocks, so it takes no "
+                                        "layer=; remove layer=1"):
+        workload.parse_injection("flip:step=1,site=fwd/logits,layer=1,bit=3")
+    assert workload.parse_injection("flip:step=1,site=fwd/logits,bit=3").profile.specs

@@ -75,6 +75,14 @@ def parse_injection(text: str) -> Injection:
                         f"integers.") from None
     flip.setdefault("microstep", 0)
     flip.setdefault("seed", 0)
+    direction, site = FS.FaultSpec(flip["site"]).resolve()
+    if direction not in ("fwd", "bwd") or flip["site"] in FS.MODEL_COLLECTIVES:
+        # a collective of tensor parallelism: the golden device has none to strike
+        raise UserError(f"--inject {text!r}: a flip strikes a model site (fwd/... or bwd/...); "
+                        f"use a YAML profile for {flip['site']!r}.")
+    if flip.get("layer", 0) != 0 and site in S.MODEL_SITES:
+        raise UserError(f"--inject {text!r}: {flip['site']} lies outside the blocks, so it "
+                        f"takes no layer=; remove layer={flip['layer']}.")
     spec = FS.FaultSpec(flip["site"], "bitflip", count=1, bits=(flip["bit"],),
                         layers=(flip["layer"],) if "layer" in flip else None,
                         pattern=FS.TimePattern("steps", steps=(flip["step"],)))
@@ -82,11 +90,7 @@ def parse_injection(text: str) -> Injection:
         spec.validate(f"--inject {text!r}")
     except FS.FaultSpecError as e:
         raise UserError(str(e)) from None
-    if spec.direction not in ("fwd", "bwd") or spec.site in FS.MODEL_COLLECTIVES:
-        # a collective of tensor parallelism: the golden device has none to strike
-        raise UserError(f"--inject {text!r}: a flip strikes a model site (fwd/... or bwd/...); "
-                        f"use a YAML profile for {spec.site!r}.")
-    if spec.resolve()[1] not in S.MODEL_SITES and "layer" not in flip:
+    if site not in S.MODEL_SITES and "layer" not in flip:
         raise UserError(f"--inject {text!r} needs layer= (1 to the number of layers).")
     return Injection(text, FS.Profile("flip", (spec,), text), flip["microstep"], flip["seed"],
                      flip)
