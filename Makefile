@@ -36,7 +36,8 @@ test: $(VENV)/.installed-test
 # modules, less their end-to-end runs marked slow. `make test` runs these too, slow ones included.
 FAST_TESTS := $(addprefix tests/test_,$(addsuffix .py,config architecture fault_model tables \
 	runlock report report_bits_abft fleet deploy gpu_acceptance gpu_free_step embedding paft_checks \
-	hostmem reproduce mode_bits ticker))
+	hostmem reproduce mode_bits ticker paired_summary profile_mistakes profile_descriptions \
+	pairing_checks resume_refusals))
 
 test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --no-loadscope-reorder --durations=10 -m "not slow" $(FAST_TESTS)
