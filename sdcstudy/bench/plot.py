@@ -73,7 +73,7 @@ def _groups(result: dict):
 def overhead_figure(reports: dict | list[dict], path: Path) -> Path | None:
     """Each overhead ratio against parameter count (log axis), median with min-max bars; one
     PNG written atomically. None, and nothing written, when the results hold no overhead."""
-    from sdcstudy.report.plots import pyplot, save_figure
+    from sdcstudy.report.plots import pyplot, save_figure, styles
 
     reports = [reports] if isinstance(reports, dict) else reports
     rows = [row for report in reports for row in overhead_points(report)]
@@ -84,21 +84,30 @@ def overhead_figure(reports: dict | list[dict], path: Path) -> Path | None:
     for row in rows:
         curves.setdefault(row["overhead"], []).append(row)
     fig, ax = plt.subplots(figsize=(8 + 2.4 * (len(curves) > 18), 4.8))
-    for label, points in curves.items():
+    for i, ((label, points), style) in enumerate(zip(curves.items(),
+                                                     styles(curves).values())):
         points = sorted(points, key=lambda p: p["n_params"])
-        x = [p["n_params"] for p in points]
+        x = [p["n_params"] * dodge(i, len(curves)) for p in points]
         y = [p["median"] for p in points]
         bars = [[p["median"] - p["min"] for p in points], [p["max"] - p["median"] for p in points]]
-        ax.errorbar(x, y, yerr=bars, marker="o", capsize=3, label=label)
+        ax.errorbar(x, y, yerr=bars, marker="o", capsize=3, label=label, **style)
     ax.axhline(1.0, color="0.5", linewidth=0.8, linestyle="--")
     ax.set_xscale("log")
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("step time / plain step")
+    ax.set_xlabel("parameters (each curve shifted a little sideways so bars do not cover "
+                  "each other)", fontsize=9)
+    ax.set_ylabel("step time ratio (named in the legend)")
     ax.set_title("Overhead against model size (median, min-max over repetitions)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False,
               ncol=1 if len(curves) <= 18 else 2)
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def dodge(i: int, n: int) -> float:
+    """The factor that shifts curve `i` of `n` sideways on the log parameter axis (at most
+    about 12% either way): curves measured at the same presets would otherwise draw their
+    markers and bars on top of one another."""
+    return 10 ** (0.05 * (i - (n - 1) / 2) / max(1, (n - 1) / 2)) if n > 1 else 1.0
 
 
 def add_parser(sub) -> None:

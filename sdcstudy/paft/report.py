@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sdcstudy.report import plots as PL
+from sdcstudy.report import figure_style as FS, plots as PL
 from sdcstudy.report.sections import Section
 
 LOSS, DIV = "loss/mean", "div/mean_sq"
@@ -76,55 +76,62 @@ def _smooth(values: pd.Series, window: int) -> pd.Series:
 
 def curves(runs: dict, path: Path, key: str = LOSS, title: str = "", log: bool | None = None,
            smooth: int = 1, ylabel: str | None = None) -> Path | None:
-    """One line per run of `key` over steps (log y for the divergence unless told)."""
+    """One line per run of `key` over steps (log y for the divergence unless told); the y label
+    names the moving mean when `smooth` > 1, and on a log axis the title says that zeros (a
+    divergence right after a sync) are left out."""
     runs = {k: r for k, r in paft_runs(runs).items() if r.metrics is not None and key in r.metrics}
     if not runs:
         return None
     plt = PL.pyplot()
     log = (key == DIV) if log is None else log
     style = PL.styles(list(runs))
-    fig, ax = PL._with_legend_room(plt, 1, len(runs), 6.0, 4.0)
+    zeros = log and any((pd.to_numeric(r.metrics[key], errors="coerce") <= 0).any()
+                        for r in runs.values())
+    fig, ax = FS.with_legend_room(plt, 1, list(runs), 6.0, 4.0, top=0.65 if zeros else 0.4)
     for label, run in runs.items():
         m = run.metrics
         y = _smooth(m[key].astype(float), smooth)
-        if log:
-            y = PL._positive(y)
-        ax.plot(m["step"], y, label=label, linewidth=1.2, **style[label])
+        FS.line(ax, m["step"], FS.positive(y) if log else y, label=label, linewidth=1.2,
+                **style[label])
     if log:
         PL.log_scale(ax)
-        low, high = ax.get_ylim()
-        if high / low < 100:  # under two decades: label 1-2-5 steps, not only decades
-            from matplotlib.ticker import LogLocator, ScalarFormatter
-
-            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-            ax.yaxis.set_major_formatter(ScalarFormatter())
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(ylabel or {LOSS: "training loss (mean over workers, nats)",
-                             DIV: "divergence  mean_m ||θ̄ − θ_m||²"}.get(key, key))
-    ax.set_title(title)
+    else:
+        FS.plain_numbers(ax)
+    FS.step_axis(ax)
+    ax.set_ylabel((ylabel or {LOSS: "training loss (mean over workers, nats)",
+                              DIV: "divergence  mean_m ||θ̄ − θ_m||²"}.get(key, key))
+                  + ("" if smooth <= 1 else f"\n({FS.smoothing(smooth)})"))
+    if zeros:
+        title += "\n(zeros, as right after a sync, are gaps on the log axis)"
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    PL._legend_outside(fig, ax, len(runs))
+    FS.legend_outside(fig, ax, len(runs))
     return PL.save_figure(fig, Path(path))
 
 
 def bar_final(table: pd.DataFrame, path: Path, x: str, group: str, title: str = "",
               ylabel: str = "final training loss (nats)") -> Path | None:
-    """Final loss per `x` (e.g. packet-loss rate), one bar group per value of `group`."""
+    """Final loss per `x` (e.g. packet-loss rate), one bar group per value of `group`; the y
+    axis spans the losses, not from zero (its label says so), and the legend sits beside the
+    axes, where it covers no bar."""
     if table.empty:
         return None
     plt = PL.pyplot()
     pivot = table.pivot_table(index=x, columns=group, values="final_loss")
-    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    labels = [str(col) for col in pivot.columns]
+    fig, ax = FS.with_legend_room(plt, 1, labels, 5.5, 4.0)
     width = 0.8 / max(len(pivot.columns), 1)
-    for i, col in enumerate(pivot.columns):
-        ax.bar(np.arange(len(pivot)) + i * width, pivot[col], width, label=str(col))
+    for i, (col, colour) in enumerate(zip(pivot.columns, PL.styles(labels).values())):
+        ax.bar(np.arange(len(pivot)) + i * width, pivot[col], width, label=str(col),
+               color=colour["color"])
     ax.set_xticks(np.arange(len(pivot)) + 0.4 - width / 2, [f"{v:g}" for v in pivot.index])
     ax.set_xlabel(x)
-    ax.set_ylabel(ylabel)
+    ax.set_ylabel(f"{ylabel}\n(axis not from zero)")
     low, high = np.nanmin(pivot.values), np.nanmax(pivot.values)
     ax.set_ylim(low - 0.1 * (high - low + 1e-3), high + 0.1 * (high - low + 1e-3))
+    FS.plain_numbers(ax)
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    FS.legend_outside(fig, ax, labels)
     ax.grid(alpha=0.3, axis="y")
     return PL.save_figure(fig, Path(path))
 
@@ -147,8 +154,11 @@ def report_tables(runs: dict) -> dict:
 
 def draw_figures(runs: dict, out: Path) -> list[str]:
     """For `sdcstudy report`: loss and divergence curves of the paft runs (file names)."""
-    made = [curves(runs, Path(out) / "paft_loss.png", LOSS, "PAFT: training loss", smooth=5),
-            curves(runs, Path(out) / "paft_divergence.png", DIV, "PAFT: divergence of the copies")]
+    named = {label if method(run.config) in label else f"{label}: {method(run.config)}": run
+             for label, run in paft_runs(runs).items()}  # a folder's name, and its method
+    made = [curves(named, Path(out) / "paft_loss.png", LOSS, "PAFT: training loss", smooth=5),
+            curves(named, Path(out) / "paft_divergence.png", DIV,
+                   "PAFT: divergence of the copies")]
     return [p.name for p in made if p is not None]
 
 

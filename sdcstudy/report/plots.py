@@ -26,50 +26,18 @@ import pandas as pd
 from sdcstudy.core import reports
 from sdcstudy.report import tables as T
 
+from sdcstudy.report import figure_style as FS
+from sdcstudy.report.figure_style import log_scale, styles
+
 DPI = 100
-LEGEND_WIDTH = 1.6  # inches per column of a legend beside the axes
-
-
+PAPER = "Ma et al."
 pyplot = reports.pyplot
-
-
-def styles(labels) -> dict:
-    """{label: dict(color, linestyle)}: 20 distinct colours (the dark half of tab20 first),
-    then the same colours dashed, so 15 paper nodes stay apart."""
-    plt = pyplot()
-    palette = plt.get_cmap("tab20").colors
-    order = [*palette[0::2], *palette[1::2]]
-    return {label: {"color": order[i % len(order)],
-                    "linestyle": ("-", "--", ":")[(i // len(order)) % 3]}
-            for i, label in enumerate(labels)}
-
-
-def _positive(series: pd.Series) -> pd.Series:
-    """Values for a log axis: zeros and non-finite values become gaps."""
-    values = pd.to_numeric(series, errors="coerce").astype(float)
-    return values.where(np.isfinite(values) & (values > 0))
-
-
-def _last_step(rollup: pd.DataFrame) -> int:
-    """The last optimizer step of a rollup indexed by step (among other levels)."""
-    return int(rollup.index.get_level_values("step").max())
-
-
-def log_scale(ax, which: str = "y") -> None:
-    """A log axis (`which`: "x" or "y") with at most ~5 labelled decades and no minor ticks:
-    matplotlib makes every tick an object, and on 15-20 shared panels spanning many decades
-    that takes seconds per figure."""
-    from matplotlib.ticker import LogLocator, NullLocator
-
-    getattr(ax, f"set_{which}scale")("log")
-    axis = getattr(ax, f"{which}axis")
-    axis.set_major_locator(LogLocator(numticks=5))
-    axis.set_minor_locator(NullLocator())
 
 
 def save_figure(fig, path: Path) -> Path:
     """`fig` as the PNG `path`, atomically; a file that cannot be written is ReportWriteError."""
     try:
+        FS.widen_log_views(fig)
         with reports.writing(path, "figure"):
             return reports.save_png(fig, path, dpi=DPI,
                                     pil_kwargs={"compress_level": 1})  # zlib 6: 0.3 s more
@@ -77,48 +45,9 @@ def save_figure(fig, path: Path) -> Path:
         pyplot().close(fig)
 
 
-def _legend_columns(n: int) -> int:
-    return 1 if n <= 18 else 2
-
-
-def _count(entries) -> int:
-    """The number of legend entries: `entries` is their count or their labels."""
-    return entries if isinstance(entries, int) else len(entries)
-
-
-def _legend_width(entries) -> float:
-    """Inches for one legend column of `entries` (a count, or the labels, whose longest sets
-    the width, so that no label runs off the figure): the line sample and about 0.068 inch
-    per character at font size 8."""
-    if isinstance(entries, int) or not entries:
-        return LEGEND_WIDTH
-    return max(LEGEND_WIDTH, 0.5 + 0.068 * max(len(str(label)) for label in entries))
-
-
-def _legend_outside(fig, ax, n) -> None:
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False,
-              ncol=_legend_columns(_count(n)))
-
-
-def margins(fig, left: float = 0.95, right: float = 0.15, bottom: float = 0.6,
-            top: float = 0.4, wspace: float | None = None) -> None:
-    """Fixed margins around the axes of `fig`, in inches (`wspace`: the gap between panels, a
-    fraction of a panel's width). A layout engine (`tight_layout`) would measure every tick
-    label by drawing the figure once more: most of a second per figure of log axes."""
-    width, height = fig.get_size_inches()
-    fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height,
-                        top=1 - top / height, wspace=wspace)
-
-
-def _with_legend_room(plt, ncols: int, n, plot_width: float, height: float,
-                      wspace: float = 0.08, **kw):
-    """`plt.subplots(1, ncols)` with fixed margins in inches and room on the right for a
-    legend of `n` entries (a count: `LEGEND_WIDTH` inches per legend column; or the labels:
-    as wide as the longest needs)."""
-    legend = _legend_width(n) * _legend_columns(_count(n))
-    fig, axes = plt.subplots(1, ncols, figsize=(plot_width + legend, height), **kw)
-    margins(fig, right=0.15 + legend, wspace=wspace)
-    return fig, axes
+def _last_step(rollup: pd.DataFrame) -> int:
+    """The last optimizer step of a rollup indexed by step (among other levels)."""
+    return int(rollup.index.get_level_values("step").max())
 
 
 def _series(run, key: str) -> pd.Series:
@@ -137,23 +66,25 @@ def _panel_grid(n: int, title: str):
     plt = pyplot()
     ncols = min(3, n)
     nrows = math.ceil(n / ncols)
-    width, height = max(7.0, 4.2 * ncols), 2.3 * nrows + 1.3
+    width = max(7.0, 4.2 * ncols)
+    lines = FS.wrap(title, width)  # a long title on a narrow figure ran off both sides
+    top = 0.43 + 0.17 * len(lines.splitlines())
+    height = 2.3 * nrows + 0.7 + top
     fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), sharex=True, sharey=True,
                              squeeze=False)
-    fig.subplots_adjust(left=0.8 / width, right=1 - 0.15 / width, top=1 - 0.6 / height,
+    fig.subplots_adjust(left=0.95 / width, right=1 - 0.15 / width, top=1 - top / height,
                         bottom=0.95 / height, wspace=0.08 * 3 / ncols, hspace=0.3)
-    fig.suptitle(title, fontsize=10, y=1 - 0.12 / height)
+    fig.suptitle(lines, fontsize=10, y=1 - 0.12 / height, va="top")
     for ax in axes.flat[n:]:
         ax.set_visible(False)
-    from matplotlib.ticker import MaxNLocator
-
-    axes.flat[0].xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))  # shared
     return fig, axes
 
 
 def _label_grid(axes, n: int, ylabel: str) -> None:
-    """x labels under the lowest visible panel of each column, y labels on the left column."""
+    """x labels under the lowest visible panel of each column, y labels on the left column,
+    whole-step ticks on the shared x axis (after the data: a short run's axis is widened)."""
     nrows, ncols = axes.shape
+    FS.step_axis(axes.flat[0], None)
     for col in range(ncols):
         lowest = max(row for row in range(nrows) if row * ncols + col < n)
         axes[lowest, col].set_xlabel("optimizer step")
@@ -168,12 +99,13 @@ def frequency_panels(runs: dict, path: Path) -> Path | None:
     if not runs:
         return None
     plt = pyplot()
-    fig, axes = _panel_grid(len(runs), "Mismatch frequency per step "
-                                       "(steps without mismatches left out)")
+    fig, axes = _panel_grid(len(runs), f"Figure 3 ({PAPER}): mismatch frequency (share of the "
+                                       "compared elements that differ) per step; steps without "
+                                       "mismatches left out")
     site_style = styles(T.SITES)
     for ax, (label, run) in zip(axes.flat, runs.items()):
         for site in T.SITES:
-            freq = _positive(T.frequency_by_step(run, site))
+            freq = FS.positive(T.frequency_by_step(run, site))
             ax.plot(freq.index, freq.values, marker=".", markersize=3, lw=0.8, label=site,
                     **site_style[site])
         log_scale(ax)
@@ -196,48 +128,56 @@ def frequency_smoothed(runs: dict, path: Path, site: str = "fwd/attn",
     plt = pyplot()
     longest = max(_last_step(run.mismatch_rollup.by_microstep) for run in runs.values())
     window = window or max(1, round(longest / 20))
-    fig, ax = _with_legend_room(plt, 1, list(runs), 7.5, 4.2)
+    fig, ax = FS.with_legend_room(plt, 1, list(runs), 7.5, 4.2, left=1.15)  # 2-line y label
     for (label, run), style in zip(runs.items(), styles(runs).values()):
         freq = T.frequency_by_step(run, site)
-        smooth = _positive(freq.rolling(window, min_periods=1).mean())
+        smooth = FS.positive(freq.rolling(window, min_periods=1).mean())
         ax.plot(smooth.index, smooth.values, lw=1.2, label=label, marker=".", markersize=3,
                 **style)  # the marker keeps a step between two zeros visible
     log_scale(ax)
-    _integer_steps(ax)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(f"{site} mismatch frequency\n({_smoothing(window)})")
-    ax.set_title(f"Smoothed mismatch frequency of {site}", y=1.0)
+    FS.step_axis(ax)
+    ax.set_ylabel(f"{site} mismatch frequency\n({FS.smoothing(window)})")
+    ax.set_title(f"Figure 4 ({PAPER}): smoothed mismatch frequency of {site}", y=1.0)
     ax.grid(alpha=0.3, which="major")
-    _legend_outside(fig, ax, len(runs))
+    FS.legend_outside(fig, ax, len(runs))
     return save_figure(fig, path)
 
 
 def gradients(runs: dict, path: Path) -> Path | None:
     """Figure 5: ||g' - g||_2 per step beside the healthy ||g||_2, one panel per run, titled
-    with its WCNTS (eq. 5). Parameter-sync runs (the paper's setting) when there are any, else
-    the other synchronized runs (lock-step)."""
+    with its WCNTS (eq. 5); a run whose gradients became NaN or infinite is marked from that
+    step. Parameter-sync runs (the paper's setting) when there are any, else the other
+    synchronized runs (lock-step), whose taps repair the compared sites first: the title then
+    says that this is not the paper's quantity (docs/metrics.md)."""
     synced = T.synchronized_runs(runs)
-    runs = {label: run for label, run in synced.items() if T.run_mode(run) == "paramsync"} \
-        or synced
+    paramsync = {label: run for label, run in synced.items() if T.run_mode(run) == "paramsync"}
+    runs = paramsync or synced
     if not runs:
         return None
     plt = pyplot()
     wcnts = T.wcnts_table(runs)
-    fig, axes = _panel_grid(len(runs), "Gradient difference and ground-truth gradient norm "
-                                       "per step (zero differences left out)")
+    title = "gradient difference and ground-truth gradient norm per step (zero differences " \
+            "left out)"
+    fig, axes = _panel_grid(len(runs), f"Figure 5 ({PAPER}): {title}" if paramsync else
+                            f"{title[0].upper()}{title[1:]} of lock-step runs, whose taps "
+                            "repair the compared sites first: not Figure 5's quantity")
     for ax, (label, run) in zip(axes.flat, runs.items()):
-        diff = _positive(_series(run, "grad/diff_l2"))
-        norm = _positive(_series(run, "grad/norm"))
-        ax.plot(diff.index, diff.values, lw=0.9, color="tab:red", marker=".", markersize=2)
-        ax.plot(norm.index, norm.values, lw=1.2, color="black", ls="--")
+        FS.line(ax, *_xy(FS.positive(_series(run, "grad/diff_l2"))), lw=0.9, color="tab:red",
+                marker=".", markersize=3)
+        FS.line(ax, *_xy(FS.positive(_series(run, "grad/norm"))), lw=1.2, color="black",
+                ls="--")
         log_scale(ax)
         row = wcnts.loc[label]
         paper = row["wcnts" + T.PUBLISHED_SUFFIX]
         ax.set_title(f"{label}: WCNTS {T.fmt(row['wcnts'])}"
-                     + ("" if math.isnan(paper) else f" (Ma et al. {T.fmt(paper)})"), fontsize=9,
+                     + ("" if math.isnan(paper) else f" ({PAPER} {T.fmt(paper)})"), fontsize=9,
                      y=1.0, pad=3)
         ax.grid(alpha=0.3, which="major")
     _label_grid(axes, len(runs), "L2 norm")
+    for ax, run in zip(axes.flat, runs.values()):  # after the shared x axis is final
+        bad = FS.first_nonfinite(run, ("grad/diff_l2", "grad/nts", "grad/norm"))
+        if bad is not None:
+            FS.mark_nonfinite(ax, bad, "gradients not finite")
     handles = [plt.Line2D([], [], color="tab:red", marker=".", lw=0.9),
                plt.Line2D([], [], color="black", ls="--", lw=1.2)]
     fig.legend(handles, ["||g' - g||, suspect minus healthy weight gradients",
@@ -248,39 +188,46 @@ def gradients(runs: dict, path: Path) -> Path | None:
 
 def training(runs: dict, path: Path) -> Path | None:
     """Figure 6: parameter difference, gradient norms and training losses of free-running
-    pre-training pairs (healthy in black; fine-tuning has Figure 7, `finetune/report.py`)."""
+    pre-training pairs (healthy dashed black, drawn over the suspects; fine-tuning has Figure
+    7, `finetune/report.py`). A legend label says from which step a run is not finite."""
     runs = {label: run for label, run in runs.items()
             if T.run_mode(run) == "free" and "param/diff_l2" in run.metrics}
     if not runs:
         return None
     plt = pyplot()
-    fig, axes = _with_legend_room(plt, 3, [*runs, "healthy"], 13.4, 4.2, wspace=0.25)
+    labels = {label: T.nonfinite_label(run, label) for label, run in runs.items()}
+    fig, axes = FS.with_legend_room(plt, 3, [*labels.values(), "healthy"], 13.4, 4.2,
+                                    wspace=0.25, top=0.7)
+    fig.suptitle(f"Figure 6 ({PAPER}): free-running pairs, suspect against healthy",
+                 fontsize=10, y=1 - 0.1 / fig.get_size_inches()[1])
     drawn_healthy = []
+    healthy = {"color": "black", "lw": 1.0, "ls": "--", "zorder": 3}
     for (label, run), style in zip(runs.items(), styles(runs).values()):
-        diff = _positive(_series(run, "param/diff_l2"))
-        axes[0].plot(*_xy(diff), lw=1.0, label=T.nonfinite_label(run, label), **style)
-        axes[1].plot(*_xy(_series(run, "grad/norm_suspect")), lw=0.9, **style)
-        axes[2].plot(*_xy(_series(run, "loss/suspect")), lw=0.9, **style)
+        diff = FS.positive(_series(run, "param/diff_l2"))
+        FS.line(axes[0], *_xy(diff), lw=1.0, label=labels[label], **style)
+        FS.line(axes[1], *_xy(_series(run, "grad/norm_suspect")), lw=0.9, **style)
+        FS.line(axes[2], *_xy(_series(run, "loss/suspect")), lw=0.9, **style)
         loss = _series(run, "loss/healthy")
         if not any(loss.equals(seen) for seen in drawn_healthy):
             drawn_healthy.append(loss)
-            axes[1].plot(*_xy(_series(run, "grad/norm")), color="black", lw=1.2, ls="--",
-                         label="healthy" if len(drawn_healthy) == 1 else None)
-            axes[2].plot(*_xy(loss), color="black", lw=1.2, ls="--")
+            FS.line(axes[1], *_xy(_series(run, "grad/norm")),
+                    label="healthy" if len(drawn_healthy) == 1 else None, **healthy)
+            FS.line(axes[2], *_xy(loss), **healthy)
     log_scale(axes[0])
     log_scale(axes[1])
+    FS.plain_numbers(axes[2])
     for ax, ylabel, title in (
             (axes[0], "||theta' - theta||_2", "Parameter difference (suspect - healthy)"),
             (axes[1], "gradient L2 norm (before clipping)", "Gradient norm"),
             (axes[2], "training loss (nats)", "Training loss")):
-        ax.set_xlabel("optimizer step")
+        FS.step_axis(ax)
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10, y=1.0)
         ax.grid(alpha=0.3, which="major")
     handles, labels = axes[0].get_legend_handles_labels()
     h2, l2 = axes[1].get_legend_handles_labels()
     axes[2].legend(handles + h2, labels + l2, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                   fontsize=8, frameon=False, ncol=_legend_columns(len(runs) + 1))
+                   fontsize=8, frameon=False, ncol=FS.legend_columns(len(runs) + 1))
     return save_figure(fig, path)
 
 
@@ -316,10 +263,10 @@ def bit_positions(runs: dict, path: Path) -> Path | None:
         log_scale(ax)
         ax.set_title(f"{label} ({width}-bit)", fontsize=9, y=1.0, pad=3)
         ax.grid(alpha=0.3, which="major", axis="y")
+    _label_grid(axes, len(histograms), "elements")
     axes.flat[0].set_xlim(widest - 0.5, -0.5)  # shared: the sign bit on the left
     mantissa = T.MANTISSA_BITS.get(widest, widest // 2)  # sign, lowest exponent bit, ...
     axes.flat[0].set_xticks(sorted({widest - 1, mantissa, mantissa // 2, 0}, reverse=True))
-    _label_grid(axes, len(histograms), "elements")
     for ax in axes.flat:
         if ax.get_xlabel():
             ax.set_xlabel("bit position (sign | exponent, shaded | mantissa)")
@@ -347,19 +294,19 @@ def abft_flags(runs: dict, path: Path, matmul: str = "o", direction: str = "fwd"
     window = window or max(1, round(longest / 20))
     labels = {label: label if run.abft_by_step["flagged"].sum() else f"{label} (no flags)"
               for label, run in runs.items()}
-    fig, axes = _with_legend_room(plt, 2, list(labels.values()), 11.5, 4.4, sharex=True,
-                                  sharey=True)
+    fig, axes = FS.with_legend_room(plt, 2, list(labels.values()), 11.5, 4.4, left=1.15,
+                                    sharex=True, sharey=True)
     drawn = [False, False]
     for (label, run), style in zip(runs.items(), styles(runs).values()):
         for i, (ax, (mm, dr)) in enumerate(zip(axes, ((matmul, direction), (None, None)))):
             freq = T.abft_frequency_by_step(run, mm, dr)
-            shown = _positive(freq.rolling(window, min_periods=1).mean())
+            shown = FS.positive(freq.rolling(window, min_periods=1).mean())
             drawn[i] |= bool(shown.notna().any())
             ax.plot(shown.index, shown.values, lw=1.1, marker=".", markersize=4,
                     label=labels[label], **style)
     for ax, drew, what, title in (
             (axes[0], drawn[0], f"{matmul} ({direction}) ",
-             f"{matmul} ({direction}), as Figure 10 of Ma et al."),
+             f"{matmul} ({direction}), as Figure 10 of {PAPER}"),
             (axes[1], drawn[1], "", "all checked matmuls and directions")):
         log_scale(ax)
         if not drew:
@@ -369,21 +316,10 @@ def abft_flags(runs: dict, path: Path, matmul: str = "o", direction: str = "fwd"
         ax.set_title(f"ABFT flag frequency: {title}", fontsize=10, y=1.0)
         ax.grid(alpha=0.3, which="major")
     axes[0].set_xlim(first - 0.5, longest + 0.5)  # shared: an empty panel keeps the steps
-    _integer_steps(axes[0])
-    _legend_outside(fig, axes[1], len(runs))
-    axes[0].set_ylabel(f"fraction of checks flagged\n({_smoothing(window)})")
+    FS.step_axis(axes[0], None)
+    FS.legend_outside(fig, axes[1], len(runs))
+    axes[0].set_ylabel(f"fraction of checks flagged\n({FS.smoothing(window)})")
     return save_figure(fig, path)
-
-
-def _smoothing(window: int) -> str:
-    return "per step" if window == 1 else f"moving mean over {window} steps"
-
-
-def _integer_steps(ax) -> None:
-    """Ticks at whole optimizer steps only (a short run would get 1.25, 1.5, ...)."""
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
 
 
 def _xy(series: pd.Series):
