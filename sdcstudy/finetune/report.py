@@ -228,14 +228,22 @@ def loss_figure(runs: dict, path: Path) -> Path | None:
     """Figure 7: training loss during fine-tuning, one panel per task; the healthy node in
     black, each suspect in colour, flagged steps marked with x. Log y: a spike spans
     decades."""
+    from sdcstudy.report import figure_style as FS
     from sdcstudy.report import plots
 
     runs = finetune_runs(runs)
     if not runs:
         return None
     tasks = list(dict.fromkeys(_task(r) for r in runs.values()))
+    # The legend's entries (for its width and columns): the healthy nodes of each seed and
+    # the suspects.
+    labels = list(dict.fromkeys([HEALTHY, *(f"{HEALTHY} (seed={_seed(r)})" for r in
+                                            runs.values()),
+                                 *(_suspect_label(r) for r in runs.values()
+                                   if T.run_profile(r) != "healthy")]))
     plt = plots.pyplot()
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks) + 2.5, 4.2), squeeze=False)
+    fig, axes = FS.with_legend_room(plt, len(tasks), labels, 6.5 * len(tasks), 4.2,
+                                    wspace=0.25, squeeze=False)
     styles = plots.styles(list(runs))
     for ax, task in zip(axes[0], tasks):
         group = {k: r for k, r in runs.items() if _task(r) == task}
@@ -245,24 +253,23 @@ def loss_figure(runs: dict, path: Path) -> Path | None:
             if _seed(run) not in drawn:
                 drawn.add(_seed(run))
                 name = HEALTHY + ("" if _seed(run) == seed else f" (seed={_seed(run)})")
-                ax.plot(*plots._xy(plots._series(run, "loss/healthy")), lw=1.3,
+                FS.line(ax, *plots._xy(plots._series(run, "loss/healthy")), lw=1.3,
                         color="black", ls="-" if _seed(run) == seed else "--", label=name)
             if T.run_profile(run) == "healthy":
                 continue
             loss = plots._series(run, "loss/suspect")
-            ax.plot(loss.index, loss.values, lw=1.0, label=_suspect_label(run),
+            FS.line(ax, loss.index, loss.values, lw=1.0, label=_suspect_label(run),
                     **styles[label])
             spikes = [s for s in run.summary.get("loss_spikes") or [] if s in loss.index]
             if spikes:
                 ax.plot(spikes, loss.loc[spikes].clip(upper=1e6).values, "x", ms=6,
                         color=styles[label]["color"])
-        ax.set_yscale("log")
-        ax.set_title(f"{task}: training loss", fontsize=10)
-        ax.set_xlabel("optimizer step")
+        plots.log_scale(ax)
+        FS.step_axis(ax)
+        ax.set_title(f"Figure 7 (Ma et al.): {task}: training loss", fontsize=10)
         ax.set_ylabel("training loss (nats per counted token)")
         ax.grid(alpha=0.3)
-    axes[0, -1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    fig.tight_layout()
+    FS.legend_outside(fig, axes[0, -1], labels)
     return plots.save_figure(fig, path)
 
 
