@@ -77,6 +77,10 @@ def plot(args, report: dict) -> None:
         echo_stderr(f"figure: {args.plot}")
 
 
+def contenders(n: int) -> str:
+    return f"{n} contender" + ("" if n == 1 else "s")
+
+
 def echo_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -89,7 +93,8 @@ def live_line() -> bool:
 
 
 def check_args(args) -> list[str]:
-    """The presets asked for; one-sentence errors for numbers below 1 or no preset."""
+    """The presets asked for; one-sentence errors for numbers below 1 or no preset, and for
+    output files that would be overwritten or cannot be written (`check_outputs`)."""
     for name in ("batch", "seq_len", "steps", "repeats", "dp", "compile_threads"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
@@ -97,7 +102,53 @@ def check_args(args) -> list[str]:
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     if not presets:
         raise UserError("--presets names no preset; give e.g. --presets tiny,small.")
+    check_outputs(args)
     return presets
+
+
+OUTPUT_OPTIONS = ("json", "markdown", "plot")
+
+
+def check_outputs(args) -> None:
+    """Before anything is measured: each file `--json`, `--markdown` or `--plot` names must not
+    exist yet nor be named by another of them (a user's file is never overwritten, nor one of
+    the command's files by another: exit 2), and its folder, or the nearest
+    folder above it that exists (the missing ones are made), must be one that can be written
+    (else the sentence `reports.unwritten` gives, exit 3, as when the file fails at the end)."""
+    from sdcstudy.core import reports
+    from sdcstudy.core.errors import ReportWriteError
+
+    given = {option: Path(getattr(args, option)) for option in OUTPUT_OPTIONS
+             if getattr(args, option, None) is not None}
+    for option, path in given.items():
+        same = [o for o, p in given.items() if o != option and p.resolve() == path.resolve()]
+        if same:
+            raise UserError(f"--{option} and --{same[0]} name the same file {str(path)!r}; "
+                            f"give each its own.")
+        if path.is_dir():
+            raise ReportWriteError(reports.unwritten(path, IsADirectoryError(21, "Is a folder"),
+                                                     "benchmark file") + ".")
+        if path.exists() or path.is_symlink():
+            raise UserError(f"--{option} {str(path)!r} already exists; sdcstudy bench does not "
+                            f"overwrite it: remove it or give a new file name.")
+        check_folder(path, path.parent)
+
+
+def check_folder(path: Path, folder: Path, what: str = "benchmark file") -> None:
+    """`ReportWriteError` naming `path` unless `folder`, or the nearest folder above it that
+    exists, is a folder that can be written."""
+    from sdcstudy.core import reports
+    from sdcstudy.core.errors import ReportWriteError
+
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    error = None
+    if not folder.is_dir():
+        error = NotADirectoryError(20, "Not a directory")
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        error = PermissionError(13, "Permission denied")
+    if error is not None:
+        raise ReportWriteError(reports.unwritten(path, error, what) + ".")
 
 
 def preset_config(suite: str, preset: str, args, suite_overrides: list[str] = ()):
@@ -136,22 +187,46 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f}"
 
 
-def environment() -> dict:
-    from importlib import metadata
+VERSIONED = ("sdcstudy", "jax", "jaxlib", "flax", "optax", "torch", "transformers", "numpy",
+             "scipy", "pyarrow")
 
-    import jax
+
+def host() -> dict:
+    """The machine and the package versions, without importing JAX (the logging suite's)."""
+    import platform
+    from importlib import metadata
 
     from sdcstudy.core.determinism import cpu_info
 
-    versions = {}
-    for name in ("jax", "jaxlib", "flax", "optax", "torch", "transformers", "numpy"):
+    versions = {"python": platform.python_version()}
+    for name in VERSIONED:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
-    return {"cpu": cpu_info(), "versions": versions, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind,
-            "load_average": list(os.getloadavg()), "allocator": hostmem.describe()}
+    return {"cpu": cpu_info(), "hostname": platform.node(), "os": platform.platform(),
+            "versions": versions, "load_average": list(os.getloadavg()),
+            "allocator": hostmem.describe()}
+
+
+def environment() -> dict:
+    """`host()` with XLA's flags and JAX's devices."""
+    import jax
+
+    return {**host(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind}
+
+
+def command(args) -> dict:
+    """The command that wrote a bench JSON: the process's command line (`argv`) and the
+    options it was parsed into, defaults included (`options`; also right where the suite was
+    called from Python, as `bench all` and the tests do)."""
+    options = {}
+    for key, value in sorted(vars(args).items()):
+        if callable(value):
+            continue
+        options[key] = str(value) if isinstance(value, Path) else value
+    return {"argv": list(sys.argv), "options": options}
 
 
 def finish(args, suite: str, results: list[dict], table: str, goals: list[dict] = (),
@@ -175,7 +250,7 @@ def write(args, report: dict, table: str) -> None:
 
     if args.json is not None:
         with reports.writing(args.json, "benchmark file"):
-            RF.atomic_write_json(args.json, report)
+            RF.atomic_write_json(args.json, {**report, "command": command(args)})
     if args.markdown is not None:
         with reports.writing(args.markdown, "benchmark file"):
             RF.atomic_write_text(args.markdown, table)

@@ -58,7 +58,9 @@ def _where(entry: dict) -> str:
 
 
 def goals_table(goals: list[dict]) -> str:
-    """The goals as a Markdown table (empty when there are none)."""
+    """The goals as a Markdown table (empty when there are none), then what each goal's value
+    is a ratio or a share of: a goal's name alone can mislead (`paft.dyn_overlap_over_dp` is
+    taken over data parallel *under the same simulated error*, not over the `dp` contender)."""
     if not goals:
         return ""
     lines = ["| goal | where | value | limit | met |", "|---|---|---:|---:|---|"]
@@ -67,4 +69,8 @@ def goals_table(goals: list[dict]) -> str:
         limit = ("<= " if e["bound"] == "upper" else ">= ") + f"{e['limit']:g}"
         lines.append(f"| {e['name']} | {_where(e)} | {value} | {limit} | "
                      f"{'yes' if e['met'] else 'NO'} |")
+    names = [n for n in dict.fromkeys(e["name"] for e in goals) if n in GOALS]
+    if names:
+        lines += ["", "What each value is (a step-time ratio: its median over the repetitions):"]
+        lines += [f"- {name}: {GOALS[name].meaning}" for name in names]
     return "\n".join(lines) + "\n"

@@ -167,10 +167,12 @@ def run_logging_suite(args) -> int:
                             f"{getattr(args, name)}.")
     if args.out is not None and args.out.exists():
         raise UserError(f"{str(args.out)!r} already exists; give --out a new folder.")
+    B.check_outputs(args)
     with tempfile.TemporaryDirectory(prefix="sdcstudy-bench-logging-") as tmp:
         folder = args.out or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
         result = measure(folder, args.steps, args.rows_per_step, args.flush_every)
-    environment = {"load_average_end": list(os.getloadavg()), "cpus": os.cpu_count()}
+    environment = {**B.host(), "load_average_end": list(os.getloadavg()),
+                   "cpus": os.cpu_count()}
     return B.finish(args, "logging", [result], table(result), goals=logging_goals(result),
                     environment=environment)

@@ -140,7 +140,8 @@ def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{
     whose lowered programs are identical, source locations included, share one executable,
     since compiling the same module twice gives the same program; each still trains its own
     state. A contender's `compile_s` is its lowering plus its compilation's wall time, which is
-    longer than alone while others compile beside it.
+    longer than alone while others compile beside it. Progress: on a terminal a line counts the
+    seconds; elsewhere (a log file) each program says when it has compiled (`compiled_line`).
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -173,6 +174,9 @@ def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{
             if same_as[variant] == variant:
                 first_compile = first_compile or time.perf_counter()
                 futures[variant] = pool.submit(compile_one, lowered)
+                if not B.live_line():  # a log gets a line per program instead of the ticker
+                    futures[variant].add_done_callback(compiled_line(
+                        preset, label.format(variant), futures, echo))
         compiled = {variant: future.result() for variant, future in futures.items()}
     compile_s = time.perf_counter() - first_compile
     runners = {}
@@ -186,6 +190,18 @@ def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{
     return runners, {"init_s": init_s, "lower_s": sum(lower_s.values()),
                      "compile_s": compile_s, "threads": threads, "programs": len(futures),
                      "initializers": len(initial_states)}
+
+
+def compiled_line(preset: str, name: str, futures: dict, echo):
+    """The callback that says, when a program has compiled, how long it took and how many of
+    the programs submitted so far are done (a log's progress while the programs compile)."""
+    def done(future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        finished = sum(f.done() for f in list(futures.values()))
+        echo(f"{preset}: compiled {name} in {future.result()[2]:.1f} s ({finished} of "
+             f"{len(futures)} programs so far)")
+    return done
 
 
 def interleaved(runners: dict, steps: int, repeats: int, tokens: int, label: str,
@@ -261,6 +277,7 @@ def warm_up_and_time(runners: dict, steps: int, repeats: int, tokens: int, label
                      phases: dict, echo=B.echo_stderr):
     """(warm-up metrics per runner, timed seconds per runner, the kernel's share per runner,
     see `interleaved`); adds both phases' wall time to `phases`."""
+    echo(f"{label}: warming up {B.contenders(len(runners))}, {B.WARMUP_STEPS} steps each")
     t0 = time.perf_counter()
     warmup = {name: r.warm_up(B.WARMUP_STEPS) for name, r in runners.items()}
     t1 = time.perf_counter()

@@ -6,7 +6,9 @@ peak (roofline.py), and on a GPU whose kind roofline.py knows, the MFU against i
 peak. The torch contender runs on the CPU, so on a GPU time ours alone (`--no-torch`, which
 also allows a bfloat16 model). Each result carries the kernel census of our compiled step
 (census.py: which library runs each GEMM, Triton's tiles, fused attention, serialized
-scatters); `--hlo DIR` also keeps that step's optimized HLO as DIR/PRESET-DTYPE.hlo.
+scatters); `--hlo DIR` also keeps that step's optimized HLO as DIR/PRESET-DTYPE.hlo. Its
+`phases`: our step's initial state, lowering and compilation together (`compile_s`), the torch
+models' set-up, warm-up, timed steps and the matmul peak's timing, in seconds.
 
 torch and transformers are imported inside the functions that use them.
 """
@@ -14,7 +16,7 @@ torch and transformers are imported inside the functions that use them.
 from __future__ import annotations
 
 import os
-
+import time
 from pathlib import Path
 
 from sdcstudy.bench import census
@@ -43,9 +45,11 @@ def add_parser(sub) -> None:
 
 def torch_import_problem() -> str | None:
     """None when torch and transformers import, else one sentence saying what is missing."""
+    import importlib
+
     try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+        for name in ("torch", "transformers"):
+            importlib.import_module(name)
     except ImportError as e:
         return (f"torch or transformers is not importable ({e.name or e}), so only our step "
                 f"is measured; `pip install torch transformers` adds the comparison.")
@@ -183,8 +187,11 @@ def measure_train(preset: str, args, attentions: tuple[str, ...], echo=B.echo_st
     e = cfg.experiment
     echo(f"{preset}: compiling our step ({dims.n_params:,} parameters, batch {e.batch_size} x "
          f"{cfg.data.seq_len})")
+    began = time.perf_counter()
     with ticking(f"{preset}: compiling our step", enabled=B.live_line()):
         ours = BT.StepRunner(Trainer.from_config(cfg), tokens_MBL1)
+    phases = {"compile_s": time.perf_counter() - began}
+    echo(f"{preset}: our step compiled in {ours.compile_s:.1f} s")
     runners = {"ours": ours}
     if attentions:
         # Copied before our first step donates (and so may overwrite) the parameter buffers.
@@ -192,9 +199,14 @@ def measure_train(preset: str, args, attentions: tuple[str, ...], echo=B.echo_st
         for attention, runner in torch_runners(cfg, ours.trainer, params, tokens_MBL1,
                                                attentions).items():
             runners[f"torch-{attention}"] = runner
+    phases["torch_setup_s"] = time.perf_counter() - began - phases["compile_s"]
+    echo(f"{preset}: warming up {B.contenders(len(runners))}, {B.WARMUP_STEPS} steps each")
+    t0 = time.perf_counter()
     losses = {name: [r["loss/healthy"] for r in runner.warm_up(B.WARMUP_STEPS)]
               for name, runner in runners.items()}
-    seconds, kernel = BT.interleaved(runners, steps, args.repeats, tokens, preset)
+    t1 = time.perf_counter()
+    seconds, kernel = BT.interleaved(runners, steps, args.repeats, tokens, preset, echo)
+    phases.update({"warmup_s": t1 - t0, "timed_s": time.perf_counter() - t1})
 
     def contender(name):
         return {**BT.timing(seconds[name], steps, tokens), "warmup_losses": losses[name],
@@ -203,7 +215,7 @@ def measure_train(preset: str, args, attentions: tuple[str, ...], echo=B.echo_st
     result = {"preset": preset, "dtype": dims.dtype, "n_params": dims.n_params,
               "batch": e.batch_size,
               "seq_len": cfg.data.seq_len, "tokens_per_step": tokens, "steps": steps,
-              "repeats": args.repeats, "warmup_steps": B.WARMUP_STEPS,
+              "repeats": args.repeats, "warmup_steps": B.WARMUP_STEPS, "phases": phases,
               "ours": {**contender("ours"), "compile_s": ours.compile_s},
               "census": census.census(ours.hlo),
               "torch": {}, "torch_baseline": None, "ratio": None}
@@ -221,7 +233,9 @@ def measure_train(preset: str, args, attentions: tuple[str, ...], echo=B.echo_st
     echo(f"{preset}: timing a {roofline.PEAK_SIZE}x{roofline.PEAK_SIZE} float32 matmul "
          "for the machine's peak")
     rates = {name: steps / float(np.median(s)) for name, s in seconds.items()}
+    t0 = time.perf_counter()
     peaks = roofline.matmul_peak(with_torch=bool(attentions))
+    phases["peak_s"] = time.perf_counter() - t0
     mfu_peak = roofline.device_peak(jax.devices()[0].device_kind, dims.dtype, peaks["jax"])
     result["roofline"] = roofline.summary(
         dims, e.microsteps * e.batch_size, cfg.data.seq_len, rates, peaks,
@@ -236,10 +250,11 @@ def keep_hlo(args, name: str, hlo: str) -> None:
     """Our step's optimized HLO as `--hlo`/NAME.hlo, when asked."""
     folder = getattr(args, "hlo", None)
     if folder is not None:
+        from sdcstudy.core import reports
         from sdcstudy.core import runfolder as RF
 
-        folder.mkdir(parents=True, exist_ok=True)
-        RF.atomic_write_text(folder / f"{name}.hlo", hlo)
+        with reports.writing(folder / f"{name}.hlo", "HLO file"):
+            RF.atomic_write_text(folder / f"{name}.hlo", hlo)
 
 
 def train_table(results: list[dict]) -> str:
@@ -327,6 +342,8 @@ def run_train_suite(args) -> int:
     if unknown:
         raise UserError(f"--torch-attention {unknown[0]!r} is not one of "
                         f"{', '.join(TORCH_ATTENTION)}.")
+    if args.hlo is not None:  # checked before minutes of measuring, not after
+        B.check_folder(args.hlo, args.hlo, "HLO folder")
     note = None
     if args.no_torch:
         attentions = ()
