@@ -225,3 +225,22 @@ def test_the_warm_up_is_announced_before_it_runs():
     BT.warm_up_and_time({"a": Announced(None, None), "b": Announced(None, None)}, 1, 1, 8,
                         "tiny", phases, lines.append)
     assert "warmup_s" in phases and any("repetition 1/1" in line for line in lines)
+
+
+def test_bench_plot_refuses_what_is_no_bench_result_and_keeps_an_existing_figure(tmp_path,
+                                                                                  capsys):
+    # A JSON holding a number crashed ("could not run: TypeError ... a bug", exit 3); the
+    # sentence for a JSON that is no bench result did not name the file; --out replaced a
+    # figure already there.
+    from sdcstudy import cli
+
+    number = tmp_path / "num.json"
+    number.write_text("5")
+    out = tmp_path / "fig.png"
+    assert cli.main(["bench", "plot", str(number), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"bench result {str(number)!r} is not a `sdcstudy bench` result" in err
+    assert err.count("\n") == 1 and not out.exists()
+    out.write_bytes(b"mine")
+    assert cli.main(["bench", "plot", str(number), "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err and out.read_bytes() == b"mine"

@@ -19,14 +19,15 @@ from sdcstudy.core.config import UserError
 BASES = {"faults": "plain", "abft": "off", "paired": "free", "paft": "dp", "detect": "none"}
 
 
-def suites_of(report: dict) -> dict[str, list[dict]]:
-    """{suite: results} of one bench JSON: a single suite's, or every suite of `bench all`."""
-    if "suites" in report:
-        return {name: r.get("results", []) for name, r in report["suites"].items()}
-    if "suite" in report and "results" in report:
+def suites_of(report: dict, name: str = "the JSON file") -> dict[str, list[dict]]:
+    """{suite: results} of one bench JSON: a single suite's, or every suite of `bench all`;
+    `name` says which file in the sentence that refuses anything else."""
+    if isinstance(report, dict) and isinstance(report.get("suites"), dict):
+        return {suite: r.get("results", []) for suite, r in report["suites"].items()}
+    if isinstance(report, dict) and "suite" in report and "results" in report:
         return {report["suite"]: report["results"]}
-    raise UserError("the JSON file is not a `sdcstudy bench` result (no 'suite' and "
-                    "'results'); give a file written by `sdcstudy bench ... --json`.")
+    raise UserError(f"{name} is not a `sdcstudy bench` result (no 'suite' and 'results'); "
+                    f"give a file written by `sdcstudy bench ... --json`.")
 
 
 def overhead_points(report: dict) -> list[dict]:
@@ -122,6 +123,12 @@ def add_parser(sub) -> None:
 def run_plot(args) -> int:
     from sdcstudy.core import runfolder as RF
 
+    from sdcstudy.bench.common import check_folder
+
+    if args.out.exists():  # a figure already there is kept
+        raise UserError(f"--out {str(args.out)!r} already exists; sdcstudy bench plot does not "
+                        f"overwrite it: remove it or give a new file name.")
+    check_folder(args.out, args.out.parent, "figure")
     reports = []
     for path in args.json_files:
         if not path.is_file():
@@ -131,7 +138,7 @@ def run_plot(args) -> int:
             reports.append(RF.json_load(path))
         except ValueError:
             raise UserError(f"bench result {str(path)!r} is not valid JSON.")
-        suites_of(reports[-1])
+        suites_of(reports[-1], f"bench result {str(path)!r}")
     if overhead_figure(reports, args.out) is None:
         raise UserError("the bench results hold no overhead ratio to plot (the train suite "
                         "measures a speed-up); give results of faults, abft, paired, paft or "
