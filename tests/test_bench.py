@@ -196,6 +196,10 @@ def test_abft_suite(tmp_path, capsys):
     for name in ("on", "recompute"):
         assert variants[name]["checks"] == 8 * 3 * bench.WARMUP_STEPS, name
         assert variants[name]["flags"] == 0 and variants[name]["losses_equal_off"], name
+    # The goal the table judges is in the JSON's goals list too (it held none).
+    (goal,) = report["goals"]
+    assert goal["name"] == "abft.on_over_off" and goal["preset"] == "tiny"
+    assert goal["value"] == variants["on"]["ratio"]["median"] and goal["limit"] == 1.10
 
 
 def test_train_suite_matches_torch(tmp_path, capsys, monkeypatch):

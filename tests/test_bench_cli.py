@@ -244,3 +244,16 @@ def test_bench_plot_refuses_what_is_no_bench_result_and_keeps_an_existing_figure
     out.write_bytes(b"mine")
     assert cli.main(["bench", "plot", str(number), "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err and out.read_bytes() == b"mine"
+
+
+def test_the_abft_goal_is_in_the_goals_list():
+    # The abft table judged each checked step against 1.10x, but its JSON's goals list (what
+    # `bench all`'s goals table and the GPU acceptance read) was empty.
+    from sdcstudy.bench import abft
+
+    ratio = {"median": 1.2, "min": 1.1, "max": 1.3}
+    results = [{"preset": "tiny", "variants": {"off": {}, "on": {"ratio": ratio},
+                                               "recompute": {"ratio": ratio}}}]
+    assert abft.abft_goals(results) == [{"name": "abft.on_over_off", "preset": "tiny",
+                                         "value": 1.2, "limit": 1.1, "bound": "upper",
+                                         "met": False}]

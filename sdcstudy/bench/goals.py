@@ -30,6 +30,8 @@ GOALS = {
                                   "torch's (the faster attention)"),
     "train.peak_share": Goal(0.75, "lower", "our plain step's model FLOP/s / the machine's "
                              "matmul peak", presets=("small",)),
+    "abft.on_over_off": Goal(1.10, "upper", "step time with row and column checksums of every "
+                             "matmul, forward and backward / without ABFT"),
     "paired.lockstep_over_free": Goal(1.10, "upper", "lock-step step time / free running, "
                                       "at each tp degree"),
     "logging.peak_rss_mb": Goal(1024, "upper", "peak RSS (MiB) of logging a paper-scale "
