@@ -131,24 +131,7 @@ def check_outputs(args) -> None:
         if path.exists() or path.is_symlink():
             raise UserError(f"--{option} {str(path)!r} already exists; sdcstudy bench does not "
                             f"overwrite it: remove it or give a new file name.")
-        check_folder(path, path.parent)
-
-
-def check_folder(path: Path, folder: Path, what: str = "benchmark file") -> None:
-    """`ReportWriteError` naming `path` unless `folder`, or the nearest folder above it that
-    exists, is a folder that can be written."""
-    from sdcstudy.core import reports
-    from sdcstudy.core.errors import ReportWriteError
-
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    error = None
-    if not folder.is_dir():
-        error = NotADirectoryError(20, "Not a directory")
-    elif not os.access(folder, os.W_OK | os.X_OK):
-        error = PermissionError(13, "Permission denied")
-    if error is not None:
-        raise ReportWriteError(reports.unwritten(path, error, what) + ".")
+        reports.check_writable(path, path.parent, "benchmark file")
 
 
 def preset_config(suite: str, preset: str, args, suite_overrides: list[str] = ()):

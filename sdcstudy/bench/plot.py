@@ -123,12 +123,12 @@ def add_parser(sub) -> None:
 def run_plot(args) -> int:
     from sdcstudy.core import runfolder as RF
 
-    from sdcstudy.bench.common import check_folder
+    from sdcstudy.core import reports
 
     if args.out.exists():  # a figure already there is kept
         raise UserError(f"--out {str(args.out)!r} already exists; sdcstudy bench plot does not "
                         f"overwrite it: remove it or give a new file name.")
-    check_folder(args.out, args.out.parent, "figure")
+    reports.check_writable(args.out, args.out.parent, "figure")
     reports = []
     for path in args.json_files:
         if not path.is_file():

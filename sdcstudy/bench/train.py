@@ -24,6 +24,7 @@ from sdcstudy.bench import common as B
 from sdcstudy.bench import goals as G
 from sdcstudy.bench import timing as BT
 from sdcstudy.bench import roofline
+from sdcstudy.core import reports
 from sdcstudy.core.config import UserError, tokens_per_step
 from sdcstudy.core.ticker import ticking
 
@@ -250,7 +251,6 @@ def keep_hlo(args, name: str, hlo: str) -> None:
     """Our step's optimized HLO as `--hlo`/NAME.hlo, when asked."""
     folder = getattr(args, "hlo", None)
     if folder is not None:
-        from sdcstudy.core import reports
         from sdcstudy.core import runfolder as RF
 
         with reports.writing(folder / f"{name}.hlo", "HLO file"):
@@ -343,7 +343,7 @@ def run_train_suite(args) -> int:
         raise UserError(f"--torch-attention {unknown[0]!r} is not one of "
                         f"{', '.join(TORCH_ATTENTION)}.")
     if args.hlo is not None:  # checked before minutes of measuring, not after
-        B.check_folder(args.hlo, args.hlo, "HLO folder")
+        reports.check_writable(args.hlo, args.hlo, "HLO folder")
     note = None
     if args.no_torch:
         attentions = ()

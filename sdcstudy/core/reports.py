@@ -15,6 +15,7 @@ Imports no JAX.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -42,6 +43,22 @@ def writing(path, what: str = "report file"):
         yield
     except OSError as e:
         raise ReportWriteError(unwritten(path, e, what) + ".") from e
+
+
+def check_writable(path, folder, what: str = "report file") -> None:
+    """Before the work whose result `path` will hold: `ReportWriteError` naming `path` unless
+    `folder`, or the nearest folder above it that exists (the missing ones are made when the
+    file is written), is a folder that can be written."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    error = None
+    if not folder.is_dir():
+        error = NotADirectoryError(20, "Not a directory")
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        error = PermissionError(13, "Permission denied")
+    if error is not None:
+        raise ReportWriteError(unwritten(path, error, what) + ".")
 
 
 def warn_unwritten(error: ReportWriteError, warn: Callable[[str], None] | None = None) -> None:
