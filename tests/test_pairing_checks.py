@@ -167,6 +167,18 @@ def test_a_failed_gloo_collective_is_a_lost_peer_even_under_a_checkpoint_save():
     assert code == 3 and sentence == "process 0 of 1: could not write run folder 'r'."
 
 
+def test_a_device_out_of_memory_is_no_lost_peer():
+    """XLA's allocation failure is a JaxRuntimeError, which a run of several processes read as
+    a failed collective ("lost its peers"): it is the setup's size, said as one process says it."""
+    import jax
+
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating "
+                                     "17932051265668 bytes.")
+    code, sentence = distributed._describe(oom)
+    assert code == 3 and "lost its peers" not in sentence
+    assert "ran out of memory (XLA asked for 17.9 TB at once)" in sentence
+
+
 def test_a_mode_that_runs_in_one_process_is_refused_on_two():
     """`train` on two processes trained a copy on each and failed at its first checkpoint
     ("Cannot serialize host local jax.Array", exit 3 on both): refused before anything runs."""

@@ -350,6 +350,8 @@ def _describe(error: BaseException) -> tuple[int, str]:
                 f"{me}: {error or 'interrupted'}")
     if isinstance(error, NonFiniteError):
         return errors.EXIT_FAIL, f"{me}: {error}"
+    if oom := errors.out_of_memory(error):  # a JaxRuntimeError too, but no peer's fault
+        return errors.EXIT_COULD_NOT_RUN, f"{me}: {oom}"
     if failed := _failed_collective(error):  # also under a WriteError (a checkpoint's save)
         return EXIT_LOST_PEER, (f"{me} lost its peers ({first_line(failed, 300)}): another process "
                                 f"died, hung past the timeout or cannot be reached; see its "
