@@ -10,7 +10,10 @@ depends on, fed with fake results for each verdict, pass and fail per floor: the
 determinism cost with pinned kernel choices, the pinned choices honoured, cuDNN's fused
 attention, the kernel census, the torch ratio, ABFT's false alarms over 100,000 checks and
 recall per error size, the golden full workload and the stack fingerprint, `nvidia-smi -q` read
-from an H100's text, the short table, and a check that breaks failing alone.
+from an H100's text, the short table, and a check that breaks failing alone. And every
+command the checks start, at the GPU's sizes, through what its subcommand refuses before
+it compiles (config, fault profile, bench's files, golden's --inject), none writing
+another's file.
 """
 
 from __future__ import annotations
@@ -968,3 +971,89 @@ def test_a_healthy_abft_run_says_where_its_checks_flagged(tmp_path):
     assert where["largest_ratio"] == {"down/bwd_x": 2.5, "q/fwd": 1.5}
     assert [(w["step"], w["ratio"]) for w in where["worst"]] == [(9, 2.5), (3, 1.5)]
     json.dumps(where)  # the result file takes it
+
+
+# Where each bench suite's command gives its config the suite's own overrides (bench/*.py).
+SUITE_OVERRIDES = {"train": [["experiment.mode=train"]],
+                   "abft": [["experiment.mode=train", *o] for o in (
+                       [], ["abft.enabled=true"], ["abft.enabled=true", "abft.recompute=true"])],
+                   "faults": [["experiment.mode=train"]], "paired": [[]]}
+
+
+def accepted_at_its_sizes(argv: list[str]) -> list[Path]:
+    """One `python -m sdcstudy ...` command a check starts, through what its subcommand
+    refuses before it compiles anything, at the command's own sizes: the config with its
+    `--set`s and its fault profile (`profiles.load_for`: fields a kind ignores, layers the
+    model lacks, patterns past experiment.steps), bench's arguments and output files, golden's
+    `--inject`. Raises as the subcommand would; returns the files and folders it writes."""
+    from sdcstudy import cli
+    from sdcstudy.bench import common as B
+    from sdcstudy.core import config as C
+    from sdcstudy.faults import profiles
+    from sdcstudy.golden import workload as GW
+
+    args = cli.build_parser().parse_args(argv)  # exits 2 on a flag it does not know
+    command = argv[0]
+    if command == "run":
+        cfg = C.load(ROOT / args.config, args.overrides)
+        if cfg.suspect.profile:
+            profiles.load_for(cfg)
+        return [args.out]
+    if command == "bench":
+        for preset in B.check_args(args):  # --json must not exist yet
+            for overrides in SUITE_OVERRIDES[argv[1]]:
+                B.preset_config(argv[1], preset, args, overrides)
+        return [p for p in (args.json, getattr(args, "hlo", None)) if p is not None]
+    if command == "golden":
+        if getattr(args, "inject", None):
+            GW.parse_injection(args.inject)
+        return [p for p in (getattr(args, "out", None), getattr(args, "json", None)) if p]
+    return [args.json] if command == "doctor" else []
+
+
+@pytest.mark.parametrize("cudnn_fails", [False, True])
+def test_every_command_a_check_starts_is_accepted_at_its_sizes(tmp_path, monkeypatch,
+                                                               cudnn_fails):
+    """Every sdcstudy command of both stages, with the presets, sizes, profiles and flip the
+    GPU runs them at, passes the checks its subcommand makes before it compiles (config, fault
+    profile, bench's arguments, golden's --inject), and no two of them write the same file or
+    folder (bench refuses a --json that exists, run an --out it did not make): a refusal that
+    would otherwise cost a check of a GPU window. The cross-machine flip strikes a step and a
+    layer the tiny golden workload has."""
+    from sdcstudy.core.config import model_dims
+    from sdcstudy.core.presets import ModelConfig
+    from sdcstudy.golden.sizing import TINY
+
+    monkeypatch.setattr(GC, "cudnn_fails_here", lambda: cudnn_fails)
+    monkeypatch.setattr(GC, "preset_problem", lambda name: None)
+    monkeypatch.setattr(GS, "versions", lambda: {})
+    monkeypatch.setattr(SMI, "snapshot", lambda: ("", SMI.summary(SMI_SAMPLE)))
+    (tmp_path / "out").mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    args = SimpleNamespace(out=tmp_path / "out", stage="full", budget=5400)
+    acc = GC.Acceptance(args, sys.executable, {"device_kind": H100, "device_count": 2}, work)
+    acc.autotune_path().write_text("tuned")  # so the pinned and the Pallas benches start
+    commands = []
+
+    def child(label, argv, cap, env=None, sample=None):
+        commands.append([str(a) for a in argv])
+        return {"exit_code": 3, "seconds": 1.0, "timed_out": False, "command": []}
+
+    monkeypatch.setattr(acc, "child", child)
+    GA.run_checks(acc, tuple(dict.fromkeys(GA.FULL_CHECKS + GA.QUICK_CHECKS)))
+    ours = [argv[2:] for argv in commands if argv[:2] == ["-m", "sdcstudy"]]
+    subcommands = {tuple(argv[:2]) for argv in ours}
+    assert {("run", "configs/abft.yaml"), ("run", "configs/tiny.yaml"), ("bench", "train"),
+            ("bench", "abft"), ("bench", "faults"), ("bench", "paired"),
+            ("golden", "record"), ("doctor", "--json")} <= subcommands
+    written = []
+    for argv in ours:
+        written += [Path(p).resolve() for p in accepted_at_its_sizes(argv)]
+    assert len(written) == len(set(written)), sorted(str(p) for p in written)
+    for inject in ([], ["--inject", GGC.CROSS_FLIP]):
+        accepted_at_its_sizes(["golden", "check", str(work / "record"), *inject,
+                               "--json", str(tmp_path / "check.json"), "--no-progress"])
+    tiny = model_dims(ModelConfig(**TINY["model"]))
+    assert 1 <= GGC.CROSS_FLIP_AT["step"] <= TINY["experiment"]["steps"]
+    assert 1 <= GGC.CROSS_FLIP_AT["layer"] <= tiny.n_layers
