@@ -405,6 +405,7 @@ def test_bench_suite_goal_is_against_noised_and_batch_splits(tmp_path, capsys, m
                            ([], [bench.SHAPES["paft"]["tiny"][0] * m for m in (2, 4)])):
         seen.clear()
         used = []
+        json_path.unlink()  # bench refuses to overwrite a result file
         monkeypatch.setattr(bench_timing, "time_variants", lambda *a: (
             used.append(a[4]["dp"].cfg.experiment.batch_size), fake_time_variants(*a))[1])
         assert cli.main(["bench", "paft", "--presets", "tiny", "--workers", "2,4", *flags,
