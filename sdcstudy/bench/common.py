@@ -177,18 +177,11 @@ VERSIONED = ("sdcstudy", "jax", "jaxlib", "flax", "optax", "torch", "transformer
 def host() -> dict:
     """The machine and the package versions, without importing JAX (the logging suite's)."""
     import platform
-    from importlib import metadata
 
-    from sdcstudy.core.determinism import cpu_info
+    from sdcstudy.core.determinism import cpu_info, package_versions
 
-    versions = {"python": platform.python_version()}
-    for name in VERSIONED:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
     return {"cpu": cpu_info(), "hostname": platform.node(), "os": platform.platform(),
-            "versions": versions, "load_average": list(os.getloadavg()),
+            "versions": package_versions(VERSIONED), "load_average": list(os.getloadavg()),
             "allocator": hostmem.describe()}
 
 

@@ -114,9 +114,10 @@ def schedulable_cores() -> int | None:
         return None
 
 
-def package_versions() -> dict:
+def package_versions(names: tuple[str, ...] = PACKAGES) -> dict:
+    """Python's version and each installed package's of `names` (absent ones left out)."""
     versions = {"python": sys.version.split()[0]}
-    for name in PACKAGES:
+    for name in names:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

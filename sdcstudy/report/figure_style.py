@@ -131,15 +131,6 @@ def line(ax, x, y, **style):
     return ax.plot(x, y, **style)
 
 
-def first_nonfinite(run, keys) -> int | None:
-    """The first step at which any metric of `keys` is NaN or infinite; None when none is."""
-    m = run.metrics
-    steps = [int(m["step"][bad].min()) for key in keys if key in m
-             for bad in [~pd.to_numeric(m[key], errors="coerce").map(math.isfinite)]
-             if bad.any()]
-    return min(steps) if steps else None
-
-
 def mark_nonfinite(ax, step: int, what: str = "not finite") -> None:
     """A dotted red line at `step` and the words "`what` from step N" at the top of the
     panel: the curves end there for a reason, not for lack of data."""

@@ -175,7 +175,7 @@ def gradients(runs: dict, path: Path) -> Path | None:
         ax.grid(alpha=0.3, which="major")
     _label_grid(axes, len(runs), "L2 norm")
     for ax, run in zip(axes.flat, runs.values()):  # after the shared x axis is final
-        bad = FS.first_nonfinite(run, ("grad/diff_l2", "grad/nts", "grad/norm"))
+        bad = T.first_nonfinite_step(run, ("grad/diff_l2", "grad/nts", "grad/norm"))
         if bad is not None:
             FS.mark_nonfinite(ax, bad, "gradients not finite")
     handles = [plt.Line2D([], [], color="tab:red", marker=".", lw=0.9),

@@ -265,14 +265,21 @@ def wcnts_table(runs: dict) -> pd.DataFrame:
         columns=["mode", "wcnts", "step", "non-finite steps", "wcnts" + PUBLISHED_SUFFIX])
 
 
+def first_nonfinite_step(run, keys) -> int | None:
+    """The first step at which any metric of `keys` is NaN or infinite; None when none is."""
+    m = run.metrics
+    steps = [int(m["step"][bad].min()) for key in keys if key in m
+             for bad in [~pd.to_numeric(m[key], errors="coerce").map(math.isfinite)]
+             if bad.any()]
+    return min(steps) if steps else None
+
+
 def nonfinite_label(run, label: str,
                     keys=("loss/suspect", "grad/norm_suspect", "param/diff_l2")) -> str:
     """`label`, and the first step at which any of the suspect's curves `keys` is NaN or
     infinite (from there its plotted line vanishes, so the legend says why)."""
-    steps = [int(run.metrics["step"][bad].min()) for key in keys if key in run.metrics
-             for bad in [~pd.to_numeric(run.metrics[key], errors="coerce").map(math.isfinite)]
-             if bad.any()]
-    return f"{label} (not finite from step {min(steps)})" if steps else label
+    step = first_nonfinite_step(run, keys)
+    return label if step is None else f"{label} (not finite from step {step})"
 
 
 def runs_table(runs: dict) -> pd.DataFrame:
