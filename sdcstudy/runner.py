@@ -28,7 +28,7 @@ from sdcstudy.core import metrics as MX
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
 from sdcstudy.core.checkpoint import (Checkpointer, CheckpointWriteError, check_resumable,
-                                     config_hash, saved_steps, write_reason)
+                                     config_hash, saved_steps, write_reason, written_by)
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.interrupts import Interrupted, Signals
 from sdcstudy.core.ticker import ticking
@@ -264,7 +264,7 @@ def _run(cfg: Config, run_dir: Path, files: Path, writes: bool, resume: bool,
         start, carried = 0, {}
         if resume and (start := ckpt.latest_step() or 0):
             state, record = ckpt.restore(start, state)
-            if record.get("config_hash") != config_hash(cfg):
+            if not written_by(record, cfg):
                 raise UserError(f"checkpoint {start} in {str(run_dir)!r} was written by another "
                                 f"configuration; it was left as it is.")
             _same_data(record.get("data"), getattr(batches, "fingerprint", None), cfg, run_dir,

@@ -293,9 +293,13 @@ def test_detection_summary_counts_products_not_rows():
     assert A.detection_summary(checks, faults) == {
         "corrupted_products": 2, "faults_outside": 1, "detected_products": 1, "recall": 0.5,
         "flags": 2, "precision": 0.5}
-    # Two data-parallel ranks flagging one product (faults.parquet has no dp rank, so their
-    # faults are one corrupted product) are one flagged product: precision 1, not 0.5.
+    # A data-parallel rank's product is its own (faults.parquet names the rank struck): a
+    # fault on rank 0 and flags on ranks 0 and 1 are one detected product and one false flag;
+    # a fault on rank 1 flagged on rank 0 alone is missed.
     both = [{**checks[0], "dp_rank": rank} for rank in (0, 1)]
-    assert A.detection_summary(both, faults[:1]) == {
+    on_rank = lambda rank: [{**faults[0], "dp_rank": rank}]  # noqa: E731
+    assert A.detection_summary(both, on_rank(0)) == {
         "corrupted_products": 1, "faults_outside": 0, "detected_products": 1, "recall": 1.0,
-        "flags": 2, "precision": 1.0}
+        "flags": 2, "precision": 0.5}
+    assert A.detection_summary(both, on_rank(0) + on_rank(1))["precision"] == 1.0
+    assert A.detection_summary(both[:1], on_rank(1))["recall"] == 0.0

@@ -211,6 +211,11 @@ def test_version_names_the_package_and_exits_0(capsys):
     (["plan", "configs/tiny.yaml", "--mfu", "abc"], "argument --mfu: invalid float value"),
     (["golden", "check"], "the following arguments are required: golden_dir"),
     (["bogus"], "argument COMMAND: invalid choice: 'bogus'"),
+    (["bench", "faults", "--bogus"],
+     "sdcstudy bench faults: error: unrecognized arguments: --bogus (sdcstudy bench faults --help"),
+    (["golden", "record", "--out", "x", "--bogus"],
+     "sdcstudy golden record: error: unrecognized arguments: --bogus (sdcstudy golden record"),
+    (["run", "configs/tiny.yaml", "--bogus"], "(sdcstudy run --help lists the options)"),
 ])
 def test_a_mistyped_command_line_is_one_line_and_exit_2(argv, says, capsys):
     # argparse's own refusals keep the contract of every other bad input: one line (no usage

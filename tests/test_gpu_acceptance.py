@@ -382,6 +382,9 @@ def test_recall_floor_and_recall_per_error_size():
               fault(4, "fwd/attn", 0.5, 0.5 + 5e-3), fault(5, "bwd/attn", 1.0, 9.0)]
     checks = [check(1, "o"), check(2, "down"), check(3, "down", "bwd_input"), check(4, "q")]
     by_size = GF.recall_by_size(faults, checks)
+    # a flag on another data-parallel rank's product does not detect the fault
+    other_rank = [{**c, "dp_rank": 1} for c in checks]
+    assert GF.recall_by_size(faults, other_rank)["1e5"]["detected"] == 0
     assert by_size == {"1e-3": {"faults": 1, "detected": 0, "recall": 0.0},
                        "1e-1": {"faults": 1, "detected": 1, "recall": 1.0},
                        "1e5": {"faults": 2, "detected": 2, "recall": 1.0},

@@ -163,6 +163,9 @@ def test_mismatches_equal_the_injected_ground_truth(faulty_lockstep):
     # the NaN at fwd/ffn layer 2, step 2 (and any exponent flip that made an Inf or NaN) is
     # counted as non-finite, where it was made
     assert (faults["kind"] == "nan").sum() == 2 * 2 * 2  # per microstep, dp worker, tp rank
+    # each row names the device it struck: one NaN on each (microstep, dp rank, tp rank)
+    nan_at = faults[faults["kind"] == "nan"].groupby(["microstep", "dp_rank", "tp_rank"]).size()
+    assert len(nan_at) == 8 and (nan_at == 1).all()
     bad = faults[~np.isfinite(faults["corrupted"])].groupby(KEYS).size()
     nonfinite = mismatch.set_index(KEYS)["nonfinite"]
     assert (nonfinite[nonfinite > 0] == bad.reindex(nonfinite[nonfinite > 0].index)).all()

@@ -1,5 +1,6 @@
 """The trainer: learning, gradient accumulation, optimizers, resume bit for bit, bad input."""
 
+import hashlib
 import json
 import math
 import shutil
@@ -81,6 +82,40 @@ def test_resume_refuses_another_config(uninterrupted, tmp_path, capsys):
     code = cli.main(["run", str(config_path), "--out", str(out), "--resume",
                      "--set", "optim.lr=0.5", "--no-progress"])
     assert code == 2 and "optim.lr" in capsys.readouterr().err
+
+
+def test_resume_may_change_how_the_run_keeps_checkpoints(uninterrupted, tmp_path):
+    # Settings that change no bit (checkpoint cadence, how many are kept, the name) may change
+    # on resume; the run still ends as the uninterrupted one did, and config.yaml holds the
+    # settings it resumed with.
+    out = tmp_path / "cadence"
+    shutil.copytree(uninterrupted, out)
+    (out / RF.SUMMARY).unlink()
+    shutil.rmtree(out / RF.CHECKPOINTS / "12")  # resumes from 8
+    changed = ("experiment.checkpoint_every=2", "experiment.checkpoint_keep=3",
+               "experiment.name=renamed")
+    runner.run(_cfg(*changed), out, resume=True, progress=False)
+    assert _view(out) == _view(uninterrupted)
+    assert sorted(int(p.name) for p in (out / RF.CHECKPOINTS).iterdir()) == [8, 10, 12]
+    assert C.load(out / RF.CONFIG).experiment.checkpoint_every == 2
+
+
+def test_checkpoints_hashed_before_the_keeping_settings_were_free_still_resume():
+    # A checkpoint written before checkpoint_every and the like were left out of its record's
+    # hash names them; it resumes under the same settings, and under others it does not.
+    from sdcstudy.core import checkpoint
+
+    def hash_as_before(cfg):
+        d = {k: v for k, v in C.to_dict(cfg).items() if k != "logging"}
+        d["experiment"] = {k: v for k, v in d["experiment"].items() if k != "steps"}
+        return hashlib.sha256(RF.dumps(d, indent=None).encode()).hexdigest()[:16]
+
+    cfg, cadence = _cfg(), _cfg("experiment.checkpoint_every=2")
+    assert checkpoint.written_by({"config_hash": hash_as_before(cfg)}, cfg)
+    assert not checkpoint.written_by({"config_hash": hash_as_before(cfg)}, cadence)
+    assert checkpoint.written_by({"config_hash": checkpoint.config_hash(cfg)}, cadence)
+    assert not checkpoint.written_by({"config_hash": checkpoint.config_hash(cfg)},
+                                     _cfg("optim.lr=0.5"))
 
 
 def test_damaged_checkpoint_is_a_clear_error_and_left_alone(uninterrupted, tmp_path, capsys):

@@ -72,17 +72,18 @@ def host_flags(frame, rule: str):
 def detection_summary(abft_rows: list[dict], fault_rows: list[dict]) -> dict:
     """Flags against the ground truth of one run (`experiment.mode: abft`).
 
-    A corrupted product (a matmul's output at one step, microstep, layer and tp rank with at
-    least one fault) is detected when its forward check flagged; precision is the detected
-    products over the flagged products (a check's matmul, direction, step, microstep, layer
-    and tp rank; the data-parallel ranks of one are one, as faults.parquet does not tell them
-    apart), `flags` the flagged checks. Faults at other sites (outside the matmuls) are
-    counted apart: ABFT cannot see them except through what they do to later matmuls."""
+    A corrupted product (a matmul's output at one step, microstep, layer, tp rank and
+    data-parallel rank with at least one fault) is detected when its forward check flagged;
+    precision is the detected products over the flagged products (a check's matmul, direction,
+    step, microstep, layer, tp rank and data-parallel rank), `flags` the flagged checks. Fault
+    rows of runs written before faults.parquet had `dp_rank` read as rank 0. Faults at other
+    sites (outside the matmuls) are counted apart: ABFT cannot see them except through what
+    they do to later matmuls."""
     site_matmul = {f"fwd/{site}": name for site, name in MATMUL_OF_SITE.items()}
     site_matmul.update({"fwd/attn": "o", "fwd/ffn": "down"})
 
     def where(r, matmul):
-        return (r["step"], r["microstep"], r["layer"], matmul, r["tp_rank"])
+        return (r["step"], r["microstep"], r["layer"], matmul, r["tp_rank"], r.get("dp_rank", 0))
 
     flags = {where(r, r["matmul"]) for r in abft_rows if r["flagged"] and r["direction"] == "fwd"}
     inside = {where(r, site_matmul[r["site"]]) for r in fault_rows if r["site"] in site_matmul}

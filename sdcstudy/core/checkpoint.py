@@ -34,17 +34,33 @@ from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.core.errors import first_line, quoted
 
-# Sections that change how a run is watched, not what it computes: left out of the hash that
-# ties a checkpoint to its configuration, and free to change on --resume.
+# What changes how a run is watched or kept, not what it computes: free to change on --resume
+# and left out of the hash that ties a checkpoint to its configuration. Whole sections, then
+# single settings.
 WATCHING = ("logging",)
+KEEPING = ("experiment.checkpoint_every", "experiment.checkpoint_keep", "experiment.name",
+           "data.cache_dir")
+
+
+def _hashed(cfg: Config, left_out: tuple[str, ...]) -> str:
+    d = {k: v for k, v in C.to_dict(cfg).items() if k not in WATCHING}
+    for key in left_out:
+        section, name = key.split(".", 1)
+        d[section] = {k: v for k, v in d[section].items() if k != name}
+    return hashlib.sha256(RF.dumps(d, indent=None).encode()).hexdigest()[:16]
 
 
 def config_hash(cfg: Config) -> str:
-    """What a checkpoint's record names its configuration by: all but `WATCHING` and
-    experiment.steps."""
-    d = {k: v for k, v in C.to_dict(cfg).items() if k not in WATCHING}
-    d["experiment"] = {k: v for k, v in d["experiment"].items() if k != "steps"}
-    return hashlib.sha256(RF.dumps(d, indent=None).encode()).hexdigest()[:16]
+    """What a checkpoint's record names its configuration by: all but `WATCHING`, `KEEPING`
+    and experiment.steps."""
+    return _hashed(cfg, ("experiment.steps", *KEEPING))
+
+
+def written_by(record: dict, cfg: Config) -> bool:
+    """Whether a checkpoint's record names `cfg` (or one differing only in what may change on
+    resume). Checkpoints written before `KEEPING` was left out hashed it in: theirs match
+    while those settings are as they were."""
+    return record.get("config_hash") in (config_hash(cfg), _hashed(cfg, ("experiment.steps",)))
 
 
 def check_resumable(saved: Config, cfg: Config) -> None:
@@ -53,14 +69,15 @@ def check_resumable(saved: Config, cfg: Config) -> None:
     a, b = C.to_dict(saved), C.to_dict(cfg)
     differing = [f"{section}.{key}" for section in a if section not in WATCHING
                  for key in a[section] if a[section][key] != b[section][key]]
-    if changed := [key for key in differing if key != "experiment.steps"]:
+    if changed := [key for key in differing if key not in ("experiment.steps", *KEEPING)]:
         shown = "; ".join(f"{key} is {_value(b, key)} here, {_value(a, key)} in the run "
                           f"folder's config.yaml" for key in changed[:3])
         more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
         raise UserError(f"cannot resume with another configuration: {shown}{more}; resume "
                         f"with the settings the run started with, or start a new run with "
                         f"another --out.")
-    if differing and saved.optim.schedule != "constant" and saved.optim.decay_steps is None:
+    if ("experiment.steps" in differing and saved.optim.schedule != "constant"
+            and saved.optim.decay_steps is None):
         steps = saved.experiment.steps
         raise UserError(f"cannot resume with experiment.steps={cfg.experiment.steps}: the run's "
                         f"cosine schedule decays over its experiment.steps={steps} (it left "

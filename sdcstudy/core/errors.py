@@ -110,6 +110,25 @@ class ArgumentParser(argparse.ArgumentParser):
     sentence and where the options are listed, not the usage block before it (subcommands'
     parsers are of the same class)."""
 
-    def error(self, message: str):
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} ({self.prog} --help lists "
-                                  f"the options)\n")
+    def error(self, message: str, prog: str | None = None):
+        prog = prog or self.prog
+        self.exit(EXIT_BAD_INPUT, f"{prog}: error: {message} ({prog} --help lists the "
+                                  f"options)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, noting in the namespace the innermost (sub)command that was left an
+        option it does not take, so that the refusal names that command's --help."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and not hasattr(namespace, _LEFT_OVER_BY):
+            setattr(namespace, _LEFT_OVER_BY, self.prog)
+        return namespace, extras
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}",
+                       getattr(namespace, _LEFT_OVER_BY, None))
+        return namespace
+
+
+_LEFT_OVER_BY = "_sdcstudy_left_over_by"  # ArgumentParser: the command left an unknown option

@@ -26,8 +26,8 @@ FAULTS, MISMATCH, ABFT = "faults.parquet", "mismatch.parquet", "abft.parquet"
 RUN_MARKS = (CHECKPOINTS, METRICS, ENV, SUMMARY, LOCK)
 
 # Columns of the Parquet tables (README's run-folder table, docs/metrics.md).
-FAULT_COLUMNS = ("step", "microstep", "layer", "site", "tp_rank", "node", "kind", "bit",
-                 "flat_index", "original", "corrupted")
+FAULT_COLUMNS = ("step", "microstep", "layer", "site", "tp_rank", "dp_rank", "node", "kind",
+                 "bit", "flat_index", "original", "corrupted")
 MISMATCH_COLUMNS = ("step", "microstep", "layer", "site", "tp_rank", "mismatches", "elements",
                     "severity", "max_rel_err", "nonfinite")
 

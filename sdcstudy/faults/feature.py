@@ -103,14 +103,14 @@ class Faults:
         profile = self.injector.profile
         for place in places:
             at = lambda tree: jax.tree.map(lambda a: a[place.index], tree)  # noqa: E731
-            r, o = F.record_rows(at(records["step"]), step, -1, profile,
-                                 tp_rank=place.tp_rank, node=place.node)
+            ranks = {"tp_rank": place.tp_rank, "dp_rank": place.dp_rank, "node": place.node}
+            r, o = F.record_rows(at(records["step"]), step, -1, profile, **ranks)
             rows += r
             overflow += o
             micro = at(records.get("micro", {}))
             for m in range(microsteps if micro else 0):
                 r, o = F.record_rows({k: v[m] for k, v in micro.items()}, step, m, profile,
-                                     tp_rank=place.tp_rank, node=place.node)
+                                     **ranks)
                 rows += r
                 overflow += o
         return rows, overflow

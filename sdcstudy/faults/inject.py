@@ -301,7 +301,7 @@ def inject_cotangent(x, sink, key_data, rate, spec: FaultSpec, limit: int):
 
 
 def record_rows(records: dict, step: int, microstep: int, profile: Profile, *, tp_rank: int = 0,
-                node: int | None = None) -> tuple[list[dict], int]:
+                dp_rank: int = 0, node: int | None = None) -> tuple[list[dict], int]:
     """faults.parquet rows from one microstep's records, and how many landed beyond the limit.
     A row names the spec's site; a tree site's the leaf, a model collective's the output site
     it struck (`attn_gather_out`, ...)."""
@@ -314,6 +314,7 @@ def record_rows(records: dict, step: int, microstep: int, profile: Profile, *, t
         name = site if spec.direction == "tree" or spec.site in MODEL_COLLECTIVES else spec.site
         for hit in landed:
             rows.append({"step": step, "microstep": microstep, "layer": layer, "site": name,
-                         "tp_rank": tp_rank, "node": spec.node if node is None else node,
+                         "tp_rank": tp_rank, "dp_rank": dp_rank,
+                         "node": spec.node if node is None else node,
                          "kind": spec.kind, **hit})
     return rows, overflow

@@ -153,14 +153,14 @@ def size_bucket(original: float, corrupted: float) -> str:
 def recall_by_size(fault_rows: list[dict], abft_rows: list[dict]) -> dict:
     """Per error-size decade: faults inside a checked matmul's output, and how many sat in a
     product whose forward check flagged (a product with several faults counts for each)."""
-    flagged = {(r["step"], r["microstep"], r["layer"], r["matmul"], r["tp_rank"])
-               for r in abft_rows if r["flagged"] and r["direction"] == "fwd"}
+    flagged = {(r["step"], r["microstep"], r["layer"], r["matmul"], r["tp_rank"],
+                r.get("dp_rank", 0)) for r in abft_rows if r["flagged"] and r["direction"] == "fwd"}
     buckets: dict[str, list[int]] = {}
     for f in fault_rows:
         matmul = SITE_MATMUL.get(f["site"])
         if matmul is None:
             continue
-        key = (f["step"], f["microstep"], f["layer"], matmul, f["tp_rank"])
+        key = (f["step"], f["microstep"], f["layer"], matmul, f["tp_rank"], f.get("dp_rank", 0))
         counts = buckets.setdefault(size_bucket(f["original"], f["corrupted"]), [0, 0])
         counts[0] += 1
         counts[1] += key in flagged
