@@ -304,12 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from sdcstudy.core import determinism, distributed
+    from sdcstudy.core import determinism, xlaflags
 
     # Simulated CPU devices for the paired mesh (node x dp x tp) unless XLA_FLAGS names a
     # count; a GPU or TPU backend ignores it.
     determinism.configure(device_count=SIMULATED_CPU_DEVICES)
-    distributed.tolerate_slow_threads()  # a starved thread must not abort a healthy run
+    xlaflags.tolerate_slow_threads()  # a starved thread must not abort a healthy run
     with _sigterm_as_interrupt():
         return _dispatch(args)
 

@@ -25,7 +25,7 @@ import pytest
 
 from sdcstudy.core import config as C
 from sdcstudy.core import data as D
-from sdcstudy.core import distributed, rendezvous
+from sdcstudy.core import distributed, rendezvous, xlaflags
 from sdcstudy.core import runfolder as RF
 
 RUN_TIMEOUT_S = 120  # --timeout of the runs: start-up, heartbeats, each collective
@@ -68,10 +68,10 @@ def _env(root: Path, devices: int) -> dict:
            if not k.startswith(("SLURM_", "SDCSTUDY_COORDINATOR", "SDCSTUDY_NUM_PROCESSES",
                                 "SDCSTUDY_PROCESS_ID", "SDCSTUDY_TIMEOUT_S"))}
     flags = [f"--xla_force_host_platform_device_count={devices}"]
-    if distributed.xla_knows_flag(distributed.COLLECTIVE_TIMEOUT_FLAG):
+    if xlaflags.xla_knows_flag(xlaflags.COLLECTIVE_TIMEOUT_FLAG):
         # The same in every run, whatever --timeout says: XLA flags are part of the
         # compilation cache key, and a killed peer fails a collective at once anyway.
-        flags.append(f"{distributed.COLLECTIVE_TIMEOUT_FLAG}={RUN_TIMEOUT_S}")
+        flags.append(f"{xlaflags.COLLECTIVE_TIMEOUT_FLAG}={RUN_TIMEOUT_S}")
     (root / "tmp").mkdir(exist_ok=True)  # the processes' temporary folders, looked at below
     env.update({"XLA_FLAGS": " ".join(flags), "TMPDIR": str(root / "tmp"),
                 "JAX_COMPILATION_CACHE_DIR": str(root / "jax-cache"),
@@ -86,12 +86,12 @@ class Processes:
     def __init__(self, root: Path):
         self.root, self.procs = root, {}
 
-    def start(self, name, args, devices):
+    def start(self, name, args, devices, **env):
         log = open(self.root / f"{name}.log", "w")
         cmd = [sys.executable, "-m", "sdcstudy", "run", str(self.root / "config.yaml"), *args,
                "--no-progress"]
-        self.procs[name] = (subprocess.Popen(cmd, env=_env(self.root, devices), stdout=log,
-                                             stderr=subprocess.STDOUT), log)
+        self.procs[name] = (subprocess.Popen(cmd, env={**_env(self.root, devices), **env},
+                                             stdout=log, stderr=subprocess.STDOUT), log)
         return self.procs[name][0]
 
     def log(self, name) -> str:
@@ -214,13 +214,13 @@ def test_launch_settings_from_arguments_environment_and_slurm():
         distributed.launch_settings("h:1", 2, 2, environ={})
     with pytest.raises(C.UserError, match="HOST:PORT"):
         distributed.launch_settings("h", 2, 0, environ={})
-    assert distributed.xla_knows_flag("--xla_force_host_platform_device_count")
-    assert not distributed.xla_knows_flag("--xla_no_such_flag_in_any_version")
-    assert not distributed.xla_knows_flag("--xla_force_host_platform_device")  # begins one
+    assert xlaflags.xla_knows_flag("--xla_force_host_platform_device_count")
+    assert not xlaflags.xla_knows_flag("--xla_no_such_flag_in_any_version")
+    assert not xlaflags.xla_knows_flag("--xla_force_host_platform_device")  # begins one
 
 
 @pytest.mark.parametrize("flag", [
-    distributed.COLLECTIVE_TIMEOUT_FLAG,
+    xlaflags.COLLECTIVE_TIMEOUT_FLAG,
     "--xla_cpu_collective_timeout",  # begins the flag above
     "--xla_cpu_collective_call_warn_stuck_seconds",  # in the library, but no flag XLA parses
 ])
@@ -230,7 +230,7 @@ def test_xla_knows_a_flag_exactly_when_xla_starts_with_it(flag):
     env = {**os.environ, "XLA_FLAGS": f"{flag}=5", "JAX_PLATFORMS": "cpu"}
     started = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
                              capture_output=True, timeout=120).returncode == 0
-    assert distributed.xla_knows_flag(flag) == started
+    assert xlaflags.xla_knows_flag(flag) == started
 
 
 # --- launch mistakes: one sentence each, before any JAX program compiles --------------------
@@ -325,6 +325,41 @@ def test_processes_started_with_another_setting_are_refused(setup, processes):
         assert f"(pid {first.pid} on " in line
         assert line.endswith("start every process with the same config file and --set values.")
     assert not (out / "checkpoints").exists()
+
+
+# Imported by a process at start-up (PYTHONPATH): it builds its paired mesh 5 s late.
+SLOW_MESH = """\
+import time
+from sdcstudy.core import mesh
+_make_node_mesh = mesh.make_node_mesh
+def _late(*args, **kwargs):
+    time.sleep(5)
+    return _make_node_mesh(*args, **kwargs)
+mesh.make_node_mesh = _late
+"""
+
+
+def test_a_process_short_of_devices_is_refused_by_every_process(setup, processes):
+    """mesh.dp=2 with process 1 holding one CPU device: both exit 2 with one sentence naming
+    process 1 (was: process 0 exited 2 when it built the mesh, and process 1, still preparing
+    its data, was ended by jax once the coordinator had gone, with a C++ stack, exit 134).
+    Process 1 is slow here to reach its mesh, as a loaded host is (`SLOW_MESH`)."""
+    port = _free_port()
+    slow = setup / "slow-mesh"
+    slow.mkdir(exist_ok=True)
+    (slow / "sitecustomize.py").write_text(SLOW_MESH)
+    for i, devices in enumerate((2, 1)):
+        late = {"PYTHONPATH": os.pathsep.join([str(slow), os.environ.get("PYTHONPATH", "")])}
+        processes.start(f"short-p{i}", ["--out", str(setup / "short"), "--coordinator",
+                                        f"127.0.0.1:{port}", "--num-processes", "2",
+                                        "--process-id", str(i), "--set", "mesh.dp=2",
+                                        "--timeout", str(REFUSAL_TIMEOUT_S)], devices=devices,
+                        **(late if i else {}))
+    for name, line in _refused(processes, "process ").items():
+        assert line.endswith(f"of 2: process 1 has 1 device but a node needs 2 (dp=2 x tp=1); "
+                             f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=2 "
+                             f"on every process."), line
+    assert not (setup / "short" / "checkpoints").exists()
 
 
 def test_the_meeting_binds_the_address_given_and_names_a_ports_holder(monkeypatch):

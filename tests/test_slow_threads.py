@@ -2,7 +2,7 @@
 
 XLA:CPU runs each simulated device on its own thread; by default it aborts the whole process
 (SIGABRT) when one of them reaches a collective long after the others, which a loaded machine
-causes without anything being wrong. `distributed.tolerate_slow_threads` (the CLI calls it
+causes without anything being wrong. `xlaflags.tolerate_slow_threads` (the CLI calls it
 before JAX starts) gives such a thread `RENDEZVOUS_PATIENCE_S`. Two real processes run one
 all-reduce whose device 0 first sleeps 5 s in a host callback, with XLA's "may be stuck"
 warning after 1 s: with a termination timeout of 2 s (counted from the warning) the process
@@ -14,16 +14,16 @@ import os
 import subprocess
 import sys
 
-from sdcstudy.core import distributed
+from sdcstudy.core import xlaflags
 
 LATE_S = 5
 WARN_FLAG = "--xla_cpu_collective_call_warn_stuck_timeout_seconds"
 
 PROGRAM = f"""
 import sys, time
-from sdcstudy.core import distributed
+from sdcstudy.core import xlaflags
 if sys.argv[1] == "patient":
-    assert distributed.tolerate_slow_threads()
+    assert xlaflags.tolerate_slow_threads()
 import numpy as np
 import jax, jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
@@ -55,7 +55,7 @@ def _finish(process: subprocess.Popen) -> tuple[int, str, str]:
 
 
 def test_a_late_thread_aborts_under_a_short_limit_and_not_under_the_clis_patience():
-    impatient = _start("impatient", f"{distributed.RENDEZVOUS_TERMINATE_FLAG}=2")
+    impatient = _start("impatient", f"{xlaflags.RENDEZVOUS_TERMINATE_FLAG}=2")
     patient = _start("patient")
     try:
         code, out, err = _finish(impatient)
@@ -70,13 +70,13 @@ def test_a_late_thread_aborts_under_a_short_limit_and_not_under_the_clis_patienc
 
 
 def test_the_patience_flag_is_added_once_and_a_given_value_wins(monkeypatch):
-    flag = distributed.RENDEZVOUS_TERMINATE_FLAG
+    flag = xlaflags.RENDEZVOUS_TERMINATE_FLAG
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    assert distributed.tolerate_slow_threads()
-    assert distributed.tolerate_slow_threads()
+    assert xlaflags.tolerate_slow_threads()
+    assert xlaflags.tolerate_slow_threads()
     assert os.environ["XLA_FLAGS"].split() == [
         "--xla_force_host_platform_device_count=8",
-        f"{flag}={distributed.RENDEZVOUS_PATIENCE_S}"]
+        f"{flag}={xlaflags.RENDEZVOUS_PATIENCE_S}"]
     monkeypatch.setenv("XLA_FLAGS", f"{flag}=30")
-    assert distributed.tolerate_slow_threads()
+    assert xlaflags.tolerate_slow_threads()
     assert os.environ["XLA_FLAGS"] == f"{flag}=30"

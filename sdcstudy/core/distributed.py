@@ -13,8 +13,6 @@ over TCP on CPU, NCCL on GPU). Nothing in the step changes: only the host side d
 - `put` builds global arrays from host values that every process holds in full.
 - `fetch` copies arrays to host numpy on every process, gathering the pieces that live on
   other processes' devices; every process must call it at the same point of the run.
-- `tolerate_slow_threads` keeps XLA:CPU from aborting a process whose device threads meet at a
-  collective late because the machine is loaded (the CLI calls it for every command).
 - `ends_together` turns any error of a multi-process run into one line and an immediate exit:
   the shutdown handshake at interpreter exit would otherwise wait for peers that never come.
 
@@ -27,16 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import mmap
 import os
 import sys
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from sdcstudy.core import errors, rendezvous
+from sdcstudy.core import errors, rendezvous, xlaflags
 from sdcstudy.core.config import UserError
 from sdcstudy.core.errors import first_line
 
@@ -45,9 +41,6 @@ ENV_NUM_PROCESSES = "SDCSTUDY_NUM_PROCESSES"
 ENV_PROCESS_ID = "SDCSTUDY_PROCESS_ID"
 ENV_TIMEOUT = "SDCSTUDY_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300
-COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
-RENDEZVOUS_TERMINATE_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
-RENDEZVOUS_PATIENCE_S = 600  # seconds after XLA's 20 s warning; its own default is 40
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
               "SLURM_LOCALID")
 EXIT_LOST_PEER = errors.EXIT_COULD_NOT_RUN  # not a FAIL: nothing was compared
@@ -124,58 +117,6 @@ def launch_settings(coordinator: str | None = None, num_processes: int | None = 
     return Launch(coordinator, num_processes, process_id, timeout_s)
 
 
-@functools.cache
-def xla_knows_flag(flag: str) -> bool:
-    """Whether this jaxlib's XLA registers `flag`; XLA aborts the process on an unknown one.
-    A flag's name is a C string in the library, so it is searched with its ending NUL: a name
-    that only begins a longer flag's is not taken for a flag."""
-    import jaxlib
-
-    name = flag.lstrip("-").split("=")[0].encode() + b"\0"
-    libraries = sorted(Path(jaxlib.__file__).parent.glob("*.so"),
-                       key=lambda p: p.name != "libjax_common.so")
-    for library in libraries:
-        try:
-            with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                if m.find(name) >= 0:
-                    return True
-        except (OSError, ValueError):
-            continue
-    return False
-
-
-def set_collective_timeout(seconds: int) -> bool:
-    """Make a CPU collective that waits longer than `seconds` an error, not a hang (XLA_FLAGS,
-    before JAX starts its backend; a value already there wins); whether the flag is set."""
-    return _add_xla_flag(COLLECTIVE_TIMEOUT_FLAG, seconds)
-
-
-def _add_xla_flag(flag: str, value) -> bool:
-    """`flag`=`value` added to XLA_FLAGS unless the flag is there already, and only where this
-    jaxlib knows it (XLA aborts on an unknown flag); whether the flag is set."""
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    if any(f.split("=")[0] == flag for f in flags):
-        return True
-    if not xla_knows_flag(flag):
-        return False
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"{flag}={value}"])
-    return True
-
-
-def tolerate_slow_threads(seconds: int = RENDEZVOUS_PATIENCE_S) -> bool:
-    """Let the local devices' threads meet at a CPU collective however late one of them comes,
-    up to `seconds` after XLA's "may be stuck" warning.
-
-    XLA:CPU runs each simulated device on its own thread and by default aborts the process
-    (SIGABRT, nothing checkpointed since the last save) when one of them reaches a collective
-    a minute after the others (a warning at 20 s, then 40 s more). Measured: two bfloat16
-    `small` runs beside the test suite on 2 cores saw threads 28 and 38 s late, and one died
-    of a later one. A real deadlock still ends after `seconds`. Goes into XLA_FLAGS before
-    JAX starts its backend; a value already there wins. Returns whether the flag is set.
-    """
-    return _add_xla_flag(RENDEZVOUS_TERMINATE_FLAG, seconds)
-
-
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, timeout_s: int | None = None,
                run: dict | None = None) -> bool:
@@ -198,7 +139,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     # comes while process 0 imports jax finds no listener and asks again.
     bind = None if launch.detect else rendezvous.meet(
         launch.coordinator, launch.num_processes, launch.process_id, seconds, run=run)
-    set_collective_timeout(launch.timeout_s)
+    xlaflags.set_collective_timeout(launch.timeout_s)
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -214,6 +155,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                         f"({first_line(e, 300)}); start every process with the same coordinator "
                         f"and process count.") from e
     meet_peers()
+    check_devices(run)
     print(f"sdcstudy: process {jax.process_index()} of {jax.process_count()} joined the run "
           f"through {launch.coordinator or 'the Slurm coordinator'}", file=sys.stderr,
           flush=True)
@@ -229,6 +171,22 @@ def run_settings(cfg, args) -> dict:
     out = None if args.out is None else os.path.abspath(args.out)
     return {**{key: functools.reduce(dict.get, key.split("."), tree) for key in all_keys()},
             "--out": out, "--resume": bool(args.resume), "--stop-after": args.stop_after}
+
+
+class SharedRefusal(UserError):
+    """A refusal that every process of the run reaches at the same point with the same
+    sentence, decided from what all of them know alike: they leave together through jax's
+    shutdown barrier (`ends_together`), so that no process is ended by its peers' exit first
+    (a C++ abort, exit 134, in place of the sentence)."""
+
+
+def check_devices(run: dict | None) -> None:
+    """Right after the processes joined, where each sees every process's devices: refuse, on
+    every process alike, a run whose processes hold fewer devices than a node needs."""
+    from sdcstudy.core import mesh
+
+    if run and (short := mesh.devices_short(run["mesh.dp"], run["mesh.tp"])):
+        raise SharedRefusal(short)
 
 
 def meet_peers() -> None:
@@ -397,4 +355,7 @@ def ends_together():
         print(f"sdcstudy: error: {message}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
+        if isinstance(error, SharedRefusal):
+            with contextlib.suppress(Exception):
+                jax.distributed.shutdown()  # every peer comes: it refused alike
         os._exit(code)

@@ -51,18 +51,25 @@ def make_node_mesh(nodes: int = 1, dp: int = 1, tp: int = 1) -> Mesh:
         raise UserError(f"a run on {processes} processes needs one node per process, but the "
                         f"mesh has {_count(nodes, 'node')}; start "
                         f"{_count(nodes, 'process', 'processes')}.")
+    if short := devices_short(dp, tp):
+        raise UserError(short)
+    local = [sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
+             for process in range(processes)]
+    return make_mesh(nodes, dp, tp, [d for devices in local for d in devices[:dp * tp]])
+
+
+def devices_short(dp: int, tp: int) -> str | None:
+    """The sentence for the first process of the run that holds fewer devices than one node
+    needs (dp x tp; more are left unused), or None. Every process sees every process's
+    devices, so every process finds the same one."""
     per_node = dp * tp
-    devices = []
-    for process in range(processes):
-        local = sorted((d for d in jax.devices() if d.process_index == process),
-                       key=lambda d: d.id)
-        if len(local) < per_node:
-            raise UserError(f"process {process} has {_count(len(local), 'device')} but a node "
-                            f"needs {per_node} (dp={dp} x tp={tp}); on CPU set XLA_FLAGS="
-                            f"--xla_force_host_platform_device_count={per_node} on every "
-                            f"process.")
-        devices += local[:per_node]
-    return make_mesh(nodes, dp, tp, devices)
+    for process in range(jax.process_count()):
+        held = sum(d.process_index == process for d in jax.devices())
+        if held < per_node:
+            return (f"process {process} has {_count(held, 'device')} but a node needs "
+                    f"{per_node} (dp={dp} x tp={tp}); on CPU set XLA_FLAGS="
+                    f"--xla_force_host_platform_device_count={per_node} on every process.")
+    return None
 
 
 def inside_shard_map() -> bool:
