@@ -355,11 +355,49 @@ def test_a_process_short_of_devices_is_refused_by_every_process(setup, processes
                                         "--process-id", str(i), "--set", "mesh.dp=2",
                                         "--timeout", str(REFUSAL_TIMEOUT_S)], devices=devices,
                         **(late if i else {}))
-    for name, line in _refused(processes, "process ").items():
-        assert line.endswith(f"of 2: process 1 has 1 device but a node needs 2 (dp=2 x tp=1); "
-                             f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=2 "
-                             f"on every process."), line
+    for line in _refused(processes, "process ").values():
+        assert line.endswith("of 2: process 1 has 1 device but a node needs 2 (dp=2 x tp=1); "
+                             "on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=2 "
+                             "on every process."), line
     assert not (setup / "short" / "checkpoints").exists()
+
+
+def _slurm_task(processes, name, out, port, task, *extra):
+    """One task of a two-task Slurm step on this host, as srun would start it: no launch
+    flags, jax's Slurm detection finds the coordinator (this host, `port`), count and id."""
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
+             "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task),
+             "JAX_COORDINATOR_PORT": str(port)}
+    return processes.start(name, ["--out", str(out), "--timeout", str(RUN_TIMEOUT_S), *extra],
+                           devices=1, **slurm)
+
+
+def test_slurm_tasks_started_alike_run_and_started_otherwise_are_refused(setup, processes):
+    """Under Slurm's detection there is no meeting before jax. A task started with another
+    optim.lr then ran to the end beside the healthy one, its divergence recorded as SDC; now
+    both tasks exit 2 with the meeting's sentence, compared once they joined. Tasks started
+    alike run the pair to its end (the comparison refuses nothing they legitimately differ in:
+    pids, hosts, task ids)."""
+    port, out = _free_port(), setup / "slurm-other"
+    first = _slurm_task(processes, "slurm-other-p0", out, port, 0)
+    _slurm_task(processes, "slurm-other-p1", out, port, 1, "--set", "optim.lr=0.01")
+    for line in _refused(processes, "process ").values():
+        assert "process 1 (pid " in line and "was started with optim.lr=0.01 and process 0 " \
+            f"(pid {first.pid} on " in line, line
+        assert line.endswith("start every process with the same config file and --set values.")
+    assert not (out / RF.CHECKPOINTS).exists()
+
+    port, out = _free_port(), setup / "slurm-alike"
+    alike = Processes(setup)
+    try:
+        for task in range(2):
+            _slurm_task(alike, f"slurm-alike-p{task}", out, port, task)
+        assert set(alike.wait().values()) == {0}, alike.logs()
+    finally:
+        alike.stop()
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
+    assert RF.read_table(out / RF.MISMATCH)["mismatches"].sum() > 0  # the pair compared
+    assert RF.json_load(out / RF.ENV)["process_count"] == 2
 
 
 def test_the_meeting_binds_the_address_given_and_names_a_ports_holder(monkeypatch):

@@ -9,7 +9,9 @@ over TCP on CPU, NCCL on GPU). Nothing in the step changes: only the host side d
   dead or stuck peer ends the run with an error instead of a hang. Before jax, the processes
   meet over a plain socket (`rendezvous`), so that a launch mistake (a port in use, another
   process count, an id twice, other versions or `run_settings`) ends with one sentence.
-  `meet_peers` then runs the first collective while the processes are together.
+  `meet_peers` then runs the first collective while the processes are together; every process
+  refuses alike one short of devices (`check_devices`) and, under Slurm's detection (no
+  meeting), other versions or settings (`compare_settings`).
 - `put` builds global arrays from host values that every process holds in full.
 - `fetch` copies arrays to host numpy on every process, gathering the pieces that live on
   other processes' devices; every process must call it at the same point of the run.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import sys
 import traceback
@@ -156,6 +159,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                         f"and process count.") from e
     meet_peers()
     check_devices(run)
+    if launch.detect:  # no meeting before jax: compare what it would have compared
+        compare_settings(run)
     print(f"sdcstudy: process {jax.process_index()} of {jax.process_count()} joined the run "
           f"through {launch.coordinator or 'the Slurm coordinator'}", file=sys.stderr,
           flush=True)
@@ -187,6 +192,24 @@ def check_devices(run: dict | None) -> None:
 
     if run and (short := mesh.devices_short(run["mesh.dp"], run["mesh.tp"])):
         raise SharedRefusal(short)
+
+
+def compare_settings(run: dict | None) -> None:
+    """The meeting's comparison of versions and settings (`rendezvous`), made after the
+    processes joined where they did not meet before jax (Slurm's detection): every process
+    gathers every process's hello and finds the same first difference from process 0's."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    said = json.dumps(rendezvous.hello(jax.process_count(), jax.process_index(), run)).encode()
+    lengths = multihost_utils.process_allgather(np.array([len(said)], np.int32)).ravel()
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:len(said)] = np.frombuffer(said, np.uint8)
+    rows = multihost_utils.process_allgather(padded)
+    hellos = [json.loads(bytes(row[:n])) for row, n in zip(rows, lengths)]
+    for hello in hellos[1:]:
+        if problem := rendezvous.settings_problem(hello, hellos[0]):
+            raise SharedRefusal(problem)
 
 
 def meet_peers() -> None:

@@ -10,7 +10,7 @@ twice, a second process 0 or a version or setting that differs from process 0's 
 process that took part with one sentence (`UserError`, exit 2). A process that comes after
 the others met finds jax's coordinator, which does not answer in this protocol, and says so.
 
-Slurm's own detection (no explicit settings) skips the meeting: Slurm gives the counts and ids.
+Slurm's detection skips the meeting; `distributed.compare_settings` uses `settings_problem`.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def _listed(words: list[str]) -> str:
     return ", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else words[0]
 
 
-def _settings_problem(said: dict, me: dict) -> str | None:
+def settings_problem(said: dict, me: dict) -> str | None:
     """The sentence refusing a process whose versions or settings differ from process 0's."""
     theirs, mine = said.get("run") or {}, me["run"]
     differing = [key for key in sorted(set(theirs) | set(mine), key=lambda k: (
@@ -250,7 +250,7 @@ def _problem(me: dict, said: dict, met: dict[int, dict]) -> str | None:
                 f"{_who(said)}): give each process its own id, from 0 to {num_processes - 1}.")
     if not isinstance(their_id, int) or not 0 < their_id < num_processes:
         return f"process {their_id} ({_who(said)}) has no place in a run of {num_processes}."
-    return _settings_problem(said, me)
+    return settings_problem(said, me)
 
 
 def _close(sockets: list[socket.socket]) -> None:
