@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from tqdm.auto import tqdm
 from sdcstudy import modes
 from sdcstudy.core import config as C
 from sdcstudy.core import data as D
-from sdcstudy.core import determinism, digest, distributed, errors
+from sdcstudy.core import determinism, digest, distributed, errors, hostarrays
 from sdcstudy.core import metrics as MX
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
@@ -43,7 +42,7 @@ def _put(tree, shardings):
     if shardings is None:
         return tree
     if jax.process_count() > 1:  # each process fills its own devices' pieces
-        return distributed.put(tree, shardings)
+        return hostarrays.put(tree, shardings)
     return jax.device_put(tree, shardings)
 
 
@@ -79,8 +78,7 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
                              f"{summary['steps']}; nothing to do")
                         return {**summary, "run_dir": str(run_dir)}
                 # The others' scratch folder goes however the run ends.
-                files = run_dir if writes else Path(held.enter_context(
-                    tempfile.TemporaryDirectory(prefix="sdcstudy-peer-")))
+                files = run_dir if writes else held.enter_context(distributed.scratch_folder())
                 with _writing(run_dir, new=not resume) if writes else contextlib.nullcontext():
                     return _run(cfg, run_dir, files, writes, resume, stop_after, progress,
                                 echo, signals)
@@ -179,8 +177,8 @@ class _Log:
 
     def record(self, step: int, metrics, records) -> None:
         """Step `step`'s metrics line, table rows and counters."""
-        values = {k: float(v) for k, v in distributed.fetch(metrics).items()}
-        rows, step_counters = self.trainer.host_tables(step, distributed.fetch(records))
+        values = {k: float(v) for k, v in hostarrays.fetch(metrics).items()}
+        rows, step_counters = self.trainer.host_tables(step, hostarrays.fetch(records))
         for name, table_rows in rows.items():
             self.tables[name].extend(table_rows)
         for key, value in step_counters.items():
@@ -350,7 +348,7 @@ def _summary(cfg: Config, mode, state, log: _Log, files: Path, compile_s: float,
         "loss/first": losses[0] if losses else None,
         "loss/last": losses[-1] if losses else None,
         "loss/uniform": math.log(trainer.dims.vocab_size),
-        "param_digest": digest.tree_digest(distributed.fetch(state["params"])),
+        "param_digest": digest.tree_digest(hostarrays.fetch(state["params"])),
         "compile_s": compile_s,
         "wall_time_s": wall,
         "tokens_per_s": (C.tokens_per_step(cfg) * log.steps_written / wall

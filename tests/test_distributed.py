@@ -3,7 +3,7 @@
 Each process sees one CPU device (its node); the same run in one process with two simulated
 devices must give the same bits: both run the same shard_map program, and the cross-node
 all-gathers and masked integer sums only move bits. If the two-process files differ, then
-global arrays are built or fetched wrongly (`distributed.put` / `fetch`) or node i is not
+global arrays are built or fetched wrongly (`hostarrays.put` / `fetch`) or node i is not
 on process i.
 
 Every subprocess has a hard deadline and is killed by its pid, also when a test fails. A shared

@@ -9,6 +9,9 @@ if a test failed is in its docstring; tests/test_distributed.py starts real proc
 import argparse
 import os
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import types
 
@@ -200,6 +203,28 @@ def _fake_processes(monkeypatch, local_counts):
                for p, n in enumerate(local_counts) for k in range(n)]
     monkeypatch.setattr(jax, "process_count", lambda: len(local_counts))
     monkeypatch.setattr(jax, "devices", lambda: devices)
+
+
+def test_scratch_folders_of_processes_gone_are_removed_by_the_next(tmp_path, monkeypatch):
+    """Process 1 keeps a copy of its tables in a scratch folder; killed (SIGKILL, or jax ending
+    it once the coordinator is gone) it cannot remove it, and such folders piled up in the
+    temporary directory. The next process removes those of this host's processes that no
+    longer run, and no other."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    dead, host = int(ended.stdout), socket.gethostname().replace("-", "_")
+    stale = tmp_path / f"sdcstudy-peer-{host}-{dead}-abc"
+    stale.mkdir()
+    (stale / "metrics.jsonl").write_text("{}\n")
+    alive = tmp_path / f"sdcstudy-peer-{host}-{os.getpid()}-def"
+    elsewhere = tmp_path / f"sdcstudy-peer-otherhost-{dead}-ghi"
+    for kept in (alive, elsewhere):
+        kept.mkdir()
+    with distributed.scratch_folder() as scratch:
+        assert scratch.is_dir() and scratch.parent == tmp_path
+        assert not stale.exists() and alive.is_dir() and elsewhere.is_dir()
+    assert not scratch.exists()
 
 
 def test_mesh_sentences_say_one_device_node_and_process_in_the_singular(monkeypatch):

@@ -1,4 +1,4 @@
-"""Each node of a pair in its own process: joining the run, global arrays, host copies.
+"""Each node of a pair in its own process: joining the run and ending it together.
 
 A paired run on two processes puts node i on process i (`mesh.make_node_mesh`); both run the
 same shard_map step, whose all-gathers and sums over `node` cross between the processes (gloo
@@ -12,9 +12,6 @@ over TCP on CPU, NCCL on GPU). Nothing in the step changes: only the host side d
   `meet_peers` then runs the first collective while the processes are together; every process
   refuses alike one short of devices (`check_devices`) and, under Slurm's detection (no
   meeting), other versions or settings (`compare_settings`).
-- `put` builds global arrays from host values that every process holds in full.
-- `fetch` copies arrays to host numpy on every process, gathering the pieces that live on
-  other processes' devices; every process must call it at the same point of the run.
 - `ends_together` turns any error of a multi-process run into one line and an immediate exit:
   the shutdown handshake at interpreter exit would otherwise wait for peers that never come.
 
@@ -29,9 +26,12 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import sys
+import tempfile
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -245,75 +245,36 @@ def is_writer() -> bool:
     return jax.process_index() == 0
 
 
-# --- arrays --------------------------------------------------------------------------------
-
-
-def _is_sharding(x) -> bool:
-    import jax
-
-    return isinstance(x, jax.sharding.Sharding)
-
-
-def put(tree, shardings):
-    """`tree` (host values every process holds in full, or jax arrays) placed on `shardings`
-    (a tree, or a prefix of it): each process fills only its own devices' pieces."""
-    import jax
-
-    if jax.process_count() == 1:
-        return jax.device_put(tree, shardings)
-
-    def put_leaf(sharding, x):
-        if isinstance(x, jax.Array):
-            same = x.sharding.is_equivalent_to(sharding, x.ndim)
-            return x if same else jax.device_put(x, sharding)
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-    return jax.tree.map(lambda s, sub: jax.tree.map(functools.partial(put_leaf, s), sub),
-                        shardings, tree, is_leaf=_is_sharding)
-
-
-@functools.cache
-def _replicator(shardings):
-    import jax
-
-    return jax.jit(lambda *xs: xs, out_shardings=shardings)
-
-
-def fetch(tree):
-    """Host numpy copies of `tree`'s arrays on every process, `jax.device_get` alike.
-
-    Arrays held only in part by this process are gathered in one collective program, so every
-    process must call `fetch` on the same tree at the same point of the run.
-    """
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    if jax.process_count() == 1:
-        return jax.device_get(tree)
-    leaves, treedef = jax.tree.flatten(tree)
-    spread = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)
-              and not x.is_fully_addressable and not x.is_fully_replicated]
-    named = [i for i in spread if isinstance(leaves[i].sharding, NamedSharding)]
-    if named:
-        replicated = tuple(NamedSharding(leaves[i].sharding.mesh, PartitionSpec())
-                           for i in named)
-        for i, x in zip(named, _replicator(replicated)(*(leaves[i] for i in named))):
-            leaves[i] = x
-    for i in set(spread) - set(named):
-        from jax.experimental import multihost_utils
-
-        leaves[i] = multihost_utils.process_allgather(leaves[i], tiled=True)
-
-    def host(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return np.asarray(x.addressable_data(0))
-        return jax.device_get(x)
-
-    return jax.tree.unflatten(treedef, [host(x) for x in leaves])
-
-
 # --- ending a run --------------------------------------------------------------------------
+
+SCRATCH_PREFIX = "sdcstudy-peer-"
+
+
+@contextlib.contextmanager
+def scratch_folder():
+    """A temporary folder where a process that writes no run folder (process 1 of a pair) keeps
+    its logs and tables, removed at the end of the block. A process killed (SIGKILL, or jax
+    ending it once its coordinator is gone) cannot remove its own: the folders of this host's
+    processes that no longer run are removed first (the name holds host and pid)."""
+    import socket
+
+    host = socket.gethostname().replace("-", "_")
+    for stale in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}{host}-*-*"):
+        pid = stale.name[len(SCRATCH_PREFIX) + len(host) + 1:].split("-")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{host}-{os.getpid()}-") as name:
+        yield Path(name)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _describe(error: BaseException) -> tuple[int, str]:

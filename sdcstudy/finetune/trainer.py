@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from sdcstudy.core import config as C
 from sdcstudy.core import tokenizer as TK
-from sdcstudy.core import distributed
+from sdcstudy.core import hostarrays
 from sdcstudy.core import mesh as M
 from sdcstudy.core import model
 from sdcstudy.finetune import qa
@@ -208,9 +208,9 @@ class FinetuneTrainer(PairedTrainer):
             stop = start + len(chunk)
             if len(chunk) < size:  # the last batch is padded with copies of its first row
                 chunk = np.concatenate([chunk, np.repeat(chunk[:1], size - len(chunk), 0)])
-            batch = distributed.put(chunk, sharding) if jax.process_count() > 1 \
+            batch = hostarrays.put(chunk, sharding) if jax.process_count() > 1 \
                 else jax.device_put(chunk, sharding)
-            letters, tokens = distributed.fetch(fn(params, batch))
+            letters, tokens = hostarrays.fetch(fn(params, batch))
             at = rows.position[start:stop]
             index = np.arange(stop - start)
             letter_logp[:, start:stop] = np.asarray(letters)[:, index, at]
