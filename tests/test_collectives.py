@@ -3,7 +3,8 @@ attributed to communication or to computation.
 
 The verdicts are first checked on hand-made checksums (no JAX program), then once end to end:
 one lock-step run whose suspect gets a fault on the wire of an all-gather at step 1, one
-inside the FFN at step 2, none at step 3 and one in the FFN's input gradient at step 4.
+inside the FFN at step 2, none at step 3, one in the FFN's input gradient at step 4 and two
+sign flips on the wire of an all-gather at step 5.
 """
 
 import numpy as np
@@ -25,14 +26,17 @@ TP, LAYERS = 2, 2
 def _agreeing(value: int = 1000, direction: str = CS.FWD) -> dict:
     """Checksums of a healthy pair: both nodes alike; every all-gather (in the backward, the
     transpose of a reduce-scatter) received the sum of what its ranks sent. {record key:
-    (node, dp=1, tp, microstep=1) uint32 array}."""
+    (node, dp=1, tp, microstep=1, (A, B)) uint32 array}."""
     out = {}
+    ab = np.array([1, 3], np.uint64)  # B unlike A, so that a test can not mix them up
     for layer in range(1, LAYERS + 1):
         for (submodule, collective), _ in S.COLLECTIVES.items():
-            sent = np.full((2, 1, TP, 1), (value + layer) % 2 ** 32, np.uint32)
-            received = np.full((2, 1, TP, 1), (value + 7 * layer) % 2 ** 32, np.uint32)
+            sent = np.broadcast_to(((value + layer) * ab) % 2 ** 32, (2, 1, TP, 1, 2))
+            sent = sent.astype(np.uint32)
+            received = np.broadcast_to(((value + 7 * layer) * ab) % 2 ** 32, sent.shape)
+            received = received.astype(np.uint32)
             if (collective == S.ALL_GATHER) == (direction == CS.FWD):
-                received[:] = (TP * (value + layer)) % 2 ** 32
+                received = ((TP * sent.astype(np.uint64)) % 2 ** 32).astype(np.uint32)
             else:
                 out[CS.record_key(layer, submodule, collective, CS.COMPUTED)] = sent.copy()
             out[CS.record_key(layer, submodule, collective, CS.SENT)] = sent
@@ -152,7 +156,7 @@ def test_the_other_features_pass_the_collective_sites_through():
 
 
 def _cfg(*overrides):
-    return C.from_dict({"experiment": {"steps": 4, "batch_size": 4, "microsteps": 2,
+    return C.from_dict({"experiment": {"steps": 5, "batch_size": 4, "microsteps": 2,
                                        "checkpoint_every": 0, "mode": "lockstep"},
                         "mesh": {"tp": 2, "dp": 1}, "optim": {"warmup_steps": 1},
                         "data": {"seq_len": 32}, "model": {"n_layers": 1},
@@ -180,7 +184,8 @@ def test_a_collective_fault_is_refused_where_mesh_tp_is_1():
 
 # Step 1: one exponent flip in what tp rank 1 received from each all-gather of layer 1;
 # step 2: one in the FFN's activation on tp rank 0, inside the computation; step 3: nothing;
-# step 4: one in the gradient arriving at the FFN's input on tp rank 1, before its tap.
+# step 4: one in the gradient arriving at the FFN's input on tp rank 1, before its tap;
+# step 5: two sign flips in what tp rank 0 received, which cancel in a whole-word sum.
 PROFILE = """\
 name: wire-then-ffn
 specs:
@@ -190,6 +195,8 @@ specs:
      pattern: {kind: steps, steps: [2]}}
   - {site: bwd/ffn, kind: bitflip, count: 1, bit_class: exponent, tp_ranks: [1],
      pattern: {kind: steps, steps: [4]}}
+  - {site: collective/all_gather, kind: bitflip, count: 2, bit_class: sign, tp_ranks: [0],
+     pattern: {kind: steps, steps: [5]}}
 """
 
 
@@ -240,3 +247,15 @@ def test_a_healthy_step_has_no_verdict(lockstep_run):
     assert metrics[2]["collectives/communication"] == metrics[2]["collectives/computation"] == 0
     assert metrics[0]["collectives/first_communication"] == 2  # one per microstep
     assert metrics[1]["collectives/first_computation"] == 2
+
+
+def test_two_sign_flips_on_the_wire_are_communication(lockstep_run):
+    # Two float32 sign flips move a whole-word sum by 2**31 + 2**31 = 0 (mod 2**32): such a
+    # sum saw no communication, and the attention the corrupted input fed took the blame.
+    rows, mismatch, faults, _ = lockstep_run
+    assert set(faults[faults.step == 5].bit) == {31}
+    assert mismatch[(mismatch.step == 5) & (mismatch.site == "fwd/attn")].mismatches.sum() > 0
+    assert _first(rows, 5) == [("attn", S.ALL_GATHER, "fwd", 0, "communication")]
+    wire = rows[(rows.step == 5) & (rows.collective == S.ALL_GATHER) & (rows.direction == "fwd")]
+    assert set(wire.verdict) == {"communication"} and set(wire.found_by) == {"sum"}
+    assert len(wire) == 2 * 2  # microsteps, the attention's and the FFN's all-gather

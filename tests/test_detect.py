@@ -198,8 +198,47 @@ def test_rollback_gives_up_on_a_repeatable_fault(repeatable):
 
     stepper = repeatable
     wrapped = VerifiedRollback(stepper.step, stepper.trainer, max_retries=2)
-    with pytest.raises(DetectionError, match="still flagged after 2 rollbacks"):
+    with pytest.raises(DetectionError, match="still flagged after 2 rollbacks .* every attempt "
+                                              "giving the same loss"):
         wrapped(stepper.trainer.init_state(), stepper.trainer.make_batch(stepper.batches.batch(0)))
+
+
+class _Judge:
+    """A trainer whose loss monitor flags every execution: the step's result is judged alone."""
+
+    detectors = ("monitor", "lockstep")
+
+    def __init__(self, losses):
+        self.losses = iter(losses)
+
+    def judge(self, out):
+        return {"loss": next(self.losses), "grad_norm": 1.0, "monitor": 1, "lockstep": 0}
+
+    def flagged(self, verdict):
+        return any(verdict.get(name) for name in self.detectors)
+
+    def accept(self, verdict):
+        raise AssertionError("a flagged step was accepted")
+
+
+@pytest.mark.parametrize("losses, words", [
+    ([2.0, 2.0, 2.0], r"flagged after 2 rollbacks \(by monitor\), every attempt giving the same "
+                      r"loss .* or a false alarm on a clean step"),
+    ([float("nan")] * 3, "every attempt giving the same loss"),
+    ([2.0, 2.5, 3.0], "giving different results: a transient fault")])
+def test_a_step_still_flagged_names_its_detectors_and_what_can_cause_it(losses, words):
+    # A monitor that flags a clean step flags its identical re-runs too (measured: the healthy
+    # profile with detect.spike_grad=1.0 stopped at step 12): the error must not blame a fault
+    # it cannot know of.
+    from sdcstudy.core.step import StepOut
+    from sdcstudy.detect.rollback import VerifiedRollback
+
+    def compiled(state, batch):
+        return StepOut({"step": state["step"] + 1}, {}, {"detect": {}})
+
+    rollback = VerifiedRollback(compiled, _Judge(losses), max_retries=2)
+    with pytest.raises(DetectionError, match=words):
+        rollback({"step": jnp.int32(11)}, {})
 
 
 KILLED_CHILD = textwrap.dedent("""

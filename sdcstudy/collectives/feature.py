@@ -4,9 +4,10 @@ of nodes, a lock-step mismatch attributed to communication or to computation.
 Device half (`core.step.DeviceHalf`): `install` places the checksums (`checksum.py`) after
 the faults and before the lock-step taps, so they see each collective's input as the suspect
 computed it (a fault included) and what it received, in the forward and, for the transposed
-collectives, in the backward. A forward checksum is one uint32 per device, layer, collective
-and point; a backward one leaves as the cotangent of its zero sink. No context, no transforms,
-the records as they came (`core.step.StepFeature`'s defaults).
+collectives, in the backward. A forward checksum is two uint32 (`checksum.checksum`) per
+device, layer, collective and point; a backward one leaves as the cotangent of its zero sink.
+Its context is the topology's tp axis (where an all-gather's input is numbered by rank); no
+transforms, the records as they came (`core.step.StepFeature`'s defaults).
 Host half: `host` turns one step's checksums into collectives.parquet rows and counters
 (`verdicts.py`).
 """
@@ -57,9 +58,15 @@ class Collectives(StepFeature):
     # --- device half ----------------------------------------------------------------------
 
     def init_sinks(self, axes: tuple[str, ...] = ()) -> dict:
-        """Zero sinks, one per backward checksum, varying over `axes` (inside shard_map)."""
-        return {k: M.vary(jnp.zeros((2,), jnp.float32), axes)
+        """Zero sinks, one per backward checksum ((A, B) as (hi, lo) halves), varying over
+        `axes` (inside shard_map)."""
+        return {k: M.vary(jnp.zeros((2, 2), jnp.float32), axes)
                 for k in CS.sink_keys(self.n_layers)}
+
+    def context(self, where, sinks=None) -> str | None:
+        """The tensor-parallel mesh axis the model's collectives run over."""
+        del sinks
+        return where.tp_axis
 
     def install(self, hooks: SiteHooks, ctx=None, sinks=None) -> tuple[SiteHooks, dict]:
         """The checksums around the faults installed before them, in `fault` too, where a
@@ -67,8 +74,7 @@ class Collectives(StepFeature):
         the forward records they fill while the model is traced. The backward checksums
         come first in forward order, so that their VJPs run after the faults' (a corrupted
         cotangent is seen as computed) and before a tap's."""
-        del ctx
-        forward, backward = CS.ForwardChecksums(), CS.BackwardChecksums(sinks)
+        forward, backward = CS.ForwardChecksums(ctx), CS.BackwardChecksums(sinks, ctx)
         around = lambda hook: S.compose(backward, hook, forward)  # noqa: E731
         return hooks._replace(full=around(hooks.full), fault=around(hooks.fault)), \
             forward.records

@@ -5,8 +5,8 @@ Per microstep, data-parallel replica, layer, collective and direction (a row's c
 the forward one; in the backward its transpose ran), on the healthy node (0) and the
 suspect (1) (`checksum.py` names the points):
 - communication, found by "sum": an all-gather's received checksum on some node is not the
-  wrapping sum of that node's sent checksums (one node suffices; the forward all-gathers and
-  the backward of the reduce-scatters);
+  wrapping sum of that node's sent checksums, each numbered where it lands (`checksum.py`;
+  one node suffices; the forward all-gathers and the backward of the reduce-scatters);
 - communication, found by "pair": every tp rank sent the same checksums on both nodes, but
   this rank received different ones;
 - computation, found by "pair": this rank's computed input differs between the nodes.
@@ -35,34 +35,36 @@ _WRAP = np.uint64(2 ** 32)
 
 
 def decode(halves) -> np.ndarray:
-    """Backward checksums from their sinks' cotangents: (..., 2) float32 (hi, lo) halves."""
+    """Backward checksums from their sinks' cotangents: (..., 2) float32 (hi, lo) halves of
+    each uint32."""
     halves = np.asarray(halves, np.float64)
     return (halves[..., 0].astype(np.uint64) << np.uint64(16)) + halves[..., 1].astype(np.uint64)
 
 
 def _by_point(sums: dict) -> dict:
-    """{(layer, submodule, collective, point): uint64 array (node, dp, tp, microstep)}."""
+    """{(layer, submodule, collective, point): uint64 array (node, dp, tp, microstep, 2)}:
+    each checksum the pair (A, B) of `checksum.checksum`."""
     out = {}
     for key, array in sums.items():
         array = np.asarray(array)
-        if array.ndim != 4 or array.shape[0] != 2:
+        if array.ndim != 5 or array.shape[0] != 2 or array.shape[-1] != 2:
             raise ValueError(f"checksums {key!r} have shape {array.shape}; expected (node=2, "
-                             f"dp, tp, microstep) blocks.")
+                             f"dp, tp, microstep, 2) blocks.")
         out[parse_record_key(key)] = array.astype(np.uint64)
     return out
 
 
 def _collective_verdicts(sent, received, computed, all_gather: bool) -> list[tuple]:
-    """[(tp rank, verdict, found_by)] of one collective, from (node, tp) checksums."""
+    """[(tp rank, verdict, found_by)] of one collective, from (node, tp, 2) checksums."""
     found = []
     inputs_agree = bool(np.all(sent[0] == sent[1]))
     totals = sent.sum(axis=1) % _WRAP  # per node: what every rank's all-gather must receive
     for rank in range(sent.shape[1]):
-        if computed[0, rank] != computed[1, rank]:
+        if np.any(computed[0, rank] != computed[1, rank]):
             found.append((rank, COMPUTATION, "pair"))
         if all_gather and np.any(received[:, rank] != totals):
             found.append((rank, COMMUNICATION, "sum"))
-        elif inputs_agree and received[0, rank] != received[1, rank]:
+        elif inputs_agree and np.any(received[0, rank] != received[1, rank]):
             found.append((rank, COMMUNICATION, "pair"))
     return found
 
@@ -94,12 +96,12 @@ def _found(sums: dict, direction: str, d: int, m: int) -> list[tuple]:
 
 def verdict_rows(step: int, fwd: dict, bwd: dict | None = None) -> list[dict]:
     """collectives.parquet rows of one step's checksums ({record key: (node, dp, tp,
-    microstep) array}, forward and backward), per microstep and replica in step order."""
+    microstep, 2) array}, forward and backward), per microstep and replica in step order."""
     by_direction = {FWD: _by_point(fwd), BWD: _by_point(bwd or {})}
     shapes = [next(iter(sums.values())).shape for sums in by_direction.values() if sums]
     if not shapes:
         return []
-    _, dp, _, microsteps = shapes[0]
+    _, dp, _, microsteps, _ = shapes[0]
     rows = []
     for m in range(microsteps):
         for d in range(dp):

@@ -7,10 +7,12 @@ by flipping one index, and only after every detector has passed the step that pr
 a snapshot taken before the check would keep a corrupted state as faithfully as a clean one.
 On a flag the candidate is dropped and the step is recomputed from the verified slot with the
 next attempt number (transient faults then draw afresh; repeatable ones recur, and the run
-stops after `max_retries`). The host loop only ever receives verified states, so the run
-folder's orbax checkpoints, every `experiment.checkpoint_every` steps, persist verified states
-only; orbax writes into a temporary folder and renames it when complete, so a process killed
-mid-write leaves the previous checkpoint as the latest, never a mix of two steps.
+stops after `max_retries`, as it does when a detector that judges the result alone, the loss
+monitor, flags a clean step: its re-runs give the same bits, and the error says so). The host
+loop only ever receives verified states, so the run folder's orbax checkpoints, every
+`experiment.checkpoint_every` steps, persist verified states only; orbax writes into a
+temporary folder and renames it when complete, so a process killed mid-write leaves the
+previous checkpoint as the latest, never a mix of two steps.
 
 What the run folder records of a step is its first execution's verdict and records (the
 detectors' flags, the ground truth, the faults that landed: what the detectors caught and are
@@ -57,6 +59,7 @@ class VerifiedRollback:
         if self.verified is None or self.verified is not state:
             self.promote(state, int(jax.device_get(state["step"])))
         first = None  # the first execution's (verdict, records): what the detectors caught
+        results = set()  # (loss, gradient norm) of each flagged attempt
         for attempt in range(self.max_retries + 1):
             work = jax.tree.map(jnp.copy, self.verified)
             # Even attempt numbers: a re-execution detector uses attempt + 1 for its copy.
@@ -72,6 +75,18 @@ class VerifiedRollback:
                 caught, records = first
                 return out._replace(records={**records,
                                              "detect": {**caught, "rollbacks": attempt}})
-        raise DetectionError(f"step {self.verified_step + 1} was still flagged after "
-                             f"{self.max_retries} rollbacks: a repeatable fault (or a transient "
-                             f"one that strikes nearly every execution) cannot be rolled back.")
+            results.add((repr(verdict["loss"]), repr(verdict["grad_norm"])))  # NaN alike
+        raise DetectionError(self._still_flagged(verdict, len(results) == 1))
+
+    def _still_flagged(self, verdict: dict, alike: bool) -> str:
+        """Why the run stops: the step, the detectors that flagged its last attempt and, when
+        every attempt gave the same loss and gradient norm, the two things that do that."""
+        names = ", ".join(n for n in self.trainer.detectors if verdict.get(n)) or "a detector"
+        said = (f"step {self.verified_step + 1} was still flagged after {self.max_retries} "
+                f"rollbacks (by {names})")
+        if not alike:
+            return (f"{said}, its attempts giving different results: a transient fault that "
+                    f"strikes nearly every execution cannot be rolled back.")
+        return (f"{said}, every attempt giving the same loss and gradient norm: a repeatable "
+                f"fault, which rollback cannot get past, or a false alarm on a clean step (a "
+                f"loss monitor's threshold, detect.spike_loss or detect.spike_grad, too tight).")
