@@ -20,9 +20,11 @@ from sdcstudy.core import reports
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
 from sdcstudy.core.config import UserError
+from sdcstudy.core.errors import first_line
 
 SWEEP = "sweep.json"  # what the sweep was asked to do, to check a --resume against
 ALL = "all"  # --profiles all: the whole zoo
+REPORT = "report"  # the sweep's report folder, beside the run folders
 
 
 def parse_profiles(text: str) -> list[str]:
@@ -50,7 +52,15 @@ def folder_name(profile: str) -> str:
 
 
 def _check_resumable(root: Path, request: dict) -> None:
-    earlier = RF.json_load(root / SWEEP)
+    try:
+        earlier = RF.json_load(root / SWEEP)
+        if not isinstance(earlier, dict):
+            raise ValueError("it is not a JSON object")
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot resume {str(root)!r}: its {SWEEP} can not be read "
+                        f"({first_line(e)}); start the sweep again with another --out (the "
+                        f"runs in it can still be reported: sdcstudy report "
+                        f"{str(root)}).") from None
     if earlier != request:
         changed = sorted(k for k in request if earlier.get(k) != request[k])
         raise UserError(f"cannot resume {str(root)!r}: its sweep had different "
@@ -71,6 +81,10 @@ def sweep(config_path, profiles: list[str], out: Path | None = None, overrides=(
     for profile in profiles:
         zoo.load(profile)  # an unknown name or a bad file stops the sweep before any run
         name = folder_name(profile)
+        if name in (REPORT, SWEEP):
+            kept = "report folder" if name == REPORT else "request file"
+            raise UserError(f"profile {profile!r} would have the run folder {name!r}, the name "
+                            f"of the sweep's {kept}; rename the file.")
         if name in configs:
             raise UserError(f"profiles {profile!r} and {configs[name][0]!r} would share the "
                             f"run folder {name!r}; rename one of the files.")
@@ -105,7 +119,7 @@ def sweep(config_path, profiles: list[str], out: Path | None = None, overrides=(
                  f"{run_dir}")
             runner.run(cfg, run_dir, resume=resume and (run_dir / RF.CONFIG).is_file(),
                        progress=progress, echo=echo)
-        result = R.write_report(run_dirs, root / "report")
+        result = R.write_report(run_dirs, root / REPORT)
     return {"root": root, "runs": run_dirs, "report": result}
 
 

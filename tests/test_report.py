@@ -131,10 +131,13 @@ def test_rollups_equal_the_whole_tables_groupings(tmp_path):
 # --- sdcstudy report: paper-style tables and figures --------------------------------------------
 
 import math  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from report_runs import bit_histogram, grid_rows, paft_runs, random_node, write_run  # noqa: E402
 
 from sdcstudy import cli  # noqa: E402
+from sdcstudy.core import runlock  # noqa: E402
 from sdcstudy.paft import report as paft_report  # noqa: E402
 from sdcstudy.report import plots, runs as report, writer  # noqa: E402
 from sdcstudy.faults import published  # noqa: E402
@@ -345,6 +348,74 @@ def test_runs_stopped_before_their_last_step_are_named_under_the_runs_table(tmp_
     assert "Node 13 at step" not in markdown
     only_whole = writer.write_report([whole], tmp_path / "out2")["markdown"]
     assert "Stopped before their last step" not in only_whole
+
+
+def _runs_section(markdown: str) -> str:
+    return markdown[markdown.index("## Runs"):].split("\n## ")[0]
+
+
+def test_a_run_still_being_written_is_not_called_stopped(tmp_path):
+    # `sdcstudy report` of a sweep under way: the run a live process writes has not stopped.
+    curves = {"param/diff_l2": [0.0, 0.1, 0.2], "loss/suspect": [3.0, 3.0, 3.1]}
+    going = write_run(tmp_path / "going", mode="free", profile="paper-node-1",
+                      metrics=_metrics(3, **curves),
+                      config={"experiment": {"mode": "free", "steps": 8, "microsteps": 1}})
+    (going / RF.SUMMARY).unlink()  # a run writes it at its end
+    with runlock.hold(going, create=False):
+        markdown = writer.write_report([going], tmp_path / "out")["markdown"]
+    section = _runs_section(markdown)
+    assert ("Still being written, so every figure here is of the steps written so far: Node 1 "
+            f"at step 3 of 8 (process {os.getpid()}).") in section
+    assert "Stopped" not in section
+    # Once its writer is gone, the same folder is a run that stopped.
+    after = _runs_section(writer.write_report([going], tmp_path / "out2")["markdown"])
+    assert "Stopped before their last step" in after and "Still being written" not in after
+
+
+def test_a_run_whose_metrics_cannot_be_read_keeps_its_step_count(tmp_path):
+    # A finished run whose metrics.jsonl is damaged read as "0 steps, stopped at step 0 of 3".
+    run = write_run(tmp_path / "run", mode="free", profile="paper-node-1",
+                    metrics=_metrics(3, **{"param/diff_l2": [0.0, 0.1, 0.2]}))
+    (run / RF.METRICS).write_text("{not json\n")
+    result = writer.write_report([run], tmp_path / "out")
+    assert pd.read_csv(result["out"] / "runs.csv")["steps"].tolist() == [3]  # summary.json's
+    assert "Stopped" not in result["markdown"]
+
+
+def test_runs_table_shows_the_digits_that_tell_two_losses_apart(tmp_path):
+    # A free pair's losses 5.021186 and 5.021536 read "5.02 | 5.02", as if equal; equal
+    # losses, and losses that three digits tell apart, keep three.
+    runs = [write_run(tmp_path / name, mode="free", profile=profile,
+                      metrics=[{"step": 1, "loss/healthy": healthy, "loss/suspect": suspect}])
+            for name, profile, healthy, suspect in (
+                ("close", "paper-node-1", 5.021186, 5.021536),
+                ("same", "paper-node-2", 5.021186, 5.021186),
+                ("apart", "paper-node-3", 5.021186, 5.9),
+                ("nan", "paper-node-4", 5.021186, "nan"))]
+    result = writer.write_report(runs, tmp_path / "out")
+    section = _runs_section(result["markdown"])
+    assert "| 5.021 | 5.022 |" in section.splitlines()[4]  # Node 1
+    assert "| 5.02 | 5.02 |" in section.splitlines()[5]
+    assert "| 5.02 | 5.9 |" in section.splitlines()[6]
+    assert "| 5.02 | nan |" in section.splitlines()[7]
+    # The CSV keeps the numbers, not the text shown.
+    csv = pd.read_csv(result["out"] / "runs.csv")
+    assert csv["loss/healthy"].tolist() == [5.02119] * 4
+
+
+def test_bit_field_table_counts_bits_not_elements(tmp_path):
+    # summary.json's fields sum the per-position counts: 2 elements that differ in 3 mantissa
+    # bits each count 6, more than the 2 mismatches; the table must not call them elements.
+    rows = grid_rows(steps=1, layers=1, tp=1, elements=100,
+                     cell=lambda step, micro, layer, site, rank: (2 * (site == "fwd/attn"), 0.1))
+    run = write_run(tmp_path / "run", mode="lockstep", profile="paper-node-1",
+                    metrics=_metrics(1), mismatch=rows,
+                    summary={"bit_histogram": {"fwd/attn": bit_histogram(0, 0, 6)}})
+    markdown = writer.write_report([run], tmp_path / "out")["markdown"]
+    [heading] = [line for line in markdown.splitlines() if "sign / exponent / mantissa" in line]
+    assert heading.startswith("## Differing bits of the mismatching elements per field")
+    assert "an element counts once per differing bit" in heading
+    assert "| Node 1 | 0 / 0 / 6 |" in markdown
 
 
 def test_paft_table_and_curves_follow_the_metrics(tmp_path):
@@ -561,3 +632,45 @@ def test_report_and_run_files_honour_the_umask(hand_run, tmp_path):
         files += [folder / name for name in (RF.SUMMARY, RF.CONFIG, RF.METRICS, "opened.txt")]
         modes[umask] = {f.name: oct(f.stat().st_mode & 0o777) for f in files}
         assert modes[umask] == {f.name: oct(0o666 & ~umask) for f in files}
+
+
+def _notebook_script(name: str) -> str:
+    """The code cells of notebooks/`name` as one script (what a kernel would run, in order)."""
+    book = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / name).read_text())
+    return "\n".join("".join(cell["source"]) for cell in book["cells"]
+                     if cell["cell_type"] == "code")
+
+
+def test_notebooks_take_a_sweep_folder_and_say_when_they_have_nothing_to_show(tmp_path):
+    # SDCSTUDY_RUNS=runs/zoo (a sweep folder, which `sdcstudy report` takes) stopped the
+    # notebooks at load_run ("is not a run folder"); paft.ipynb without PAFT runs raised an
+    # IndexError two cells later instead of saying so; the divergence table named step 1 as
+    # the step of the largest loss gap of a pair whose losses never differed.
+    zoo = tmp_path / "zoo"
+    curves = {"param/diff_l2": [0.0, 0.1, 0.2], "grad/diff_l2": [0.0, 0.1, 0.1],
+              "grad/norm": [1.0, 1.0, 1.0], "grad/norm_suspect": [1.0, 1.1, 1.0]}
+    write_run(zoo / "apart", mode="free", profile="paper-node-1",
+              metrics=_metrics(3, **curves, **{"loss/suspect": [3.0, 3.2, 3.1]}))
+    write_run(zoo / "same", mode="free", profile="paper-node-7",
+              metrics=_metrics(3, **curves, **{"loss/suspect": [3.0, 3.0, 3.0]}))
+    env = {**os.environ, "SDCSTUDY_RUNS": str(zoo), "SDCSTUDY_FIGURES": str(tmp_path / "f"),
+           "MPLBACKEND": "Agg"}
+
+    def run(name):
+        return subprocess.run([sys.executable, "-c", _notebook_script(name)], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+
+    done = run("training_dynamics.ipynb")
+    assert done.returncode == 0, done.stderr
+    assert "2 runs:\n  Node 1\n  Node 7" in done.stdout
+    divergence = subprocess.run(
+        [sys.executable, "-c", _notebook_script("training_dynamics.ipynb").split(
+            "for name in (")[0] + "\nprint(divergence.to_json())"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    table = json.loads(divergence.stdout.splitlines()[-1])
+    assert table["step of max gap"] == {"Node 1": 2, "Node 7": None}
+    assert table["first step apart"] == {"Node 1": 2, "Node 7": 2}
+    paft = run("paft.ipynb")
+    assert paft.returncode == 1 and "Traceback" not in paft.stderr, paft.stderr
+    assert paft.stderr.strip().splitlines()[-1] == (
+        "no PAFT run folder given: set SDCSTUDY_RUNS or make runs under ../runs")

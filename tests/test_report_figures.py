@@ -280,3 +280,19 @@ def test_bench_overheads_have_distinct_colours_and_do_not_cover_each_other(drawn
               for line in fig.axes[0].get_lines() if line.get_marker() == "o"}
     assert len({colour for colour, _ in points}) == 20
     assert len({x for _, x in points}) == 20 and all(math.isfinite(x) for _, x in points)
+
+
+def test_figure_6_says_which_pair_never_drifted_apart(tmp_path, drawn):
+    # A pair whose parameters never differed (a rare profile, a short run) has no line on the
+    # log axis of the parameter difference, yet the legend listed it like the others.
+    steps = 4
+    apart = write_run(tmp_path / "apart", mode="free", profile="paper-node-1",
+                      metrics=_metrics(steps, **{"param/diff_l2": [0.0, 1e-3, 2e-3, 3e-3],
+                                                 "loss/suspect": [3.0] * steps}))
+    same = write_run(tmp_path / "same", mode="free", profile="paper-node-7",
+                     metrics=_metrics(steps, **{"param/diff_l2": [0.0] * steps,
+                                                "loss/suspect": [3.0] * steps}))
+    fig = drawn(plots.training, _runs(apart, same), tmp_path / "fig6.png")
+    legend = [t.get_text() for ax in fig.axes if ax.get_legend()
+              for t in ax.get_legend().get_texts()]
+    assert legend[:2] == ["Node 1", "Node 7 (parameters never differed)"]

@@ -167,3 +167,54 @@ def test_sweep_profiles_all_runs_the_whole_zoo_but_healthy(fake, tmp_path, monke
     assert SW.parse_profiles("all, my.yaml") == [*zoo, "my.yaml"]
     with pytest.raises(Exception, match="names paper-node-3 more than once"):
         SW.parse_profiles("paper-node-3,all")
+
+
+@pytest.mark.parametrize("damage", ['{"config": ', "[1, 2]"])
+def test_a_resume_whose_sweep_file_cannot_be_read_is_one_sentence(fake, tmp_path, capsys,
+                                                                   damage):
+    # A damaged sweep.json (a copy cut short, an edit) ended the resume as "could not run: a
+    # bug or a broken environment" (exit 3).
+    out = tmp_path / "zoo"
+    argv = ["sweep", str(CONFIG), "--profiles", "paper-node-1", "--set", "experiment.steps=2",
+            "--out", str(out), "--no-progress"]
+    assert cli.main(argv) == 0
+    (out / SW.SWEEP).write_text(damage)
+    before = sorted(p.name for p in out.rglob("*"))
+    capsys.readouterr()
+    assert cli.main([*argv, "--resume"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert f"cannot resume {str(out)!r}: its {SW.SWEEP} can not be read (" in line
+    assert line.endswith(f"start the sweep again with another --out (the runs in it can still "
+                         f"be reported: sdcstudy report {out}).")
+    assert sorted(p.name for p in out.rglob("*")) == before and len(fake.calls) == 1
+
+
+@pytest.mark.parametrize("damage", ['{"steps_done": 2, "ste', "[]"])
+def test_a_resume_redoes_a_run_whose_summary_cannot_be_read(fake, tmp_path, capsys, damage):
+    # A finished run's damaged summary.json ended the resume as a bug (exit 3); the run resumes
+    # instead, from its last checkpoint, as `sdcstudy run --resume` does, which writes it again.
+    out = tmp_path / "zoo"
+    argv = ["sweep", str(CONFIG), "--profiles", "paper-node-1,paper-node-7",
+            "--set", "experiment.steps=2", "--out", str(out), "--no-progress"]
+    assert cli.main(argv) == 0
+    (out / "paper-node-7" / RF.SUMMARY).write_text(damage)
+    fake.calls.clear()
+    assert cli.main([*argv, "--resume"]) == 0
+    assert fake.calls == [("paper-node-7", 2, "lockstep", True)]
+    assert json.loads((out / "paper-node-7" / RF.SUMMARY).read_text())["steps_done"] == 2
+
+
+@pytest.mark.parametrize("stem", ["report", "sweep.json"])
+def test_a_profile_file_named_as_the_sweeps_own_files_is_refused_first(fake, tmp_path, capsys,
+                                                                       stem):
+    # report.yaml's run folder was the sweep's report folder: the report was refused after
+    # every run had finished.
+    profile = tmp_path / f"{stem}.yaml"
+    profile.write_text("specs:\n  - {site: fwd/attn, kind: bitflip, rate: 1.0e-3}\n")
+    out = tmp_path / "zoo"
+    assert cli.main(["sweep", str(CONFIG), "--profiles", f"paper-node-1,{profile}",
+                     "--out", str(out)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert f"profile {str(profile)!r} would have the run folder {stem!r}, the name of the " \
+           f"sweep's" in line and line.endswith("; rename the file.")
+    assert fake.calls == [] and not out.exists()

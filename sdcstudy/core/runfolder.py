@@ -180,11 +180,12 @@ def json_load(path: Path):
 
 def finished(run_dir: Path) -> bool:
     """A run folder whose summary.json says it ran every step (what `sweep --resume` and
-    `reproduce --resume` keep)."""
-    if not (Path(run_dir) / SUMMARY).is_file():
+    `reproduce --resume` keep); not one whose summary cannot be read (its resume rewrites it)."""
+    try:
+        summary = json_load(Path(run_dir) / SUMMARY)
+    except (OSError, ValueError):  # none, or damaged
         return False
-    summary = json_load(Path(run_dir) / SUMMARY)
-    return summary.get("steps_done") == summary.get("steps")
+    return isinstance(summary, dict) and summary.get("steps_done") == summary.get("steps")
 
 
 def table_parts(path: Path) -> list[Path]:

@@ -44,7 +44,8 @@ FREE_SUMMARY = {**SUMMARY, "wcnts": "max over steps of finite grad/nts as in eq.
 LOCKSTEP_SUMMARY = {
     "freq": "per site: mismatch frequency, eqs. (1)-(2), mean over microsteps",
     "max_severity": "per site: mismatch severity, eqs. (3)-(4), max over microsteps",
-    "bit_histogram": "per site: mismatching elements per bit position and per field",
+    "bit_histogram": "per site: mismatching elements per bit position, and differing bits "
+                     "summed per field (sign, exponent, mantissa)",
     "mismatches": "per site: mismatching elements over the run",
     "nonfinite": "per site: elements that are NaN or infinite on the suspect over the run",
 }

@@ -189,13 +189,16 @@ def gradients(runs: dict, path: Path) -> Path | None:
 def training(runs: dict, path: Path) -> Path | None:
     """Figure 6: parameter difference, gradient norms and training losses of free-running
     pre-training pairs (healthy dashed black, drawn over the suspects; fine-tuning has Figure
-    7, `finetune/report.py`). A legend label says from which step a run is not finite."""
+    7, `finetune/report.py`). A legend label says from which step a run is not finite, or
+    that its parameters never differed (a zero is a gap on the log axis: no line at all)."""
     runs = {label: run for label, run in runs.items()
             if T.run_mode(run) == "free" and "param/diff_l2" in run.metrics}
     if not runs:
         return None
     plt = pyplot()
-    labels = {label: T.nonfinite_label(run, label) for label, run in runs.items()}
+    labels = {label: T.nonfinite_label(run, label) + (
+        " (parameters never differed)" if (_series(run, "param/diff_l2") == 0).all() else "")
+        for label, run in runs.items()}  # a log axis shows nothing of such a run: say why
     fig, axes = FS.with_legend_room(plt, 3, [*labels.values(), "healthy"], 13.4, 4.2,
                                     wspace=0.25, top=0.7)
     fig.suptitle(f"Figure 6 ({PAPER}): free-running pairs, suspect against healthy",

@@ -125,9 +125,10 @@ def _bit_fields(histogram: dict):
 
 
 def bit_field_table(runs: dict) -> pd.DataFrame:
-    """Per run and site, how many mismatching elements differ in the sign, exponent
-    and mantissa fields (from summary.json's bit histograms), written "sign / exponent /
-    mantissa": single bit flips touch one field, wrong arithmetic mostly low mantissa bits."""
+    """Per run and site, the differing bits of the mismatching elements in the sign, exponent
+    and mantissa fields (summary.json's bit histograms), "sign / exponent / mantissa": an
+    element counts once per differing bit, so a field may count more than the mismatches.
+    Single bit flips touch one field, wrong arithmetic mostly low mantissa bits."""
     rows = {}
     for label, run in runs.items():
         fields = {site: _bit_fields(h) for site, h in bit_histograms(run).items()}
@@ -293,7 +294,7 @@ def runs_table(runs: dict) -> pd.DataFrame:
         spikes = run.summary.get("loss_spikes")
         rows[label] = {
             "run": run.name, "mode": run_mode(run), "profile": run_profile(run),
-            "steps": int(m["step"].max()) if len(m) else 0,
+            "steps": steps_done(run),
             "faults injected": faults,
             "mismatches": int(run.mismatch_rollup.by_microstep["mismatches"].sum())
             if len(run.mismatch_rollup) else math.nan,
@@ -310,11 +311,18 @@ def partial_runs(runs: dict) -> dict[str, tuple[int, int]]:
     (`--stop-after`, an interrupt, a crash): their tables and figures are of the steps done."""
     partial = {}
     for label, run in runs.items():
-        asked = run.config.get("experiment", {}).get("steps")
-        done = int(run.metrics["step"].max()) if len(run.metrics) else 0
-        if isinstance(asked, int) and done < asked:
+        asked, done = run.config.get("experiment", {}).get("steps"), steps_done(run)
+        if isinstance(asked, int) and done < asked:  # NaN (not known) is not below
             partial[label] = (done, asked)
     return partial
+
+
+def steps_done(run):
+    """The run's last step: metrics.jsonl's, else (that file unreadable) summary.json's
+    `steps_done`, else NaN, shown as -: not known, rather than 0."""
+    done = run.metrics["step"].max() if len(run.metrics) else run.summary.get("steps_done")
+    done = pd.to_numeric(pd.Series([done], dtype=object), errors="coerce")[0]
+    return int(done) if math.isfinite(done) else math.nan
 
 
 def frequency_by_step(run, site: str) -> pd.Series:

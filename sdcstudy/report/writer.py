@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sdcstudy import modes
-from sdcstudy.core import errors, reports
+from sdcstudy.core import errors, reports, runlock
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import UserError
 from sdcstudy.report.runs import DamagedFile, expand_run_dirs, label_runs, load_run
@@ -51,8 +51,11 @@ NEEDED_BY = {RF.MISMATCH: "Tables 1-2 and 6-9 and Figures 3-4",
              RF.SUMMARY: "the bit-field and bit-position tables and figure and the ABFT "
                          "runs table's recall and precision",
              RF.ABFT: "the ABFT tables and Figure 10",
-             RF.FAULTS: "the runs table's fault count",
+             RF.FAULTS: "the runs table's fault count where metrics.jsonl has no "
+                        "faults/landed",
              RF.ENV: "nothing (the report does not use it)"}
+# The runs table's columns shown with the digits that tell a row's values apart.
+LOSSES = ("loss/healthy", "loss/suspect")
 SUMMARY_TABLES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv", "wcnts.csv",
                   "abft_runs.csv")
 
@@ -76,6 +79,47 @@ def _write(path: Path, text: str) -> None:
     """One file of the report, atomically; one that cannot be written is ReportWriteError."""
     with reports.writing(path):
         RF.atomic_write_text(path, text)
+
+
+def partial_note(runs: dict) -> str:
+    """The runs table's note on the runs short of their last step: those a live process still
+    writes (a report of a sweep under way), then those that stopped."""
+    from sdcstudy.report import tables as T
+
+    still, stopped = [], []
+    for label, (done, asked) in T.partial_runs(runs).items():
+        pid = runlock.holder(runs[label].path)
+        (stopped if pid is None else still).append(
+            f"{label} at step {done} of {asked}" + (f" (process {pid})" if pid and pid > 0
+                                                     else ""))
+    return ((" Still being written, so every figure here is of the steps written so far: "
+             + ", ".join(still) + "." if still else "")
+            + (" Stopped before their last step, so every figure here is of the steps done: "
+               + ", ".join(stopped) + "." if stopped else ""))
+
+
+def distinguished(table, columns):
+    """`table` with the cells of `columns` that `tables.fmt` would round to the same text in
+    one row (a free pair's losses 5.02119 and 5.02154: "5.02" twice) written with the digits
+    that tell them apart, up to 9."""
+    import math
+
+    import pandas as pd
+
+    from sdcstudy.report import tables as T
+
+    columns = [c for c in columns if c in table]
+    values = table[columns].apply(pd.to_numeric, errors="coerce")
+    shown = table.astype({c: object for c in columns})
+    for key, row in values.iterrows():
+        finite = row[row.map(math.isfinite)]
+        if finite.nunique() < 2 or len({T.fmt(v) for v in finite}) == finite.nunique():
+            continue
+        digits = next((d for d in range(4, 10)
+                       if len({f"{v:.{d}g}" for v in finite}) == finite.nunique()), 9)
+        for c, v in finite.items():
+            shown.at[key, c] = f"{v:.{digits}g}"
+    return shown
 
 
 def run_sections(runs: dict) -> list:
@@ -115,8 +159,10 @@ def report_tables(runs: dict, sections: list | None = None) -> dict:
         "table9_layer_severity_bwd.csv": (
             "Table 9: backward mismatch severity per decoder layer, maximised over microsteps",
             layer("bwd", "severity"), ["layer", "site"], False),
-        "bit_fields.csv": ("Differing bit fields of the mismatches: sign / exponent / "
-                           "mantissa", T.bit_field_table(runs), ["node"], False),
+        "bit_fields.csv": ("Differing bits of the mismatching elements per field: sign / "
+                           "exponent / mantissa (an element counts once per differing bit, "
+                           "so a field may count more than the mismatches)",
+                           T.bit_field_table(runs), ["node"], False),
         "bit_positions.csv": ("Differing bits per bit position (highest first) of the "
                               "mismatching elements", T.bit_position_table(runs),
                               ["node", "site"], False),
@@ -171,6 +217,8 @@ def _write_files(runs: dict, problems: list[str], out: Path, drawing) -> dict:
         if table.empty:
             continue
         shown = table.loc[:, (table.fillna(0) != 0).any()] if name in SPARSE_TABLES else table
+        if name == "runs.csv":
+            shown = distinguished(shown, LOSSES)
         text = T.markdown(shown, index, with_published=fold)
         if shown.shape[1] == 0:  # a sparse table with nothing non-zero
             text = "No mismatching element differs in any bit position."
@@ -179,10 +227,8 @@ def _write_files(runs: dict, problems: list[str], out: Path, drawing) -> dict:
             if fold and table[published].notna().any().any() else ""
         if 0 < shown.shape[1] < table.shape[1]:
             note += " Bit positions without a differing bit are left out here; the CSV has all."
-        if name == "runs.csv" and (partial := T.partial_runs(runs)):
-            note += " Stopped before their last step, so every figure here is of the steps done: " \
-                + ", ".join(f"{label} at step {done} of {asked}"
-                            for label, (done, asked) in partial.items()) + "."
+        if name == "runs.csv":
+            note += partial_note(runs)
         section = f"## {title}\n\n{text}\n\n[{name}]({name}){note}\n"
         sections.append(section)
         if name in SUMMARY_TABLES:
