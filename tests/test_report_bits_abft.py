@@ -201,7 +201,9 @@ def test_published_values_are_announced_only_where_there_are_some(tmp_path):
     node = _lockstep_run(tmp_path / "node", "paper-node-1")
     result = writer.write_report([other, node], tmp_path / "both")
     table1 = result["markdown"].split("## Table 1")[1].split("##")[0]
-    assert "Ma et al.'s published value in parentheses." in table1
+    # ... and says they are of the paper's whole run, not of this run's few steps
+    assert "Ma et al.'s published value in parentheses, of their whole run (Figure 3 spans " \
+        "4,000 optimizer steps)" in table1
 
 
 def test_a_missing_run_folder_is_named_as_missing(tmp_path):

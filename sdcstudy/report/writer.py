@@ -54,6 +54,11 @@ NEEDED_BY = {RF.MISMATCH: "Tables 1-2 and 6-9 and Figures 3-4",
              RF.FAULTS: "the runs table's fault count where metrics.jsonl has no "
                         "faults/landed",
              RF.ENV: "nothing (the report does not use it)"}
+# Beside a table with the paper's values: they are of its whole runs, ours of the run's steps.
+PUBLISHED_NOTE = (" Ma et al.'s published value in parentheses, of their whole run (Figure 3 "
+                  "spans 4,000 optimizer steps); a run of a few steps can differ from it by the "
+                  "node's time pattern alone (nodes 10 and 11 start with a spike that decays "
+                  "over 20 steps: `sdcstudy profiles`).")
 # The runs table's columns shown with the digits that tell a row's values apart.
 LOSSES = ("loss/healthy", "loss/suspect")
 SUMMARY_TABLES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv", "wcnts.csv",
@@ -223,8 +228,7 @@ def _write_files(runs: dict, problems: list[str], out: Path, drawing) -> dict:
         if shown.shape[1] == 0:  # a sparse table with nothing non-zero
             text = "No mismatching element differs in any bit position."
         published = [c for c in table.columns if str(c).endswith(T.PUBLISHED_SUFFIX)]
-        note = " Ma et al.'s published value in parentheses." \
-            if fold and table[published].notna().any().any() else ""
+        note = PUBLISHED_NOTE if fold and table[published].notna().any().any() else ""
         if 0 < shown.shape[1] < table.shape[1]:
             note += " Bit positions without a differing bit are left out here; the CSV has all."
         if name == "runs.csv":
