@@ -321,7 +321,7 @@ def steps_done(run):
     """The run's last step: metrics.jsonl's, else (that file unreadable) summary.json's
     `steps_done`, else NaN, shown as -: not known, rather than 0."""
     done = run.metrics["step"].max() if len(run.metrics) else run.summary.get("steps_done")
-    done = pd.to_numeric(pd.Series([done], dtype=object), errors="coerce")[0]
+    done = pd.to_numeric(done, errors="coerce")
     return int(done) if math.isfinite(done) else math.nan
 
 
