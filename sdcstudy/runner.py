@@ -58,9 +58,15 @@ def run(cfg: Config, out_dir: Path | None = None, *, resume: bool = False,
         from sdcstudy.core import tensorboard
 
         tensorboard.require()
+    # Every process reaches these refusals alike (their settings were compared when they met):
+    # they leave together (`distributed.SharedRefusal`), none ended first by another's exit.
     if out_dir is None and jax.process_count() > 1:
-        raise UserError("a run on several processes needs --out RUN_DIR, the same on each.")
-    modes.check_processes(cfg, jax.process_count())
+        raise distributed.SharedRefusal("a run on several processes needs --out RUN_DIR, the "
+                                        "same on each.")
+    try:
+        modes.check_processes(cfg, jax.process_count())
+    except C.ConfigError as refusal:
+        raise distributed.SharedRefusal(str(refusal)) from None
     run_dir = None
     with Signals() as signals:
         try:

@@ -362,6 +362,40 @@ def test_a_process_short_of_devices_is_refused_by_every_process(setup, processes
     assert not (setup / "short" / "checkpoints").exists()
 
 
+# Imported by a process at start-up (PYTHONPATH): it reaches the one-process modes' refusal 5 s
+# late, as a loaded host would.
+SLOW_MODE_CHECK = """\
+import time
+from sdcstudy import modes
+_check_processes = modes.check_processes
+def _late(*args, **kwargs):
+    time.sleep(5)
+    return _check_processes(*args, **kwargs)
+modes.check_processes = _late
+"""
+
+
+def test_a_one_process_mode_on_two_processes_is_refused_by_both(setup, processes):
+    """experiment.mode abft (one process) started as two: both exit 2 with the one sentence
+    (was: process 0 exited at once, and process 1, slow to reach the check, was ended by jax
+    when the coordinator went, with a C++ stack)."""
+    port = _free_port()
+    slow = setup / "slow-mode-check"
+    slow.mkdir(exist_ok=True)
+    (slow / "sitecustomize.py").write_text(SLOW_MODE_CHECK)
+    for i in range(2):
+        late = {"PYTHONPATH": os.pathsep.join([str(slow), os.environ.get("PYTHONPATH", "")])}
+        processes.start(f"one-p{i}", ["--out", str(setup / "one"), "--coordinator",
+                                      f"127.0.0.1:{port}", "--num-processes", "2",
+                                      "--process-id", str(i), "--set", "experiment.mode=abft",
+                                      "--timeout", str(REFUSAL_TIMEOUT_S)], devices=1,
+                        **(late if i else {}))
+    for line in _refused(processes, "process ").values():
+        assert line.endswith("experiment.mode abft runs in one process, not 2; only lockstep, "
+                             "paramsync, free, finetune pair processes (docs/pairing.md)."), line
+    assert not (setup / "one" / "checkpoints").exists()
+
+
 def _slurm_task(processes, name, out, port, task, *extra):
     """One task of a two-task Slurm step on this host, as srun would start it: no launch
     flags, jax's Slurm detection finds the coordinator (this host, `port`), count and id."""
