@@ -18,6 +18,7 @@ from sdcstudy.core import reports
 from sdcstudy.faults import profiles
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
+from sdcstudy.core import tablelog as TL
 from sdcstudy import runner
 from sdcstudy.core.metrics import SITES
 
@@ -100,12 +101,12 @@ def _demo(root: Path, steps: int, progress: bool, profile: str) -> dict:
     lock = runner.run(C.from_dict(DEMO, base + ["experiment.name=lockstep"]), root / "lockstep",
                       progress=progress)
     lock_dir = Path(lock["run_dir"])
-    mismatch = RF.read_table(lock_dir / RF.MISMATCH)
+    mismatch = TL.read_table(lock_dir / RF.MISMATCH)
     plot_frequency(mismatch, lock_dir / "mismatch.png", f"lock-step, suspect {profile}")
     print(f"\n1. Lock-step computation synchronization, {steps} steps: every attention and FFN "
           f"output and input gradient compared bit for bit, then repaired")
     print(mismatch_table(lock, profile))
-    faults = RF.read_table(lock_dir / RF.FAULTS)
+    faults = TL.read_table(lock_dir / RF.FAULTS)
     at_sites = int(faults["site"].isin(SITES).sum())
     print(f"   {at_sites} corruptions injected at the four compared sites (faults.parquet), "
           f"{sum(lock.get('mismatches', {}).values())} mismatches found (mismatch.parquet); "

@@ -26,6 +26,7 @@ from sdcstudy.core import determinism, digest, distributed, errors, hostarrays
 from sdcstudy.core import metrics as MX
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
+from sdcstudy.core import tablelog as TL
 from sdcstudy.core.checkpoint import (Checkpointer, CheckpointWriteError, check_resumable,
                                      config_hash, saved_steps, write_reason, written_by)
 from sdcstudy.core.config import Config, UserError
@@ -173,7 +174,7 @@ class _Log:
             from sdcstudy.core import tensorboard
 
             self.lines.append(tensorboard.ScalarLog(board_dir, first_step=start + 1))
-        self.tables = {name: RF.TableLog(files / name, cols, keep_below_step=start + 1)
+        self.tables = {name: TL.TableLog(files / name, cols, keep_below_step=start + 1)
                        for name, cols in mode.tables.items()}
         self.counters = dict(carried.get("counters", {}))
         self.histograms = {k: np.asarray(v, np.int64)

@@ -15,6 +15,7 @@ import pandas as pd
 import yaml
 
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import tablelog as TL
 
 SITES = ("fwd/attn", "fwd/ffn", "bwd/attn", "bwd/ffn")
 ABFT_COLUMNS = ("step", "microstep", "layer", "matmul", "direction", "tp_rank", "residual",
@@ -36,7 +37,7 @@ def write_run(path, *, mode, profile, metrics, mismatch=None, summary=None, abft
     (path / RF.CONFIG).write_text(yaml.safe_dump(config))
     RF.write_rows(path / RF.METRICS, metrics)
     if mismatch is not None:
-        pd.DataFrame(mismatch, columns=list(RF.MISMATCH_COLUMNS)).to_parquet(path / RF.MISMATCH)
+        pd.DataFrame(mismatch, columns=list(TL.MISMATCH_COLUMNS)).to_parquet(path / RF.MISMATCH)
     if abft is not None:
         pd.DataFrame(abft, columns=list(ABFT_COLUMNS)).to_parquet(path / RF.ABFT)
     RF.atomic_write_json(path / RF.SUMMARY, {"mode": mode, "steps": len(metrics),

@@ -17,6 +17,7 @@ from sdcstudy.collectives.feature import Collectives
 from sdcstudy.core import config as C
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import sites as S
+from sdcstudy.core import tablelog as TL
 from sdcstudy.core.errors import UserError
 from sdcstudy.faults.specs import FaultSpec, FaultSpecError, Profile, check_fits
 
@@ -206,8 +207,8 @@ def lockstep_run(tmp_path_factory):
     (folder / "profile.yaml").write_text(PROFILE)
     out = folder / "run"
     runner.run(_cfg(f"suspect.profile={folder / 'profile.yaml'}"), out, progress=False)
-    return (RF.read_table(out / V.TABLE), RF.read_table(out / RF.MISMATCH),
-            RF.read_table(out / RF.FAULTS), RF.read_jsonl(out / RF.METRICS))
+    return (TL.read_table(out / V.TABLE), TL.read_table(out / RF.MISMATCH),
+            TL.read_table(out / RF.FAULTS), RF.read_jsonl(out / RF.METRICS))
 
 
 def _first(rows, step):

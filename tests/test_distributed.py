@@ -27,6 +27,7 @@ from sdcstudy.core import config as C
 from sdcstudy.core import data as D
 from sdcstudy.core import distributed, rendezvous, xlaflags
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import tablelog as TL
 
 RUN_TIMEOUT_S = 120  # --timeout of the runs: start-up, heartbeats, each collective
 DEADLINE_S = 240  # hard limit for one group of processes
@@ -159,10 +160,10 @@ def test_two_processes_match_one_process_bit_for_bit(setup, processes):
     assert _metrics(multi) == _metrics(single)
     assert [r["step"] for r in _metrics(multi)] == [1, 2, 3]
     for table in (RF.MISMATCH, RF.FAULTS):
-        a, b = RF.read_table(multi / table), RF.read_table(single / table)
+        a, b = TL.read_table(multi / table), TL.read_table(single / table)
         assert len(a) > 0
         pd.testing.assert_frame_equal(a, b, check_exact=True)
-    assert RF.read_table(multi / RF.MISMATCH)["mismatches"].sum() > 0
+    assert TL.read_table(multi / RF.MISMATCH)["mismatches"].sum() > 0
     assert _summary(multi)["param_digest"] == _summary(single)["param_digest"]
     assert _summary(multi) == _summary(single)
 
@@ -430,7 +431,7 @@ def test_slurm_tasks_started_alike_run_and_started_otherwise_are_refused(setup, 
     finally:
         alike.stop()
     assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
-    assert RF.read_table(out / RF.MISMATCH)["mismatches"].sum() > 0  # the pair compared
+    assert TL.read_table(out / RF.MISMATCH)["mismatches"].sum() > 0  # the pair compared
     assert RF.json_load(out / RF.ENV)["process_count"] == 2
 
 

@@ -32,6 +32,7 @@ from sdcstudy import cli, runner
 from sdcstudy.core import checkpoint
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock, train
+from sdcstudy.core import tablelog as TL
 from sdcstudy.paired.trainer import PairedTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +100,7 @@ def hooks():
     h = Hooks()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(runner, "compile_step", h.compile_step)
-        save, flush = checkpoint.Checkpointer.save, RF.TableLog.flush
+        save, flush = checkpoint.Checkpointer.save, TL.TableLog.flush
         host_tables = PairedTrainer.host_tables
 
         def recording(self, step, records):
@@ -115,7 +116,7 @@ def hooks():
             flush(self)
 
         patch.setattr(checkpoint.Checkpointer, "save", saving)
-        patch.setattr(RF.TableLog, "flush", flushing)
+        patch.setattr(TL.TableLog, "flush", flushing)
         patch.setattr(PairedTrainer, "host_tables", recording)
         yield h
 
@@ -126,7 +127,7 @@ def _view(run_dir: Path) -> dict:
     return {"metrics": [{k: v for k, v in row.items() if not k.startswith("time/")}
                         for row in RF.read_jsonl(run_dir / RF.METRICS)],
             "summary": {k: v for k, v in summary.items() if k not in TIMES},
-            **{name: RF.read_table(run_dir / name) for name in (RF.FAULTS, RF.MISMATCH)}}
+            **{name: TL.read_table(run_dir / name) for name in (RF.FAULTS, RF.MISMATCH)}}
 
 
 def _assert_same(a: dict, b: dict) -> None:

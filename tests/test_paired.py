@@ -15,6 +15,7 @@ import sdcstudy
 from sdcstudy.core import config as C
 from sdcstudy.core import data as D
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import tablelog as TL
 from sdcstudy import modes, runner
 from sdcstudy.core import stats, train
 from sdcstudy.paired.lockstep import SITE_NAMES
@@ -95,7 +96,7 @@ def test_healthy_pair_agrees_exactly(healthy_run):
     assert summary["grad/nonfinite_steps"] == 0 and summary["grad/first_nonfinite_step"] is None
     assert summary["loss_spikes"] == []
     if mode == "lockstep":
-        mismatch = RF.read_table(out / RF.MISMATCH)
+        mismatch = TL.read_table(out / RF.MISMATCH)
         # every (step, microstep, layer, site, tp_rank) has a row, and none has a mismatch
         assert len(mismatch) == 3 * 2 * 1 * 4 * 2  # steps, microsteps, layers, sites, tp
         assert mismatch["mismatches"].sum() == 0 and (mismatch["elements"] > 0).all()
@@ -148,8 +149,8 @@ def test_mismatches_equal_the_injected_ground_truth(faulty_lockstep):
     out, summary = faulty_lockstep
     run = sdcstudy.load_run(out)
     faults, mismatch = run.faults, run.mismatch
-    assert list(mismatch.columns) == list(RF.MISMATCH_COLUMNS)
-    assert list(faults.columns) == list(RF.FAULT_COLUMNS)
+    assert list(mismatch.columns) == list(TL.MISMATCH_COLUMNS)
+    assert list(faults.columns) == list(TL.FAULT_COLUMNS)
     assert set(faults["node"]) == {1} and set(faults["site"]) == set(SITE_NAMES)
     assert faults["microstep"].isin([0, 1]).all()
     truth = faults.groupby(KEYS).size().rename("injected")
@@ -184,8 +185,8 @@ def _severity_from_faults(group):
 def test_row_severity_equals_the_injected_relative_errors(faulty_lockstep):
     # dp workers of one tp rank share a row, so group the ground truth the same way
     out, _ = faulty_lockstep
-    faults = RF.read_table(out / RF.FAULTS)
-    rows = RF.read_table(out / RF.MISMATCH).set_index(KEYS)
+    faults = TL.read_table(out / RF.FAULTS)
+    rows = TL.read_table(out / RF.MISMATCH).set_index(KEYS)
     expected = faults.groupby(KEYS).apply(_severity_from_faults, include_groups=False)
     got = rows.loc[expected.index, "severity"]
     np.testing.assert_allclose(got.to_numpy(), expected.to_numpy(), rtol=1e-5)
@@ -195,7 +196,7 @@ def test_row_severity_equals_the_injected_relative_errors(faulty_lockstep):
 def test_summary_aggregates_follow_the_formulas(faulty_lockstep):
     out, _ = faulty_lockstep
     summary = RF.json_load(out / RF.SUMMARY)
-    mismatch = RF.read_table(out / RF.MISMATCH)
+    mismatch = TL.read_table(out / RF.MISMATCH)
     for site in SITE_NAMES:
         rows = mismatch[mismatch["site"] == site]
         freqs, severities = [], []

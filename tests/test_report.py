@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import tablelog as TL
 from sdcstudy.core.config import UserError
 
 
@@ -18,7 +19,7 @@ def _fake_run(path):
     RF.write_rows(path / RF.METRICS, [{"step": 1, "loss/healthy": 2.5, "loss/suspect": 2.5},
                                       {"step": 2, "loss/healthy": 2.4, "loss/suspect": "nan"}])
     RF.atomic_write_json(path / RF.SUMMARY, {"wcnts": 0.5})
-    pd.DataFrame([{c: 0 for c in RF.MISMATCH_COLUMNS} | {"site": "fwd/attn", "severity": 1.5}]
+    pd.DataFrame([{c: 0 for c in TL.MISMATCH_COLUMNS} | {"site": "fwd/attn", "severity": 1.5}]
                  ).to_parquet(path / RF.MISMATCH)
     return path
 
@@ -34,7 +35,7 @@ def test_load_run_reads_every_file_without_jax(tmp_path):
     out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                     check=True).stdout)
     assert out == {"jax": False, "mode": "free", "wcnts": 0.5, "suspect": ["2.5", "nan"],
-                   "severity": 1.5, "faults": list(RF.FAULT_COLUMNS), "abft": 0}
+                   "severity": 1.5, "faults": list(TL.FAULT_COLUMNS), "abft": 0}
 
 
 def test_load_run_metrics_are_numbers(tmp_path):
@@ -55,7 +56,7 @@ def test_load_run_refuses_a_folder_that_is_not_a_run(tmp_path):
 def _parted_table(path, columns, rows, cuts):
     """A run table written by TableLog, flushed after each row index in `cuts` (a flush may
     cut a step in two, as a full buffer of waiting rows does)."""
-    log = RF.TableLog(path, columns)
+    log = TL.TableLog(path, columns)
     for start, stop in zip((0, *cuts), (*cuts, len(rows))):
         log.extend(rows[start:stop])
         log.flush()
@@ -81,7 +82,7 @@ def test_rollups_equal_the_whole_tables_groupings(tmp_path):
                  "severity": float(rng.lognormal()) if n else math.nan,
                  "max_rel_err": float(n), "nonfinite": 0}
                 for (s, m, layer, site, r), n in zip(keys, hits)]
-    _parted_table(run_dir / RF.MISMATCH, RF.MISMATCH_COLUMNS, mismatch, (77, 150, 151))
+    _parted_table(run_dir / RF.MISMATCH, TL.MISMATCH_COLUMNS, mismatch, (77, 150, 151))
     abft = [{"step": s, "microstep": 0, "layer": layer, "matmul": mm, "direction": d,
              "tp_rank": r, "residual": 0.0, "threshold": 1.0, "flagged": bool(rng.random() < .3)}
             for s in range(1, 5) for layer in range(2) for mm in ("o", "up")
@@ -93,8 +94,8 @@ def test_rollups_equal_the_whole_tables_groupings(tmp_path):
               for s, site, kind, bit in zip(rng.integers(1, 5, 60), rng.choice(MX.SITES, 60),
                                             rng.choice(["bitflip", "additive"], 60),
                                             rng.integers(-1, 3, 60))]
-    _parted_table(run_dir / RF.FAULTS, RF.FAULT_COLUMNS, faults, (30,))
-    assert len(RF.table_parts(run_dir / RF.MISMATCH)) == 4
+    _parted_table(run_dir / RF.FAULTS, TL.FAULT_COLUMNS, faults, (30,))
+    assert len(TL.table_parts(run_dir / RF.MISMATCH)) == 4
 
     run = sdcstudy.load_run(run_dir)
     whole = pd.DataFrame(mismatch)
@@ -531,6 +532,21 @@ def test_cli_report_leaves_out_only_what_needs_an_unreadable_file(hand_run, tmp_
     if damage != "metrics":
         with pytest.raises(UserError, match=f"{file}' is damaged"):
             report.load_run(hand_run)
+
+
+def test_cli_report_names_the_line_of_metrics_jsonl_that_is_not_json(tmp_path, capsys):
+    # JSON's own position ("line 2 column 1") counts within the one line it was given; the
+    # user needs the line in the file to find the damage (here line 3 of 4, after a blank one).
+    run = write_run(tmp_path / "run", mode="free", profile="paper-node-1", metrics=_metrics(3))
+    lines = (run / RF.METRICS).read_text().splitlines(keepends=True)
+    (run / RF.METRICS).write_text("".join([lines[0], "\n", lines[1][:10] + "\n", lines[2]]))
+    assert cli.main(["report", str(run), "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"sdcstudy: {str(run / RF.METRICS)!r} is damaged and can not be read "
+                           f"(line 3 is not JSON: Expecting ',' delimiter); the report leaves "
+                           f"Node 1 out of")
+    with pytest.raises(UserError, match=r"metrics\.jsonl' is damaged and can not be read \(line 3 "):
+        report.load_run(run)
 
 
 @pytest.mark.parametrize("damage", ["not a run", "config only", "config"])

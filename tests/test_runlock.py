@@ -26,6 +26,7 @@ from sdcstudy import cli
 from sdcstudy.core import checkpoint
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
+from sdcstudy.core import tablelog as TL
 
 DEADLINE_S = 240  # for one group of processes: start-up, compile and a few tiny steps
 TINY = ["--set", "experiment.steps=3", "--set", "optim.schedule=constant",
@@ -265,7 +266,7 @@ def test_a_failed_write_ends_with_one_sentence_and_resume_completes(where, tmp_p
 
         monkeypatch.setattr(checkpoint.Checkpointer, "save", failing_save)
     else:
-        flush = RF.TableLog.flush
+        flush = TL.TableLog.flush
         calls = []
 
         def failing_flush(self):
@@ -274,7 +275,7 @@ def test_a_failed_write_ends_with_one_sentence_and_resume_completes(where, tmp_p
                 raise full
             flush(self)
 
-        monkeypatch.setattr(RF.TableLog, "flush", failing_flush)
+        monkeypatch.setattr(TL.TableLog, "flush", failing_flush)
     capsys.readouterr()
     assert cli.main(["run", str(config), "--out", str(out), "--no-progress"]) == 3
     err = capsys.readouterr().err

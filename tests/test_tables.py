@@ -1,4 +1,4 @@
-"""Run tables appended as they grow (runfolder.TableLog) and metrics.jsonl written live.
+"""Run tables appended as they grow (tablelog.TableLog) and metrics.jsonl written live.
 
 What would be wrong if these failed: a table that loses or repeats rows on resume, that holds
 the run's rows in memory, that a kill leaves unreadable, or that only our reader can read; a
@@ -9,6 +9,7 @@ whose JSON lacks the figures RESULTS.md quotes.
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,8 @@ import yaml
 from sdcstudy import cli
 from sdcstudy.core import metrics as MX
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import tablelog as TL
+from sdcstudy.core.errors import UserError
 from sdcstudy.report.writer import REPORT
 
 COLUMNS = ("step", "site", "value")
@@ -36,63 +39,63 @@ def _rows(step, n=3):
 
 def test_append_flush_read_round_trip(tmp_path):
     path = tmp_path / "t.parquet"
-    log = RF.TableLog(path, COLUMNS, keep_below_step=1)
+    log = TL.TableLog(path, COLUMNS, keep_below_step=1)
     log.flush()  # before any row: the table exists with its columns
-    assert list(RF.read_table(path).columns) == list(COLUMNS) and len(RF.read_table(path)) == 0
+    assert list(TL.read_table(path).columns) == list(COLUMNS) and len(TL.read_table(path)) == 0
     for step in range(1, 4):
         log.extend(_rows(step))
         log.flush()
     log.extend(_rows(4))
     # frame(): what was flushed and what waits; read_table only what was flushed.
     assert sorted(set(log.frame()["step"])) == [1, 2, 3, 4]
-    assert sorted(set(RF.read_table(path)["step"])) == [1, 2, 3]
+    assert sorted(set(TL.read_table(path)["step"])) == [1, 2, 3]
     log.flush()
-    assert len(RF.table_parts(path)) == 5  # the empty first part, then one per flush
-    frame = RF.read_table(path)
+    assert len(TL.table_parts(path)) == 5  # the empty first part, then one per flush
+    frame = TL.read_table(path)
     assert frame.to_dict("records") == [r for s in range(1, 5) for r in _rows(s)]
     pd.testing.assert_frame_equal(pd.read_parquet(path), frame)  # the folder reads as one table
-    assert RF.read_table(path, ["value"]).columns.tolist() == ["value"]
+    assert TL.read_table(path, ["value"]).columns.tolist() == ["value"]
 
 
 def test_columns_that_widen_keep_one_schema(tmp_path):
     """A column all None at first gets its type later, ints meet floats: every part is cast to
     the wider schema, or `pd.read_parquet` on the folder would fail on the narrower part."""
     path = tmp_path / "d.parquet"
-    log = RF.TableLog(path, ("step", "truth", "value"), keep_below_step=1)
+    log = TL.TableLog(path, ("step", "truth", "value"), keep_below_step=1)
     for step, truth, value in ((1, None, 1), (2, 1, 2), (3, 0, 2.5)):
         log.extend([{"step": step, "truth": truth, "value": value}])
         log.flush()
     frame = pd.read_parquet(path)
     assert frame["value"].tolist() == [1.0, 2.0, 2.5] and frame["truth"].tolist()[1:] == [1, 0]
-    pd.testing.assert_frame_equal(frame, RF.read_table(path))
+    pd.testing.assert_frame_equal(frame, TL.read_table(path))
     # A kill while the parts were being cast leaves part 0 narrower: read_table still reads the
     # table, and a resume makes the schema one again.
-    part = RF.table_parts(path)[0]
+    part = TL.table_parts(path)[0]
     narrow = pq.read_table(part)
     pq.write_table(narrow.cast(narrow.schema.set(2, pa.field("value", pa.int64()))), part)
-    pd.testing.assert_frame_equal(RF.read_table(path), frame)
-    RF.TableLog(path, ("step", "truth", "value"), keep_below_step=10)
+    pd.testing.assert_frame_equal(TL.read_table(path), frame)
+    TL.TableLog(path, ("step", "truth", "value"), keep_below_step=10)
     pd.testing.assert_frame_equal(pd.read_parquet(path), frame)
 
 
 def test_resume_drops_later_steps(tmp_path):
     path = tmp_path / "t.parquet"
-    log = RF.TableLog(path, COLUMNS, keep_below_step=1)
+    log = TL.TableLog(path, COLUMNS, keep_below_step=1)
     for steps in ((1, 2), (3, 4), (5, 6)):  # three parts of two steps each
         for step in steps:
             log.extend(_rows(step))
         log.flush()
     (path / ".part-000009.parquet.x.tmp").write_bytes(b"a write a kill cut short")
-    log = RF.TableLog(path, COLUMNS, keep_below_step=4)  # resume from the checkpoint at 3
-    assert sorted(set(RF.read_table(path)["step"])) == [1, 2, 3]
-    assert [p.name for p in RF.table_parts(path)] == ["part-000000.parquet", "part-000001.parquet"]
+    log = TL.TableLog(path, COLUMNS, keep_below_step=4)  # resume from the checkpoint at 3
+    assert sorted(set(TL.read_table(path)["step"])) == [1, 2, 3]
+    assert [p.name for p in TL.table_parts(path)] == ["part-000000.parquet", "part-000001.parquet"]
     assert not list(path.glob(".*"))
     log.extend(_rows(4))
     log.flush()
-    assert RF.read_table(path)["step"].value_counts().to_dict() == {1: 3, 2: 3, 3: 3, 4: 3}
-    RF.TableLog(path, COLUMNS, keep_below_step=1)  # back to the start: the columns stay
-    assert len(RF.read_table(path)) == 0 and list(RF.read_table(path).columns) == list(COLUMNS)
-    RF.TableLog(path, COLUMNS)  # no keep_below_step: a new table replaces the old one
+    assert TL.read_table(path)["step"].value_counts().to_dict() == {1: 3, 2: 3, 3: 3, 4: 3}
+    TL.TableLog(path, COLUMNS, keep_below_step=1)  # back to the start: the columns stay
+    assert len(TL.read_table(path)) == 0 and list(TL.read_table(path).columns) == list(COLUMNS)
+    TL.TableLog(path, COLUMNS)  # no keep_below_step: a new table replaces the old one
     assert not path.exists()
 
 
@@ -101,9 +104,9 @@ def test_single_file_tables_of_older_runs(tmp_path):
     and on resume it becomes the folder's first part."""
     path = tmp_path / RF.MISMATCH
     pd.DataFrame([r for s in (1, 2, 3) for r in _rows(s)]).to_parquet(path)
-    assert len(RF.read_table(path)) == 9
-    log = RF.TableLog(path, COLUMNS, keep_below_step=3)
-    assert path.is_dir() and sorted(set(RF.read_table(path)["step"])) == [1, 2]
+    assert len(TL.read_table(path)) == 9
+    log = TL.TableLog(path, COLUMNS, keep_below_step=3)
+    assert path.is_dir() and sorted(set(TL.read_table(path)["step"])) == [1, 2]
     log.extend(_rows(3))
     log.flush()
     assert sorted(set(pd.read_parquet(path)["step"])) == [1, 2, 3]
@@ -111,7 +114,7 @@ def test_single_file_tables_of_older_runs(tmp_path):
 
 
 def test_memory_is_bounded_by_one_flush(tmp_path):
-    log = RF.TableLog(tmp_path / "t.parquet", COLUMNS, keep_below_step=1, max_pending_rows=10)
+    log = TL.TableLog(tmp_path / "t.parquet", COLUMNS, keep_below_step=1, max_pending_rows=10)
     log.extend(_rows(1, 4))
     assert log.pending_rows == 4
     log.flush()
@@ -119,7 +122,7 @@ def test_memory_is_bounded_by_one_flush(tmp_path):
     for step in range(2, 8):  # 24 rows: more than 10 wait -> they flush on their own
         log.extend(_rows(step, 4))
         assert log.pending_rows < 10
-    assert len(RF.table_parts(tmp_path / "t.parquet")) == 3
+    assert len(TL.table_parts(tmp_path / "t.parquet")) == 3
     assert len(log.frame()) == 28
 
 
@@ -128,7 +131,7 @@ def test_site_aggregates_part_by_part_equal_eqs_1_to_4_on_the_whole_table(tmp_pa
     the middle of steps (flushes forced by max_pending_rows) and rows still waiting, it gives
     eqs. (1)-(4) computed here on every row at once."""
     rng = random.Random(0)
-    log = RF.TableLog(tmp_path / "m.parquet", RF.MISMATCH_COLUMNS, keep_below_step=1,
+    log = TL.TableLog(tmp_path / "m.parquet", TL.MISMATCH_COLUMNS, keep_below_step=1,
                       max_pending_rows=37)
     rows = []
     for step in range(1, 7):
@@ -183,12 +186,28 @@ def test_metrics_reach_the_disk_while_the_run_goes_on(tmp_path, monkeypatch):
     assert path.read_text() == '{"step": 1, "loss": 1.0}\n'
 
 
+@pytest.mark.parametrize("damage", [b'{"step": 2, "lo\n', b'{"step": 2, "loss": \xff}\n'])
+def test_a_metrics_line_that_is_not_json_is_named_by_its_line_in_the_file(tmp_path, damage):
+    # JSON alone says "line 1 column 16", within the one line it parsed: useless in a long file.
+    path = tmp_path / RF.METRICS
+    text = b'{"step": 1}\n\n' + damage + b'{"step": 3}\n'
+    path.write_bytes(text)
+    reason = "Invalid control character at" if b"lo\n" in damage else "not UTF-8 text"
+    with pytest.raises(UserError, match=f"^{re.escape(repr(str(path)))} line 3 is not JSON "
+                                        f"\\({reason}"):
+        RF.read_jsonl(path)
+    # A resume filters the file line by line: the same sentence (exit 2), the file as it was.
+    with pytest.raises(UserError, match="line 3 is not JSON"):
+        RF.MetricsWriter(path, keep_below_step=3)
+    assert path.read_bytes() == text and [p.name for p in tmp_path.iterdir()] == [RF.METRICS]
+
+
 # A child that appends a table as fast as it can, each flush one step of ROWS rows.
 WRITER = """
 import sys
-from sdcstudy.core import runfolder as RF
+from sdcstudy.core import tablelog as TL
 from sdcstudy.report.writer import REPORT
-log = RF.TableLog(sys.argv[1], ("step", "site", "value"), keep_below_step=1)
+log = TL.TableLog(sys.argv[1], ("step", "site", "value"), keep_below_step=1)
 step = 0
 while True:
     log.extend([{"step": step, "site": "fwd/attn", "value": i / 7} for i in range(ROWS)])
@@ -212,14 +231,14 @@ def test_kill_during_flush_leaves_a_readable_table(tmp_path):
         os.kill(child.pid, signal.SIGKILL)
         reported = [int(line) for line in child.stdout.read().split()]
         child.wait(timeout=30)
-        frame = RF.read_table(path)
+        frame = TL.read_table(path)
         steps = frame["step"].value_counts().sort_index()
         assert steps.index.tolist() == list(range(len(steps))), "steps missing or out of order"
         assert (steps == ROWS).all(), "a flush written in part"
         assert len(steps) >= 1 + (reported[-1] if reported else 0)
         pd.testing.assert_frame_equal(pd.read_parquet(path), frame)
-        RF.TableLog(path, COLUMNS, keep_below_step=0)  # resume: leftovers go, the table stays
-        assert not list(path.glob(".*")) and len(RF.read_table(path)) == 0
+        TL.TableLog(path, COLUMNS, keep_below_step=0)  # resume: leftovers go, the table stays
+        assert not list(path.glob(".*")) and len(TL.read_table(path)) == 0
 
 
 def _sdcstudy(*args, **kwargs):
@@ -244,7 +263,7 @@ def test_run_killed_with_sigkill_reports_and_resumes(tmp_path):
     child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     target = random.randint(2, 4)  # flushes to wait for, of steps / every
     deadline = time.monotonic() + 300
-    while len(RF.table_parts(out / RF.MISMATCH)) < target and child.poll() is None:
+    while len(TL.table_parts(out / RF.MISMATCH)) < target and child.poll() is None:
         assert time.monotonic() < deadline, "the run made no progress in 300 s"
         time.sleep(0.02)
     time.sleep(random.uniform(0.0, 0.3))
@@ -265,12 +284,12 @@ def test_run_killed_with_sigkill_reports_and_resumes(tmp_path):
 
     metrics = RF.read_jsonl(out / RF.METRICS)
     assert [r["step"] for r in metrics] == list(range(1, steps + 1))
-    mismatch = RF.read_table(out / RF.MISMATCH)
+    mismatch = TL.read_table(out / RF.MISMATCH)
     keys = ["step", "microstep", "layer", "site", "tp_rank"]
     assert not mismatch.duplicated(keys).any()
     assert sorted(set(mismatch["step"])) == list(range(1, steps + 1))
     assert mismatch.groupby("step").size().nunique() == 1  # the same sites every step
-    faults = RF.read_table(out / RF.FAULTS)
+    faults = TL.read_table(out / RF.FAULTS)
     logged = {r["step"]: r["faults/landed"] - r["faults/unlogged"] for r in metrics}
     assert sum(logged.values()) > 0
     assert faults.groupby("step").size().reindex(list(logged), fill_value=0).to_dict() == logged
@@ -289,8 +308,8 @@ def test_bench_logging_small(tmp_path, capsys):
     assert result["pending_rows_after_flush"] == 0 and result["summary_s"] > 0
     assert {g["name"] for g in report["goals"]} == {"logging.peak_rss_mb",
                                                    "logging.last_over_first_flush"}
-    frame = RF.read_table(tmp_path / "tables" / RF.MISMATCH)
-    assert list(frame.columns) == list(RF.MISMATCH_COLUMNS) and len(frame) == 12 * 64
+    frame = TL.read_table(tmp_path / "tables" / RF.MISMATCH)
+    assert list(frame.columns) == list(TL.MISMATCH_COLUMNS) and len(frame) == 12 * 64
     assert len(RF.read_jsonl(tmp_path / "tables" / RF.METRICS)) == 12
     assert cli.main(["bench", "logging", "--steps", "0"]) == 2  # one sentence, exit 2
     assert "--steps must be at least 1" in capsys.readouterr().err

@@ -16,6 +16,7 @@ from tensorboardX.proto import event_pb2  # the `tensorboard` extra, which `test
 from sdcstudy import cli, runner
 from sdcstudy.core import config as C
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import tablelog as TL
 from sdcstudy.core import tensorboard as TB
 
 
@@ -65,7 +66,7 @@ def test_event_files_hold_every_metric_of_every_step(tmp_path):
     assert {"loss/healthy", "grad/norm"} <= {key for _, key in want}
     assert logged == want
     # The live view's mismatch frequency per site is the step's mismatch table, eqs. (1)-(2).
-    table = RF.read_table(out / RF.MISMATCH)
+    table = TL.read_table(out / RF.MISMATCH)
     sums = table.groupby(["step", "site"])[["mismatches", "elements"]].sum()
     assert len(sums) == 4 * 4 and sums["mismatches"].sum() > 0  # steps x sites
     for (step, site), row in sums.iterrows():

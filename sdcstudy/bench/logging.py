@@ -2,7 +2,7 @@
 
 A lock-step run at the paper's scale logs 8,192 mismatch.parquet rows a step (4 sites x 32
 layers x 64 pairs of microstep and tp rank) for 4,500 steps: 36.9 million rows. This suite
-drives the path the host loop takes (`runfolder.TableLog` for mismatch.parquet with
+drives the path the host loop takes (`tablelog.TableLog` for mismatch.parquet with
 `MISMATCH_COLUMNS`, `runfolder.MetricsWriter` for metrics.jsonl) with rows like a lock-step
 run's, flushing every 100 steps as a run that checkpoints that often does, and reports the
 process's peak RSS and the wall seconds of the first and the last flushes (`first_flush_s`,
@@ -27,6 +27,7 @@ from sdcstudy.bench import common as B
 from sdcstudy.bench.goals import goal
 from sdcstudy.core import metrics as MX
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import tablelog as TL
 from sdcstudy.core.errors import UserError
 
 STEPS, ROWS_PER_STEP, FLUSH_EVERY = 4_500, 8_192, 100
@@ -95,11 +96,11 @@ def peak_rss_mb() -> float:
 
 
 def measure(folder: Path, steps: int, rows_per_step: int, flush_every: int,
-            table_log=RF.TableLog, metrics_writer=RF.MetricsWriter, echo=B.echo_stderr) -> dict:
+            table_log=TL.TableLog, metrics_writer=RF.MetricsWriter, echo=B.echo_stderr) -> dict:
     """Log `steps` steps into `folder` as the host loop does, flushing every `flush_every`
     steps and at the end; `table_log` and `metrics_writer` are the classes measured."""
     rng = np.random.default_rng(0)
-    table = table_log(folder / RF.MISMATCH, RF.MISMATCH_COLUMNS, keep_below_step=1)
+    table = table_log(folder / RF.MISMATCH, TL.MISMATCH_COLUMNS, keep_below_step=1)
     writer = metrics_writer(folder / RF.METRICS, keep_below_step=1)
     flush_s, flush_cpu_s, rss_after_flush = [], [], []
     start = time.perf_counter()

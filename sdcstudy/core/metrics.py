@@ -30,7 +30,7 @@ def site_aggregates(mismatch) -> dict:
 
 
 def whole_steps(parts):
-    """DataFrames of a table in step order (`runfolder.table_frames`) again, each cut after
+    """DataFrames of a table in step order (`tablelog.table_frames`) again, each cut after
     its last whole step: the rows of a part's last step wait for the next part, where the step
     may go on, so each frame given holds every row of its steps."""
     import pandas as pd

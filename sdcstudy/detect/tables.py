@@ -30,6 +30,7 @@ import pandas as pd
 
 from sdcstudy.core import reports
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import tablelog as TL
 from sdcstudy.detect.plan import DETECTORS
 from sdcstudy.report.sections import Section
 
@@ -254,7 +255,7 @@ def report_tables(runs: dict) -> dict:
     table = benchmark_table(runs)
     if not table.empty:
         out["detectors.csv"] = (TITLE, indexed(table), INDEX, False)
-    frames = [RF.read_table(Path(r.path) / DETECTIONS) for r in detect_runs(runs).values()
+    frames = [TL.read_table(Path(r.path) / DETECTIONS) for r in detect_runs(runs).values()
               if (Path(r.path) / DETECTIONS).exists()]
     frames = [f for f in frames if not f.empty]
     if frames:

@@ -127,9 +127,9 @@ def _sha(data) -> str:
 
 
 def _table_rows(path: Path) -> list[str]:
-    from sdcstudy.core import runfolder as RF
+    from sdcstudy.core import tablelog as TL
 
-    frame = RF.read_table(path)
+    frame = TL.read_table(path)
     frame = frame[sorted(frame.columns)]
     return [_sha(row) for row in frame.astype(object).where(frame.notna(), None)
             .to_dict("records")]

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from sdcstudy.core import metrics as MX
-from sdcstudy.core import runfolder as RF
+from sdcstudy.core import tablelog as TL
 from sdcstudy.faults import published as PB
 from sdcstudy.report import tables as T
 from sdcstudy.report.sections import Section
@@ -66,7 +66,7 @@ def _final_healthy(run) -> np.ndarray | None:
     path = Path(run.path) / PREDICTIONS
     if not path.exists():
         return None
-    frame = RF.read_table(path)
+    frame = TL.read_table(path)
     rows = frame[(frame["stage"] == "final") & (frame["node"] == 0)].sort_values("question")
     return rows["prediction"].to_numpy()
 

@@ -32,6 +32,7 @@ from sdcstudy.core import mesh as M
 from sdcstudy.core import model
 from sdcstudy.finetune import qa
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import tablelog as TL
 from sdcstudy.core.config import Config, UserError
 from sdcstudy.paired.trainer import PairedTrainer, tree_specs
 
@@ -241,7 +242,7 @@ class FinetuneTrainer(PairedTrainer):
                                   "prediction": int(preds[pick][node, i]),
                                   "correct": bool(preds[pick][node, i] == rows.answers[i])})
         if run_dir is not None:
-            log = RF.TableLog(Path(run_dir) / PREDICTIONS, PREDICTION_COLUMNS)
+            log = TL.TableLog(Path(run_dir) / PREDICTIONS, PREDICTION_COLUMNS)
             log.extend(table)
             log.flush()
         return {

@@ -305,7 +305,7 @@ def cudnn_fails_here() -> bool:
 def host_rule_rates(folder: Path) -> dict:
     """Flagged checks over all checks under each rule, from the recorded residuals."""
     from sdcstudy.abft.tables import host_flags
-    from sdcstudy.core.runfolder import read_table
+    from sdcstudy.core.tablelog import read_table
 
     frame = read_table(folder / "abft.parquet")
     out = {}
@@ -326,7 +326,7 @@ def where_flagged(folder: Path, steps: int, rule: str = "rounding") -> dict:
     import numpy as np
 
     from sdcstudy.abft.tables import host_ratios
-    from sdcstudy.core.runfolder import read_table
+    from sdcstudy.core.tablelog import read_table
 
     frame = read_table(folder / "abft.parquet")
     row, col = host_ratios(frame, rule)
@@ -362,6 +362,6 @@ def _read(path: Path) -> str:
 
 def _records(path: Path) -> list[dict]:
     """A run folder's table as rows ([] when the run wrote none)."""
-    from sdcstudy.core.runfolder import read_table
+    from sdcstudy.core.tablelog import read_table
 
     return read_table(path).to_dict("records") if path.exists() else []

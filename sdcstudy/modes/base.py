@@ -12,10 +12,11 @@ from typing import Any, ClassVar
 from sdcstudy.abft import tables as abft_tables
 from sdcstudy.core import data as D
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import tablelog as TL
 from sdcstudy.core.config import Config
 
 # Run-folder tables a trainer may name in `TABLES`, with their columns.
-TABLE_COLUMNS = {RF.FAULTS: RF.FAULT_COLUMNS, RF.MISMATCH: RF.MISMATCH_COLUMNS,
+TABLE_COLUMNS = {RF.FAULTS: TL.FAULT_COLUMNS, RF.MISMATCH: TL.MISMATCH_COLUMNS,
                  RF.ABFT: abft_tables.COLUMNS}
 
 # summary.json fields every run writes, whatever its mode (runner.run).

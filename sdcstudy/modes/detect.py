@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from sdcstudy.detect.plan import validate
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import tablelog as TL
 from sdcstudy.detect.tables import DETECTION_COLUMNS, DETECTIONS, run_scores
 from sdcstudy.detect.trainer import DetectTrainer
 from sdcstudy.modes.base import Mode
@@ -69,7 +70,7 @@ class DetectMode(Mode):
 
     @property
     def tables(self) -> dict[str, tuple[str, ...]]:
-        return {RF.FAULTS: RF.FAULT_COLUMNS, DETECTIONS: DETECTION_COLUMNS}
+        return {RF.FAULTS: TL.FAULT_COLUMNS, DETECTIONS: DETECTION_COLUMNS}
 
     def summarize(self, rows, tables, histograms) -> dict:
         return {**paired_summary(rows, tables, histograms, self.cfg.model.dtype),

@@ -3,7 +3,7 @@
 A lock-step run at the paper's scale writes 36.9 million mismatch.parquet rows (4,500 steps
 of 8,192), and a long run of a busy profile millions of faults.parquet rows; held as one
 DataFrame they take gigabytes. Every table and figure of the report needs far less, so
-`report/runs.load_run` reads each table one part file at a time (`runfolder.table_frames`)
+`report/runs.load_run` reads each table one part file at a time (`tablelog.table_frames`)
 into these rollups, in the memory of one part:
 
 - `MismatchRollup`, by docs/metrics.md's formulas: eq. (1) per (site, step, microstep,

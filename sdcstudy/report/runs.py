@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core import tablelog as TL
 from sdcstudy.core import yamlsafe
 from sdcstudy.core.config import UserError
 from sdcstudy.core.errors import first_line
@@ -25,7 +26,7 @@ from sdcstudy.report import rollups as R
 
 ABFT_COLUMNS = ("step", "microstep", "layer", "matmul", "direction", "tp_rank", "residual",
                 "threshold", "flagged")
-_TABLES = {"mismatch": (RF.MISMATCH, RF.MISMATCH_COLUMNS), "faults": (RF.FAULTS, RF.FAULT_COLUMNS),
+_TABLES = {"mismatch": (RF.MISMATCH, TL.MISMATCH_COLUMNS), "faults": (RF.FAULTS, TL.FAULT_COLUMNS),
            "abft": (RF.ABFT, ABFT_COLUMNS)}
 # table -> (its rollup, the columns that reads)
 _ROLLUPS = {"mismatch": (R.mismatch_rollup, R.MISMATCH_READ),
@@ -45,7 +46,7 @@ class _Table:
             return self
         if run._frames.get(self.name) is None:
             on_disk = run.on_disk.get(self.name)
-            run._frames[self.name] = (RF.read_table(on_disk) if on_disk else
+            run._frames[self.name] = (TL.read_table(on_disk) if on_disk else
                                       _empty_frame(_TABLES[self.name][1]))
         return run._frames[self.name]
 
@@ -107,7 +108,7 @@ class Run:
         if table not in self._rollups:
             roll, columns = _ROLLUPS[table]
             frame = self._frames.get(table)
-            parts = ([frame] if frame is not None else RF.table_frames(
+            parts = ([frame] if frame is not None else TL.table_frames(
                 self.on_disk[table], columns) if table in self.on_disk else [])
             self._rollups[table] = roll(parts)
         return self._rollups[table]
@@ -151,6 +152,9 @@ def _read(path: Path, reader, default):
         return default
     try:
         return reader(path)
+    except RF.NotJsonLine as e:  # metrics.jsonl: the line in the file, not in the line
+        raise DamagedFile(f"{str(path)!r} is damaged and can not be read (line {e.line} is "
+                          f"not JSON: {e.reason}).") from None
     except Exception as e:  # pyarrow, json and yaml each raise their own kinds
         reason = first_line(e)
         if str(path) in reason:  # pyarrow repeats the path: keep what it found wrong
