@@ -202,6 +202,18 @@ def test_a_metrics_line_that_is_not_json_is_named_by_its_line_in_the_file(tmp_pa
     assert path.read_bytes() == text and [p.name for p in tmp_path.iterdir()] == [RF.METRICS]
 
 
+@pytest.mark.parametrize("row", [b"3", b'{"loss": 1.0}', b'{"step": "2"}', b'{"step": true}'])
+def test_a_metrics_line_that_is_no_step_row_stops_a_resume_by_its_line(tmp_path, row):
+    # JSON, but no row of a step: a resume was a TypeError or KeyError (exit 3, "a bug").
+    path = tmp_path / RF.METRICS
+    text = b'{"step": 1}\n' + row + b'\n{"step": 3}\n'
+    path.write_bytes(text)
+    with pytest.raises(UserError, match=f"^{re.escape(repr(str(path)))} line 2 is not a metrics "
+                                        f'row \\(no whole-number "step"\\)'):
+        RF.MetricsWriter(path, keep_below_step=3)
+    assert path.read_bytes() == text and [p.name for p in tmp_path.iterdir()] == [RF.METRICS]
+
+
 # A child that appends a table as fast as it can, each flush one step of ROWS rows.
 WRITER = """
 import sys

@@ -117,8 +117,8 @@ class MetricsWriter:
         self.path = Path(path)
         if keep_below_step is not None and self.path.exists():
             with open(self.path, "rb") as lines, atomic_open(self.path) as out:
-                out.writelines(line for line, row in _json_lines(self.path, lines)
-                               if row["step"] < keep_below_step)
+                out.writelines(line for number, line, row in _json_lines(self.path, lines)
+                               if _step(self.path, number, row) < keep_below_step)
         self._file = open(self.path, "a")
         self._lines: list[str] = []
         self._flushed_at = time.monotonic()
@@ -150,19 +150,28 @@ def _finite_or_str(value):
 
 
 class NotJsonLine(UserError, ValueError):
-    """A line of a JSON-lines file that is not JSON (or not UTF-8): the file is damaged.
-    `line` counts the file's lines from 1; `reason` is what the JSON parser found."""
+    """A line of a JSON-lines file that is not JSON (or not UTF-8), or not the `kind` of JSON
+    the file holds: the file is damaged. `line` counts the file's lines from 1; `reason` is
+    what was found."""
 
-    def __init__(self, path: Path, line: int, reason: str):
+    def __init__(self, path: Path, line: int, reason: str, kind: str = "JSON"):
         self.path, self.line, self.reason = Path(path), line, reason
-        super().__init__(f"{str(path)!r} line {line} is not JSON ({reason}): the file is "
+        super().__init__(f"{str(path)!r} line {line} is not {kind} ({reason}): the file is "
                          f"damaged; mend or delete that line.")
 
 
-def _json_lines(path: Path, lines: Iterable[bytes]) -> Iterable[tuple[bytes, Any]]:
-    """(line, its JSON value) for each non-blank line of `path` that ends with a newline: only
-    the last line of a file can lack it, when a kill cut its write short. The first other line
-    that is not JSON raises NotJsonLine with its number in the file."""
+def _step(path: Path, number: int, row) -> int:
+    """The step of metrics line `number`, or NotJsonLine if it names none."""
+    step = row.get("step") if isinstance(row, dict) else None
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    raise NotJsonLine(path, number, 'no whole-number "step"', kind="a metrics row")
+
+
+def _json_lines(path: Path, lines: Iterable[bytes]) -> Iterable[tuple[int, bytes, Any]]:
+    """(number, line, its JSON value) for each non-blank line of `path` that ends with a
+    newline: only the last line of a file can lack it, when a kill cut its write short. The
+    first other line that is not JSON raises NotJsonLine with its number in the file."""
     for number, line in enumerate(lines, start=1):
         if not line.endswith(b"\n") or not line.strip():
             continue
@@ -172,14 +181,14 @@ def _json_lines(path: Path, lines: Iterable[bytes]) -> Iterable[tuple[bytes, Any
             raise NotJsonLine(path, number, "not UTF-8 text") from None
         except json.JSONDecodeError as e:
             raise NotJsonLine(path, number, e.msg) from None
-        yield line, value
+        yield number, line, value
 
 
 def read_jsonl(path: Path) -> list[dict]:
     """The JSON value of each complete line of `path` (one dict a step for metrics.jsonl); a
     damaged line raises NotJsonLine, which names the file and the line."""
     with open(path, "rb") as f:
-        return [row for _, row in _json_lines(path, f)]
+        return [row for _, _, row in _json_lines(path, f)]
 
 
 def write_rows(path: Path, rows: Iterable[dict]) -> None:
