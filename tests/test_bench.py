@@ -153,6 +153,59 @@ def test_paired_suite(tmp_path, capsys):
     assert "free at tp 2 / free at tp 1" in table
 
 
+def test_collectives_suite(tmp_path, capsys):
+    # Free running at tp 2 (the cheapest paired program with collectives), at test_paired_suite's
+    # shapes: "off" is its free@tp2 program, which the session's cache may already hold.
+    from sdcstudy.bench import collectives as bench_collectives
+    from sdcstudy.collectives import checksum as CS
+
+    report, table, err = _run(tmp_path, capsys, "collectives", "--mode", "free")
+    (result,) = report["results"]
+    assert result["mesh"] == {"node": 2, "dp": 1, "tp": bench_collectives.DEFAULT_TP}
+    assert result["mode"] == "free"
+    off, on = (result["variants"][name] for name in ("off", "on"))
+    assert list(result["variants"]) == ["off", "on"]
+    for name, v in result["variants"].items():
+        assert _positive(v["ratio"]) and _positive(v["tokens_per_s"]), name
+        assert v["memory"]["peak"] > 0 and v["compile_s"] > 0, name
+        assert v["pair_agrees"] and v["verdicts"] == 0, name  # a healthy pair: no verdict
+        assert f"| tiny | free | 2 x 1 x 2 | {name} |" in table
+    # The ratio is on's time over off's, repetition by repetition (one step each: exact).
+    assert on["ratio"]["runs"] == [a / b for a, b in zip(on["seconds_per_step"]["runs"],
+                                                          off["seconds_per_step"]["runs"])]
+    assert off["ratio"]["runs"] == [1.0]
+    assert on["memory_ratio"] == on["memory"]["peak"] / off["memory"]["peak"]
+    # The feature was on: the "on" step returned a checksum at every point of its one layer,
+    # forward and backward, "off" none; two programs, neither borrowing the other's.
+    assert on["checksum_points"] == {"fwd": len(CS.FWD_POINTS), "bwd": len(CS.sink_keys(1))}
+    assert off["checksum_points"] == {"fwd": 0, "bwd": 0}
+    assert result["phases"]["programs"] == 2
+    assert not any("shares_program_of" in v for v in result["variants"].values())
+    # Checksums read the values and change none: the pair trains as without them.
+    assert on["losses_equal_off"] and on["warmup_losses"] == off["warmup_losses"]
+    assert f"the checksums cost {on['ratio']['median']:.2f}x (" in table
+    assert f"| {len(CS.FWD_POINTS)} + {len(CS.sink_keys(1))} |" in table
+    assert report["goals"] == []  # the project set no goal for the feature's cost
+    _read_by_the_acceptance(report, result["variants"], "off")
+    # `bench plot` and `--plot` draw on / off as one more overhead curve.
+    assert [(p["overhead"], p["median"]) for p in bench_plot.overhead_points(report)] == [
+        ("collectives: on/off (tp 2)", on["ratio"]["median"])]
+
+
+@pytest.mark.parametrize("tp", ["1", "1,2"])
+def test_collectives_suite_refuses_tp_1_before_compiling(tp, capsys, monkeypatch):
+    from sdcstudy.paired.trainer import PairedTrainer
+
+    def built(*args, **kwargs):
+        raise AssertionError("a trainer was built for tp 1")
+
+    monkeypatch.setattr(PairedTrainer, "from_config", built)
+    monkeypatch.setattr(bench_timing, "build_runners", built)
+    assert cli.main(["bench", "collectives", "--tp", tp]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--tp {tp}:" in err and "tensor-parallel" in err
+
+
 @pytest.mark.parametrize("text, degrees", [("1", [1]), ("1,2,4", [1, 2, 4]), (2, [2])])
 def test_tp_degrees(text, degrees):
     assert bench_paired.tp_degrees(argparse.Namespace(tp=text)) == degrees

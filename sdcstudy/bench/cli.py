@@ -14,7 +14,10 @@ repetition. The suites, one module each:
   recomputation on a flag.
 - `paired` (paired.py): the `PairedTrainer` step in modes free, lockstep and paramsync,
   with XLA's compiled memory per device.
-- `paft` (paft.py), `detect` (detect.py); `plot` (plot.py) draws the
+- `collectives` (collectives.py): the paired step at tp >= 2 (lock-step unless `--mode` says
+  otherwise) with the collectives' checksums off and on, with XLA's compiled memory per
+  device (not in `all`: see `run_all_suites`).
+- `paft` (paft.py), `detect` (detect.py, not in `all`); `plot` (plot.py) draws the
   overhead ratios of saved results against the parameter count.
 - `logging` (logging.py): the run folder's tables and metrics at the paper's row rate,
   without the model: peak RSS and flush times (not in `all`: it measures no step).
@@ -37,6 +40,7 @@ from sdcstudy.bench.common import add_common_args, check_args, echo_stderr, writ
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     from sdcstudy.bench.abft import add_parser as add_abft_parser
+    from sdcstudy.bench.collectives import add_parser as add_collectives_parser
     from sdcstudy.bench.detect import add_parser as add_detect_parser
     from sdcstudy.bench.faults import add_parser as add_faults_parser
     from sdcstudy.bench.logging import add_parser as add_logging_parser
@@ -50,14 +54,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     add_train_parser(sub)
     add_faults_parser(sub)
     add_paired_parser(sub)
+    add_collectives_parser(sub)
     add_abft_parser(sub)
     add_paft_parser(sub)
     add_detect_parser(sub)
     add_logging_parser(sub)
     add_plot_parser(sub)
 
-    a = sub.add_parser("all", help="every suite in turn (train, faults, paired, abft, paft with "
-                                   "4 workers), 3 repetitions each unless --repeats says "
+    a = sub.add_parser("all", help="the suites train, faults, paired, abft and paft (4 "
+                                   "workers) in turn, 3 repetitions each unless --repeats says "
                                    "otherwise")
     add_common_args(a, None, repeats=3)
     a.set_defaults(bench=run_all_suites)
@@ -68,9 +73,9 @@ def main(args) -> int:
 
 
 def run_all_suites(args) -> int:
-    """Every suite in turn with the shared options (the suites' own at their defaults, paft
-    with 4 workers, which the batch of every preset splits over); one table, and one JSON
-    file holding each suite's results."""
+    """The suites train, faults, paired, abft and paft in turn with the shared options (the
+    suites' own at their defaults, paft with 4 workers, which the batch of every preset splits
+    over); one table, and one JSON file holding each suite's results."""
     from sdcstudy.core import runfolder as RF
     from sdcstudy.bench.abft import run_abft_suite
     from sdcstudy.bench.goals import goals_table
@@ -79,6 +84,9 @@ def run_all_suites(args) -> int:
     from sdcstudy.bench.paired import run_paired_suite
     from sdcstudy.bench.train import TORCH_ATTENTION, run_train_suite
 
+    # Not here: `detect`, and `collectives` (two tp-2 programs per preset, 6.4 minutes for
+    # tiny and small on a loaded 2-core machine, 2026-12-01), which would take `all` past the
+    # 10 minutes its shapes are held to (common.SHAPES); run `sdcstudy bench collectives`.
     suites = {"train": (run_train_suite, {"torch_attention": ",".join(TORCH_ATTENTION),
                                           "no_torch": False}),
               "faults": (run_faults_suite, {}),

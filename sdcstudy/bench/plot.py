@@ -1,8 +1,8 @@
 """Overhead against model size, from `sdcstudy bench` results. Imports no JAX.
 
-Every ratio a suite measures against its plain step (faults, abft, paired, paft, detect) is
-one curve over the presets' parameter counts: the median with a bar from the smallest to the
-largest per-repetition ratio; PAFT's goal ratio, dyn-overlap / noised, is drawn too. The
+Every ratio a suite measures against its plain step (faults, abft, paired, collectives, paft,
+detect) is one curve over the presets' parameter counts: the median with a bar from the
+smallest to the largest per-repetition ratio; PAFT's goal ratio, dyn-overlap / noised, is drawn too. The
 train suite's ratio (ours / torch) is a speed-up, not an overhead, and is left out.
 `sdcstudy bench SUITE ... --plot FILE.png` draws the results it has just measured;
 `sdcstudy bench plot A.json [B.json ...] --out FILE.png` draws saved ones (e.g. `bench all`
@@ -16,7 +16,8 @@ from pathlib import Path
 from sdcstudy.core.config import UserError
 
 # The contender every other one of its suite is divided by.
-BASES = {"faults": "plain", "abft": "off", "paired": "free", "paft": "dp", "detect": "none"}
+BASES = {"faults": "plain", "abft": "off", "paired": "free", "collectives": "off", "paft": "dp",
+         "detect": "none"}
 
 
 def suites_of(report: dict, name: str = "the JSON file") -> dict[str, list[dict]]:
@@ -141,7 +142,7 @@ def run_plot(args) -> int:
         suites_of(reports[-1], f"bench result {str(path)!r}")
     if overhead_figure(reports, args.out) is None:
         raise UserError("the bench results hold no overhead ratio to plot (the train suite "
-                        "measures a speed-up); give results of faults, abft, paired, paft or "
-                        "detect.")
+                        "measures a speed-up); give results of faults, abft, paired, collectives, "
+                        "paft or detect.")
     print(f"figure: {args.out}")
     return 0
