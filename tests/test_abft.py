@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 
 from sdcstudy.abft import checker as A
+from sdcstudy.abft import checksum as CS
 from sdcstudy import cli
 from sdcstudy.core import config as C
 from sdcstudy.faults import bits as FB
@@ -234,7 +235,7 @@ def test_bfloat16_paper_threshold_false_alarms_ours_none_and_catches_large(bfloa
     assert len(huge) >= 4 and huge <= set(flagged)
 
 
-CHECK = {rule: jax.jit(partial(A.check, rule=rule)) for rule in A.THRESHOLDS}
+CHECK = {rule: jax.jit(partial(CS.check, rule=rule)) for rule in CS.THRESHOLDS}
 
 
 def test_check_locates_one_element_and_flags_non_finite_values():
@@ -243,13 +244,13 @@ def test_check_locates_one_element_and_flags_non_finite_values():
     c = a @ b
     record = np.asarray(CHECK["paper"](a, b, c))
     norm = np.abs(np.asarray(a)).sum(1).max() * np.abs(np.asarray(b)).sum(1).max()
-    assert record[A.ROW_THRESHOLD] == pytest.approx(24 * 2.0 ** -23 * norm, rel=1e-6)
-    assert record[A.FLAGGED] == 0
+    assert record[CS.ROW_THRESHOLD] == pytest.approx(24 * 2.0 ** -23 * norm, rel=1e-6)
+    assert record[CS.FLAGGED] == 0
     bad = c.at[17, 9].add(1.0)
     record = np.asarray(CHECK["paper"](a, b, bad))
-    assert record[A.FLAGGED] == 1 and (record[A.ROW], record[A.COL]) == (17, 9)
+    assert record[CS.FLAGGED] == 1 and (record[CS.ROW], record[CS.COL]) == (17, 9)
     record = np.asarray(CHECK["paper"](a, b, c.at[3, 4].set(jnp.nan)))
-    assert record[A.FLAGGED] == 1 and (record[A.ROW], record[A.COL]) == (3, 4)
+    assert record[CS.FLAGGED] == 1 and (record[CS.ROW], record[CS.COL]) == (3, 4)
 
 
 def test_rounding_bound_holds_for_bfloat16_products_where_the_papers_fails():
@@ -261,13 +262,13 @@ def test_rounding_bound_holds_for_bfloat16_products_where_the_papers_fails():
         a = jax.random.normal(jax.random.key(seed), (64, 64)).astype(jnp.bfloat16)
         b = jax.random.normal(jax.random.key(seed + 100), (64, 96)).astype(jnp.bfloat16)
         c = a @ b
-        ratios.append(float(CHECK["rounding"](a, b, c)[A.ROW_RATIO]))
-        paper_flags += int(CHECK["paper"](a, b, c)[A.FLAGGED])
+        ratios.append(float(CHECK["rounding"](a, b, c)[CS.ROW_RATIO]))
+        paper_flags += int(CHECK["paper"](a, b, c)[CS.FLAGGED])
     # Never exceeded, and not vacuous: the worst healthy residual reaches over 1/20 of it.
     assert 0.05 < max(ratios) < 1 and paper_flags > 32
     bad = c.at[10, 20].add(jnp.bfloat16(16.0))
     record = np.asarray(CHECK["rounding"](a, b, bad))
-    assert record[A.FLAGGED] == 1 and (record[A.ROW], record[A.COL]) == (10, 20)
+    assert record[CS.FLAGGED] == 1 and (record[CS.ROW], record[CS.COL]) == (10, 20)
 
 
 def test_bad_threshold_is_one_sentence_and_exit_code_2(tmp_path, capsys):

@@ -17,18 +17,19 @@ import pytest
 
 from sdcstudy.abft import bound as B
 from sdcstudy.abft import checker as A
+from sdcstudy.abft import checksum as CS
 from sdcstudy.abft import emulate as E
 from sdcstudy.core import config as C
 from sdcstudy.core.errors import ConfigError
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 SEEDS = range(4)
-CHECK = jax.jit(A.check_values, static_argnums=(3, 4, 5))
+CHECK = jax.jit(CS.check_values, static_argnums=(3, 4, 5))
 GPU = B.Arithmetic("tf32", 2 * B.U32)  # what `auto` resolves to on a GPU at DEFAULT precision
 
 
 def _ratios(record):
-    return float(record[A.ROW_RATIO]), float(record[A.COL_RATIO])
+    return float(record[CS.ROW_RATIO]), float(record[CS.COL_RATIO])
 
 
 def _today(a32, b32, c32, c_dtype=F32):
@@ -61,12 +62,12 @@ def test_on_the_cpu_the_bound_is_todays_formula(dtype):
     a, b = E.operands(jax.random.key(0), 64, 32, 48)
     a, b = a.astype(dtype), b.astype(dtype)
     c = a @ b
-    record = np.asarray(A.check(a, b, c, "rounding", B.CPU))
-    row = int(record[A.ROW])
+    record = np.asarray(CS.check(a, b, c, "rounding", B.CPU))
+    row = int(record[CS.ROW])
     bound = _old_formula(a, b, c, 2.0 ** -8 if dtype == "bfloat16" else 0.0)[row]
     # float32 evaluation of the bound against float64: 1e-5 relative.
-    assert record[A.ROW_THRESHOLD] == pytest.approx(bound, rel=1e-5)
-    assert record[A.OPERAND_ROUNDING] == 0 and record[A.ACC_BITS] == 24
+    assert record[CS.ROW_THRESHOLD] == pytest.approx(bound, rel=1e-5)
+    assert record[CS.OPERAND_ROUNDING] == 0 and record[CS.ACC_BITS] == 24
 
 
 @pytest.mark.parametrize("scale", [1e-35, 1e-36, 1e-37, 1e-38, 1e-39])
@@ -86,11 +87,11 @@ def test_a_row_near_underflow_is_not_a_false_alarm_and_a_fault_there_is_caught(s
     a16, b16 = jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16)
     c = jnp.einsum("mk,kn->mn", a16, b16, preferred_element_type=jnp.float32
                    ).astype(jnp.bfloat16)
-    check = jax.jit(lambda c: A.check(a16, b16, c, "rounding", B.CPU))
+    check = jax.jit(lambda c: CS.check(a16, b16, c, "rounding", B.CPU))
     healthy = np.asarray(check(c))
-    assert healthy[A.FLAGGED] == 0 and healthy[A.ROW_RATIO] <= 1
+    assert healthy[CS.FLAGGED] == 0 and healthy[CS.ROW_RATIO] <= 1
     faulty = np.asarray(check(c.at[3, 100].add(jnp.bfloat16(1e-30))))
-    assert faulty[A.FLAGGED] == 1 and int(faulty[A.ROW]) == 3
+    assert faulty[CS.FLAGGED] == 1 and int(faulty[CS.ROW]) == 3
 
 
 def test_auto_follows_platform_and_precision_and_bad_settings_are_one_sentence():
@@ -162,11 +163,11 @@ def test_the_checked_bfloat16_product_re_rounds_its_checksum_operands_and_sums_i
     # both backward) has a float32 result, rounded once to bfloat16 afterwards.
     def step(a, w, sink):
         def loss(a, w, sink):
-            c, record = A.checked_matmul(a, w, sink, rule="rounding")
+            c, record = CS.checked_matmul(a, w, sink, rule="rounding")
             return jnp.sum(c.astype(F32)), (c, record)
         return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(a, w, sink)
 
-    args = (jnp.ones((8, 16), BF16), jnp.ones((16, 32), BF16), jnp.zeros((2, A.RECORD_LEN)))
+    args = (jnp.ones((8, 16), BF16), jnp.ones((16, 32), BF16), jnp.zeros((2, CS.RECORD_LEN)))
     lowered = jax.jit(step).lower(*args)
     text = lowered.as_text()
     assert text.count("reduce_precision") == len(A.DIRECTIONS) * 3

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdcstudy.abft import checker as CK
+from sdcstudy.abft import checksum as CK
 from sdcstudy.core.errors import UserError
 from sdcstudy.faults import profiles as P
 from sdcstudy.faults.published import SITES, TABLE1_FREQUENCY

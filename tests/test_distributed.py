@@ -25,7 +25,7 @@ import pytest
 
 from sdcstudy.core import config as C
 from sdcstudy.core import data as D
-from sdcstudy.core import distributed, rendezvous, xlaflags
+from sdcstudy.core import distributed, portholders, rendezvous, xlaflags
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import tablelog as TL
 
@@ -182,7 +182,7 @@ def test_dead_peer_ends_the_run_with_a_clear_error(setup, processes):
         assert first.poll() is None and second.poll() is None, processes.logs()
         assert time.monotonic() < end, "the pair never joined:\n" + processes.logs()
         time.sleep(0.1)
-    assert rendezvous.listeners(port) == [("127.0.0.1", first.pid)]
+    assert portholders.listeners(port) == [("127.0.0.1", first.pid)]
     os.kill(second.pid, signal.SIGKILL)
     killed = time.monotonic()
     codes = processes.wait(deadline_s=DEAD_PEER_TIMEOUT_S)
@@ -457,9 +457,9 @@ def test_the_meeting_binds_the_address_given_and_names_a_ports_holder(monkeypatc
     assert rendezvous.bind_address("pair-0.pair:4100", {}) == "[::]:4100"
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
-        assert rendezvous.listeners(server.getsockname()[1]) == []
+        assert portholders.listeners(server.getsockname()[1]) == []
         server.listen()
-        assert rendezvous.listeners(server.getsockname()[1]) == [("127.0.0.1", os.getpid())]
+        assert portholders.listeners(server.getsockname()[1]) == [("127.0.0.1", os.getpid())]
 
 
 def test_a_signal_to_one_process_stops_both_at_the_same_checkpoint(setup, processes):

@@ -12,7 +12,8 @@ import pytest
 from sdcstudy.core import config as C
 from sdcstudy.core.errors import UserError
 from sdcstudy.faults import profiles
-from sdcstudy.faults.specs import FaultSpecError, spec_from_dict
+from sdcstudy.faults.profile_yaml import spec_from_dict
+from sdcstudy.faults.specs import FaultSpecError
 
 BASE = {"site": "fwd/attn", "kind": "bitflip", "rate": 1e-3}
 

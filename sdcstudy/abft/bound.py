@@ -46,7 +46,7 @@ TF32 or bfloat16 operands are exact in float32, so k u_acc with u_acc = 2^-23 co
 truncated additions in any order, and float32 hardware that rounds to nearest as well.
 
 The checked products compute their dots with a float32 result and cast it to the output
-dtype (`checker._product`), so a split-K GEMM keeps float32 partials and s = 1 holds; s > 1
+dtype (`checksum._product`), so a split-K GEMM keeps float32 partials and s = 1 holds; s > 1
 (`abft.output_partials`) is for a compiler that stores partials in the output dtype anyway.
 
 Underflow. The terms above are relative: they hold while every value stays normal. Where a

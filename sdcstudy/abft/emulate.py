@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sdcstudy.abft import bound as B
-from sdcstudy.abft import checker as C
+from sdcstudy.abft import checksum as C
 
 OPERAND_ROUNDING = {"none": lambda x: x, "tf32": B.tf32_nearest,
                     "tf32_away": B.tf32_nearest_away, "tf32_truncate": B.tf32_truncate}

@@ -1,6 +1,6 @@
 """ABFT's tables on the host, without JAX: abft.parquet's columns, per-step counters,
 flags under any threshold rule from the recorded residuals, and detection against the ground
-truth. `abft/checker.py` computes the records these read; `report` and notebooks can use this module
+truth. `abft/checksum.py` computes the records these read; `report` and notebooks can use this module
 alone.
 """
 

@@ -2,7 +2,7 @@
 every other process there over a plain TCP socket, so that a launch mistake ends with one
 sentence instead of a C++ abort, a timeout or a run that goes on wrong (docs/pairing.md,
 "Launch mistakes"). Process 0 binds the address itself (a port in use is refused at once,
-naming its holder: `listeners`), the address jax's coordinator binds after it
+naming its holder: `portholders`), the address jax's coordinator binds after it
 (`bind_address`). Every other process connects and says who it is and what it runs
 (`hello`); process 0 waits until each id 1..N-1 has said hello once, then answers every one
 "ok", closes the socket and lets jax's coordinator take the port. A different N, an id given
@@ -28,6 +28,7 @@ from importlib import metadata
 from pathlib import Path
 
 from sdcstudy.core.errors import UserError
+from sdcstudy.core.portholders import held_by
 
 PROTOCOL = "sdcstudy-join/1"
 ENV_BIND = "JAX_COORDINATOR_BIND_ADDRESS"
@@ -82,65 +83,6 @@ def bind_address(coordinator: str, environ=None) -> str:
         if not addresses or own_name and all(a.is_loopback for a in addresses):
             host = ALL_INTERFACES
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-# --- who holds a port ----------------------------------------------------------------------
-
-def _proc_address(hex_address: str) -> str:
-    raw = bytes.fromhex(hex_address)
-    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
-    address = ipaddress.ip_address(raw)
-    mapped = getattr(address, "ipv4_mapped", None)
-    return str(mapped or address)
-
-
-def _socket_owners(inodes: set[int]) -> dict[int, int]:
-    """inode -> pid for the sockets among `inodes` that this user may see."""
-    owners = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("socket:[") and int(target[8:-1]) in inodes:
-                    owners[int(target[8:-1])] = int(proc.name)
-        except OSError:
-            continue
-    return owners
-
-
-def listeners(port: int) -> list[tuple[str, int | None]]:
-    """(address, pid or None) of every TCP socket listening on `port` on this host (Linux
-    /proc; an empty list elsewhere). A pid is None for another user's process."""
-    sockets = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            address, _, hex_port = fields[1].partition(":")
-            if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                sockets.append((_proc_address(address), int(fields[9])))
-    owners = _socket_owners({inode for _, inode in sockets}) if sockets else {}
-    return [(address, owners.get(inode)) for address, inode in sockets]
-
-
-def describe_pid(pid: int) -> str:
-    """"pid P (its command line)", the command line cut to 120 characters."""
-    try:
-        command = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(
-            errors="replace").replace("\0", " ").split())
-    except OSError:
-        command = ""
-    return f"pid {pid} ({command[:120]})" if command else f"pid {pid}"
-
-
-def _holder(port: int) -> str:
-    pids = sorted({pid for _, pid in listeners(port) if pid is not None})
-    return f" by {', '.join(describe_pid(p) for p in pids)}" if pids else " by another program"
 
 
 # --- the meeting ---------------------------------------------------------------------------
@@ -278,7 +220,7 @@ def _listen(bind: str, coordinator: str, num_processes: int) -> list[socket.sock
         if e.errno == errno.EADDRINUSE:
             _ask_the_holder(coordinator, num_processes)
             raise UserError(f"process 0 of {num_processes} cannot listen on {bind} for its "
-                            f"peers: the port is in use{_holder(port)}; choose a free port for "
+                            f"peers: the port is in use{held_by(port)}; choose a free port for "
                             f"--coordinator on every process, or end that program.") from None
         if e.errno == errno.EADDRNOTAVAIL:
             raise UserError(f"process 0 of {num_processes} cannot listen on {bind}: that "

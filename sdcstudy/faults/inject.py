@@ -1,7 +1,7 @@
 """Fault injection: seeded, replayable corruptions inside the jitted step, logged as ground truth.
 
-What a fault is (`FaultSpec`, `Profile`, their YAML form): `faults/specs.py`, its `TimePattern`
-`faults/time_patterns.py`;
+What a fault is (`FaultSpec`, `Profile`): `faults/specs.py`, their YAML form
+`faults/profile_yaml.py`, its `TimePattern` `faults/time_patterns.py`;
 how one tensor is corrupted and recorded: `faults/corrupt.py`. The `Injector` turns a profile
 into a `sites.Hook`: forward sites are corrupted where they are computed, backward sites
 (`bwd/...`) through a custom VJP that corrupts the cotangent.

@@ -43,7 +43,7 @@ from sdcstudy.core import yamlsafe
 from sdcstudy.core.errors import UserError
 from sdcstudy.faults import flip_model
 from sdcstudy.faults.specs import FaultSpec, FaultSpecError, Profile, TimePattern, check_fits
-from sdcstudy.faults.specs import profile_from_dict
+from sdcstudy.faults.profile_yaml import profile_from_dict
 from sdcstudy.faults.published import SITES, TABLE1_FREQUENCY, TABLE2_MAX_SEVERITY, WCNTS
 from sdcstudy.faults.published import FLIP_SUFFIX, published
 from sdcstudy.faults.time_patterns import NODE_PATTERNS

@@ -8,7 +8,7 @@ width n, so a fault that flags every time on a 64-wide model need not flag at th
 Here each node's fwd/attn faults, as `faults.profiles.paper_node` builds them (an error of e
 times its row's RMS, e log-uniform on [2^-8, 1], at the profile's rate; in o's product, or in
 its input under `attn_placement`), go into real float32 products, and `check` applies
-`abft.checker`'s rules (`paper`: eq. 6 with tau = k 2^-23; `rounding`: our per-row bound) in
+`abft.checksum`'s rules (`paper`: eq. 6 with tau = k 2^-23; `rounding`: our per-row bound) in
 numpy; tests/test_abft_paper_scale.py holds it against the JAX checker.
 
 Shapes. The o projection is row-parallel (appendix B.2): on a tp rank A is the context of the
@@ -42,7 +42,7 @@ from sdcstudy.reproduce import figure10_paper
 from sdcstudy.reproduce.training_rows import Row
 
 RULES = ("paper", "rounding")
-MARGIN = 1.01  # the rounding bound's allowance for second-order terms (abft/checker.py)
+MARGIN = 1.01  # the rounding bound's allowance for second-order terms (abft/checksum.py)
 U32 = 2.0 ** -24  # float32 unit roundoff, the rounding bound's u
 PAPER_STEPS = 4500  # section 4: the run a time pattern's share of active steps is taken over
 PAPER_TOKENS = 4096  # one microstep on one rank: micro-batch 1 of 4096 tokens (appendix B.3)
@@ -96,7 +96,7 @@ def checksums(a: np.ndarray, b: np.ndarray) -> Checksums:
 
 
 def _rounding_bound(abs_c_sum, spread, k: int, other: int):
-    """abft/checker.py's bound for a float32 product (no output rounding), less its underflow
+    """abft/checksum.py's bound for a float32 product (no output rounding), less its underflow
     term (`abft.bound.underflow`, about 1e-30 here): these operands are standard normal draws,
     whose bounds that term cannot move in float32."""
     return np.float32(MARGIN) * (np.float32(other * U32) * abs_c_sum +
@@ -104,7 +104,7 @@ def _rounding_bound(abs_c_sum, spread, k: int, other: int):
 
 
 def check(sums: Checksums, c: np.ndarray, rule: str) -> dict:
-    """One check of the product `c` of the inputs `sums` came from, as `abft.checker.check`
+    """One check of the product `c` of the inputs `sums` came from, as `abft.checksum.check`
     makes it: the reported row and column residuals and thresholds, and the flag."""
     m, n = c.shape
     row = np.abs(c.sum(axis=1) - sums.a_bw)
