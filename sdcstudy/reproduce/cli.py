@@ -84,17 +84,25 @@ def main(args) -> int:
         if args.out is None:
             raise UserError("--merge needs --out DIR, a new folder for the merged scorecard.")
         result = merge(args.merge, args.out)
-    else:
-        req = P.request(args.preset or DEFAULT_PRESET, args.steps,
-                        P.parse_nodes(args.nodes or DEFAULT_NODES), args.dtype, args.overrides,
-                        P.parse_modes(args.modes or DEFAULT_MODES),
-                        args.fault_model or P.DEFAULT_FAULT_MODEL)
+    else:  # an option given empty ("--nodes ''") is refused, not read as its default
+        req = P.request(_given(args.preset, DEFAULT_PRESET), args.steps,
+                        P.parse_nodes(_given(args.nodes, DEFAULT_NODES)), args.dtype,
+                        args.overrides, P.parse_modes(_given(args.modes, DEFAULT_MODES)),
+                        _given(args.fault_model, P.DEFAULT_FAULT_MODEL))
         result = reproduce(req, P.parse_shard(args.shard), args.out, resume=args.resume,
                            progress=not args.no_progress, reuse=args.reuse or ())
     print(result["markdown"].split("\n## ")[0].rstrip())
+    if result.get("missing"):
+        print(f"\n{len(result['missing'])} planned runs are in none of the merged folders "
+              f"({', '.join(result['missing'])}): their rows are \"not run\"; the shards' "
+              f"command without --shard, with --resume --out {result['root']}, runs them.")
     print(f"\nscorecard: {result['root'] / 'scorecard.md'} (figures in "
           f"{result['root'] / FIGURES})")
     return 0
+
+
+def _given(value: str | None, default: str) -> str:
+    return default if value is None else value
 
 
 # --- the folder --------------------------------------------------------------------------------
@@ -116,14 +124,30 @@ def _stopped(root: Path) -> dict:
     return RF.json_load(path) if path.is_file() else {}
 
 
-def _hold(root: Path, create: bool, early: bool = False):
+def _hold(root: Path, create: bool, early: bool = False, keep=None,
+          hint: str = "pass --resume to continue it or choose another --out"):
     """The run-folder lock on the reproduce root (core.runlock), as `run` and `sweep` hold;
-    `early`: only the sentence it would refuse with now (`runlock.refuse_early`)."""
+    `early`: only the sentence it would refuse with now (`runlock.refuse_early`); `keep`, as
+    `runlock.hold`'s: whether a new folder whose command failed keeps what it holds."""
     from sdcstudy.core import runlock
 
-    take = runlock.refuse_early if early else runlock.hold
-    return take(root, create=create, what="reproduce folder",
-                hint="pass --resume to continue it or choose another --out")
+    if early:
+        return runlock.refuse_early(root, create=create, what="reproduce folder", hint=hint)
+    return runlock.hold(root, create=create, what="reproduce folder", hint=hint, keep=keep)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the command: where, how to continue, and the signal's exit
+    code (130 or 143, as `interrupts.Interrupted` and `cli.Terminated` carry it)."""
+
+    def __init__(self, stop: KeyboardInterrupt, where: str, root: Path):
+        import signal
+
+        from sdcstudy.core import errors
+
+        self.exit_code = getattr(stop, "exit_code", errors.EXIT_SIGINT)
+        super().__init__(f"interrupted by {signal.Signals(self.exit_code - 128).name}{where}; "
+                         f"continue with the same command and --resume --out {root}")
 
 
 def _check_resume(root: Path, manifest: dict) -> None:
@@ -144,35 +168,56 @@ def reproduce(req: dict, shard: tuple[int, int], out: Path | None, *, resume: bo
     that a `reuse` folder already ran is copied from there (`reuse.find`)."""
     from sdcstudy.reproduce import reuse as U
 
+    if resume and out is None:
+        raise UserError("--resume needs --out DIR, the reproduce folder to continue.")
     if out is not None:  # said before the imports below (JAX), which take seconds
         _hold(out, create=not resume, early=True)
     found = U.sources(list(reuse), out, read_manifest)
-    from tqdm import tqdm
 
-    from sdcstudy import runner
-    from sdcstudy.core.train import NonFiniteError
-
-    if resume and out is None:
-        raise UserError("--resume needs --out DIR, the reproduce folder to continue.")
     plan, configs = P.build(req)
     manifest = {"schema": SCHEMA, "request": req, "shard": list(shard), "plan": plan}
     root = Path(out) if out is not None else RF.default_run_dir("reproduce")
     if resume:
         read_manifest(root)  # a folder sdcstudy reproduce wrote, before it is held
-    with _hold(root, create=not resume):
+    refused = []  # a run refused its config: a new folder with no run in it is emptied again
+
+    def keep(path: Path) -> bool:
+        return not refused or any((path / RUNS).glob("*"))
+
+    with _hold(root, create=not resume, keep=keep):
         if resume:
             _check_resume(root, manifest)
         else:
             RF.atomic_write_json(root / MANIFEST, manifest)
+        try:
+            return _run_shard(root, plan, configs, shard, resume, progress, found)
+        except UserError:
+            refused.append(True)
+            raise
+
+
+def _run_shard(root: Path, plan: list[dict], configs: dict, shard: tuple[int, int],
+               resume: bool, progress: bool, found: list) -> dict:
+    """The loop of `reproduce` over this shard's runs, then the scorecard."""
+    from tqdm import tqdm
+
+    from sdcstudy import runner
+    from sdcstudy.core.train import NonFiniteError
+    from sdcstudy.reproduce import reuse as U
+
+    where = ""
+    try:
         mine = [entry for i, entry in enumerate(plan) if P.in_shard(i, shard)]
         env = _environment() if found else {}
         stopped = _stopped(root)
         bar = tqdm(mine, desc="reproduce", unit="run", disable=not progress, position=0,
                    dynamic_ncols=True)
-        for entry in bar:
+        for k, entry in enumerate(bar, 1):
             name = entry["name"]
-            run_dir = root / RUNS / name
+            run_dir, where = root / RUNS / name, f" in {name}"
             bar.set_postfix_str(name)
+            if not progress:  # a line a run, for logs (no bars)
+                tqdm.write(f"{name}: run {k} of {len(mine)}")
             if resume and RF.finished(run_dir):
                 tqdm.write(f"{name}: finished earlier, kept")
                 continue
@@ -189,12 +234,12 @@ def reproduce(req: dict, shard: tuple[int, int], out: Path | None, *, resume: bo
             except NonFiniteError as e:
                 tqdm.write(f"{name}: stopped: {e}")
                 stopped[name] = str(e)
-            except KeyboardInterrupt:
-                raise KeyboardInterrupt(f"interrupted in {name}; continue with the same "
-                                        f"command and --resume --out {root}") from None
             RF.atomic_write_json(root / STOPPED, stopped)
+        where = ""
         bar.close()
         return write_scorecard(root)
+    except KeyboardInterrupt as stop:
+        raise Stopped(stop, where, root) from None
 
 
 def _environment() -> dict:
@@ -244,6 +289,13 @@ def merge(dirs: list[Path], out: Path) -> dict:
             raise UserError(f"{str(d)!r} planned other runs than {str(dirs[0])!r} (the fault "
                             f"profiles changed between them); merge only the shards of one "
                             f"reproduce command.")
+    from sdcstudy.core import runlock
+
+    for d in dirs:
+        if pid := runlock.holder(d):
+            by = f"process {pid}" if pid > 0 else "another process"
+            raise UserError(f"{str(d)!r} is still being written by {by}; merge it once that "
+                            f"command has ended.")
     found, stopped = {}, {}
     for d in dirs:
         for entry in first["plan"]:
@@ -254,15 +306,16 @@ def merge(dirs: list[Path], out: Path) -> dict:
                                     f"{str(d)!r}: the shards overlap; merge each shard once.")
                 found[name] = d
         stopped.update(_stopped(d))
-    with _hold(Path(out), create=True):
+    with _hold(Path(out), create=True, hint="--merge writes a new folder: choose another --out"):
         RF.atomic_write_json(Path(out) / MANIFEST, {
             **first, "shard": [0, 1], "merged_from": [str(d) for d in dirs]})
         for name, d in found.items():
             shutil.copytree(d / RUNS / name, Path(out) / RUNS / name,
                             ignore=shutil.ignore_patterns(RF.CHECKPOINTS, ".lock"))
-        RF.atomic_write_json(Path(out) / STOPPED,
-                             {k: v for k, v in stopped.items() if k not in found})
-        return write_scorecard(Path(out))
+        stopped = {k: v for k, v in stopped.items() if k not in found}
+        RF.atomic_write_json(Path(out) / STOPPED, stopped)
+        missing = [e["name"] for e in first["plan"] if e["name"] not in {**found, **stopped}]
+        return {**write_scorecard(Path(out)), "missing": missing}
 
 
 def report_dirs(paths, echo=print) -> list[Path]:

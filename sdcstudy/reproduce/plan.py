@@ -43,6 +43,9 @@ PRESETS = {
     "medium": {"model": {"preset": "medium"}, "steps": 100, "batch_size": 8, "seq_len": 128,
                "lr": 1e-3},
 }
+# Config keys the command has an option for: --set of them would leave the scorecard's header
+# and the request naming the option's value, not the runs'.
+OWN_OPTIONS = {"experiment.steps": "--steps", "model.dtype": "--dtype"}
 CHECKPOINT_EVERY = 50  # an interrupted run continues from here with --resume
 # Appendix D.1: float32 (tp 1 is our choice: D.1 records flags across tp ranks, their number unsaid)
 ABFT_FORCED = ("mesh.tp=1", "model.dtype=float32", "abft.enabled=true")
@@ -57,7 +60,7 @@ def parse_nodes(text: str) -> list[int]:
     if text.strip() == ALL:
         return list(NODES)
     parts = [p.strip().removeprefix(PB.PAPER_PREFIX) for p in text.split(",")]
-    bad = [p for p in parts if not p.isdigit() or int(p) not in NODES]
+    bad = [p for p in parts if not p.isdecimal() or int(p) not in NODES]
     if bad or not parts:
         raise UserError(f"--nodes {text!r} names {', '.join(map(repr, bad)) or 'no node'}; "
                         f"give Ma et al.'s node numbers 1-15 separated by commas, or all.")
@@ -86,7 +89,7 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     if text is None:
         return (0, 1)
     index, _, count = text.partition("/")
-    if not (index.strip().isdigit() and count.strip().isdigit()) \
+    if not (index.strip().isdecimal() and count.strip().isdecimal()) \
             or not 0 <= int(index) < int(count):
         raise UserError(f"--shard {text!r} must be I/N with 0 <= I < N, e.g. --shard 0/4 for "
                         f"the first of four shards.")
@@ -111,6 +114,11 @@ def request(preset: str, steps: int | None, nodes: list[int], dtype: str | None,
         raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
     if steps is not None and steps < 1:
         raise UserError(f"--steps {steps} must be at least 1.")
+    for text in overrides:
+        key = text.partition("=")[0].strip()
+        if key in OWN_OPTIONS:
+            raise UserError(f"--set {key} is {OWN_OPTIONS[key]} of sdcstudy reproduce, which "
+                            f"the plan and the scorecard read; give {OWN_OPTIONS[key]} instead.")
     return {"preset": preset, "steps": steps or PRESETS[preset]["steps"], "nodes": list(nodes),
             "modes": list(modes), "dtype": dtype, "overrides": list(overrides),
             "fault_model": fault_model}
