@@ -84,6 +84,13 @@ def test_figure5_shape_is_larger_before_step_100_and_held_out():
     short = CR.figure5_shape_row(1, _paired(grad__diff_l2=[3.0, 2.0, 1.0, 1.0],
                                             grad__norm=[2.0, 2.0, 1.0, 1.0]))
     assert "before step 2" in short.quantity and short.verdict == "pass"
+    # Three steps split at step 1 leave nothing before it: said so, not "no difference".
+    shortest = CR.figure5_shape_row(1, _paired(grad__diff_l2=[3.0, 2.0, 1.0],
+                                               grad__norm=[2.0, 2.0, 1.0]))
+    assert (shortest.verdict, shortest.reason) == (
+        "no events", "a run of 3 steps, too short to split at step 1")
+    flat = CR.figure5_shape_row(1, _paired(grad__diff_l2=np.zeros(200), grad__norm=norm))
+    assert (flat.verdict, flat.reason) == ("no events", "no gradient difference in the run")
 
 
 def test_figure5_shape_needs_something_that_falls():

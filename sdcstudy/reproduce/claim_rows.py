@@ -170,7 +170,8 @@ def figure5_shape_row(node: int, run) -> Row:
     early, late = diff[diff.index < split], diff[diff.index >= split]
     if not len(early) or not len(late) or diff.max() == 0:
         return Row(node, SHAPE_SOURCE, quantity, "large, then falling", None, None, "> 1",
-                   "no events", "no gradient difference in the run")
+                   "no events", "no gradient difference in the run" if diff.max() == 0 else
+                   f"a run of {len(diff)} steps, too short to split at step {split}")
     ratio = early.mean() / late.mean() if late.mean() else math.inf
     norm = series(run, "grad/norm").reindex(diff.index)
     measured = (f"{B.g(early.mean())} before, {B.g(late.mean())} after; its rank correlation "
