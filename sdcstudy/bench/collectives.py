@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from sdcstudy.bench import common as B
 from sdcstudy.bench import timing as BT
-from sdcstudy.bench.paired import tp_degrees
+from sdcstudy.bench.paired import contender_name, time_pairs, tp_degrees
 from sdcstudy.core.config import UserError, tokens_per_step
 
 # The contenders, "off" first: "on" is divided by it.
@@ -73,25 +73,18 @@ def measure_collectives(preset: str, args, echo=B.echo_stderr) -> list[dict]:
     """Off and on at each tp degree, warmed up, then timed in one rotation; one result per
     degree, "on" divided by "off" at the same degree."""
     from sdcstudy.core.config import model_dims
-    from sdcstudy.paired.trainer import PairedTrainer
 
     tps = degrees(args)
 
     def name(variant, tp):
-        return variant if len(tps) == 1 else f"{variant}@tp{tp}"
+        return contender_name(variant, tp, tps)
 
-    trainers, cfg, steps = {}, None, 0
-    for tp in tps:
-        for variant in COLLECTIVES_VARIANTS:
-            cfg, steps = collectives_config(preset, args, variant, tp)
-            trainers[name(variant, tp)] = PairedTrainer.from_config(cfg)
+    timed = time_pairs(preset, args, tps, COLLECTIVES_VARIANTS,
+                       lambda variant, tp: collectives_config(preset, args, variant, tp),
+                       f"{args.mode} collectives {{}}", echo)
+    cfg, steps, runners, phases = timed.cfg, timed.steps, timed.runners, timed.phases
+    warmup, seconds, kernel = timed.warmup, timed.seconds, timed.kernel
     dims, tokens = model_dims(cfg.model), tokens_per_step(cfg)
-    runners, phases = BT.build_runners(
-        trainers, BT.random_tokens(cfg), BT.compile_threads(args),
-        f"{args.mode} collectives {{}} (node 2 x dp {args.dp}"
-        f"{' x tp ' + str(tps[0]) if len(tps) == 1 else ''})", preset, echo)
-    warmup, seconds, kernel = BT.warm_up_and_time(runners, steps, args.repeats, tokens, preset,
-                                                  phases, echo)
     results = []
     for tp in tps:
         off = name("off", tp)

@@ -6,6 +6,9 @@ rotation.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from sdcstudy.bench import common as B
 from sdcstudy.bench import goals as G
 from sdcstudy.bench import timing as BT
@@ -57,29 +60,58 @@ def check_paired(preset: str, args) -> None:
         PairedTrainer.from_config(paired_config(preset, args, PAIRED_MODES[0], tp)[0])
 
 
+@dataclasses.dataclass
+class TimedPairs:
+    """Paired steps compiled, warmed up and timed in one rotation (`time_pairs`), by contender
+    name (`contender_name`)."""
+    cfg: Any  # a contender's config: every contender has the same shapes
+    steps: int  # timed steps per contender and repetition
+    runners: dict
+    warmup: dict
+    seconds: dict
+    kernel: dict
+    phases: dict
+
+
+def contender_name(variant: str, tp: int, degrees: list[int]) -> str:
+    return variant if len(degrees) == 1 else f"{variant}@tp{tp}"
+
+
+def time_pairs(preset: str, args, degrees: list[int], variants, config_of, label: str,
+               echo=B.echo_stderr) -> TimedPairs:
+    """A `PairedTrainer` for each of `variants` at each tp degree (`config_of(variant, tp)`:
+    its config and timed steps), compiled, warmed up and timed in one rotation (timing.py);
+    `label` names a contender in progress lines ("{}" its name), the mesh appended."""
+    from sdcstudy.paired.trainer import PairedTrainer
+
+    trainers, cfg, steps = {}, None, 0
+    for tp in degrees:
+        for variant in variants:
+            cfg, steps = config_of(variant, tp)
+            trainers[contender_name(variant, tp, degrees)] = PairedTrainer.from_config(cfg)
+    mesh = f" (node 2 x dp {args.dp}{' x tp ' + str(degrees[0]) if len(degrees) == 1 else ''})"
+    runners, phases = BT.build_runners(trainers, BT.random_tokens(cfg), BT.compile_threads(args),
+                                       label + mesh, preset, echo)
+    warmup, seconds, kernel = BT.warm_up_and_time(runners, steps, args.repeats,
+                                                  tokens_per_step(cfg), preset, phases, echo)
+    return TimedPairs(cfg, steps, runners, warmup, seconds, kernel, phases)
+
+
 def measure_paired(preset: str, args, echo=B.echo_stderr) -> list[dict]:
     """The three paired modes of one preset at each tp degree, warmed up, then timed in one
     rotation; one result per degree, its ratios to free running at the same degree."""
     from sdcstudy.core.config import model_dims
-    from sdcstudy.paired.trainer import PairedTrainer
 
     degrees = tp_degrees(args)
 
     def name(mode, tp):
-        return mode if len(degrees) == 1 else f"{mode}@tp{tp}"
+        return contender_name(mode, tp, degrees)
 
-    trainers, cfg, steps = {}, None, 0
-    for tp in degrees:
-        for mode in PAIRED_MODES:
-            cfg, steps = paired_config(preset, args, mode, tp)
-            trainers[name(mode, tp)] = PairedTrainer.from_config(cfg)
+    timed = time_pairs(preset, args, degrees, PAIRED_MODES,
+                       lambda mode, tp: paired_config(preset, args, mode, tp), "{}", echo)
+    cfg, steps, runners, phases = timed.cfg, timed.steps, timed.runners, timed.phases
+    warmup, seconds, kernel = timed.warmup, timed.seconds, timed.kernel
     dims, tokens = model_dims(cfg.model), tokens_per_step(cfg)
-    runners, phases = BT.build_runners(
-        trainers, BT.random_tokens(cfg), BT.compile_threads(args),
-        f"{{}} (node 2 x dp {args.dp}{' x tp ' + str(degrees[0]) if len(degrees) == 1 else ''})",
-        preset, echo)
-    warmup, seconds, kernel = BT.warm_up_and_time(runners, steps, args.repeats, tokens, preset,
-                                                  phases, echo)
     results = []
     for tp in degrees:
         free = runners[name("free", tp)]
