@@ -328,34 +328,45 @@ def test_processes_started_with_another_setting_are_refused(setup, processes):
     assert not (out / "checkpoints").exists()
 
 
-# Imported by a process at start-up (PYTHONPATH): it builds its paired mesh 5 s late.
-SLOW_MESH = """\
+# Imported by a process at start-up (PYTHONPATH): it reaches MODULE.FUNCTION 5 s late, as a
+# loaded host would.
+LATE = """\
 import time
-from sdcstudy.core import mesh
-_make_node_mesh = mesh.make_node_mesh
+from {module} import {name} as _module
+_function = _module.{function}
 def _late(*args, **kwargs):
     time.sleep(5)
-    return _make_node_mesh(*args, **kwargs)
-mesh.make_node_mesh = _late
+    return _function(*args, **kwargs)
+_module.{function} = _late
 """
+
+
+def _late_pair(processes, setup, tag, late_at, *extra, devices=(1, 1)):
+    """Two processes of one run, process 1 reaching `late_at` ("package.module:function") 5 s
+    after process 0 would (`LATE`)."""
+    port = _free_port()
+    module, function = late_at.split(":")
+    folder = setup / f"late-{tag}"
+    folder.mkdir(exist_ok=True)
+    package, _, name = module.rpartition(".")
+    (folder / "sitecustomize.py").write_text(LATE.format(module=package, name=name,
+                                                         function=function))
+    late = {"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
+    for i in range(2):
+        processes.start(f"{tag}-p{i}", ["--out", str(setup / tag), "--coordinator",
+                                        f"127.0.0.1:{port}", "--num-processes", "2",
+                                        "--process-id", str(i), *extra,
+                                        "--timeout", str(REFUSAL_TIMEOUT_S)],
+                        devices=devices[i], **(late if i else {}))
 
 
 def test_a_process_short_of_devices_is_refused_by_every_process(setup, processes):
     """mesh.dp=2 with process 1 holding one CPU device: both exit 2 with one sentence naming
     process 1 (was: process 0 exited 2 when it built the mesh, and process 1, still preparing
     its data, was ended by jax once the coordinator had gone, with a C++ stack, exit 134).
-    Process 1 is slow here to reach its mesh, as a loaded host is (`SLOW_MESH`)."""
-    port = _free_port()
-    slow = setup / "slow-mesh"
-    slow.mkdir(exist_ok=True)
-    (slow / "sitecustomize.py").write_text(SLOW_MESH)
-    for i, devices in enumerate((2, 1)):
-        late = {"PYTHONPATH": os.pathsep.join([str(slow), os.environ.get("PYTHONPATH", "")])}
-        processes.start(f"short-p{i}", ["--out", str(setup / "short"), "--coordinator",
-                                        f"127.0.0.1:{port}", "--num-processes", "2",
-                                        "--process-id", str(i), "--set", "mesh.dp=2",
-                                        "--timeout", str(REFUSAL_TIMEOUT_S)], devices=devices,
-                        **(late if i else {}))
+    Process 1 is slow here to reach its mesh, as a loaded host is."""
+    _late_pair(processes, setup, "short", "sdcstudy.core.mesh:make_node_mesh",
+               "--set", "mesh.dp=2", devices=(2, 1))
     for line in _refused(processes, "process ").values():
         assert line.endswith("of 2: process 1 has 1 device but a node needs 2 (dp=2 x tp=1); "
                              "on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=2 "
@@ -363,34 +374,12 @@ def test_a_process_short_of_devices_is_refused_by_every_process(setup, processes
     assert not (setup / "short" / "checkpoints").exists()
 
 
-# Imported by a process at start-up (PYTHONPATH): it reaches the one-process modes' refusal 5 s
-# late, as a loaded host would.
-SLOW_MODE_CHECK = """\
-import time
-from sdcstudy import modes
-_check_processes = modes.check_processes
-def _late(*args, **kwargs):
-    time.sleep(5)
-    return _check_processes(*args, **kwargs)
-modes.check_processes = _late
-"""
-
-
 def test_a_one_process_mode_on_two_processes_is_refused_by_both(setup, processes):
     """experiment.mode abft (one process) started as two: both exit 2 with the one sentence
     (was: process 0 exited at once, and process 1, slow to reach the check, was ended by jax
     when the coordinator went, with a C++ stack)."""
-    port = _free_port()
-    slow = setup / "slow-mode-check"
-    slow.mkdir(exist_ok=True)
-    (slow / "sitecustomize.py").write_text(SLOW_MODE_CHECK)
-    for i in range(2):
-        late = {"PYTHONPATH": os.pathsep.join([str(slow), os.environ.get("PYTHONPATH", "")])}
-        processes.start(f"one-p{i}", ["--out", str(setup / "one"), "--coordinator",
-                                      f"127.0.0.1:{port}", "--num-processes", "2",
-                                      "--process-id", str(i), "--set", "experiment.mode=abft",
-                                      "--timeout", str(REFUSAL_TIMEOUT_S)], devices=1,
-                        **(late if i else {}))
+    _late_pair(processes, setup, "one", "sdcstudy.modes:check_processes",
+               "--set", "experiment.mode=abft")
     for line in _refused(processes, "process ").values():
         assert line.endswith("experiment.mode abft runs in one process, not 2; only lockstep, "
                              "paramsync, free, finetune pair processes (docs/pairing.md)."), line
