@@ -911,6 +911,19 @@ def test_a_crashed_child_is_an_error_never_a_fail(tmp_path, monkeypatch):
     assert GS.state(acc.doctor()) == "FAIL"
 
 
+def test_the_fingerprint_of_a_doctor_that_could_not_run_is_skipped(tmp_path, monkeypatch):
+    """A doctor that could not run writes its report with no "env" (verdict null): the
+    fingerprint check is SKIPPED, naming what is missing (was: ERROR, a KeyError)."""
+    monkeypatch.setattr(GC, "cudnn_fails_here", lambda: False)
+    monkeypatch.setattr(GS, "versions", lambda: {})
+    args = SimpleNamespace(out=tmp_path, stage="full", budget=540)
+    acc = GC.Acceptance(args, sys.executable, {"device_kind": H100}, tmp_path)
+    (tmp_path / "doctor.json").write_text(json.dumps({"verdict": None, "exit_code": 3,
+                                                      "error": "run a failed (exit 3)"}))
+    result = acc.fingerprint()
+    assert GS.state(result) == "SKIPPED" and "env.json" in result["skipped"], result
+
+
 def test_every_sdcstudy_command_a_check_starts_parses(tmp_path, monkeypatch):
     """The first `sdcstudy` command of each check, parsed by the CLI's own parser: a flag a
     subcommand does not take (a `--no-progress` handed to one without it) would otherwise

@@ -86,9 +86,10 @@ class GoldenChecks(Session):
                 return {"env_file": str(env_file), **GF.judge_fingerprint(
                     json.loads(env_file.read_text()))}
         doctor = self.work / "doctor.json"
-        if doctor.exists():
-            return {"env_file": str(doctor), **GF.judge_fingerprint(
-                json.loads(doctor.read_text())["env"])}
+        # a doctor that could not run leaves no "env" (its verdict null)
+        env = json.loads(doctor.read_text()).get("env") if doctor.exists() else None
+        if env:
+            return {"env_file": str(doctor), **GF.judge_fingerprint(env)}
         return skipped("neither the golden record nor the doctor wrote an env.json")
 
     def golden_other_machine(self) -> dict:
