@@ -69,3 +69,15 @@ def test_a_base_made_with_other_packages_or_another_cpu_says_so_before_comparing
     base.write_text(json.dumps(recorded))
     assert MB.main(["--compare", str(base), "--modes", "train"]) == 0
     assert "no record of its packages and CPU" in capsys.readouterr().err
+
+
+def test_a_metric_is_compared_by_its_bits():
+    # Metrics are JSON numbers: by value -0.0 equals 0.0 and 1 equals 1.0, which a change of
+    # the bits computed can turn one into the other; NaN equals NaN.
+    run = {"metrics": [{"step": 1, "loss": 0.0, "grad/norm": float("nan")}]}
+    same = json.loads(json.dumps(run))
+    assert MB.first_difference(run, same) is None
+    signed = {"metrics": [{"step": 1, "loss": -0.0, "grad/norm": float("nan")}]}
+    assert MB.first_difference(run, signed) == "/metrics[0]/loss: 0.0 != -0.0"
+    whole = {"metrics": [{"step": 1.0, "loss": 0.0, "grad/norm": float("nan")}]}
+    assert MB.first_difference(run, whole) == "/metrics[0]/step: 1 != 1.0"

@@ -282,8 +282,9 @@ def first_difference(base, new, where: str = "") -> str | None:
             if (found := first_difference(a, b, f"{where}[{i}]")) is not None:
                 return found
         return None if len(base) == len(new) else f"{where} (length {len(base)} != {len(new)})"
-    if base == new or (isinstance(base, float) and isinstance(new, float)
-                       and base != base and new != new):
+    # A float by its bits (repr: -0.0 is not 0.0, 1.0 is not 1, NaN is NaN), the rest by value.
+    if repr(base) == repr(new) if isinstance(base, float) or isinstance(new, float) else \
+            base == new:
         return None
     return f"{where}: {base!r} != {new!r}"
 
