@@ -45,7 +45,6 @@ most of it compiling.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -66,6 +65,7 @@ from sdcstudy.core import config as C  # noqa: E402
 from sdcstudy.core import model  # noqa: E402
 from sdcstudy.core import reports  # noqa: E402
 from sdcstudy.core import sites as S  # noqa: E402
+from sdcstudy.core.errors import ArgumentParser, ConfigError  # noqa: E402
 from sdcstudy.faults.bits import bits_of_class  # noqa: E402
 from sdcstudy.faults.inject import inject_value  # noqa: E402
 from sdcstudy.faults.records import decode_record  # noqa: E402
@@ -306,10 +306,31 @@ def write_bounds(args) -> None:
         json.dump({"args": {k: str(v) for k, v in vars(args).items()},
                    "rows": table.to_dict("records")}, f, indent=1)
     print(text)
+    print(f"results in {args.out}")
+
+
+def check_arguments(p, args) -> None:
+    """Refuse (exit 2, one sentence) what no trial can be made of, before anything runs."""
+    counts = {"--repeats": args.repeats, "--batch": args.batch, "--seq-len": args.seq_len,
+              "--seeds": args.seeds, "--trials": args.trials}
+    if bad := [f"{k} {v}" for k, v in counts.items() if v < 1] + \
+            ([f"--healthy {args.healthy}"] if args.healthy < 0 else []):
+        p.error(f"{bad[0]}: --repeats, --batch, --seq-len, --seeds and --trials must be at "
+                f"least 1, --healthy at least 0.")
+    if args.plot is not None:
+        if not args.plot.is_file():
+            p.error(f"--plot {args.plot} is not a file; give an earlier run's "
+                    f"abft_eval_checks.parquet.")
+        return
+    for dtype in args.dtypes.split(","):
+        try:
+            C.from_dict({"model": {"preset": args.preset, "dtype": dtype}})
+        except ConfigError as e:
+            p.error(f"--preset {args.preset} --dtypes {args.dtypes}: {e}")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    p = ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--repeats", type=int, default=3,
                    help="trials per site: this many times the bits of its values (default 3)")
     p.add_argument("--healthy", type=int, default=48, help="healthy trials per dtype")
@@ -327,13 +348,15 @@ def main(argv=None) -> int:
     p.add_argument("--plot", type=Path, default=None, metavar="CHECKS_PARQUET",
                    help="only draw the figure from an earlier run's abft_eval_checks.parquet")
     args = p.parse_args(argv)
+    check_arguments(p, args)
     if args.plot is not None:
         out = args.plot.parent / "abft_eval_ratios.png"
         plot_ratios(pd.read_parquet(args.plot), out)
         print(f"wrote {out}")
         return 0
-    if args.out.exists() and any(args.out.iterdir()):
-        print(f"abft_eval: {str(args.out)!r} is not empty; give a new --out.", file=sys.stderr)
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        print(f"abft_eval: {str(args.out)!r} is not an empty folder; give a new --out.",
+              file=sys.stderr)
         return 2
     if args.bounds:
         write_bounds(args)
@@ -350,6 +373,7 @@ def main(argv=None) -> int:
                    "detection": detection.to_dict("records"),
                    "false_alarms": alarms.to_dict("records")}, f, indent=1)
     print(text)
+    print(f"results in {args.out}")
     return 0
 
 

@@ -8,16 +8,18 @@ It should show that the threshold of eq. 6 grows as k^1.5 n against a fault's er
 tiny and small scorecards' o checks (k = n = 64, 512) flag faults the paper's (k = 4096 / tp,
 n = 4096) mostly do not, and that faults inside the attention are never flagged by o's check.
 Prints Markdown tables (docs/faults.md, section 5.4) and writes DIR/abft_paper_scale.json
-(`sdcstudy.dev.figure10_entries`, which also writes the scorecard's copy on its own).
+(`sdcstudy.dev.figure10_entries`, which also writes the scorecard's copy on its own); a DIR that
+holds abft_paper_scale.json already is refused (give a new one).
 About 11 minutes on two busy CPU cores.
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
 import time
 from pathlib import Path
 
+from sdcstudy.core.errors import ArgumentParser
 from sdcstudy.dev import figure10_entries as F
 from sdcstudy.reproduce import abft_paper_scale as A
 from sdcstudy.report.tables import fmt
@@ -71,13 +73,22 @@ def anchor_table(entries: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
-    parser.add_argument("--out", type=Path, default=Path("runs/abft_paper_scale"))
-    parser.add_argument("--products", type=int, default=2)
-    parser.add_argument("--draws", type=int, default=8)
+def main(argv=None) -> int:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser.add_argument("--out", type=Path, default=Path("runs/abft_paper_scale"),
+                        help=f"a folder without {F.FILE} (default runs/abft_paper_scale)")
+    parser.add_argument("--products", type=int, default=2, help="products per shape (default 2)")
+    parser.add_argument("--draws", type=int, default=8,
+                        help="fault draws per product at the paper's sizes (default 8)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.products < 1 or args.draws < 1:
+        parser.error(f"--products and --draws must be at least 1, not {args.products} and "
+                     f"{args.draws}.")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file, not a folder; give a folder.")
+    if (args.out / F.FILE).exists():
+        parser.error(f"--out {args.out} already holds {F.FILE}; remove it or give a new --out.")
     start = time.perf_counter()
     entries = F.entries(args.products, args.draws, args.seed)
     path = F.write(entries, args.out)
@@ -95,7 +106,8 @@ def main() -> None:
         print(f"node {row.node:2d} | {row.quantity} | {row.published} | {row.ours:.3g} | "
               f"{row.verdict} | {row.reason}")
     print(f"\n{time.perf_counter() - start:.0f} s; entries in {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

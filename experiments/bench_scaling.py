@@ -39,6 +39,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from sdcstudy.core import runfolder as RF  # noqa: E402
+from sdcstudy.core.errors import ArgumentParser  # noqa: E402
 
 BASE = {"model.n_layers": 1, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 4,
         "model.ffn_dim": 128}
@@ -204,7 +205,7 @@ def summary(table, elapsed: float, args) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    p = ArgumentParser(description=__doc__.splitlines()[2])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
@@ -212,14 +213,17 @@ def main(argv=None) -> int:
                    help=f"comma-separated axes (default {','.join(AXES)})")
     p.add_argument("--compile-threads", type=int, default=None)
     args = p.parse_args(argv)
+    if args.repeats < 1 or args.steps < 1 or (args.compile_threads or 1) < 1:
+        p.error(f"--repeats, --steps and --compile-threads must be at least 1, not "
+                f"{args.repeats}, {args.steps} and {args.compile_threads}.")
     axes = [a.strip() for a in args.axes.split(",") if a.strip()]
     unknown = [a for a in axes if a not in AXES]
     if unknown or not axes:
         print(f"bench_scaling: --axes names {unknown[0] if unknown else 'nothing'}; choose "
               f"from {', '.join(AXES)}.", file=sys.stderr)
         return 2
-    if args.out.exists() and any(args.out.iterdir()):
-        print(f"bench_scaling: {str(args.out)!r} is not empty; give a new --out.",
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        print(f"bench_scaling: {str(args.out)!r} is not an empty folder; give a new --out.",
               file=sys.stderr)
         return 2
     import pandas as pd
@@ -250,6 +254,7 @@ def main(argv=None) -> int:
     text = summary(table, elapsed, args)
     RF.atomic_write_text(args.out / "scaling.md", text)
     print(text)
+    print(f"results in {args.out}")
     return 0
 
 

@@ -20,7 +20,6 @@ keeps autodiff's x^T dy, whose bits every earlier run has.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+from sdcstudy.core.errors import ArgumentParser  # noqa: E402
 
 BITS_STEPS = 2  # steps before the parameters are compared (and the warm-up)
 
@@ -125,17 +126,19 @@ def table(rows: list[dict], preset: str, repeats: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    p = ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--preset", default="small")
     p.add_argument("--repeats", type=int, default=6, help="interleaved steps timed (default 6)")
     p.add_argument("--option", action="append", default=[], metavar="K=V[,K2=V2]",
                    help="compiler options of one contender (repeatable)")
     p.add_argument("--matmul-form", action="store_true",
                    help="also time every weight gradient in sites.matmul's form (other bits)")
-    p.add_argument("--out", type=Path, default=None, help="also write the table here")
+    p.add_argument("--out", type=Path, default=None, help="also write the table to this new file")
     args = p.parse_args(argv)
     if args.repeats < 1 or not (args.option or args.matmul_form):
         p.error("give --matmul-form or at least one --option, and --repeats of at least 1.")
+    if args.out is not None and args.out.exists():
+        p.error(f"--out {args.out} already exists; remove it or give a new file name.")
     try:
         contenders = {text: parse_options(text) for text in args.option}
     except ValueError as e:

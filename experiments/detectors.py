@@ -30,6 +30,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from sdcstudy.core import config as C  # noqa: E402
 from sdcstudy.core import runfolder as RF  # noqa: E402
+from sdcstudy.core.errors import ArgumentParser, UserError  # noqa: E402
 
 # (profile, suspect.fault_kind): zoo nodes and synthetic profiles, transient and repeatable.
 PROFILES = (("paper-node-1", "transient"), ("paper-node-1", "repeatable"),
@@ -62,7 +63,7 @@ def overhead(cfg: C.Config, repeats: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    p = ArgumentParser(description=__doc__.splitlines()[2])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--layers", type=int, default=1)
@@ -71,13 +72,20 @@ def main(argv=None) -> int:
     p.add_argument("--tables-only", action="store_true",
                    help="only redo the table and figure from the run folders already in --out")
     args = p.parse_args(argv)
+    if args.steps < 1 or args.layers < 1 or args.overhead_reps < 0:
+        p.error(f"--steps and --layers must be at least 1 and --overhead-reps at least 0, not "
+                f"{args.steps}, {args.layers} and {args.overhead_reps}.")
     from sdcstudy.detect import tables as DT
     from sdcstudy.report import tables, writer as report
 
     names = [f"{profile}-{kind}" for profile, kind in (("healthy", "profile"), *PROFILES)]
+    if args.tables_only and not any((args.out / name / RF.CONFIG).is_file() for name in names):
+        print(f"detectors: --tables-only: {str(args.out)!r} holds none of the study's run "
+              f"folders ({names[0]}, ...); give the --out of an earlier run.", file=sys.stderr)
+        return 2
     if not args.tables_only:
-        if args.out.exists() and any(args.out.iterdir()):
-            print(f"detectors: {str(args.out)!r} is not empty; give a new --out.",
+        if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+            print(f"detectors: {str(args.out)!r} is not an empty folder; give a new --out.",
                   file=sys.stderr)
             return 2
         from sdcstudy import runner
@@ -89,7 +97,14 @@ def main(argv=None) -> int:
             if args.overhead_reps:
                 RF.atomic_write_json(args.out / name / DT.OVERHEAD,
                                      overhead(cfg, args.overhead_reps))
-    runs, problems = report.load_runs([args.out / name for name in names])
+    missing = [name for name in names if not (args.out / name).is_dir()]  # --tables-only
+    try:
+        runs, problems = report.load_runs([args.out / n for n in names if n not in missing])
+    except UserError as e:
+        print(f"detectors: error: {e}", file=sys.stderr)
+        return 2
+    problems += [f"{str(args.out / name)!r} does not exist; the table leaves that run out."
+                 for name in missing]
     table = DT.benchmark_table(runs)
     text = f"# {DT.TITLE}\n\n" + tables.markdown(DT.indexed(table), DT.INDEX) + "\n"
     RF.atomic_write_text(args.out / "detectors.md", text)
@@ -99,6 +114,7 @@ def main(argv=None) -> int:
     print(text)
     for problem in problems:
         print(problem, file=sys.stderr)
+    print(f"results in {args.out}")
     return 0
 
 

@@ -13,8 +13,8 @@ record to the program; a `grad` spec adds them once per group of same-shape para
 
 from __future__ import annotations
 
-import argparse
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,8 +23,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 from jax import monitoring  # noqa: E402
 
-from sdcstudy import runner  # noqa: E402
+from sdcstudy import modes, runner  # noqa: E402
 from sdcstudy.core import config as C  # noqa: E402
+from sdcstudy.core.errors import ArgumentParser, UserError  # noqa: E402
 from sdcstudy.core import yamlsafe  # noqa: E402
 from sdcstudy.faults import inject  # noqa: E402
 
@@ -66,23 +67,42 @@ def profile_arg(profile, folder: Path) -> dict:
     return {"suspect": {"profile": str(path)}}
 
 
-def step_compile_seconds(args, profile, folder: Path, listener: StepCompiles) -> float:
-    cfg = C.from_dict({
+def step_config(args, profile: dict) -> C.Config:
+    """The one-step config whose `jit(train_step)` is timed, with `profile_arg`'s suspect."""
+    return C.from_dict({
         "experiment": {"mode": args.mode, "steps": 1, "batch_size": 8, "checkpoint_every": 0},
         "model": {"preset": "tiny", "n_layers": args.layers}, "mesh": {"tp": args.tp},
-        "data": {"seq_len": 64}, **profile_arg(profile, folder)})
+        "data": {"seq_len": 64}, **profile})
+
+
+def step_compile_seconds(args, profile, folder: Path, listener: StepCompiles) -> float:
+    cfg = step_config(args, profile_arg(profile, folder))
     before = listener.seconds
     out = folder / f"run-{len(list(folder.glob('run-*')))}"
     runner.run(cfg, out, progress=False, echo=lambda *a: None)
     return listener.seconds - before
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+def main(argv=None) -> int:
+    p = ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--mode", default="paramsync", help="paired mode (default paramsync)")
     p.add_argument("--layers", type=int, default=1, help="model.n_layers (default 1)")
     p.add_argument("--tp", type=int, default=2, help="mesh.tp (default 2)")
     args = p.parse_args(argv)
+    try:  # --mode, --layers, --tp as the config checks them, before anything compiles
+        modes.check(step_config(args, {}))
+    except UserError as e:
+        p.error(f"--mode {args.mode} --layers {args.layers} --tp {args.tp}: {e}")
+    try:
+        table(args)
+    except UserError as e:  # e.g. a --tp the model's heads cannot be split over
+        print(f"fault_compile_cost: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def table(args) -> None:
+    """Prints the table: each profile's step compile seconds (and one leaf at a time)."""
     jax.config.update("jax_enable_compilation_cache", False)
     listener = StepCompiles()
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,4 +122,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,7 +19,6 @@ bits. A weight gradient of the small model at nodes 1 and 14's rate: `--preset s
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -29,6 +28,7 @@ import jax
 
 from sdcstudy.core import config as C
 from sdcstudy.core.digest import tree_digest
+from sdcstudy.core.errors import ArgumentParser
 from sdcstudy.faults import corrupt as FC
 from sdcstudy.faults import draws as FD
 from sdcstudy.faults import specs as FS
@@ -45,20 +45,22 @@ def per_call_us(fn, *args, calls: int) -> float:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    p = ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--preset", default="tiny", help="model preset: its d_model (default tiny)")
     p.add_argument("--tokens", type=int, default=1024, help="rows of the activation (default "
                                                             "1,024: 16 sequences of 64)")
     p.add_argument("--rate", type=float, default=1e-3, help="the spec's rate (default 1e-3)")
     p.add_argument("--calls", type=int, default=300, help="timed calls each (default 300)")
     p.add_argument("--json", type=Path, help="also write the times, and whether the dense "
-                                             "rest's two ways agree, to this JSON file")
+                                             "rest's two ways agree, to this new JSON file")
     args = p.parse_args(argv)
     if args.tokens < 1 or args.calls < 1 or not 0 < args.rate <= 1:
         p.error(f"--tokens and --calls must be at least 1 and --rate in (0, 1], not "
                 f"{args.tokens}, {args.calls} and {args.rate}")
     if args.json is not None and not args.json.parent.is_dir():
         p.error(f"--json {args.json}: its folder {args.json.parent} does not exist")
+    if args.json is not None and args.json.exists():
+        p.error(f"--json {args.json} already exists; remove it or give a new file name")
     try:
         width = C.model_dims(C.from_dict({"model": {"preset": args.preset}}).model).d_model
     except C.ConfigError as e:
@@ -93,6 +95,7 @@ def main(argv=None) -> None:
             "device": jax.devices()[0].device_kind, "shape": list(shape), "rate": args.rate,
             "parts_us": times, "dense_rest_us": dict(zip(DENSE_KEYS, [times[n] for n in dense])),
             "dense_rest_same_bits": same}, indent=1))
+        print(f"wrote {args.json}")
 
 
 DENSE_KEYS = ("one_pass", "two_passes")  # the JSON's names of the dense rest's two ways

@@ -10,18 +10,22 @@ flipped bits come from integer hashes and the exact sampler (`faults/draws.py`);
 each platform rounds its own way.
 
 On a machine without a GPU both sides are the CPU, and every case agrees. Exit 1 if any case
-differs.
+differs; 3 (one sentence) if the comparison could not run, never 1.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
+import os
+import sys
+import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sdcstudy.core import errors
+from sdcstudy.core.errors import ArgumentParser
 from sdcstudy.faults import specs as FS
 from sdcstudy.faults.corrupt import corrupt_with_positions
 
@@ -59,7 +63,7 @@ def compare(name: str, rate: float, shape, dtype, devices) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("--kinds", default=",".join(SPECS),
                         help=f"comma-separated, of {', '.join(SPECS)}")
     parser.add_argument("--quick", action="store_true", help="the two smaller shapes only")
@@ -67,19 +71,29 @@ def main(argv=None) -> int:
     kinds = args.kinds.split(",")
     if unknown := sorted(set(kinds) - set(SPECS)):
         parser.error(f"unknown kind {unknown[0]!r}; choose from {', '.join(SPECS)}.")
+    try:
+        return 1 if differing(kinds, SHAPES[:2] if args.quick else SHAPES) else 0
+    except Exception as e:  # a crash is no verdict: exit 3, as `sdcstudy` ends one
+        if os.environ.get("SDCSTUDY_TRACEBACK"):
+            traceback.print_exc()
+        print(f"fault_draws_across_devices: error: {errors.unexpected(e)}", file=sys.stderr)
+        return errors.EXIT_COULD_NOT_RUN
+
+
+def differing(kinds: list[str], shapes) -> int:
+    """Prints the table of every case; returns how many differ."""
     devices = (jax.devices("cpu")[0], jax.devices()[0])
     print(f"{devices[1].device_kind} against {devices[0].device_kind}, jax {jax.__version__}")
     print("| spec | rate | shape | dtype | positions equal | elements apart | listed hits |")
     print("|---|---:|---|---|---|---:|---:|")
     apart = 0
-    shapes = SHAPES[:2] if args.quick else SHAPES
     for name, rate, shape, dtype in itertools.product(kinds, RATES, shapes, DTYPES):
         row = compare(name, rate, shape, dtype, devices)
         apart += row["elements_apart"] > 0 or not row["positions_equal"]
         print("| {spec} | {rate:g} | {shape} | {dtype} | {positions_equal} | {elements_apart} "
               "| {hits} |".format(**row), flush=True)
     print(f"cases that differ: {apart}")
-    return 1 if apart else 0
+    return apart
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ the healthy run's (TA 91.40) at step 3 when the suspect's profile has a `grad` o
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from sdcstudy.core import config as C  # noqa: E402
+from sdcstudy.core.errors import ArgumentParser  # noqa: E402
 from sdcstudy.finetune import report as FR  # noqa: E402
 from sdcstudy.report import writer as R  # noqa: E402
 from sdcstudy import runner  # noqa: E402
@@ -64,11 +64,14 @@ specs:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[1])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args(argv)
+    if args.pretrain_steps < 1 or args.steps < 1:
+        parser.error(f"--pretrain-steps and --steps must be at least 1, not "
+                     f"{args.pretrain_steps} and {args.steps}.")
     out = args.out
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         print(f"finetune_qa: --out {str(out)!r} exists and is not empty; choose a new folder.",

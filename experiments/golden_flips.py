@@ -11,22 +11,27 @@ Does the golden-run check catch every single-bit flip, and does it say where it 
    every one should FAIL (exit code 1) with the first difference at the flipped step,
    microstep, layer and site, and the flipped element inside the reported block.
 
-Results go to DIR/flips.json and a summary is printed. Each flip compiles its own program
-(the fault is part of it), about 10-20 s each on a 2-core CPU.
+Results go to DIR/flips.json (DIR new or empty; a temporary folder without --out) and a
+summary is printed. Each flip compiles its own program (the fault is part of it), about 10-20 s
+each on a 2-core CPU. Exit 0 when every check came out as it should, 1 when one did not, 3 (one
+sentence) when the study could not run, never 1.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
+
+from sdcstudy.core import errors
+from sdcstudy.core.errors import ArgumentParser
 
 SDCSTUDY = [sys.executable, "-m", "sdcstudy"]
 
@@ -68,13 +73,30 @@ def localized(flip: dict, report: dict) -> tuple[bool, str]:
     return True, f"block {block['index']} of {block['of']}"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--flips", type=int, default=50)
-    parser.add_argument("--clean", type=int, default=10)
+def main(argv=None) -> int:
+    parser = ArgumentParser(description=__doc__.splitlines()[2])
+    parser.add_argument("--flips", type=int, default=50, help="flipped checks (default 50)")
+    parser.add_argument("--clean", type=int, default=10, help="clean checks (default 10)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=None, help="a new or empty folder")
+    args = parser.parse_args(argv)
+    if args.flips < 1 or args.clean < 0:
+        parser.error(f"--flips must be at least 1 and --clean at least 0, not {args.flips} and "
+                     f"{args.clean}.")
+    if args.out is not None and args.out.exists() and \
+            (not args.out.is_dir() or any(args.out.iterdir())):
+        parser.error(f"--out {args.out} is not an empty folder; give a new --out.")
+    try:
+        return study(args)
+    except Exception as e:  # a crash is no verdict: exit 3, as `sdcstudy` ends one
+        if os.environ.get("SDCSTUDY_TRACEBACK"):
+            traceback.print_exc()
+        print(f"golden_flips: error: {errors.unexpected(e)}", file=sys.stderr)
+        return errors.EXIT_COULD_NOT_RUN
+
+
+def study(args) -> int:
+    """Records, checks and flips; writes OUT/flips.json; 0 when every check came out right."""
     out = args.out or Path(tempfile.mkdtemp(prefix="golden-flips-"))
     out.mkdir(parents=True, exist_ok=True)
     golden_dir = out / "golden"

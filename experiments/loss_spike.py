@@ -30,8 +30,9 @@ one that is not flagged (the recovery; "never" within the run).
 What it should show: no spike from node 6 as published (no fault at its four sites in a run of
 this size) nor from the ceiling (the loss read at the event's own step up, the model not), none
 from the errors in the gradient, and a spike from update errors once F is large enough,
-recovering or not by its size. Results in DIR: loss_spike.md and loss_spike.csv, the run
-folders. Two to four minutes a run on the loaded 2-core machine, most of it compiling.
+recovering or not by its size. Results in DIR (a new or empty folder): loss_spike.md and
+loss_spike.csv, the run folders. Two to four minutes a run on the loaded 2-core machine, most of
+it compiling.
 
 Measured (defaults, 2026-11-29, docs/results/faults.md "Loss spikes"): node 6 as published, a
 largest loss gap of 8e-5 nats; the ceiling 0.58 nats at its own step (flagged), 0.011 the next
@@ -43,7 +44,6 @@ still 3.8 up at step 60.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -55,6 +55,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from sdcstudy import runner  # noqa: E402
 from sdcstudy.core import config as C  # noqa: E402
+from sdcstudy.core.errors import ArgumentParser  # noqa: E402
 from sdcstudy.core import metrics as MX  # noqa: E402
 from sdcstudy.core import runfolder as RF  # noqa: E402
 from sdcstudy.core import yamlsafe  # noqa: E402
@@ -148,8 +149,8 @@ def steps_text(steps: list[int]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
-    parser.add_argument("--out", required=True, type=Path)
+    parser = ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser.add_argument("--out", required=True, type=Path, help="a new or empty folder")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--at", type=int, default=40, help="the step of the corrupting event")
     parser.add_argument("--only", nargs="*", help="run only these cases (names as listed)")
@@ -165,6 +166,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     out = args.out
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"loss_spike: --out {str(out)!r} is not an empty folder; give a new --out.",
+              file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     results, start = {}, time.perf_counter()
     for name, profile in runs.items():
@@ -188,7 +193,7 @@ def main(argv=None) -> int:
             name + "," + ",".join(str(v).replace(",", ";") for v in r.values())
             for name, r in results.items()) + "\n")
     print(text)
-    print(f"{time.perf_counter() - start:.0f} s in all")
+    print(f"{time.perf_counter() - start:.0f} s in all; results in {out}")
     return 0
 
 

@@ -38,8 +38,8 @@ def methods(sigma2: float) -> dict[str, list[str]]:
     return out
 
 
-def main() -> int:
-    args = PC.parse(__doc__, steps=150)
+def main(argv=None) -> int:
+    args = PC.parse(__doc__, steps=150, argv=argv)
     args.overrides = PC.OPTIM + args.overrides
     from sdcstudy.paft import report as R
 

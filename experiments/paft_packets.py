@@ -30,8 +30,8 @@ MODES = ("renormalized", "zero", "stale")
 OWNER = "renormalized, by the owner"
 
 
-def main() -> int:
-    args = PC.parse(__doc__, steps=150)
+def main(argv=None) -> int:
+    args = PC.parse(__doc__, steps=150, argv=argv)
     args.overrides = PC.OPTIM + args.overrides
     from sdcstudy.paft import report as R
 

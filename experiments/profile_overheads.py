@@ -19,7 +19,6 @@ The time itself is `sdcstudy bench`'s to measure; this says what the extra time 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
@@ -29,6 +28,8 @@ from collections import Counter
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+from sdcstudy.core.errors import ArgumentParser  # noqa: E402
 
 # Opcodes in the optimized HLO that each stand for a kind of work.
 KINDS = {"fusion": ("fusion",), "copy/transpose": ("copy", "transpose"),
@@ -312,7 +313,7 @@ def barrier_table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    p = ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--rows", default=",".join(ROWS), help="goals to profile (default: all)")
     p.add_argument("--matmuls", action="store_true",
@@ -321,12 +322,14 @@ def main(argv=None) -> int:
     p.add_argument("--barriers", action="store_true",
                    help="also time a lock-step tap on two simulated nodes, with and without "
                         "matmuls between taps (the paired row)")
-    p.add_argument("--out", type=Path, default=None, help="also write the table here")
+    p.add_argument("--out", type=Path, default=None, help="also write the table to this new file")
     args = p.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:
         p.error(f"--rows: {unknown[0]!r} is not one of {', '.join(ROWS)}.")
+    if args.out is not None and args.out.exists():
+        p.error(f"--out {args.out} already exists; remove it or give a new file name.")
     from sdcstudy.core.errors import UserError
 
     try:

@@ -18,7 +18,6 @@ whichever operation first touches a fresh page; the untraced counts say how many
 
 from __future__ import annotations
 
-import argparse
 import glob
 import math
 import os
@@ -31,6 +30,8 @@ from collections import defaultdict
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+from sdcstudy.core.errors import ArgumentParser  # noqa: E402
 
 # `%name = TYPE opcode(rest`, TYPE a shape or a tuple of shapes.
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\([^()]*\)|[^\s(]+)\s+"
@@ -280,16 +281,18 @@ def report(result: dict, top: int = 15) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    p = ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--preset", default="small")
     p.add_argument("--steps", type=int, default=3, help="timed and traced steps (default 3)")
     p.add_argument("--top", type=int, default=15, help="rows of the detailed tables")
     p.add_argument("--torch", action="store_true",
                    help="also profile the transformers + torch step of `sdcstudy bench train`")
-    p.add_argument("--out", type=Path, default=None, help="also write the tables here")
+    p.add_argument("--out", type=Path, default=None, help="also write the tables to this new file")
     args = p.parse_args(argv)
     if args.steps < 1 or args.top < 1:
         p.error("--steps and --top must be at least 1.")
+    if args.out is not None and args.out.exists():
+        p.error(f"--out {args.out} already exists; remove it or give a new file name.")
     from sdcstudy.bench.study import emit
     from sdcstudy.core.errors import UserError
 

@@ -15,12 +15,13 @@ minutes on 2 idle CPU cores (medium's steps take most of it).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+from sdcstudy.core.errors import ArgumentParser  # noqa: E402
 
 STEPS = {"tiny": 10, "small": 10, "medium": 6}  # medium's steps are ~30x tiny's
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -34,10 +35,11 @@ def run_one(out: Path, preset: str, node: int) -> dict:
     folder = out / f"{preset}-node{node}"
     if (folder / RF.SUMMARY).is_file():
         return RF.json_load(folder / RF.SUMMARY)
+    resume = (folder / RF.CONFIG).is_file()  # a run the study was interrupted in continues
     cfg = C.load(CONFIG, [f"model.preset={preset}", "experiment.mode=paramsync",
                           f"suspect.profile=paper-node-{node}", "experiment.batch_size=4",
                           f"experiment.steps={STEPS[preset]}", "optim.warmup_steps=2"])
-    return runner.run(cfg, folder, progress=False, echo=lambda *a: None)
+    return runner.run(cfg, folder, resume=resume, progress=False, echo=lambda *a: None)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -62,8 +64,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
-    parser.add_argument("--out", type=Path, required=True)
+    parser = ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser.add_argument("--out", type=Path, required=True,
+                        help="a folder; the runs it holds already are kept and reused")
     parser.add_argument("--nodes", default="1,11")
     parser.add_argument("--presets", default="tiny,small,medium")
     args = parser.parse_args(argv)
@@ -79,6 +82,10 @@ def main(argv=None) -> int:
                             f"{', '.join(STEPS)}.")
     except (ValueError, UserError) as e:
         print(f"wcnts_scaling: error: {e}", file=sys.stderr)
+        return 2
+    if args.out.exists() and not args.out.is_dir():
+        print(f"wcnts_scaling: error: --out {str(args.out)!r} is a file, not a folder; give a "
+              f"folder.", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -103,6 +110,7 @@ def main(argv=None) -> int:
     RF.atomic_write_json(args.out / "wcnts_scaling.json", rows)
     plot(rows, args.out / "wcnts_scaling.png")
     print("\n".join(lines))
+    print(f"results in {args.out}")
     return 0
 
 

@@ -194,3 +194,113 @@ def test_fault_draw_cost_refuses_bad_arguments_in_one_sentence(argv, says, capsy
     with pytest.raises(SystemExit) as stop:
         study.main(argv)
     assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
+# --- each study refuses bad input in one sentence, before any JAX work -------------------------
+
+
+def load_study(name: str):
+    """The study experiments/NAME.py as a module (its `main` is called in-process)."""
+    spec = importlib.util.spec_from_file_location(f"study_{name}", EXPERIMENTS / f"{name}.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    return study
+
+
+def study_exit(name: str, argv: list[str]) -> int:
+    """The exit code of `main(argv)`, whether returned or raised."""
+    try:
+        return load_study(name).main(argv)
+    except SystemExit as stop:
+        return stop.code
+
+
+@pytest.fixture
+def folders(tmp_path):
+    """{tmp}: `file.txt` (a file), `full/` (a folder holding the files studies write), `nothing`
+    (absent)."""
+    (tmp_path / "file.txt").write_text("not a folder\n")
+    full = tmp_path / "full"
+    full.mkdir()
+    for name in ("paramsync.yaml", "fault_models.md", "abft_paper_scale.json", "old.txt"):
+        (full / name).write_text("a previous result\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("study, argv, says", [
+    ("flip_model_compare", ["table", "{tmp}/file.txt"], "file.txt' is not a run folder"),
+    ("flip_model_compare", ["profiles", "{tmp}/full"], "paramsync.yaml' already exists"),
+    ("flip_model_compare", ["profiles", "{tmp}/file.txt"], "is a file, not a folder"),
+    ("flip_model_compare", [], "required: command"),
+    ("exposure_spread", ["{tmp}/full"], "give two or more reproduce folders"),
+    ("exposure_spread", ["{tmp}/full", "{tmp}/nothing"], "nothing' is not a folder"),
+    ("exposure_spread", ["{tmp}/full", "{tmp}/full"], "no lock-step run"),
+    ("compare_fault_models", ["{tmp}/nothing", "{tmp}/nothing"], "nothing' does not exist"),
+    ("compare_fault_models", ["{tmp}/file.txt", "{tmp}/file.txt"], "is not a scorecard"),
+    ("compare_fault_models", ["a", "b", "--out", "{tmp}/full"],
+     "already holds fault_models.md; pass --replace"),
+    ("fault_draw_cost", ["--json", "{tmp}/file.txt"], "file.txt already exists"),
+    ("abft_eval", ["--repeats", "0", "--out", "{tmp}/new"], "must be at least 1"),
+    ("abft_eval", ["--dtypes", "float8", "--out", "{tmp}/new"], "model.dtype must be one of"),
+    ("abft_eval", ["--plot", "{tmp}/nothing"], "nothing is not a file"),
+    ("abft_eval", ["--out", "{tmp}/file.txt"], "is not an empty folder"),
+    ("abft_paper_scale", ["--products", "0", "--out", "{tmp}/new"], "must be at least 1"),
+    ("abft_paper_scale", ["--out", "{tmp}/full"], "already holds abft_paper_scale.json"),
+    ("bench_scaling", ["--out", "{tmp}/new", "--repeats", "0"], "must be at least 1"),
+    ("bench_scaling", ["--out", "{tmp}/file.txt"], "is not an empty folder"),
+    ("compiler_options", ["--matmul-form", "--out", "{tmp}/file.txt"], "already exists"),
+    ("profile_overheads", ["--out", "{tmp}/file.txt"], "already exists"),
+    ("profile_step", ["--out", "{tmp}/file.txt"], "already exists"),
+    ("detectors", ["--out", "{tmp}/new", "--steps", "0"], "must be at least 1"),
+    ("detectors", ["--out", "{tmp}/full", "--tables-only"], "holds none of the study's run"),
+    ("detectors", ["--out", "{tmp}/file.txt"], "is not an empty folder"),
+    ("fault_compile_cost", ["--mode", "nope"], "experiment.mode 'nope' is not one of"),
+    ("fault_compile_cost", ["--layers", "0"], "model.n_layers must be at least 1"),
+    ("finetune_qa", ["--out", "{tmp}/new", "--steps", "0"], "must be at least 1"),
+    ("golden_flips", ["--flips", "0", "--out", "{tmp}/new"], "--flips must be at least 1"),
+    ("golden_flips", ["--out", "{tmp}/full"], "is not an empty folder"),
+    ("loss_spike", ["--out", "{tmp}/full"], "is not an empty folder"),
+    ("wcnts_scaling", ["--out", "{tmp}/file.txt"], "is a file, not a folder"),
+    ("paft_noise", ["--out", "{tmp}/full"], "already holds files"),
+    ("paft_noise", ["--out", "{tmp}/new", "--steps", "0"], "--steps must be at least 1"),
+    ("paft_packets", ["--out", "{tmp}/file.txt"], "is a file; give a new or empty folder"),
+])
+def test_studies_refuse_bad_arguments_in_one_sentence(study, argv, says, folders, capsys):
+    # Bad input (a path that is not what the study reads, an --out that holds a result, a number
+    # no run can take): exit 2 and one line, before any JAX work; nothing written.
+    before = sorted(p.relative_to(folders) for p in folders.rglob("*"))
+    code = study_exit(study, [a.replace("{tmp}", str(folders)) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and says in err and "\n" not in err, (code, err)
+    assert sorted(p.relative_to(folders) for p in folders.rglob("*")) == before
+
+
+def test_a_crashed_comparison_across_devices_is_no_verdict(monkeypatch, capsys):
+    # Exit 1 says the devices differ: a crash ends with 3 and one sentence instead.
+    study = load_study("fault_draws_across_devices")
+
+    def crash(*args):
+        raise RuntimeError("the device went away")
+
+    monkeypatch.setattr(study, "compare", crash)
+    assert study.main(["--kinds", "count", "--quick"]) == 3
+    assert "could not run: RuntimeError: the device went away" in capsys.readouterr().err
+
+
+def test_wcnts_scaling_continues_a_run_it_was_interrupted_in(tmp_path, monkeypatch):
+    # "An interrupted study continues where it stopped": a run folder with its config and no
+    # summary is resumed (runner.run refuses a non-empty folder without resume); a new one not.
+    from sdcstudy import runner
+
+    study, asked = load_study("wcnts_scaling"), {}
+
+    def run(cfg, folder, resume=False, **kwargs):
+        asked[folder.name] = resume
+        return {}
+
+    monkeypatch.setattr(runner, "run", run)
+    (tmp_path / "tiny-node1").mkdir()
+    (tmp_path / "tiny-node1" / "config.yaml").write_text("experiment: {}\n")
+    study.run_one(tmp_path, "tiny", 1)
+    study.run_one(tmp_path, "tiny", 11)
+    assert asked == {"tiny-node1": True, "tiny-node11": False}

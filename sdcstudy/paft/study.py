@@ -13,8 +13,9 @@ JAX is imported inside the functions: a study sets XLA_FLAGS (8 simulated CPU de
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
+
+from sdcstudy.core.errors import ArgumentParser
 
 # The tiny Llama with one decoder layer, M = 4 workers, the synthetic corpus (the project's
 # learning-rate schedule: warm-up then cosine).
@@ -30,7 +31,7 @@ def parse(doc: str, steps: int, argv=None) -> argparse.Namespace:
     """A study's arguments (--out, --steps, --set, --resume); --out is created, and refused
     when it holds files unless --resume. `doc`: the study's docstring, its command first, then
     a blank line and the question it answers (the description)."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[1].splitlines()[0])
+    p = ArgumentParser(description=doc.split("\n\n")[1].splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="a new or empty folder")
     p.add_argument("--steps", type=int, default=steps, help=f"steps per run (default {steps})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -38,9 +39,13 @@ def parse(doc: str, steps: int, argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted study in --out: finished runs are kept")
     args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps must be at least 1, not {args.steps}.")
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {str(args.out)!r} is a file; give a new or empty folder.")
     if args.out.exists() and any(args.out.iterdir()) and not args.resume:
-        sys.exit(f"--out {str(args.out)!r} already holds files; choose a new folder "
-                 f"(or --resume an interrupted study).")
+        p.error(f"--out {str(args.out)!r} already holds files; choose a new folder "
+                f"(or --resume an interrupted study).")
     args.out.mkdir(parents=True, exist_ok=True)
     return args
 
