@@ -283,6 +283,53 @@ def test_final_sha256_is_checked_even_when_every_digest_agrees(golden_dir, tmp_p
     assert report["repetitions"][0]["steps_compared"] == report["golden"]["steps"]
 
 
+def test_a_difference_in_the_optimizer_state_alone_fails(golden_dir, monkeypatch):
+    # A flipped bit of Adam's second moment in the final state changes no step's digest and no
+    # parameter; a PASS would call the node bitwise equal to the record while it is not. The
+    # check must FAIL at the last step, naming the tensor.
+    from sdcstudy.golden import workload as GW
+
+    meta = json.loads((golden_dir / GR.META).read_text())
+    (nu,) = [k for k in meta["final_state_sha256"] if k.endswith("/nu/head")]
+    clean = GW.Workload.run
+
+    def flip_nu(path, leaf):
+        if GW.path_name(path) != nu.removeprefix("opt_state/"):
+            return leaf
+        bits = jax.lax.bitcast_convert_type(leaf, jnp.uint32)
+        return jax.lax.bitcast_convert_type(bits.at[0, 0].set(bits[0, 0] ^ 1), jnp.float32)
+
+    def run(self):
+        for step, out, state in clean(self):
+            if step == self.steps:
+                state = {**state, "opt_state": jax.tree_util.tree_map_with_path(
+                    flip_nu, state["opt_state"])}
+            yield step, out, state
+
+    monkeypatch.setattr(GW.Workload, "run", run)
+    report = G.check(golden_dir, device_index=1)
+    assert report["verdict"] == "FAIL", report["reason"]
+    first = report["first_difference"]
+    assert (first["step"], first["kind"], first["differing_tensors"]) == (
+        meta["steps"], "optimizer state", [nu])
+    assert "optimizer state" in report["reason"]
+
+
+def test_a_record_without_the_optimizer_states_sha_says_what_its_pass_compared(golden_dir,
+                                                                               tmp_path):
+    # A record made before it held the optimizer state's SHA-256 is still checked, and its
+    # PASS must not claim the whole state equal.
+    target = _copy(golden_dir, tmp_path)
+    meta = json.loads((target / GR.META).read_text())
+    del meta["final_state_sha256"]
+    (target / GR.META).write_text(json.dumps(meta))
+    GR.write_manifest(target)
+    report = G.check(target, device_index=1)
+    assert report["verdict"] == "PASS", report["reason"]
+    assert "no SHA-256 of the optimizer state" in report["reason"]
+    assert report["repetitions"][0]["state_compared"] is False
+
+
 @pytest.mark.parametrize("flip", _sample_flips(DEFAULT_LAYOUT, N_FLIPS), ids=_flip_text)
 def test_single_bit_flip_fails_where_it_landed(golden_dir, flip):
     # One flipped bit anywhere in the model, forward or backward, must FAIL, and the first
@@ -423,6 +470,12 @@ def _drop_param(folder):
     (folder / GR.META).write_text(json.dumps(meta))
 
 
+def _empty_state_sha(folder):
+    meta = json.loads((folder / GR.META).read_text())
+    meta["final_state_sha256"] = {}  # present but empty would compare nothing
+    (folder / GR.META).write_text(json.dumps(meta))
+
+
 @pytest.mark.parametrize("change, words", [
     (lambda d: _with_member(d, "junk.npy", _npy(np.zeros(16 << 20, np.uint32))),
      "1 not expected, first ['junk']"),
@@ -431,7 +484,8 @@ def _drop_param(folder):
     (lambda d: _with_member(d, *_lying_member("grad_norm", (6,))), "grad_norm is cut short"),
     (lambda d: _config_steps(d, 5), "6 steps of 2 microsteps, the config says 5 of 2"),
     (_drop_param, "106816"),
-], ids=["extra-member", "lying-header", "cut-member", "steps", "parameters"])
+    (_empty_state_sha, "the final optimizer state's SHA-256 are not SHA-256 digests"),
+], ids=["extra-member", "lying-header", "cut-member", "steps", "parameters", "state-sha"])
 def test_a_record_inconsistent_with_its_config_is_refused_before_running(
         golden_dir, tmp_path, capsys, change, words):
     # Sealed again (so the manifest agrees), each record describes other arrays than its

@@ -103,6 +103,30 @@ def test_a_strict_majority_is_the_reference(digests, majority, groups):
     assert GV.vote(digests) == (majority, groups)
 
 
+def test_a_device_whose_optimizer_state_alone_differs_is_outvoted():
+    """A flipped bit of Adam's second moment at the end changes no step digest and no
+    parameter: the vote must still see it (each device's final state is in its fingerprint),
+    and the outvoted device's reason must say that its optimizer state differs."""
+    import numpy as np
+
+    def work(flip: bool):
+        nu = np.ones(4, np.float32)
+        if flip:
+            nu.view(np.uint32)[0] ^= np.uint32(1)
+        state = {"params": {"w": np.zeros(4, np.float32)}, "step": np.int32(1),
+                 "opt_state": {"mu": np.zeros(4, np.float32), "nu": nu}}
+        out = {"params": {"w": np.zeros((1, 2), np.uint32)}, "loss": np.uint32(7)}
+        return SimpleNamespace(steps=1, run=lambda: iter([(0, out, state), (1, out, state)]))
+
+    runs = []
+    for device, flip in enumerate((False, True, False)):
+        outs, final = GV._run(work(flip))
+        runs.append({"device": device, "final": final, "digest": GV._fingerprint(outs, final)})
+    majority, groups = GV.vote([run["digest"] for run in runs])
+    assert (majority, groups) == ([0, 2], [[0, 2], [1]])
+    assert GV._final_difference(runs[1], runs[0]) == "optimizer state"
+
+
 def test_the_node_fails_if_any_device_fails():
     assert GV.node_verdict(["PASS", "INCONCLUSIVE", "FAIL"]) == "FAIL"
     assert GV.node_verdict(["PASS", "INCONCLUSIVE"]) == "INCONCLUSIVE"

@@ -11,7 +11,10 @@ parameters. What the first difference reports:
   blocks differ; expected values of activations are not stored (that would take 12 MB per
   step for tiny).
 A repetition whose digests all agree also compares SHA-256 of its final parameters with the
-record's, a cryptographic end-to-end check at the cost of one copy to the host.
+record's, a cryptographic end-to-end check at the cost of one copy to the host, and SHA-256 of
+the rest of its final state (the optimizer's state and the step count, `final_state_sha256`),
+which no step digest covers: a bit of Adam's moments can leave every parameter's bits as they
+were. A record made before it held these is compared without them, and its PASS says so.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from sdcstudy.faults import specs as FS
 from sdcstudy.core.digest import tensor_digests
 from sdcstudy.golden.digest import block_range, n_blocks
 from sdcstudy.golden.sizing import CHUNK_WORDS
-from sdcstudy.golden.record import ARRAYS, GoldenError, _bar
+from sdcstudy.golden.record import ARRAYS, GoldenError, _bar, final_state_sha256
 from sdcstudy.golden.report import EXIT_CODES, FAIL, INCONCLUSIVE, PASS  # noqa: F401
 from sdcstudy.golden.workload import Workload, _bits, _param_leaves
 
@@ -149,6 +152,11 @@ def step_differences(step: int, out: dict, arrays: dict, meta: dict) -> list[dic
     return found
 
 
+def _differing(observed: dict, golden: dict) -> list[str]:
+    """The tensors whose SHA-256 differ (or that only one side has), sorted."""
+    return sorted(p for p in observed.keys() | golden.keys() if observed.get(p) != golden.get(p))
+
+
 def _site_name(direction: str, site: str) -> str:
     for alias, (d, s) in FS.SITE_ALIASES.items():
         if (d, s) == (direction, site):
@@ -263,16 +271,22 @@ def run_once(work: Workload, meta: dict, arrays: dict, progress: bool = False) -
             bar.update(int(step > 0))
         else:
             final = tensor_digests(jax.device_get(state["params"]))
+            golden_state = meta.get("final_state_sha256")
+            result["state_compared"] = golden_state is not None
+            wrong_state = [] if golden_state is None else _differing(
+                final_state_sha256(state), golden_state)
             if result["steps_compared"] != work.steps:
                 result["reason"] = (f"only {result['steps_compared']} of {work.steps} steps "
                                     f"were compared.")
             elif final != meta["final_param_sha256"]:
-                golden = meta["final_param_sha256"]
-                wrong = sorted(p for p in final.keys() | golden.keys()
-                               if final.get(p) != golden.get(p))
+                wrong = _differing(final, meta["final_param_sha256"])
                 result.update(verdict=FAIL, first_difference={
                     "step": work.steps, "kind": "parameter", "tensor": wrong[0], "exact": False,
                     "sha256_only": True, "differing_tensors": wrong})
+            elif wrong_state:
+                result.update(verdict=FAIL, first_difference={
+                    "step": work.steps, "kind": "optimizer state", "tensor": wrong_state[0],
+                    "exact": False, "sha256_only": True, "differing_tensors": wrong_state})
             else:
                 result["verdict"] = PASS
     finally:

@@ -209,6 +209,10 @@ def _params(meta: dict, dims, golden_dir: Path) -> dict[str, tuple]:
     final = meta.get("final_param_sha256")
     if not isinstance(final, dict) or set(final) != set(shapes):
         raise _bad(golden_dir, "the final parameters' SHA-256 do not name every tensor")
+    state = meta.get("final_state_sha256")  # absent from older records
+    if "final_state_sha256" in meta and (not isinstance(state, dict) or not state or not all(
+            isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) for v in state.values())):
+        raise _bad(golden_dir, "the final optimizer state's SHA-256 are not SHA-256 digests")
     return shapes
 
 

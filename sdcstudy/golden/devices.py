@@ -9,8 +9,9 @@ are its own, counted while other devices ran beside it, so they add up to more t
 command's wall time.
 
 `quorum` is for new hardware with no trusted node: the same workload runs on every local
-device (at least 3) and the devices vote. Devices whose digests agree in every step form a
-group; a group holding a strict majority is the reference, and each device outside it FAILs
+device (at least 3) and the devices vote. Devices whose digests agree in every step and whose
+final state has the same SHA-256 (parameters, optimizer state, step count) form a group; a
+group holding a strict majority is the reference, and each device outside it FAILs
 with its first differing step, microstep, layer and site, found in program order exactly as
 `golden check` finds it against a record. Without a strict majority no device can be trusted:
 every device is INCONCLUSIVE.
@@ -39,7 +40,7 @@ from sdcstudy.golden.check import _check_flip, check
 from sdcstudy.golden.contents import Golden, open_record
 from sdcstudy.golden.manifest import GoldenError
 from sdcstudy.golden.compare import FAIL, INCONCLUSIVE, PASS, describe, step_differences
-from sdcstudy.golden.record import load_tokens, store_digests
+from sdcstudy.golden.record import final_state_sha256, load_tokens, store_digests
 from sdcstudy.golden.report import (  # noqa: F401  (the node's report, importable here)
     _sentence, node_junit_xml as junit_xml, node_report, node_table as table, node_verdict)
 from sdcstudy.golden.workload import (
@@ -160,12 +161,16 @@ def in_threads(fn, n: int, workers: int | None) -> list:
 
 
 def _run(work) -> tuple[list[dict], dict]:
-    """Every step's digests (step 0: the initial parameters) and the final parameters' SHA-256."""
+    """Every step's digests (step 0: the initial parameters) and SHA-256 of the final state:
+    its parameters ("params/...") and the rest, the optimizer's state and the step count
+    (`record.final_state_sha256`)."""
     outs, final = [], None
     for step, out, state in work.run():
         outs.append({k: v for k, v in out.items() if k != "faults"})
         if step == work.steps:
-            final = tensor_digests(jax.device_get(state["params"]))
+            final = {**{f"params/{k}": v for k, v in
+                        tensor_digests(jax.device_get(state["params"])).items()},
+                     **final_state_sha256(state)}
     return outs, final
 
 
@@ -226,6 +231,7 @@ def quorum(cfg: Config, *, inject: str | None = None, inject_device: int | None 
         printer.done(index, f"  device {index}: ran {work.steps} steps ({seconds:.1f} s)")
         return {"device": index, "kind": device_info(devices[index], index)["kind"],
                 "injected": text, "outs": outs, "digest": _fingerprint(outs, final),
+                "final": final,
                 "seconds": seconds, "work": work}
 
     with ticking("golden quorum", enabled=progress, total=len(devices), unit="devices") as line:
@@ -251,14 +257,25 @@ def quorum(cfg: Config, *, inject: str | None = None, inject_device: int | None 
     for run in runs:
         if run["device"] in majority:
             rows.append(_row(run, PASS, f"agrees with {len(majority)} of {len(runs)} devices "
-                                        f"in every digest of {work.steps} steps."))
+                                        f"in every digest of {work.steps} steps and in its "
+                                        f"final state."))
             continue
         first = first_difference(run["outs"], arrays, meta)
         reason = (_sentence(first) if first is not None else
-                  "the final parameters' SHA-256 differs from the majority's")
+                  f"SHA-256 of the final {_final_difference(run, runs[majority[0]])} differs "
+                  f"from the majority's although every digest agreed")
         rows.append(_row(run, FAIL, reason, first))
     return node_report("quorum", rows, started, groups=groups,
                    reference=majority[0], workers=_workers(workers, len(runs)))
+
+
+def _final_difference(run: dict, reference: dict) -> str:
+    """What of the final state differs from the reference's: "parameters", "optimizer state"
+    (the rest of the state), or both."""
+    a, b = run["final"], reference["final"]
+    wrong = {"parameters" if k.startswith("params/") else "optimizer state"
+             for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+    return " and ".join(sorted(wrong, reverse=True)) or "state"
 
 
 def _row(run: dict, verdict: str, reason: str, first: dict | None = None) -> dict:

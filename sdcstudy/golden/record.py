@@ -8,8 +8,10 @@ tiny model by default) and keeps, for every optimizer step k (counted from 1):
   (`bwd/<site>`), per microstep and layer (`core/sites.py` names them);
 plus the input tokens (so a check needs no dataset), the full parameter values of every step
 when they fit in `FULL_PARAMS_BUDGET` bytes (otherwise of the last step only), SHA-256 of
-every final parameter tensor, the config, the environment fingerprint and a manifest.
-The final parameters also get SHA-256 on the host (the `param_digest` of run folders).
+every final parameter tensor and of the rest of the final training state (the optimizer's
+state, Adam's moments, and the step count: `final_state_sha256`), the config, the environment
+fingerprint and a manifest. The final parameters also get SHA-256 on the host (the
+`param_digest` of run folders).
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def _record(cfg: Config | None, out_dir: Path, device_index: int, progress: bool
     param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(work.initial["params"]))
     full_steps = full_param_steps(param_bytes, steps)
     with telemetry.Watch(device.platform, device_index) as watch:
-        losses, final = _run(work, arrays, full_steps, progress)
+        losses, final, final_state = _run(work, arrays, full_steps, progress)
     leaves = _param_leaves(work.initial["params"])
     meta = {
         "format": FORMAT,
@@ -105,6 +107,7 @@ def _record(cfg: Config | None, out_dir: Path, device_index: int, progress: bool
         "params": {p: {"shape": list(v.shape), "dtype": str(v.dtype)} for p, v in leaves.items()},
         "full_param_steps": full_steps,
         "final_param_sha256": tensor_digests(final),
+        "final_state_sha256": final_state,
         "param_digest": tree_digest(final),
         "loss": losses,
         "compile_s": work.compile_s,
@@ -146,11 +149,19 @@ def _record(cfg: Config | None, out_dir: Path, device_index: int, progress: bool
     return meta
 
 
-def _run(work, arrays: dict, full_steps: list[int], progress: bool) -> tuple[list, dict]:
+def final_state_sha256(state) -> dict:
+    """SHA-256 of every tensor of a final training state other than the parameters (which
+    the step digests and `final_param_sha256` cover): the optimizer's state and the step
+    count. A bit of Adam's moments may change no parameter's bits by the end of the run."""
+    return tensor_digests(jax.device_get({"opt_state": state["opt_state"],
+                                          "step": state["step"]}))
+
+
+def _run(work, arrays: dict, full_steps: list[int], progress: bool) -> tuple[list, dict, dict]:
     """Run the workload once, storing its digests and full parameters into `arrays`; (the
-    losses, the final parameters)."""
+    losses, the final parameters, `final_state_sha256` of the final state)."""
     steps = work.steps
-    losses, final = [], None
+    losses, final, final_state = [], None, None
     bar = _bar(progress, steps, "golden record")
     for step, out, state in work.run():
         store_digests(arrays, step, out, steps)
@@ -167,10 +178,10 @@ def _run(work, arrays: dict, full_steps: list[int], progress: bool) -> tuple[lis
                 if step in full_steps:
                     arrays[f"full/{step}/{path}"] = _bits(leaf)
             if step == steps:
-                final = params
+                final, final_state = params, final_state_sha256(state)
         bar.update(1)
     bar.close()
-    return losses, final
+    return losses, final, final_state
 
 
 def store_digests(arrays: dict, step: int, out: dict, steps: int) -> None:

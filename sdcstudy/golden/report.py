@@ -61,6 +61,10 @@ def _sentence(d: dict) -> str:
         return (f"{where}: the {d['unit']} float32 product differs first in block {b['index']} "
                 f"of {b['of']} (elements {b['flat_start']}-{b['flat_stop'] - 1} of shape "
                 f"{tuple(d['shape'])}), {d['differing_blocks']} block(s) differ")
+    if d["kind"] == "optimizer state":
+        return (f"{where}: SHA-256 of the final optimizer state "
+                f"{', '.join(d['differing_tensors'])} differs from the record's although the "
+                f"parameters agreed")
     if d["kind"] == "parameter":
         if d.get("sha256_only"):
             return (f"{where}: SHA-256 of the final parameters {', '.join(d['differing_tensors'])} "
