@@ -28,6 +28,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from bitwise import bits
 from sdcstudy import cli, runner
 from sdcstudy.core import checkpoint
 from sdcstudy.core import runfolder as RF
@@ -131,10 +132,11 @@ def _view(run_dir: Path) -> dict:
 
 
 def _assert_same(a: dict, b: dict) -> None:
-    assert a["summary"] == b["summary"]
-    assert a["metrics"] == b["metrics"]
+    assert bits(a["summary"]) == bits(b["summary"])
+    assert bits(a["metrics"]) == bits(b["metrics"])
     for name in (RF.FAULTS, RF.MISMATCH):
         pd.testing.assert_frame_equal(a[name], b[name], check_exact=True)
+        assert bits(a[name]) == bits(b[name])
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 
+from bitwise import bits
 from sdcstudy import cli, runner
 from sdcstudy.core import config as C
 from sdcstudy.core import runfolder as RF
@@ -31,7 +32,7 @@ def _cfg(corpus, cache):
 def _view(run_dir):
     rows = [{k: v for k, v in r.items() if not k.startswith("time/")}
             for r in RF.read_jsonl(run_dir / RF.METRICS)]
-    return rows, RF.json_load(run_dir / RF.SUMMARY)["param_digest"]
+    return bits(rows), RF.json_load(run_dir / RF.SUMMARY)["param_digest"]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bitwise import bits
 from sdcstudy import cli
 from sdcstudy.core import config as C
 from sdcstudy.core import runfolder as RF
@@ -28,7 +29,7 @@ def _view(run_dir):
     """Everything of a run that must be bitwise reproducible (wall-clock times excluded)."""
     rows = [{k: v for k, v in r.items() if not k.startswith("time/")}
             for r in RF.read_jsonl(run_dir / RF.METRICS)]
-    return rows, RF.json_load(run_dir / RF.SUMMARY)["param_digest"]
+    return bits(rows), RF.json_load(run_dir / RF.SUMMARY)["param_digest"]
 
 
 @pytest.fixture(scope="module")
