@@ -50,37 +50,16 @@ def _run(config_path: Path, out: Path) -> subprocess.CompletedProcess:
                           errors="replace", env=_uncached_env())
 
 
-def final_state(run_dir: Path) -> dict:
-    """Every array of the run's last checkpoint, the whole training state (parameters, optimizer
-    state, step), as numpy arrays keyed by path (`digest.path_name`), read as stored."""
-    import logging
-
-    import jax
-    import orbax.checkpoint as ocp
-
-    from sdcstudy.core.checkpoint import saved_steps
-    from sdcstudy.core.digest import path_name
-
-    steps = saved_steps(run_dir / RF.CHECKPOINTS)
-    if not steps:
-        raise FileNotFoundError(f"no checkpoint in {str(run_dir / RF.CHECKPOINTS)!r}")
-    where = (run_dir / RF.CHECKPOINTS / str(steps[-1]) / "state").absolute()  # orbax wants it
-    absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)  # orbax warns that a step's item has no step metadata
-    try:
-        with ocp.StandardCheckpointer() as reader:
-            like = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype),
-                                reader.metadata(where).item_metadata)
-            state = reader.restore(where, like)
-    finally:
-        absl.setLevel(level)
-    return {path_name(path): np.asarray(leaf)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
-
-
 def deterministic_view(run_dir: Path) -> dict:
     """What must be bitwise equal between two runs of one config: no wall-clock times."""
+    import jax
+
+    from sdcstudy.core.checkpoint import final_state  # imports jax and orbax: only here
+
+    # Reading a checkpoint starts a JAX backend in this process: the CPU's, never the
+    # accelerator the runs used (its client would hold most of the device's memory).
+    jax.config.update("jax_platforms", "cpu")
+
     rows = [{k: v for k, v in r.items() if not k.startswith("time/")}
             for r in RF.read_jsonl(run_dir / RF.METRICS)]
     summary = RF.json_load(run_dir / RF.SUMMARY)
@@ -187,19 +166,20 @@ def _runs(root: Path, progress: bool) -> tuple[list[dict], tuple[int, str] | Non
     """Both runs' deterministic views, or the exit code and sentence of the first that failed."""
     config_path = root / "doctor.yaml"
     RF.atomic_write_text(config_path, C.dump(C.from_dict(DOCTOR)))
-    views = []
     with ticking("sdcstudy doctor", enabled=progress, total=2, unit="runs") as line:
         for name in ("a", "b"):
             proc = _run(config_path, root / name)
             if proc.returncode != 0:
-                return views, _stopped(name, proc)
-            try:
-                views.append(deterministic_view(root / name))
-            except Exception as e:  # exit 0 but no readable folder: no verdict, never a FAIL
-                return views, (errors.EXIT_COULD_NOT_RUN,
-                               f"run {name} left no readable result ({type(e).__name__}: "
-                               f"{errors.first_line(e, 300)}); no verdict")
+                return [], _stopped(name, proc)
             line.advance()
+    views = []  # read once both runs have ended: run b never shares its device with this one
+    for name in ("a", "b"):
+        try:
+            views.append(deterministic_view(root / name))
+        except Exception as e:  # exit 0 but no readable folder: no verdict, never a FAIL
+            return views, (errors.EXIT_COULD_NOT_RUN,
+                           f"run {name} left no readable result ({type(e).__name__}: "
+                           f"{errors.first_line(e, 300)}); no verdict")
     return views, None
 
 

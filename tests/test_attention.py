@@ -314,14 +314,15 @@ def test_a_declared_hook_is_not_called_at_sites_the_fused_path_has_not():
 @pytest.mark.slow
 def test_a_pallas_training_repeats_its_bits_and_tracks_the_unfused_one(tmp_path):
     """Three steps of the tiny training under `model.attention=pallas`, twice: every metric and
-    the final parameters bit for bit the same; each step's loss and gradient norm within 1e-5
+    the whole final state (parameters, optimizer state, step) bit for bit the same; each step's
+    loss and gradient norm within 1e-5
     (relative) of the unfused training's (float32; the attention's own differences are about
     1e-6 of its output)."""
     from sdcstudy import runner
     from sdcstudy.core import config as C
     from sdcstudy.core import runfolder as RF
 
-    from bitwise import bits
+    from bitwise import bits, state_bits
 
     def train(attention: str, name: str):
         cfg = C.from_dict({"experiment": {"steps": 3, "batch_size": 4},
@@ -333,6 +334,7 @@ def test_a_pallas_training_repeats_its_bits_and_tracks_the_unfused_one(tmp_path)
 
     first, again, unfused = train("pallas", "a"), train("pallas", "b"), train("unfused", "u")
     assert bits(first) == bits(again)
+    assert state_bits(tmp_path / "a") == state_bits(tmp_path / "b")
     assert first[1] != unfused[1]  # a different program: the comparison below is not trivial
     for ours, theirs in zip(first[0], unfused[0]):
         assert ours["loss/healthy"] == pytest.approx(theirs["loss/healthy"], rel=1e-5)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bitwise import bits
+from bitwise import bits, state_bits
 from sdcstudy.core import config as C
 from sdcstudy.core import data as D
 from sdcstudy.core import distributed, portholders, rendezvous, xlaflags
@@ -163,6 +163,9 @@ def test_two_processes_match_one_process_bit_for_bit(setup, processes, mode):
     env = RF.json_load(multi / RF.ENV)
     assert (env["process_count"], env["device_count"], env["local_device_count"]) == (2, 2, 1)
     assert (multi / RF.CHECKPOINTS / "3").is_dir()  # both processes took part in the save
+    # The whole final state (each node's parameters and optimizer state, the step counter):
+    # each process wrote its node's shards, read back here as whole arrays.
+    assert state_bits(multi) == state_bits(single)
     assert bits(_metrics(multi)) == bits(_metrics(single))
     assert [r["step"] for r in _metrics(multi)] == [1, 2, 3]
     tables = (RF.MISMATCH, RF.FAULTS) if mode == "lockstep" else (RF.FAULTS,)

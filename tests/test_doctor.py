@@ -125,6 +125,66 @@ def test_a_difference_in_the_optimizer_state_alone_fails(tmp_path, monkeypatch):
         "elements differ"]
 
 
+def test_the_tests_state_comparison_sees_one_bit_of_the_optimizer_state(tmp_path):
+    # The resume, interrupt, two-process and Pallas-repeat tests compare the final state by
+    # tests/bitwise.py's `state_bits`, read by doctor's reader: one bit of Adam's second moment
+    # (or a sign bit, which == on values misses) must make two run folders unequal, naming the
+    # array, while metrics and parameters agree. Starts no process, compiles nothing.
+    from bitwise import state_bits
+
+    state = {"params": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)},
+             "opt_state": {"mu": np.zeros((2, 3), np.float32),
+                           "nu": np.full((2, 3), 0.25, np.float32)},
+             "step": np.asarray(2, np.int32)}
+    rows = [{"step": 1, "lr": 0.0}, {"step": 2, "lr": 0.5}]
+    _fake_run_folder(tmp_path / "a", rows, state)
+    _fake_run_folder(tmp_path / "same", rows, copy.deepcopy(state))
+    flipped = copy.deepcopy(state)
+    flipped["opt_state"]["nu"].view(np.uint32)[1, 2] ^= 1
+    _fake_run_folder(tmp_path / "nu", rows, flipped)
+    signed = copy.deepcopy(state)
+    signed["opt_state"]["mu"][0, 1] = -0.0  # equal to 0.0 by value
+    _fake_run_folder(tmp_path / "mu", rows, signed)
+    a = state_bits(tmp_path / "a")
+    assert sorted(a) == ["opt_state/mu", "opt_state/nu", "params/w", "step"]
+    assert a == state_bits(tmp_path / "same")
+    for name, run in (("opt_state/nu", "nu"), ("opt_state/mu", "mu")):
+        other = state_bits(tmp_path / run)
+        assert [k for k in a if a[k] != other[k]] == [name]
+    assert repr(a["opt_state/nu"]).startswith("float32[2, 3] sha256 ")
+
+
+def test_both_runs_end_before_doctor_reads_a_state_on_the_cpu(tmp_path, monkeypatch):
+    # Reading a checkpoint starts a JAX backend in doctor's own process: on a GPU that client
+    # held most of the device's memory while run b trained on it (it read run a's state between
+    # the runs). Both runs now end first, and the reading backend is the CPU's. No process.
+    import jax
+
+    from sdcstudy.core import checkpoint
+
+    events, read = [], checkpoint.final_state
+    state = {"params": {"w": np.ones(2, np.float32)}, "step": np.asarray(1, np.int32)}
+
+    def run(config_path, out):
+        events.append(f"run {out.name}")
+        _fake_run_folder(out, [{"step": 1, "lr": 0.0}], state)
+        return subprocess.CompletedProcess([], 0, "", "")
+
+    def final_state(run_dir):
+        events.append(f"read {run_dir.name} on {jax.config.jax_platforms}")
+        return read(run_dir)
+
+    monkeypatch.setattr(doctor, "_run", run)
+    monkeypatch.setattr(checkpoint, "final_state", final_state)
+    monkeypatch.setattr(doctor, "fingerprint_lines", lambda env: [])
+    was = jax.config.jax_platforms
+    try:
+        assert doctor.main(keep=tmp_path / "runs", progress=False) == 0
+    finally:
+        jax.config.update("jax_platforms", was)
+    assert events == ["run a", "run b", "read a on cpu", "read b on cpu"]
+
+
 def test_a_metric_differs_in_its_sign_bit_alone(tmp_path):
     # -0.0 == 0.0 in Python: a metric compared by value hid a flipped sign bit. Compiles nothing.
     view = {"compiled_step_sha256": "c", "param_digest": "p", "state": {},

@@ -3,13 +3,14 @@
 A lock-step run with faults, stopped by SIGINT or SIGTERM at many moments (before its first
 step, between a step's dispatch and its flush, while a checkpoint is written, while the tables
 are flushed, twice in a row) and continued each time with the command the stop printed, must
-end equal to the uninterrupted run bit for bit: the parameters (summary's param_digest), every
-metrics.jsonl row once, every row of the faults and mismatch tables, every counter in
-summary.json. If a test here fails, a checkpoint was saved ahead of the rows of its step (a
-resume then never writes them), a row or counter was written twice, a signal was ignored or
-ended the process without a checkpoint, the printed command does not continue the run, a
-finished run was run again, or a run refused before its first step left a folder that blocks
-the corrected command.
+end equal to the uninterrupted run bit for bit: the parameters (summary's param_digest), the
+whole final state of the last checkpoint (both nodes' parameters and optimizer state, the step
+counter), every metrics.jsonl row once, every row of the faults and mismatch tables, every
+counter in summary.json. If a test here fails, a checkpoint was saved ahead of the rows of its
+step (a resume then never writes them), or restored a part of the state wrong, a row or counter
+was written twice, a signal was ignored or ended the process without a checkpoint, the printed
+command does not continue the run, a finished run was run again, or a run refused before its
+first step left a folder that blocks the corrected command.
 
 Every run here has one configuration, so the runs in this process share one compiled step
 (`compile_step` is memoized below): each costs its steps and checkpoints, not a compile.
@@ -28,7 +29,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from bitwise import bits
+from bitwise import bits, state_bits
 from sdcstudy import cli, runner
 from sdcstudy.core import checkpoint
 from sdcstudy.core import runfolder as RF
@@ -128,11 +129,13 @@ def _view(run_dir: Path) -> dict:
     return {"metrics": [{k: v for k, v in row.items() if not k.startswith("time/")}
                         for row in RF.read_jsonl(run_dir / RF.METRICS)],
             "summary": {k: v for k, v in summary.items() if k not in TIMES},
+            "state": state_bits(run_dir),
             **{name: TL.read_table(run_dir / name) for name in (RF.FAULTS, RF.MISMATCH)}}
 
 
 def _assert_same(a: dict, b: dict) -> None:
     assert bits(a["summary"]) == bits(b["summary"])
+    assert a["state"] == b["state"]
     assert bits(a["metrics"]) == bits(b["metrics"])
     for name in (RF.FAULTS, RF.MISMATCH):
         pd.testing.assert_frame_equal(a[name], b[name], check_exact=True)

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from bitwise import bits
+from bitwise import bits, state_bits
 from sdcstudy import cli, runner
 from sdcstudy.core import config as C
 from sdcstudy.core import runfolder as RF
@@ -30,9 +30,12 @@ def _cfg(corpus, cache):
 
 
 def _view(run_dir):
+    """The metrics, the parameters' digest and the whole final state (parameters, optimizer
+    state, step counter) of the last checkpoint, by their bits."""
     rows = [{k: v for k, v in r.items() if not k.startswith("time/")}
             for r in RF.read_jsonl(run_dir / RF.METRICS)]
-    return bits(rows), RF.json_load(run_dir / RF.SUMMARY)["param_digest"]
+    return {"metrics": bits(rows), "param_digest": RF.json_load(run_dir / RF.SUMMARY)[
+        "param_digest"], **{f"state/{name}": v for name, v in state_bits(run_dir).items()}}
 
 
 @pytest.fixture(scope="module")

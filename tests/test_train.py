@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bitwise import bits
+from bitwise import bits, state_bits
 from sdcstudy import cli
 from sdcstudy.core import config as C
 from sdcstudy.core import runfolder as RF
@@ -26,10 +26,13 @@ def _cfg(*overrides, base=BASE):
 
 
 def _view(run_dir):
-    """Everything of a run that must be bitwise reproducible (wall-clock times excluded)."""
+    """Everything of a run that must be bitwise reproducible (wall-clock times excluded): the
+    metrics, the parameters' digest and the whole final state (parameters, Adam's moments, step
+    counter) of its last checkpoint, by their bits."""
     rows = [{k: v for k, v in r.items() if not k.startswith("time/")}
             for r in RF.read_jsonl(run_dir / RF.METRICS)]
-    return bits(rows), RF.json_load(run_dir / RF.SUMMARY)["param_digest"]
+    return {"metrics": bits(rows), "param_digest": RF.json_load(run_dir / RF.SUMMARY)[
+        "param_digest"], **{f"state/{name}": v for name, v in state_bits(run_dir).items()}}
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +44,9 @@ def uninterrupted(tmp_path_factory):
 
 def test_resume_is_bitwise_identical(uninterrupted, tmp_path):
     # Stopped at step 5 (between checkpoints 4 and 8: the stop itself checkpoints) and resumed
-    # to 12, metrics and parameters must equal the uninterrupted run bit for bit. If this
-    # fails, something the step depends on (data position, schedule, RNG) is not a function
-    # of the checkpointed state.
+    # to 12, metrics, parameters and optimizer state must equal the uninterrupted run bit for
+    # bit. If this fails, something the step depends on (data position, schedule, RNG) is not
+    # a function of the checkpointed state, or the checkpoint restored a part of it wrong.
     out = tmp_path / "split"
     first = runner.run(_cfg(), out, stop_after=5, progress=False)
     assert first["steps_done"] == 5

@@ -27,11 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from sdcstudy.core import config as C
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import Config, UserError
+from sdcstudy.core.digest import path_name
 from sdcstudy.core.errors import first_line, quoted
 
 # What changes how a run is watched or kept, not what it computes: free to change on --resume
@@ -121,6 +123,28 @@ def saved_steps(directory: Path) -> list[int]:
         return sorted(int(p.name) for p in Path(directory).iterdir() if p.name.isdigit())
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def final_state(run_dir: Path) -> dict:
+    """Every array of the run's last checkpoint, the whole training state (parameters, optimizer
+    state, step), as numpy arrays keyed by path (`digest.path_name`), read as stored: whole
+    arrays, also where each process of a multi-process run wrote its own shards."""
+    steps = saved_steps(run_dir / RF.CHECKPOINTS)
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {str(run_dir / RF.CHECKPOINTS)!r}")
+    where = (run_dir / RF.CHECKPOINTS / str(steps[-1]) / "state").absolute()  # orbax wants it
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # orbax warns that a step's item has no step metadata
+    try:
+        with ocp.StandardCheckpointer() as reader:
+            like = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype),
+                                reader.metadata(where).item_metadata)
+            state = reader.restore(where, like)
+    finally:
+        absl.setLevel(level)
+    return {path_name(path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
 class _OrbaxFailureReports(logging.Filter):
