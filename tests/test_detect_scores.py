@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from bitwise import bits, state_bits
 from sdcstudy import runner
 from sdcstudy.core import config as C
 from sdcstudy.detect import tables as DT
@@ -39,17 +40,17 @@ def unbroken(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scores")
     summary = runner.run(_cfg(tmp), tmp / "run", progress=False)
     rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
-    return summary, rows
+    return summary, rows, tmp / "run"
 
 
 def test_every_detector_has_the_five_scores(unbroken):
-    summary, _ = unbroken
+    summary, _, _ = unbroken
     for name in ("monitor", "lockstep"):
         assert {f"detect/{name}/{k}" for k in DT.SCORES} <= set(summary), name
 
 
 def test_scores_match_the_ground_truth(unbroken):
-    summary, rows = unbroken
+    summary, rows, _ = unbroken
     truth = [r["detect/truth"] for r in rows]
     assert truth == [int(step >= ONSET) for step in range(1, STEPS + 1)]
     # The lock-step mirror sees every changed gradient at its own step.
@@ -127,8 +128,8 @@ def test_a_rolled_back_run_counts_only_same_step_flags(tmp_path):
 
 def test_a_resumed_run_scores_like_an_unbroken_one(unbroken, tmp_path):
     # The monitor's history is saved with each checkpoint; without it the resumed monitor
-    # would start empty and flag later.
-    summary, rows = unbroken
+    # would start empty and flag later. The training itself resumes bit for bit too.
+    summary, rows, folder = unbroken
     cfg = _cfg(tmp_path, checkpoint_every=4)
     runner.run(cfg, tmp_path / "run", stop_after=9, progress=False)
     resumed = runner.run(cfg, tmp_path / "run", resume=True, progress=False)
@@ -137,7 +138,8 @@ def test_a_resumed_run_scores_like_an_unbroken_one(unbroken, tmp_path):
     assert [r["detect/monitor"] for r in again] == [r["detect/monitor"] for r in rows]
     for key in summary:
         if key.startswith("detect/"):
-            assert resumed[key] == summary[key], key
+            assert bits(resumed[key]) == bits(summary[key]), key
+    assert state_bits(tmp_path / "run") == state_bits(folder)
 
 
 @pytest.mark.parametrize("fault_kind, expected", [("transient", "transient"),
