@@ -9,18 +9,21 @@ in ways that hold for root too (tests run as root in CI): a folder on the path t
 file, a path that is a folder, and a full disk (fsync fails with ENOSPC).
 
 Nothing here compiles a JAX program: doctor's two runs are stood in for by run folders written
-here, plan's compilation by a stub, and bench logging measures no model.
+here (a final checkpoint included, which doctor reads back), plan's compilation by a stub, and
+bench logging measures no model.
 """
 
 import errno
 import os
 import subprocess
 
+import numpy as np
 import pytest
 
 from sdcstudy import cli, doctor
 from sdcstudy.core import errors
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core.checkpoint import Checkpointer
 
 UNWRITABLE = ["folder is a file", "is a folder", "disk full"]
 
@@ -61,6 +64,10 @@ def _fake_run(config_path, out):
     RF.atomic_write_json(out / RF.ENV, {
         "compiled_step_sha256": "cd" * 32, "platform": "cpu", "device_kinds": {"cpu": 8},
         "packages": {"jax": "0.10.2"}, "cpu": {"model": "test", "isa": ["avx2"]}})
+    checkpoints = Checkpointer(out / RF.CHECKPOINTS, asynchronous=False)  # the final state
+    checkpoints.save(2, {"params": {"w": np.ones(3, np.float32)}, "step": np.asarray(2)},
+                     {"step": 2})
+    checkpoints.close()
     return subprocess.CompletedProcess([], 0, "", "")
 
 
