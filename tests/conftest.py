@@ -58,10 +58,10 @@ UNCACHED = ("test_doctor", "test_train::test_resume_is_bitwise_identical",
 # worker waits long for the other at the end (xdist's own order, by number of tests, left the
 # few-test, slow modules such as test_demo for last). Modules not named follow, as collected.
 HEAVIEST_FIRST = ("test_bench", "test_paired", "test_reproduce", "test_faults", "test_paft",
-                  "test_golden_devices", "test_detect_scores", "test_train", "test_tables",
-                  "test_runlock", "test_full_disk", "test_abft", "test_demo", "test_distributed",
-                  "test_fault_model", "test_golden", "test_lockstep", "test_detect",
-                  "test_tensorboard", "test_reference", "test_finetune", "test_sweep")
+                  "test_resume_modes", "test_golden_devices", "test_detect_scores", "test_train",
+                  "test_tables", "test_runlock", "test_full_disk", "test_abft", "test_demo",
+                  "test_distributed", "test_fault_model", "test_golden", "test_lockstep",
+                  "test_detect", "test_tensorboard", "test_reference", "test_finetune", "test_sweep")
 
 
 def pytest_collection_modifyitems(items):

@@ -207,6 +207,11 @@ def test_published_values_are_announced_only_where_there_are_some(tmp_path):
 
 
 def test_a_missing_run_folder_is_named_as_missing(tmp_path):
+    # load_run takes one run folder; the report also takes a folder of them, and says so.
     with pytest.raises(report.UserError, match=r"'.*nowhere' does not exist; give a run "
-                                               r"folder \(one with config.yaml\)"):
+                                               r"folder \(one with config.yaml\)\.$"):
         report.load_run(tmp_path / "nowhere")
+    with pytest.raises(report.UserError, match=r"'.*nowhere' does not exist; give a run "
+                                               r"folder \(one with config.yaml\) or a folder "
+                                               r"of them\.$"):
+        writer.write_report([tmp_path / "nowhere"], tmp_path / "report")

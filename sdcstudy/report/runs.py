@@ -176,7 +176,7 @@ def load_run(run_dir, strict: bool = True) -> Run:
     path = Path(run_dir)
     if not path.exists():
         raise UserError(f"{str(path)!r} does not exist; give a run folder (one with "
-                        f"{RF.CONFIG}) or a folder of them.")
+                        f"{RF.CONFIG}).")
     if not (path / RF.CONFIG).is_file():
         raise UserError(f"{str(path)!r} is not a run folder (it has no {RF.CONFIG}).")
     config = _read(path / RF.CONFIG, lambda p: yamlsafe.load_file(p, "run config"), None) or {}
@@ -207,8 +207,12 @@ def load_run(run_dir, strict: bool = True) -> Run:
 
 def expand_run_dirs(path) -> list[Path]:
     """[path] for a run folder; for a folder of run folders (a sweep, a demo) the run folders
-    in it, by name; a folder that is neither stays as given, for load_run to refuse."""
+    in it, by name; a folder that is neither stays as given, for load_run to refuse. A path
+    that does not exist is a UserError."""
     path = Path(path)
+    if not path.exists():
+        raise UserError(f"{str(path)!r} does not exist; give a run folder (one with "
+                        f"{RF.CONFIG}) or a folder of them.")
     if (path / RF.CONFIG).is_file() or not path.is_dir():
         return [path]
     children = sorted(p for p in path.iterdir() if (p / RF.CONFIG).is_file())
