@@ -47,7 +47,8 @@ LOCKSTEP_SUMMARY = {
     "bit_histogram": "per site: mismatching elements per bit position, and differing bits "
                      "summed per field (sign, exponent, mantissa)",
     "mismatches": "per site: mismatching elements over the run",
-    "nonfinite": "per site: elements that are NaN or infinite on the suspect over the run",
+    "nonfinite": "per site: mismatching elements whose suspect value is NaN or infinite, over "
+                 "the run",
 }
 
 
