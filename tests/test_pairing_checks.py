@@ -239,3 +239,22 @@ def test_mesh_sentences_say_one_device_node_and_process_in_the_singular(monkeypa
         M.make_mesh(2, 8)
     with pytest.raises(UserError, match=r"but only 1 is visible"):
         M.make_mesh(2, devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("processes", [3, 4])
+def test_a_paired_mode_on_more_than_two_processes_is_refused_by_every_process_alike(
+        monkeypatch, processes):
+    """docs/pairing.md: a paired mode needs exactly two processes. Started on 3, the mesh
+    refused it with a plain error on each process: process 0 left at once and process 2, a
+    moment later, was ended by jax with a C++ abort (exit 134; measured on loopback, tiny
+    lockstep). The refusal is a `SharedRefusal`, so that every process leaves through jax's
+    shutdown barrier with the sentence."""
+    from sdcstudy.core.distributed import SharedRefusal
+    from sdcstudy.paired.trainer import PairedTrainer
+
+    monkeypatch.setattr(jax, "process_count", lambda: processes)
+    cfg = C.load("configs/tiny.yaml", ["experiment.mode=lockstep"])
+    with pytest.raises(SharedRefusal, match=f"^a paired mode runs on two processes \\(node i "
+                                            f"on process i\\), not {processes}: start 2 "
+                                            f"processes"):
+        PairedTrainer.from_config(cfg)

@@ -14,10 +14,10 @@ import os
 import sys
 
 from sdcstudy.core import config as C
-from sdcstudy.core import errors, reports
+from sdcstudy.core import errors, reports, runlock
 from sdcstudy.core.config import UserError
 from sdcstudy.golden import contents
-from sdcstudy.golden.manifest import GoldenError, expect_sha_arg
+from sdcstudy.golden.manifest import RECORD_FOLDER, RECORD_HINT, GoldenError, expect_sha_arg
 from sdcstudy.golden.report import junit_xml, node_junit_xml, refused_report, report_json
 from sdcstudy.golden.sizing import MAX_MEMORY_SHARE, TINY
 
@@ -67,6 +67,10 @@ def main_record(args) -> int:
         raise UserError(f"--memory-share must be above 0 and at most {MAX_MEMORY_SHARE}, not "
                         f"{args.memory_share}.")
     cfg = None if full else _config(args)
+    # Said at once, before JAX is imported (seconds): a folder another recorder holds, or one
+    # that holds anything (a golden record is never overwritten). `record` still decides, under
+    # the folder's lock.
+    runlock.refuse_early(args.out, create=True, what=RECORD_FOLDER, hint=RECORD_HINT)
     if full:
         _full_workload_memory()
     from sdcstudy.golden.record import record
@@ -90,15 +94,22 @@ def open_or_refuse(args, device) -> contents.Golden | None:
     try:
         golden = contents.open_record(args.golden_dir, args.expect_sha)
     except GoldenError as e:
-        reason = str(e)
-    else:
-        if golden.meta.get("workload") == "full":
-            _full_workload_memory()
-        return golden
+        _refuse(args, str(e), device)
+        return None
+    if golden.meta.get("workload") == "full":
+        _full_workload_memory()
+    return golden
+
+
+def _refuse(args, reason: str, device, command: str = "check") -> int:
+    """Refuse the command before any device ran: the sentence on stderr, and the report files
+    asked for say the same (INCONCLUSIVE, no device rows), so that no earlier report is left
+    standing for this command. Exit 2."""
     print(f"sdcstudy: error: {reason}", file=sys.stderr)
-    report = refused_report(args.golden_dir, reason, device, args.inject, args.allow_env_drift)
+    report = refused_report(getattr(args, "golden_dir", None), reason, device, args.inject,
+                            getattr(args, "allow_env_drift", False), command=command)
     _write(args, report, node_junit_xml if device == ALL else junit_xml)
-    return None
+    return errors.EXIT_BAD_INPUT
 
 
 def main(args) -> int:
@@ -114,11 +125,14 @@ def main(args) -> int:
         if device != ALL:
             raise UserError("golden quorum compares the devices with each other: give "
                             "--device all.")
-        cfg = _config(args)
-        from sdcstudy.golden import devices
+        try:
+            cfg = _config(args)
+            from sdcstudy.golden import devices
 
-        report = devices.quorum(cfg, inject=args.inject, inject_device=args.inject_device,
-                                workers=args.workers, progress=not args.no_progress)
+            report = devices.quorum(cfg, inject=args.inject, inject_device=args.inject_device,
+                                    workers=args.workers, progress=not args.no_progress)
+        except UserError as e:  # a config, device count or injection refused
+            return _refuse(args, str(e), ALL, command="quorum")
         return _finish(args, report)
     if args.repeat is not None and args.repeat < 1:
         raise UserError("--repeat must be at least 1.")
@@ -136,9 +150,12 @@ def main(args) -> int:
     options = dict(allow_env_drift=args.allow_env_drift, repeat=args.repeat,
                    duration_min=args.duration)
     if device == ALL:
-        report = devices.check_all(golden, inject=args.inject,
-                                   inject_device=args.inject_device, workers=args.workers,
-                                   progress=not args.no_progress, **options)
+        try:
+            report = devices.check_all(golden, inject=args.inject,
+                                       inject_device=args.inject_device, workers=args.workers,
+                                       progress=not args.no_progress, **options)
+        except UserError as e:  # an injection that cannot land, refused before any device ran
+            return _refuse(args, str(e), ALL)
         for row in report["devices"]:
             row.pop("report")
         return _finish(args, report)

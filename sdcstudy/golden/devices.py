@@ -217,8 +217,8 @@ def quorum(cfg: Config, *, inject: str | None = None, inject_device: int | None 
     started = time.time()
     check_config(cfg)
     devices = local_devices(inject, inject_device, least=3)
+    injection = parse_injection(inject) if inject else None  # a typo fails before the data
     tokens = load_tokens(cfg)
-    injection = parse_injection(inject) if inject else None  # a typo fails before compiling
     if injection is not None and injection.flip is not None:
         _check_flip(injection.flip, layout(cfg, tokens))  # a flip that never lands proves nothing
 
@@ -282,3 +282,8 @@ def _row(run: dict, verdict: str, reason: str, first: dict | None = None) -> dic
     return {"device": run["device"], "kind": run["kind"], "verdict": verdict, "reason": reason,
             "first_difference": _where(first), "injected": run["injected"],
             "seconds": run["seconds"]}
+
+
+# The public calls of every device's check, importable from here whichever module holds them.
+__all__ = ["check_all", "quorum", "vote", "first_difference", "local_devices", "in_threads",
+           "InOrder", "node_report", "node_verdict", "junit_xml", "table"]

@@ -27,6 +27,10 @@ FORMAT = "sdcstudy-golden/1"
 MANIFEST, META, ARRAYS, CONFIG, ENV = ("MANIFEST.json", "golden.json", "golden.npz",
                                        "config.yaml", "env.json")
 FILES = (CONFIG, ENV, META, ARRAYS)
+# How `golden record` names its folder when it refuses one at once (golden/cli.py, before JAX;
+# golden/record.py's lock, core/runlock.py, says the same).
+RECORD_FOLDER = "golden folder"
+RECORD_HINT = "a golden record is never overwritten: choose another --out"
 MiB = 1 << 20
 # The most of each file that is read. golden.npz is bounded again, tighter, by what its config
 # and golden.json imply (golden/contents.py) before it is read.

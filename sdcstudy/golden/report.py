@@ -28,13 +28,16 @@ def check_report(golden_dir, device_index, inject: str | None, allow_env_drift: 
 
 
 def refused_report(golden_dir, reason: str, device_index, inject: str | None,
-                   allow_env_drift: bool) -> dict:
-    """The report of a record refused before any device ran: one device's (`golden check`) or
-    a node's, with no device rows (`--device all`)."""
+                   allow_env_drift: bool, command: str = "check") -> dict:
+    """The report of a command refused before any device ran (a record, or an injection that
+    cannot land): one device's (`golden check`) or a node's, with no device rows (`--device
+    all`, `golden quorum`)."""
     if device_index == "all":
-        report = node_report("check", [], time.time(), golden={"dir": str(golden_dir)})
+        extra = ({"golden": {"dir": str(golden_dir)}} if command == "check"
+                 else {"groups": None, "reference": None})
+        report = node_report(command, [], time.time(), **extra)
         report.update(verdict=INCONCLUSIVE, exit_code=EXIT_CODES[INCONCLUSIVE], reason=reason,
-                      failed_stage="golden")
+                      failed_stage="golden" if command == "check" else "devices")
         return report
     report = check_report(golden_dir, device_index, inject, allow_env_drift)
     report.update(reason=reason, failed_stage="golden", timing={"total_s": 0.0})
@@ -174,12 +177,14 @@ def node_table(report: dict) -> str:
 
 def node_junit_xml(report: dict) -> str:
     """JUnit XML with one test case per device: FAIL a <failure>, INCONCLUSIVE an <error>; a
-    record refused before any device ran is one `golden record` case with an <error>."""
+    command refused before any device ran is one case with an <error>: `golden record` for a
+    check (the record, or an injection it cannot take), `devices` for a quorum."""
     name = f"sdcstudy.golden.{report['command']}"
     cases = [(f"device {row['device']}", row["verdict"], row["reason"], row["seconds"])
              for row in report["devices"]]
-    if report.get("failed_stage") == "golden":
-        cases.append(("golden record", report["verdict"], report["reason"], 0.0))
+    if not cases:
+        stage = "golden record" if report.get("failed_stage") == "golden" else "devices"
+        cases.append((stage, report["verdict"], report["reason"], 0.0))
     suite = ET.Element("testsuite", name=name, hostname=report["host"],
                        timestamp=report["started"], tests=str(len(cases)),
                        failures=str(sum(c[1] == FAIL for c in cases)),

@@ -125,6 +125,18 @@ def _clip(grads, norm, max_norm):
     return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, (g / norm) * max_norm), grads)
 
 
+def refuse_other_process_counts(processes: int) -> None:
+    """A pair on several processes is two, node i on process i. Every process builds its
+    trainer at the same point and knows the count alike, so all refuse together
+    (`distributed.SharedRefusal`): a plain error here (the mesh's) ended process 0 at once and a
+    slower process with jax's C++ abort, exit 134 (measured: 3 processes, lockstep)."""
+    if processes not in (1, 2):
+        from sdcstudy.core.distributed import SharedRefusal
+
+        raise SharedRefusal(f"a paired mode runs on two processes (node i on process i), not "
+                            f"{processes}: start 2 processes (docs/pairing.md).")
+
+
 @dataclass
 class PairedTrainer:
     cfg: Config
@@ -156,6 +168,8 @@ class PairedTrainer:
         graphdef, _ = model.abstract_init(dims)
         steps = cfg.experiment.steps
         built = FT.by_name(FT.from_config(cfg, dims))
+        if mesh is None:
+            refuse_other_process_counts(jax.process_count())
         mesh = mesh or M.make_node_mesh(2, dp, tp)
         return cls(cfg, dims, graphdef, make_optimizer(cfg.optim, steps, clip=False),
                    learning_rate_schedule(cfg.optim, steps), mesh, built.pop("faults", None),
