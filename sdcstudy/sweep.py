@@ -12,6 +12,9 @@ unfinished one continues from its last checkpoint.
 
 from __future__ import annotations
 
+import shlex
+import signal
+import sys
 from pathlib import Path
 
 from sdcstudy.core import config as C
@@ -101,8 +104,10 @@ def sweep(config_path, profiles: list[str], out: Path | None = None, overrides=(
         raise UserError(f"--resume needs --out SWEEP_DIR, a folder an earlier sweep wrote "
                         f"(with {SWEEP}).")
     root = Path(out) if out is not None else RF.default_run_dir(f"sweep-{mode}")
-    # The sweep holds its folder, and each run its own, for as long as they write.
-    with runlock.hold(root, create=not resume, what="sweep folder"):
+    # The sweep holds its folder, and each run its own, for as long as they write. A new sweep
+    # that fails (or is stopped) before any run holds a step leaves no folder, as `run` does:
+    # the same command, corrected, may run again.
+    with runlock.hold(root, create=not resume, what="sweep folder", keep=_holds_a_run):
         if resume:
             _check_resumable(root, request)
         else:
@@ -123,10 +128,39 @@ def sweep(config_path, profiles: list[str], out: Path | None = None, overrides=(
     return {"root": root, "runs": run_dirs, "report": result}
 
 
+def _holds_a_run(root: Path) -> bool:
+    """Something a sweep's runs left (a run folder keeps only what holds a step)."""
+    return any(p.name not in (SWEEP, runlock.LOCK) for p in root.iterdir())
+
+
+def sweep_command(args, root: Path, resume: bool) -> str:
+    """`args`' sweep command for a shell, `--set` flags and all, into `root`."""
+    words = ["sdcstudy", "sweep", str(args.config), "--profiles", args.profiles]
+    for override in args.overrides:
+        words += ["--set", override]
+    words += ["--out", str(root), *(["--resume"] if resume else [])]
+    return shlex.join(words + (["--no-progress"] if args.no_progress else []))
+
+
 def main(args) -> int:
     """`sdcstudy sweep CONFIG.yaml --profiles P1,P2,... [--set k=v ...] [--out DIR]`."""
-    result = sweep(args.config, parse_profiles(args.profiles), args.out, args.overrides,
-                   resume=args.resume, progress=not args.no_progress)
+    try:
+        result = sweep(args.config, parse_profiles(args.profiles), args.out, args.overrides,
+                       resume=args.resume, progress=not args.no_progress)
+    except KeyboardInterrupt as stop:  # a run's `Interrupted`: the sweep continues, not the run
+        if getattr(stop, "run_dir", None) is None:
+            raise
+        run, root = str(stop.run_dir), stop.run_dir.parent
+        where = (f"run {run!r} was stopped before its first step and not kept" if not stop.kept
+                 else f"run {run!r} has no checkpoint yet" if stop.checkpoint is None
+                 else f"run {run!r} keeps its checkpoint of step {stop.checkpoint}")
+        then = (f"{where}, and the runs finished before it are kept: continue the sweep with: "
+                f"{sweep_command(args, root, resume=True)}" if (root / SWEEP).is_file() else
+                f"no run had done a step, so {str(root)!r} was not kept: run again with: "
+                f"{sweep_command(args, root, resume=False)}")
+        print(f"sdcstudy: interrupted by {signal.Signals(stop.signum).name}; {then}",
+              file=sys.stderr)
+        return stop.exit_code
     print(result["report"]["summary"])
     print(f"sweep folder: {result['root']}; report: {result['report']['out'] / R.REPORT}")
     return 0

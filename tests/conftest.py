@@ -61,7 +61,8 @@ HEAVIEST_FIRST = ("test_bench", "test_paired", "test_reproduce", "test_faults", 
                   "test_resume_modes", "test_golden_devices", "test_detect_scores", "test_train",
                   "test_tables", "test_runlock", "test_full_disk", "test_abft", "test_demo",
                   "test_distributed", "test_fault_model", "test_golden", "test_lockstep",
-                  "test_detect", "test_tensorboard", "test_reference", "test_finetune", "test_sweep")
+                  "test_detect", "test_tensorboard", "test_guide_promises", "test_reference",
+                  "test_finetune", "test_sweep")
 
 
 def pytest_collection_modifyitems(items):

@@ -3,6 +3,8 @@ checked before anything runs, folders are never overwritten, an interrupted swee
 
 import json
 import math
+import shlex
+import signal
 from pathlib import Path
 
 import pandas as pd
@@ -11,6 +13,7 @@ from report_runs import grid_rows, write_run
 
 from sdcstudy import cli, runner
 from sdcstudy.core import runfolder as RF
+from sdcstudy.core.interrupts import Interrupted
 from sdcstudy import sweep as SW
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
@@ -29,7 +32,7 @@ class FakeRunner:
         if profile == self.interrupt_at:
             Path(out_dir).mkdir()
             (Path(out_dir) / RF.CONFIG).write_text("experiment: {mode: lockstep}\n")
-            raise KeyboardInterrupt("interrupted")
+            raise Interrupted(signal.SIGINT, Path(out_dir))  # as the runner stops on Ctrl-C
         if resume:
             import shutil
 
@@ -110,14 +113,23 @@ def test_interrupted_sweep_resumes_and_keeps_finished_runs(monkeypatch, tmp_path
             "--set", "experiment.steps=2", "--out", str(out), "--no-progress"]
     first = FakeRunner(interrupt_at="paper-node-10")
     monkeypatch.setattr(runner, "run", first)
+    capsys.readouterr()
     assert cli.main(argv) == 130
+    # The sentence names the command that continues the sweep, not the one run it stopped in
+    # (`sdcstudy run .../paper-node-10/config.yaml --resume` left the report and the rest undone).
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("sdcstudy")]
+    assert line.startswith(f"sdcstudy: interrupted by SIGINT; run "
+                           f"{str(out / 'paper-node-10')!r} has no checkpoint yet, and the runs "
+                           f"finished before it are kept: continue the sweep with: "), line
+    again = shlex.split(line.rpartition("continue the sweep with: ")[2])
+    assert again == ["sdcstudy", *argv[:-1], "--resume", "--no-progress"]
     finished = (out / "paper-node-1" / RF.METRICS).read_text()
     # A resume with another request is refused; the same one continues.
     assert cli.main([*argv[:3], "paper-node-1", *argv[4:], "--resume"]) == 2
     assert "different profiles" in capsys.readouterr().err
     second = FakeRunner()
     monkeypatch.setattr(runner, "run", second)
-    assert cli.main([*argv, "--resume"]) == 0
+    assert cli.main(again[1:]) == 0
     assert second.calls == [("paper-node-10", 2, "lockstep", True)]
     assert (out / "paper-node-1" / RF.METRICS).read_text() == finished
     assert (out / "report" / "report.md").is_file()
@@ -189,10 +201,11 @@ def test_a_resume_whose_sweep_file_cannot_be_read_is_one_sentence(fake, tmp_path
     assert sorted(p.name for p in out.rglob("*")) == before and len(fake.calls) == 1
 
 
-@pytest.mark.parametrize("damage", ['{"steps_done": 2, "ste', "[]"])
+@pytest.mark.parametrize("damage", ['{"steps_done": 2, "ste', "[]", '{"mode": "lockstep"}'])
 def test_a_resume_redoes_a_run_whose_summary_cannot_be_read(fake, tmp_path, capsys, damage):
     # A finished run's damaged summary.json ended the resume as a bug (exit 3); the run resumes
     # instead, from its last checkpoint, as `sdcstudy run --resume` does, which writes it again.
+    # A summary that names no step counts (an edit) was kept as finished: None == None.
     out = tmp_path / "zoo"
     argv = ["sweep", str(CONFIG), "--profiles", "paper-node-1,paper-node-7",
             "--set", "experiment.steps=2", "--out", str(out), "--no-progress"]
@@ -218,3 +231,35 @@ def test_a_profile_file_named_as_the_sweeps_own_files_is_refused_first(fake, tmp
     assert f"profile {str(profile)!r} would have the run folder {stem!r}, the name of the " \
            f"sweep's" in line and line.endswith("; rename the file.")
     assert fake.calls == [] and not out.exists()
+
+
+def test_a_sweep_refused_at_its_first_run_leaves_no_folder(monkeypatch, tmp_path, capsys):
+    # A run refused before its first step (a data.source that does not exist) left the sweep
+    # folder with its sweep.json: the corrected command was refused ("already exists"), and so
+    # was its --resume ("different overrides"). As with `run`, nothing is left: it runs again.
+    def refused(cfg, out_dir, **_):
+        raise runner.UserError(f"data.source {cfg.data.source!r} does not exist.")
+
+    monkeypatch.setattr(runner, "run", refused)
+    out = tmp_path / "zoo"
+    argv = ["sweep", str(CONFIG), "--profiles", "paper-node-1", "--set", "experiment.steps=2",
+            "--out", str(out), "--no-progress"]
+    assert cli.main([*argv, "--set", "data.source=/no/such/corpus.txt"]) == 2
+    assert "does not exist" in capsys.readouterr().err and not out.exists()
+    fake = FakeRunner()
+    monkeypatch.setattr(runner, "run", fake)
+    assert cli.main(argv) == 0
+    assert fake.calls == [("paper-node-1", 2, "lockstep", False)]
+    # Stopped at once (Ctrl-C as the first run compiles): the same command, not a --resume.
+    out2 = tmp_path / "zoo2"
+
+    def stopped(cfg, out_dir, **_):
+        raise Interrupted(signal.SIGINT, Path(out_dir))  # the runner removed its new folder
+
+    monkeypatch.setattr(runner, "run", stopped)
+    argv2 = [*argv[:-2], str(out2), "--no-progress"]
+    assert cli.main(argv2) == 130
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("sdcstudy")]
+    assert line.endswith(f"no run had done a step, so {str(out2)!r} was not kept: run again "
+                         f"with: {shlex.join(['sdcstudy', *argv2])}"), line
+    assert not out2.exists()

@@ -207,4 +207,9 @@ def finished(run_dir: Path) -> bool:
         summary = json_load(Path(run_dir) / SUMMARY)
     except (OSError, ValueError):  # none, or damaged
         return False
-    return isinstance(summary, dict) and summary.get("steps_done") == summary.get("steps")
+    if not isinstance(summary, dict):
+        return False
+    done, asked = summary.get("steps_done"), summary.get("steps")
+    # Whole numbers, both: a summary without them (None == None) says nothing of the steps.
+    return all(isinstance(n, int) and not isinstance(n, bool) for n in (done, asked)) \
+        and done == asked

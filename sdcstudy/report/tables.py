@@ -10,8 +10,7 @@ Ma et al., "Understanding Silent Data Corruption in LLM Training", measured here
 - ABFT per run (threshold rule, flags, recall and precision), flag rates per checked matmul
   and direction, and per step (Appendix D, Figure 10).
 Every function takes `runs`, an ordered {label: Run} (`report.label_runs`), and computes from
-the run folders' tables (only the bit histograms come from summary.json), so an interrupted
-run reports what it has.
+the run folders' tables (bit histograms: summary.json), so an interrupted run reports what it has.
 """
 
 from __future__ import annotations
@@ -391,7 +390,11 @@ def markdown(table: pd.DataFrame, index_names: list[str] | None = None,
 
 
 def csv(table: pd.DataFrame, index_names: list[str]) -> str:
-    """CSV text with the index as leading columns named `index_names`."""
+    """CSV text with the index as leading columns named `index_names`: six significant digits,
+    but whole numbers (counts, made float by a run without one) in full."""
     frame = table.copy()
     frame.index = frame.index.set_names(index_names)
+    for c in [c for c in frame.columns if pd.api.types.is_float_dtype(frame[c])]:
+        if ((frame[c].dropna() % 1 == 0) & (frame[c].dropna().abs() < 2 ** 53)).all():
+            frame[c] = frame[c].astype("Int64")  # inf % 1 is NaN: such a column stays float
     return frame.reset_index().to_csv(index=False, float_format="%.6g")
