@@ -4,9 +4,10 @@ quietly injects less than the file says.
 
 If a test here fails, a profile that could not do what it says was accepted: a spec without a
 rate (which injects nothing), a count that its lanes cut to a fraction, a pattern field its
-kind ignores, layers of a site outside the blocks, steps the run never reaches, or an empty
-profile ran as a faulty node that made no fault; or a typo crashed the run (exit 3) where it
-should have been named. Nothing here compiles a JAX program.
+kind ignores, layers of a site outside the blocks, an empty list of layers, lanes or tp
+ranks, steps the run never reaches, or an empty profile ran as a faulty node that made no
+fault; or a typo crashed the run (exit 3) where it should have been named. Nothing here
+compiles a JAX program.
 """
 
 import pytest
@@ -59,6 +60,18 @@ def _refused(path, *named):
     ("{site: fwd/attn, kind: zero, rate: 0.1, pattern: {kind: steps}}", ("pattern.steps",)),
     ("{site: 3, kind: zero, rate: 0.1}", ("site",)),  # was an AttributeError, exit 3
     ("{site: fwd/attn, kind: zero, rate: 0.1, note: [a]}", ("note",)),
+    # an empty list selects nothing: the spec never fired, and the run read as a faulty node
+    ("{site: fwd/attn, kind: zero, rate: 0.1, layers: []}", ("layers", "never fire")),
+    ("{site: fwd/ffn, kind: zero, rate: 0.1, lanes: []}", ("lanes", "never fire")),
+    ("{site: fwd/ffn, kind: zero, rate: 0.1, tp_ranks: []}", ("tp_ranks", "never fire")),
+    # misspellings and numbers out of range that docs/faults.md section 8 lists
+    ("{site: fwd/attn, kind: bitflip, rate: 0.1, bit_class: mantisa}", ("bit_class",)),
+    ("{site: fwd/attn, kind: zero, rate: 0.1, pattern: {kind: bursty}}", ("pattern.kind",)),
+    ("{site: fwd/attn, kind: zero, rate: -0.1}", ("rate", "[0, 1]")),
+    ("{site: fwd/attn, kind: zero, rate: 0.1, layers: [-1]}", ("layers", "-1")),
+    ("{site: fwd/attn, kind: zero, rate: 0.1, pattern: {kind: steps, steps: [0]}}",
+     ("pattern.steps", "at least 1")),
+    ("{site: fwd/attn, kind: zero, count: 0}", ("count", "at least 1")),
 ])
 def test_a_spec_that_could_not_do_what_it_says_is_one_sentence_naming_the_field(
         tmp_path, spec, named):
@@ -74,6 +87,7 @@ def test_a_spec_that_could_not_do_what_it_says_is_one_sentence_naming_the_field(
     ("name: mine\n", ("specs",)),
     (f"name: [a, b]\nspecs:\n  - {SPEC}\n", ("name", "text")),
     (f"name: mine\ndescription: {{a: 1}}\nspecs:\n  - {SPEC}\n", ("description", "text")),
+    (f"name: mine\nspec:\n  - {SPEC}\n", ("unknown profile field", "'spec'", "specs")),
 ])
 def test_a_profile_file_of_the_wrong_shape_says_what_it_needs(tmp_path, text, named):
     _refused(_file(tmp_path, text), *named)

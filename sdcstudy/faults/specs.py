@@ -138,6 +138,11 @@ class FaultSpec:
             raise FaultSpecError(f"{where}: bit_class must be one of {', '.join(BIT_CLASSES)}.")
         if self.bits is not None and not self.bits:
             raise FaultSpecError(f"{where}: bits must be a non-empty list of positions 0-31.")
+        for name, each in (("lanes", "lane"), ("layers", "block"), ("tp_ranks", "tp rank")):
+            if getattr(self, name) == ():  # it would select nothing: a spec that never fires
+                raise FaultSpecError(f"{where}: {name} is an empty list, so the spec would "
+                                     f"never fire; list at least one, or leave {name} out "
+                                     f"for every {each}.")
         lo, hi = self.scale
         if self.kind in ("scale", "additive") and not 0 < lo <= hi:
             raise FaultSpecError(f"{where}: scale must be [lo, hi] with 0 < lo <= hi.")
