@@ -38,3 +38,22 @@ def test_a_file_that_is_no_scorecard_is_one_sentence_and_exit_2(tmp_path, capsys
     assert len(err) == 1 and err[0].startswith(f"card_figures: {str(card)!r} ") and \
         says in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("card, figures", [("tiny", ("wcnts", "sites")), ("small", ("wcnts",))])
+def test_the_committed_row_figures_are_what_todays_code_draws_from_their_cards(tmp_path, card,
+                                                                              figures):
+    """docs/figures' reproduce-tiny-wcnts.png, reproduce-tiny-sites.png and
+    reproduce-small-wcnts.png are, pixel for pixel, what `card_figures` draws today from the
+    committed tiny.json and small.json (docs/reproduction.md). If this failed, the figures
+    code or the card moved without the figures: draw them again with the command there."""
+    from matplotlib import image
+
+    prefix = f"reproduce-{card}-"
+    assert CF.main([str(ROOT / "docs" / "scorecards" / f"{card}.json"), "--out", str(tmp_path),
+                    "--prefix", prefix]) == 0
+    for kind in figures:
+        name = prefix + CF.NAMES[kind]
+        drawn, committed = image.imread(tmp_path / name), image.imread(ROOT / "docs" /
+                                                                        "figures" / name)
+        assert drawn.shape == committed.shape and (drawn == committed).all(), name

@@ -297,7 +297,8 @@ def too_rare(entry: dict, expected: float, observed: int,
                 f"{MIN_EXPECTED:g}) allow")
     active = entry.get("active_steps")
     if active is not None and active < MIN_ACTIVE_STEPS:
-        return f"expected {g(active)} steps with bursts (fewer than {MIN_ACTIVE_STEPS:g})"
+        return (f"{observed} mismatches {where}, {g(expected)} expected, but in an expected "
+                f"{g(active)} steps with bursts (fewer than {MIN_ACTIVE_STEPS:g})")
     return None
 
 

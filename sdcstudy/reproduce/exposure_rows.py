@@ -95,6 +95,22 @@ def layer_pass_probability(spread: float | None = None, layers: int = PL.PAPER_L
                for e in (1 / spread, 1.0, spread))
 
 
+def site_band(published: float) -> tuple[float, float, float]:
+    """(lo, hi, the chance a correct model passes) of a Table 2 row at the paper's exposure
+    whose Table 2 value is `published` (`band_factors`, `pass_probability`)."""
+    lo_factor, hi_factor = band_factors()
+    return published * lo_factor, published * hi_factor, pass_probability(lo_factor, hi_factor)
+
+
+def layer_band(node: int, site: str) -> tuple[float, float] | None:
+    """(lo, hi) of a Tables 8-9 row at the paper's exposure: the paper's layer maxima at the
+    site widened by `LAYER_EXPOSURE_SPREAD` either way; None where the paper has none."""
+    maxima = PL.layer_values(PL.tables_for(site)[1], node, site)
+    if not maxima or max(maxima) == 0:
+        return None
+    return min(maxima) / LAYER_EXPOSURE_SPREAD, max(maxima) * LAYER_EXPOSURE_SPREAD
+
+
 def tail_fit(run, site: str) -> tuple[float, int, int]:
     """(c, units above the floor, units) of `site` in a lock-step run's mismatch rollup."""
     micro = run.mismatch_rollup.by_microstep
@@ -121,10 +137,8 @@ def rows(node: int, run) -> list[Row]:
             continue
         c, above, ours_units = tail_fit(run, site)
         quantity = QUANTITY.format(site=site)
-        lo_factor, hi_factor = band_factors()
-        lo, hi = published * lo_factor, published * hi_factor
+        lo, hi, chance = site_band(published)
         band = B.interval(lo, hi)
-        chance = pass_probability(lo_factor, hi_factor)
         if above < MIN_TAIL_UNITS:
             out.append(Row(node, "Table 2", quantity, published, None, None, band, B.TOO_RARE,
                            f"{above} of {ours_units} units above {FM.BULK_MAX:g}: too few to "
@@ -157,7 +171,7 @@ def layer_rows(node: int, run) -> list[Row]:
         if not maxima or not freqs or max(maxima) == 0:
             continue
         units = statistics.median(FM.paper_units(f) for f in freqs)
-        lo, hi = min(maxima) / LAYER_EXPOSURE_SPREAD, max(maxima) * LAYER_EXPOSURE_SPREAD
+        lo, hi = layer_band(node, site)
         quantity = f"{site} layer {layer}" + SUFFIX
         published = f"{B.interval(min(maxima), max(maxima))} over {PL.PAPER_LAYERS} layers"
         above = int(at["tail_n"])

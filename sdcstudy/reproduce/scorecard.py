@@ -57,6 +57,8 @@ PAPER_SCALE = (Path(__file__).resolve().parents[2] / "docs" / "scorecards" /
 LOW_CHANCE = 0.05  # a band a correct model passes less often than this decides nothing
 PAPER_ROWS = "fwd o flagged checks"  # the quantity of every row of Figure 10 at the paper's sizes
 PAPER_SCALE_COMMAND = "python -m sdcstudy.dev.figure10_entries --out docs/scorecards"
+# Why the row of a run that stopped (its loss non-finite) states no chance: it has no value.
+STOPPED_NO_CHANCE = "the run stopped before its last step, so it has no value to judge"
 
 
 def _rows_of(entry: dict, run) -> list[Row]:
@@ -129,7 +131,7 @@ def build(plan: list[dict], runs: dict, stopped: dict | None = None,
         name, node = entry["name"], entry["node"]
         if name in stopped:
             rows += [Row(node, source, "-", None, None, None, "-", "fail",
-                         f"the run stopped: {stopped[name]}",
+                         f"the run stopped: {stopped[name]}{PC.NO_CHANCE}{STOPPED_NO_CHANCE}",
                          role=B.role(node, source, _model(entry)))
                      for source in SOURCES[entry["mode"]]]
         elif runs.get(name) is None:
