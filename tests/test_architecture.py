@@ -2,7 +2,9 @@
 `sdcstudy.report` none either (features contribute their report sections through the mode
 registry), no two modules import each other (directly or through others, imports inside
 functions included), no module is over 400 lines and at most 10 modules sit directly in
-`sdcstudy/`.
+`sdcstudy/`; docs/architecture.md's layer diagram is that import graph (each arrow an import,
+each import between its boxes an arrow) and its folder table names every subpackage and only
+modules that exist; every registered mode is a `Mode` class and the runner names none.
 
 Each check is a function of a source tree, so the tests below also plant a cycle, a
 core-to-feature and a report-to-feature import in a copy and show that the checks catch them
@@ -13,6 +15,7 @@ keep.
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 from pathlib import Path
 
@@ -444,3 +447,123 @@ def test_the_core_step_runs_features_it_has_never_heard_of_in_install_order():
     np.testing.assert_array_equal(grads["w"], expected)
     np.testing.assert_array_equal(features[0].update, -expected)
     np.testing.assert_array_equal(new_state["params"]["w"], np.float32(1) - expected)
+
+
+# --- docs/architecture.md's layer diagram is the import graph ------------------------------------
+
+DOC = PACKAGE.parent / "docs" / "architecture.md"
+# Diagram nodes that are not one subpackage each: the command line's box holds the modules
+# directly in sdcstudy/ (features.py aside), `registry` is modes/__init__.py, `modes` the mode
+# classes beside it, `stepfeatures` sdcstudy/features.py.
+TOP_LEVEL_NODE, ARROW = "cli", re.compile(r"^\s*(\w+)\s*(-->|-\.->)\s*(?:\|[^|]*\|\s*)?(\w+)\s*$")
+
+
+def diagram(text: str) -> tuple[dict[str, set[str]], set[tuple[str, str]], set[tuple[str, str]]]:
+    """The layer diagram of docs/architecture.md (its first mermaid block): each subgraph and
+    the nodes in it, the import arrows (`-->`) and the by-name arrows (`-.->`)."""
+    block = text.split("```mermaid", 1)[1].split("```", 1)[0]
+    groups: dict[str, set[str]] = {}
+    imports, by_name, inside = set(), set(), None
+    for line in block.splitlines():
+        if match := re.match(r"^\s*subgraph (\w+)", line):
+            inside = match.group(1)
+            groups[inside] = set()
+        elif line.strip() == "end":
+            inside = None
+        elif match := ARROW.match(line):
+            (imports if match.group(2) == "-->" else by_name).add(
+                (match.group(1), match.group(3)))
+        elif inside and (match := re.match(r"^\s*(\w+)\[", line)):
+            groups[inside].add(match.group(1))
+    return groups, imports, by_name
+
+
+def node_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1 or (len(parts) == 2 and parts[1] not in ("features", "modes")):
+        return TOP_LEVEL_NODE  # the package itself and the modules directly in it
+    return {"features": "stepfeatures", "modes": "registry" if len(parts) == 2 else "modes"}.get(
+        parts[1], parts[1])
+
+
+def diagram_problems(graph: dict[str, set[str]], text: str) -> list[str]:
+    """Arrows of the diagram that are no import, imports between its nodes that no arrow
+    shows (a subgraph's arrow stands for an arrow from or to each node in it), and
+    subpackages it lacks."""
+    groups, imports, by_name = diagram(text)
+    expand = lambda node: groups.get(node, {node})  # noqa: E731
+    edges = {(node_of(m), node_of(d)) for m, deps in graph.items() for d in deps
+             if node_of(m) != node_of(d)}
+    shown = {(a, b) for x, y in imports for a in expand(x) for b in expand(y)}
+    nodes = set().union(*groups.values(), *imports, *by_name)
+    packages = {node_of(m) for m in graph}
+    return ([f"the arrow {x} --> {y} is no import" for x, y in sorted(imports)
+             if not {(a, b) for a in expand(x) for b in expand(y)} & edges] +
+            [f"{a} imports {b}, which no arrow shows" for a, b in sorted(edges - shown)] +
+            [f"no node for {p}" for p in sorted(packages - nodes)])
+
+
+def test_the_layer_diagram_is_the_import_graph():
+    """docs/architecture.md: "Every arrow is an import between subpackages": each arrow of the
+    diagram is one, every import between two of its boxes has its arrow, every subpackage its
+    box; the registry's by-name arrow leads to the mode classes it names."""
+    assert diagram_problems(import_graph(), DOC.read_text()) == []
+    _, _, by_name = diagram(DOC.read_text())
+    assert by_name == {("registry", "modes")}
+
+
+def test_a_planted_import_or_arrow_the_diagram_lacks_is_named(copy):
+    text = DOC.read_text()
+    _append(copy / "fleet" / "montecarlo.py", "from sdcstudy.golden import record")
+    assert diagram_problems(import_graph(copy), text) == [
+        "fleet imports golden, which no arrow shows"]
+    planted = text.replace("    cli --> fleet\n", "    cli --> fleet\n    fleet --> golden\n"
+                                                  "    fleet --> paft\n", 1)
+    assert diagram_problems(import_graph(copy), planted) == [
+        "the arrow fleet --> paft is no import"]
+
+
+def test_each_subpackage_has_its_row_and_each_module_named_there_exists():
+    """The folder table of docs/architecture.md: a row per subpackage; every lowercase `name`
+    a row gives is a module of its folder (words that name a function say so in
+    `NOT_MODULES`); and `core/`'s row names every module of core."""
+    text = DOC.read_text()
+    rows = dict(re.findall(r"^\| `(\w+)/` \| (.*) \|$", text, re.M))
+    assert set(rows) == {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    named = {(folder, name) for folder, row in rows.items()
+             for name in re.findall(r"`([a-z_0-9]+)`", row)}
+    assert sorted(f"{folder}/{name}" for folder, name in named - NOT_MODULES
+                  if not (PACKAGE / folder / f"{name}.py").is_file()) == []
+    core = {p.stem for p in (PACKAGE / "core").glob("*.py")} - {"__init__"}
+    assert sorted(core - {name for folder, name in named if folder == "core"}) == []
+
+
+NOT_MODULES = {("faults", "fold_in")}  # a row's words in backticks that name no module
+
+
+def mode_names_in_runner(root: Path = PACKAGE) -> set[str]:
+    """The registered modes' names (`REGISTRY`'s keys, read from the source) that the runner
+    spells out: a branch on a mode's name."""
+    tree = ast.parse((root / "modes" / "__init__.py").read_text())
+    names = {key.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
+             and any(getattr(t, "id", None) == "REGISTRY" for t in node.targets)
+             for key in node.value.keys}
+    return {node.value for node in ast.walk(ast.parse((root / "runner.py").read_text()))
+            if isinstance(node, ast.Constant) and node.value in names}
+
+
+def test_every_registered_mode_is_a_mode_class_and_the_runner_names_none():
+    """"`experiment.mode` names a class in REGISTRY; each subclasses modes.base.Mode", and
+    "the runner calls only these; it has no branch on a mode's name"."""
+    from sdcstudy import modes
+    from sdcstudy.modes.base import Mode
+
+    for name in modes.REGISTRY:
+        cls = modes.get(name)
+        assert issubclass(cls, Mode) and cls.name == name, name
+    assert mode_names_in_runner() == set()
+
+
+def test_a_planted_branch_on_a_mode_name_in_the_runner_is_found(copy):
+    _append(copy / "runner.py", 'if cfg.experiment.mode == "paft": pass')
+    assert mode_names_in_runner(copy) == {"paft"}

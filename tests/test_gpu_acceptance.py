@@ -132,6 +132,41 @@ def test_refusals_before_the_gpu_probe(tmp_path, capsys, monkeypatch, args, says
     assert not (tmp_path / "acc").exists()
 
 
+def test_the_outputs_refused_in_out_are_every_file_a_run_writes_there():
+    assert set(GA.OUTPUTS) == {GS.RESULT, GS.TABLE, GS.LOG, GS.HLO, GGC.KEPT}
+
+
+@pytest.mark.parametrize("name", ["gpu_acceptance.json", "gpu_acceptance.log",
+                                  "gpu_acceptance_hlo.tar.gz", "golden-record-tiny.tar.gz"])
+def test_an_out_holding_an_earlier_runs_file_is_refused_and_left_as_it_is(
+        tmp_path, capsys, monkeypatch, name):
+    """A run cut short (a window's end) leaves its log, or its packed record, before its JSON:
+    a second run into the same --out must not append to that log or replace the record."""
+    out = tmp_path / "acc"
+    out.mkdir()
+    (out / name).write_text("earlier")
+    code, stdout, err = in_process(capsys, monkeypatch, "--out", str(out))
+    assert code == 2 and stdout == ""
+    assert one_sentence(err) == (f"sdcstudy: error: {out / name} already exists; choose "
+                                 f"another --out.")
+    assert [p.name for p in out.iterdir()] == [name] and (out / name).read_text() == "earlier"
+
+
+def test_a_work_folder_in_use_or_an_out_that_is_a_file_is_refused(tmp_path, capsys,
+                                                                  monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "doctor.json").write_text("mine")
+    code, _, err = in_process(capsys, monkeypatch, "--out", str(tmp_path / "acc"), "--work",
+                              str(work))
+    assert code == 2 and one_sentence(err).endswith(f"--work {work} is not empty; choose a "
+                                                    f"new folder.")
+    assert (work / "doctor.json").read_text() == "mine" and not (tmp_path / "acc").exists()
+    (tmp_path / "file").write_text("mine")
+    code, _, err = in_process(capsys, monkeypatch, "--out", str(tmp_path / "file"))
+    assert code == 2 and "is a file, not a folder." in one_sentence(err)
+
+
 def test_device_peak_follows_the_kind_and_dtype():
     """MFU is only as right as the peak under it: bfloat16 against the tensor cores' dense
     bfloat16 peak, float32 against the plain float32 units unless a float32 matmul measured

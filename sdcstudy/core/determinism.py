@@ -169,11 +169,22 @@ def flags_deciding_bits(flags) -> str:
                            if f.partition("=")[0] not in WAIT_XLA_FLAGS))
 
 
+def bool_flag(flags: str, name: str) -> bool:
+    """Whether an XLA_FLAGS string sets the boolean flag `name` true, as XLA reads it: the
+    last one of that name wins, and a bare `--name` (no value) is true (measured with jaxlib
+    0.10.2: the debug options XLA dumps say so; tests/test_gpu_promises.py)."""
+    on = False
+    for flag in flags.split():
+        key, equals, text = flag.partition("=")
+        if key == name:
+            on = not equals or text.lower() in ("true", "1")
+    return on
+
+
 def determinism_on(flags: str) -> bool:
     """Whether an XLA_FLAGS string turns on either determinism flag (`configure` adds both
     unless the environment names them)."""
-    return any((flag_value(flags, flag.partition("=")[0]) or "").lower() in ("true", "1")
-               for flag in DETERMINISM_XLA_FLAGS)
+    return any(bool_flag(flags, flag.partition("=")[0]) for flag in DETERMINISM_XLA_FLAGS)
 
 
 def version_tuple(version: str) -> tuple[int, ...]:

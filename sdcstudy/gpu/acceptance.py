@@ -52,10 +52,11 @@ SKIPPED on one GPU: a pair is two devices; ABFT on, and with recomputation): sta
 Results: DIR/gpu_acceptance.json (each check's verdict and figures, the device's state,
 versions, wall time; rewritten after every check), DIR/gpu_acceptance.txt (the short table),
 DIR/gpu_acceptance.log (every command's output) and DIR/gpu_acceptance_hlo.tar.gz (each bench
-train step's optimized HLO). Exit 0 every check passed; 1 one failed (FAIL); 3 none failed and
-one could not measure, its child crashed or wrote nothing (COULD NOT RUN: ERROR is never a FAIL);
-2 one was skipped (INCOMPLETE), bad arguments or no usable GPU. JAX is only ever imported in
-child processes.
+train step's optimized HLO); an --out holding any of these, or the record `golden_other_machine`
+packs, is refused before anything runs, as is a --work that is not empty. Exit 0 every check
+passed; 1 one failed (FAIL); 3 none failed and one could not measure, its child crashed or
+wrote nothing (COULD NOT RUN: ERROR is never a FAIL); 2 one was skipped (INCOMPLETE), bad
+arguments or no usable GPU. JAX is only ever imported in child processes.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ FULL_CHECKS = ("doctor", "bench_medium_bfloat16_tuned", "bench_medium_bfloat16_p
 QUICK_CHECKS = ("golden_full", "fingerprint", "golden_other_machine", "attention_repeat",
                 "fault_draws", "free_step", "fault_engine_cost", "paired_cost", "abft_overhead",
                 "bench_8b16l_bfloat16", "fault_engine_cost_graphs", "device_health")
+# What a run writes into --out (session.py's files, golden_checks.py's KEPT): none may be there.
+OUTPUTS = ("gpu_acceptance.json", "gpu_acceptance.txt", "gpu_acceptance.log",
+           "gpu_acceptance_hlo.tar.gz", "golden-record-tiny.tar.gz")
 PROBE = ("import json, jax; d = jax.devices()[0]; print(json.dumps({'backend': "
          "jax.default_backend(), 'device_kind': d.device_kind, 'device_count': "
          "jax.device_count()}))")
@@ -122,9 +126,9 @@ def check_arguments(args) -> None:
         raise UserError(f"--budget must be at least 60 seconds, not {args.budget}.")
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a folder.")
-    if (args.out / "gpu_acceptance.json").exists():
-        raise UserError(f"{args.out / 'gpu_acceptance.json'} already exists; choose another "
-                        f"--out.")
+    taken = [args.out / name for name in OUTPUTS if (args.out / name).exists()]
+    if taken:  # an earlier acceptance's results (a run cut short leaves its log): keep them
+        raise UserError(f"{taken[0]} already exists; choose another --out.")
     if args.work is not None and args.work.exists() and any(args.work.iterdir()):
         raise UserError(f"--work {args.work} is not empty; choose a new folder.")
     args.checks = checks_to_run(args)

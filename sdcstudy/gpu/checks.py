@@ -250,8 +250,8 @@ class Acceptance(GoldenChecks, FreeStepChecks):
     def attention_repeat(self) -> dict:
         """The tiny training in bfloat16 with fused attention (cuDNN on a GPU: head dim 16;
         where cuDNN's cannot launch under the flags, the Pallas kernels) twice, in two
-        processes: the same final parameters, bit for bit (the doctor trains in float32 with
-        unfused attention)."""
+        processes: the same final parameters, bit for bit (the doctor trains in float32, where
+        `auto` runs XLA's composition of attention on a GPU)."""
         attention = "pallas" if cudnn_fails_here() else "fused"
         runs, digests = [], []
         for i in (1, 2):
