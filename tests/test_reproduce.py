@@ -716,7 +716,7 @@ class FakeRunner:
             kwargs["abft"] = abft_rows(steps, 2, 1, lambda st, *key: node == 14 and st % 2)
         write_run(Path(out_dir), mode=mode, profile=profile, metrics=metrics,
                   summary={"faults/landed": steps}, config=C.to_dict(cfg), **kwargs)
-        (Path(out_dir) / RF.CHECKPOINTS / str(steps)).mkdir(parents=True)  # as a run keeps one
+        (Path(out_dir) / RF.CHECKPOINTS / str(steps)).mkdir(parents=True, exist_ok=True)  # as runs do
         return {"run_dir": str(out_dir)}
 
 

@@ -64,17 +64,20 @@ def add_common_args(p: argparse.ArgumentParser, suite: str | None, repeats: int 
                    help="draw each overhead ratio against the parameter count here")
 
 
-def plot(args, report: dict) -> None:
-    """The overhead figure when `--plot` asks for it."""
+def plot(args, report: dict) -> Path | None:
+    """The overhead figure when `--plot` asks for it: the path written (`publish`), or None."""
     if getattr(args, "plot", None) is None:
-        return
+        return None
     from sdcstudy.bench.plot import overhead_figure
+    from sdcstudy.core import reports
 
-    if overhead_figure(report, args.plot) is None:
+    written = reports.publish(args.plot, lambda tmp: overhead_figure(report, tmp))
+    if written is None:
         echo_stderr(f"no overhead ratio to plot, so {args.plot} was not written (the train "
                     f"suite measures a speed-up).")
     else:
-        echo_stderr(f"figure: {args.plot}")
+        echo_stderr(f"figure: {written}")
+    return written
 
 
 def contenders(n: int) -> str:
@@ -219,18 +222,30 @@ def finish(args, suite: str, results: list[dict], table: str, goals: list[dict] 
 
 
 def write(args, report: dict, table: str) -> None:
-    """The JSON and Markdown files (atomically) and the figure, where the options ask; a file
-    that cannot be written ends the command with one sentence naming it (exit 3)."""
+    """The JSON and Markdown files (atomically) and the figure, where the options ask, each a new
+    file (`publish`); a file that cannot be written, or that had to take another name, ends
+    the command with one sentence naming it (exit 3)."""
     from sdcstudy.core import reports
     from sdcstudy.core import runfolder as RF
+    from sdcstudy.core.errors import ReportWriteError
 
+    def text(content: str):
+        return lambda tmp: RF.atomic_write_text(tmp, content) or tmp
+
+    written = {}
     if args.json is not None:
         with reports.writing(args.json, "benchmark file"):
-            RF.atomic_write_json(args.json, {**report, "command": command(args)})
+            written["json"] = reports.publish(args.json, text(
+                RF.dumps({**report, "command": command(args)}) + "\n"))
     if args.markdown is not None:
         with reports.writing(args.markdown, "benchmark file"):
-            RF.atomic_write_text(args.markdown, table)
-    plot(args, report)
+            written["markdown"] = reports.publish(args.markdown, text(table))
+    written["plot"] = plot(args, report)
+    moved = [f"--{option} {str(getattr(args, option))!r} appeared while measuring and is kept; "
+             f"this command's file is {str(path)!r}" for option, path in written.items()
+             if path is not None and path != Path(getattr(args, option))]
+    if moved:  # a script reading the name it gave must not read another command's file
+        raise ReportWriteError("; ".join(moved) + ".")
 
 
 def run_suite(args, suite: str, measure, table, check=None, goals=None, **extra) -> int:

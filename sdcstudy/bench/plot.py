@@ -122,27 +122,32 @@ def add_parser(sub) -> None:
 
 
 def run_plot(args) -> int:
+    from sdcstudy.core import reports as RP
     from sdcstudy.core import runfolder as RF
-
-    from sdcstudy.core import reports
+    from sdcstudy.core.errors import ReportWriteError
 
     if args.out.exists():  # a figure already there is kept
         raise UserError(f"--out {str(args.out)!r} already exists; sdcstudy bench plot does not "
                         f"overwrite it: remove it or give a new file name.")
-    reports.check_writable(args.out, args.out.parent, "figure")
-    reports = []
+    RP.check_writable(args.out, args.out.parent, "figure")
+    results = []
     for path in args.json_files:
         if not path.is_file():
             raise UserError(f"bench result {str(path)!r} does not exist; give a file written "
                             f"by `sdcstudy bench ... --json`.")
         try:
-            reports.append(RF.json_load(path))
+            results.append(RF.json_load(path))
         except ValueError:
             raise UserError(f"bench result {str(path)!r} is not valid JSON.")
-        suites_of(reports[-1], f"bench result {str(path)!r}")
-    if overhead_figure(reports, args.out) is None:
+        suites_of(results[-1], f"bench result {str(path)!r}")
+    with RP.writing(args.out, "figure"):
+        written = RP.publish(args.out, lambda tmp: overhead_figure(results, tmp))
+    if written is None:
         raise UserError("the bench results hold no overhead ratio to plot (the train suite "
                         "measures a speed-up); give results of faults, abft, paired, collectives, "
                         "paft or detect.")
-    print(f"figure: {args.out}")
+    if written != args.out:  # kept, as an --out there at the start would have been
+        raise ReportWriteError(f"--out {str(args.out)!r} appeared while drawing and is kept; "
+                               f"this figure is {str(written)!r}.")
+    print(f"figure: {written}")
     return 0

@@ -15,6 +15,7 @@ Imports no JAX.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -120,3 +121,36 @@ def save_png(fig, path: Path, **savefig_options) -> Path:
             tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def publish(path: Path, make) -> Path | None:
+    """Write the new file `path` through `make(tmp)`, which writes a hidden temporary file beside
+    it and returns None when it has nothing to write; the path written, or None. A file at
+    `path` is never replaced: one that appeared after the command checked its outputs (another
+    command given the same name while this one measured, as `sdcstudy bench` does) is kept, and
+    this file goes to the first free `NAME-2.EXT`, `NAME-3.EXT`, ... (a hard link makes taking
+    the name and writing it one step; where the file system has none, the name is taken only
+    if it is still free)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        try:
+            if make(tmp) is None:
+                return None
+        except ReportWriteError as error:  # it names the temporary file: name the user's
+            raise ReportWriteError(str(error).replace(str(tmp), str(path))) from error
+        for n in itertools.count(1):
+            target = path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+            try:
+                os.link(tmp, target)
+                return target
+            except FileExistsError:
+                continue
+            except OSError:  # no hard links here
+                if target.exists() or target.is_symlink():
+                    continue
+                os.replace(tmp, target)
+                return target
+    finally:
+        tmp.unlink(missing_ok=True)

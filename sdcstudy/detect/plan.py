@@ -98,6 +98,11 @@ def validate(cfg) -> None:
     if d.rollback and d.advance != "primary":
         raise ConfigError("detect.rollback re-runs steps trained on what the ranks computed; "
                           "set detect.advance=primary with it.")
+    if cfg.abft.enabled and "abft" not in parse_detectors(d.detectors):
+        # The detect step checks its matmuls only as the abft detector: left alone, the key
+        # would be ignored and the run would read as one with ABFT.
+        raise ConfigError("experiment.mode detect runs ABFT only as its abft detector; add "
+                          "abft to detect.detectors, or set abft.enabled false.")
     if d.spike_window < 1 or d.max_retries < 0:
         raise ConfigError("detect.spike_window must be at least 1 and detect.max_retries at "
                           "least 0.")

@@ -3,6 +3,7 @@ wrong (noise, packet loss), with PAFT's periodic parameter averaging against it.
 
 from __future__ import annotations
 
+from sdcstudy.core.errors import UserError
 from sdcstudy.modes.base import Mode
 from sdcstudy.paft.checks import check_config
 from sdcstudy.paft.trainer import PaftTrainer
@@ -22,6 +23,9 @@ class PaftMode(Mode):
     @classmethod
     def check(cls, cfg) -> None:
         check_config(cfg)
+        if cfg.abft.enabled:  # the workers' step has no checksummed matmuls: never ignored
+            raise UserError("experiment.mode paft does not run ABFT (its workers' step has no "
+                            "checksummed matmuls); set abft.enabled false.")
 
     def build(self):
         return PaftTrainer.from_config(self.cfg)
