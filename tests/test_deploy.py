@@ -51,9 +51,13 @@ PASS_REPORT = {"verdict": "PASS", "exit_code": 0,
 REPORTS = {0: PASS_REPORT, 1: FAIL_REPORT, 2: INCONCLUSIVE_REPORT}
 
 FAKE_SDCSTUDY = f"""#!/bin/bash
-# Records its arguments, copies $FAKE_REPORT to the --json path, says $FAKE_STDERR on stderr,
+# Records its arguments, prints the verdict line $FAKE_VERDICT as `golden check|quorum` prints
+# it (before any report), copies $FAKE_REPORT to the --json path, says $FAKE_STDERR on stderr,
 # exits $FAKE_RC.
 {{ printf '%s{SEP}' "$@"; echo; }} >> "$FAKE_LOG/sdcstudy.calls"
+if [ -n "${{FAKE_VERDICT:-}}" ]; then
+    echo "golden $2 $FAKE_VERDICT: 3 device(s), 2 not PASS, 13.1 s wall time"
+fi
 if [ -n "${{FAKE_STDERR:-}}" ]; then echo "$FAKE_STDERR" >&2; fi
 json=""
 while [ $# -gt 0 ]; do
@@ -104,6 +108,8 @@ class Fakes:
             path = self.root / "fixture.json"
             path.write_text(json.dumps(report))
             env["FAKE_REPORT"] = str(path)
+            if report.get("devices"):  # a refused record prints no verdict line, only stderr
+                env["FAKE_VERDICT"] = report["verdict"]
         return {**env, **extra}
 
 
@@ -213,8 +219,9 @@ def test_fail_reason_without_jq(fakes, reader):
 
 
 def test_fail_without_a_report_still_drains(fakes):
-    """A FAIL whose JSON was never written still drains: the exit code decides, not the file."""
-    result = run_slurm(fakes, 1, report=None)
+    """A FAIL whose JSON was never written (the verdict is printed before the report, and an
+    unwritable report keeps the verdict's code) still drains."""
+    result = run_slurm(fakes, 1, report=None, FAKE_VERDICT="FAIL")
     assert result.returncode == 1
     (call,) = fakes.calls("scontrol")
     assert call[3].startswith("Reason=sdcstudy golden FAIL: exit 1, no readable report")
@@ -287,6 +294,8 @@ def test_missing_command_is_an_error_and_never_drains(fakes):
     assert any("ERROR (exit 127" in message for message in alerts(fakes))
 
 
+TRACEBACK = ("Traceback (most recent call last):\n  File \"/opt/sdcstudy/bin/sdcstudy\", line 5"
+             "\nModuleNotFoundError: No module named 'yaml'")
 CRASH = ("sdcstudy: error: could not run: RuntimeError: Unable to initialize backend 'cuda' (a "
          "bug or a broken environment, not a verdict on the hardware; set SDCSTUDY_TRACEBACK=1 "
          "for the traceback)")
@@ -500,6 +509,8 @@ def scenario(row: dict[str, str]) -> tuple[int, dict[str, str]]:
     """The fake's exit code and the settings a README row describes."""
     rc = int(re.match(r"\d+", row["check exit"]).group())
     settings = {}
+    if "without a FAIL verdict" in row["check exit"]:  # a Python stopped before sdcstudy ran
+        settings.update(FAKE_REPORT="", FAKE_VERDICT="", FAKE_STDERR=TRACEBACK)
     if "SDC_DRAIN_ON_INCONCLUSIVE=1" in row["check exit"]:
         settings["SDC_DRAIN_ON_INCONCLUSIVE"] = "1"
     if rc == 124:  # a real timeout, not a fake exit code
@@ -509,8 +520,9 @@ def scenario(row: dict[str, str]) -> tuple[int, dict[str, str]]:
 
 def test_readme_table_covers_every_case():
     """The table has a row for PASS, FAIL, INCONCLUSIVE and could-not-run (3, with and without
-    the drain switch), a timeout, a missing command and a signal, so the two tests below run
-    every case."""
+    the drain switch), a timeout, a missing command, a signal and an exit 1 that is a crash, so
+    the two tests below run every case."""
+    assert any(scenario(row)[1].get("FAKE_STDERR") == TRACEBACK for row in readme_table())
     cases = {scenario(row)[0] for row in readme_table()}
     drain_switch = {scenario(row)[0] for row in readme_table()
                     if "SDC_DRAIN_ON_INCONCLUSIVE=1" in row["check exit"]}

@@ -9,6 +9,10 @@
 # every N-th run of the plan from the I-th (I counts from the array's first index, N is the
 # array's task count), and adds --resume when that folder already holds a reproduce
 # manifest, so a requeued or preempted task keeps its finished runs and continues the others.
+# The array must be one range (--array=A-B, a %M limit allowed): in an array of other indices
+# (--array=0,2,4, or --array=3,5 to run two failed shards again) the tasks would number the
+# shards anew and run other runs than the shards they stand for, so the task refuses (exit 2).
+# To run failed shards again, requeue their tasks (scontrol requeue JOBID_I): the array stays.
 # `merge` (not an array task) runs `sdcstudy reproduce --merge $SDC_OUT/shard-*-of-N --out
 # $SDC_OUT/scorecard`; afterany lets it score whatever the shards finished (the runs of a
 # failed shard show as "not run"). Both exit with sdcstudy's exit code.
@@ -78,7 +82,14 @@ count=${SDC_SHARDS:-${SLURM_ARRAY_TASK_COUNT:-}}
 if [ -z "$task" ] || [ -z "$count" ]; then
     fail "not a Slurm array task (no SLURM_ARRAY_TASK_ID); submit with sbatch --array=0-N."
 fi
-index=$((task - ${SLURM_ARRAY_TASK_MIN:-0}))
+first=${SLURM_ARRAY_TASK_MIN:-0}
+last=${SLURM_ARRAY_TASK_MAX:-}
+tasks=${SLURM_ARRAY_TASK_COUNT:-}
+if [ -n "$last" ] && [ -n "$tasks" ] && [ $((last - first + 1)) -ne "$tasks" ]; then
+    fail "the array's $tasks tasks are not the one range $first-$last, so task $task cannot \
+tell which shard it is; submit --array=A-B, and requeue failed tasks (scontrol requeue)."
+fi
+index=$((task - first))
 out="$SDC_OUT/shard-$index-of-$count"
 
 args=(reproduce --preset "$SDC_PRESET" --nodes "$SDC_NODES" --shard "$index/$count"

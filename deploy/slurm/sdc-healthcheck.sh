@@ -5,11 +5,13 @@
 # accelerator against the golden record of this node's software stack, refused unless it is
 # the record whose manifest SHA-256 the fleet kept) and acts on its exit code, as the table in
 # `decide` below and in deploy/README.md says: 0 PASS is logged; 1 FAIL (bits were compared and
-# differ) drains the node with the first difference as the reason and exits 1; 2 INCONCLUSIVE
-# is logged, or drains the node too when SDC_DRAIN_ON_INCONCLUSIVE=1; anything else is ERROR,
-# the check could not run or could not report (3, 124 timeout, 126/127 command not runnable,
-# 130/143 interrupted, 137 killed, a crash): logged as an alert and sent to SDC_ALERT_CMD,
-# never a drain, exit 0. The script never resumes a node: a node that failed once may have a
+# differ, and the check printed its FAIL verdict) drains the node with the first difference as
+# the reason and exits 1; 2 INCONCLUSIVE is logged, or drains the node too when
+# SDC_DRAIN_ON_INCONCLUSIVE=1; anything else is ERROR, the check could not run or could not
+# report (3, 124 timeout, 126/127 command not runnable, 130/143 interrupted, 137 killed, 1
+# without a FAIL verdict: a Python that stopped on an error before sdcstudy could report, a
+# log that could not be opened): logged as an alert and sent to SDC_ALERT_CMD, never a drain,
+# exit 0. The script never resumes a node: a node that failed once may have a
 # mercurial core, so a person runs `scontrol update NodeName=... State=RESUME`.
 #
 # Install as `Prolog=` (before every job; a non-zero exit keeps the job off this node) or as
@@ -31,9 +33,12 @@
 #   SDC_EXPECT_SHA_FILE  holds it, beside the stack id where the golden folder's writers
 #                      cannot change it (default /etc/sdcstudy/golden-sha256)
 #   SDC_QUORUM_CONFIG  with SDC_MODE=quorum: the workload config (default: the built-in one)
-#   SDC_REPORT_DIR     JSON, JUnit and log of each check (default /var/log/sdcstudy)
-#   SDC_TIMEOUT        seconds before the check is stopped and counted INCONCLUSIVE
-#                      (default 600; 0 = no limit)
+#   SDC_REPORT_DIR     JSON, JUnit and log of each check (default /var/log/sdcstudy; where no
+#                      file can be made there, a new folder in $TMPDIR or /tmp, with a warning;
+#                      where neither can be written, the check is not run: ERROR)
+#   SDC_TIMEOUT        seconds before the check is stopped and counted ERROR (exit 124)
+#                      (default 600; 0 = no limit; no limit either, with a warning, where
+#                      there is no `timeout` command)
 #   SDC_EXTRA_ARGS     more arguments for the check, split on spaces (e.g. "--repeat 3")
 #   SDC_DRAIN_ON_INCONCLUSIVE  1 = drain on INCONCLUSIVE (exit 2) too (default 0); never on
 #                      ERROR
@@ -132,25 +137,47 @@ drain() {  # REASON
 
 # --- run the check ----------------------------------------------------------------------------
 
+why=""   # set when the check could not even start
 stamp=$(date +%Y%m%dT%H%M%S)
-mkdir -p "$SDC_REPORT_DIR" 2>/dev/null || SDC_REPORT_DIR=$(mktemp -d "/tmp/$TAG.XXXXXX")
+
+writable() {  # DIR: DIR exists (made if need be) and this check's log can be made in it
+    { mkdir -p "$1" && : >"$1/golden-$stamp-$$.log"; } 2>/dev/null
+}
+
+# Where the log cannot be opened, bash does not run the check and its exit is 1, which must
+# not pass for a FAIL: another folder, or no check at all (ERROR).
+if ! writable "$SDC_REPORT_DIR"; then
+    wanted=$SDC_REPORT_DIR
+    SDC_REPORT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/$TAG.XXXXXX" 2>/dev/null) || SDC_REPORT_DIR=""
+    if [ -n "$SDC_REPORT_DIR" ] && writable "$SDC_REPORT_DIR"; then
+        log warning "cannot write in $wanted: this check's files are in $SDC_REPORT_DIR"
+    else
+        why="no folder to write the check's log in ($wanted, nor a new one in ${TMPDIR:-/tmp})"
+        SDC_REPORT_DIR=$wanted
+    fi
+fi
 base="$SDC_REPORT_DIR/golden-$stamp-$$"
 REPORT="$base.json"
 read -r -a sdc_cmd <<<"$SDC_CMD"
 read -r -a extra_args <<<"$SDC_EXTRA_ARGS"
 limit=()
-if [ "$SDC_TIMEOUT" != 0 ] && command -v timeout >/dev/null 2>&1; then
-    limit=(timeout -k 30 "$SDC_TIMEOUT")
+if [ "$SDC_TIMEOUT" != 0 ]; then
+    if command -v timeout >/dev/null 2>&1; then
+        limit=(timeout -k 30 "$SDC_TIMEOUT")
+    else
+        log warning "no timeout command: SDC_TIMEOUT=$SDC_TIMEOUT is not applied"
+    fi
 fi
 
-why=""   # set when the check could not even start
 case "$SDC_MODE" in
     check)
         if [ -z "$SDC_GOLDEN" ]; then
-            if [ -r "$SDC_STACK_ID_FILE" ]; then
-                SDC_GOLDEN="$SDC_GOLDEN_ROOT/$(tr -d '[:space:]' <"$SDC_STACK_ID_FILE")"
+            stack_id=$( { tr -d '[:space:]' <"$SDC_STACK_ID_FILE"; } 2>/dev/null )
+            if [ -n "$stack_id" ]; then
+                SDC_GOLDEN="$SDC_GOLDEN_ROOT/$stack_id"
             else
-                why="no golden record: SDC_GOLDEN is unset and $SDC_STACK_ID_FILE is unreadable"
+                why="no golden record: SDC_GOLDEN is unset and $SDC_STACK_ID_FILE is \
+unreadable or empty"
             fi
         fi
         if [ -z "$SDC_EXPECT_SHA" ] && [ -r "$SDC_EXPECT_SHA_FILE" ]; then
@@ -183,8 +210,16 @@ fi
 # Keep deploy/README.md's table in step with this one (tests/test_deploy.py compares them).
 
 # Only 1 (bits compared and different) drains, and 2 when asked: a check that could not run
-# or report (3, a timeout, a crash, a signal) says nothing about the hardware.
-case "$rc:$SDC_DRAIN_ON_INCONCLUSIVE" in
+# or report (3, a timeout, a crash, a signal) says nothing about the hardware. And 1 only with
+# the check's FAIL verdict, printed before any report file is written (or a FAIL row in its
+# report): a Python stopped by an error before sdcstudy's own handler (a broken install,
+# "No module named ...") also exits 1, and that is a crash.
+code=$rc
+if [ "$rc" = 1 ] && ! grep -Eq 'golden (check|quorum) FAIL: ' "$base.log" 2>/dev/null \
+        && [ -z "$(describe FAIL)" ]; then
+    code=crash
+fi
+case "$code:$SDC_DRAIN_ON_INCONCLUSIVE" in
     0:*) verdict=PASS;         action=log;   status=0 ;;
     1:*) verdict=FAIL;         action=drain; status=1 ;;
     2:1) verdict=INCONCLUSIVE; action=drain; status=2 ;;
@@ -193,12 +228,17 @@ case "$rc:$SDC_DRAIN_ON_INCONCLUSIVE" in
 esac
 
 if [ -z "$why" ]; then
-    case "$rc" in
+    case "$code" in
         0)       why="every device passed" ;;
         124)     why="the check did not finish within $SDC_TIMEOUT s" ;;
         137)     why="the check was killed (timeout or out of memory; see $base.log)" ;;
         126|127) why="could not run '${sdc_cmd[*]}' (exit $rc)" ;;
         130|143) why="the check was interrupted (exit $rc, see $base.log)" ;;
+        crash)   # the last line of its log (a traceback's ends with the error)
+                 why=$(grep -v '^[[:space:]]*$' "$base.log" 2>/dev/null | tail -n 1 \
+                       | cut -c 1-200)
+                 why="exit 1 without a FAIL verdict, so the check stopped before it could \
+report: ${why:-nothing in $base.log}" ;;
         1|2)     why=$(describe "$verdict")
                  [ -n "$why" ] || why="exit $rc, no readable report (see $base.log)" ;;
         *)       # the check's one sentence, the last error line of its log

@@ -5,7 +5,8 @@ Every command ends with one of these codes (docs/golden.md "Exit codes", deploy/
 
 - 0 `EXIT_PASS`: the command did its work; a check PASSed.
 - 1 `EXIT_FAIL`: bits were compared and differ (a FAIL verdict), or a training stopped on what
-  it measured (a non-finite loss, a detector that gave up). Deploy scripts drain on 1 alone.
+  it measured (a non-finite loss, a detector that gave up). Deploy scripts drain on 1 only
+  with the FAIL verdict printed (a Python stopped before sdcstudy could report exits 1 too).
 - 2 `EXIT_BAD_INPUT`: bad input the user can fix (`UserError`), or an INCONCLUSIVE check.
 - 3 `EXIT_COULD_NOT_RUN`: the command could not run or could not report (a backend that does
   not start, a report file that cannot be written, any unexpected exception). Deploy scripts
