@@ -49,7 +49,8 @@ class Collectives(StepFeature):
         if cfg.experiment.mode not in PAIRED_MODES:
             raise UserError(f"collectives.enabled compares the two nodes of a pair; "
                             f"experiment.mode {cfg.experiment.mode!r} has none: use one of "
-                            f"{', '.join(PAIRED_MODES)}, or set collectives.enabled false.")
+                            f"{', '.join(PAIRED_MODES)} or finetune (whose pair runs free), or "
+                            f"set collectives.enabled false.")
         if cfg.mesh.tp < 2:
             raise UserError(f"collectives.enabled checks the tensor-parallel collectives, which "
                             f"mesh.tp = {cfg.mesh.tp} does not have; set mesh.tp to 2 or more.")

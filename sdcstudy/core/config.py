@@ -168,7 +168,9 @@ class DataConfig:
 class FinetuneConfig:
     """Fine-tuning on multiple-choice QA (Ma et al., section 6.1 experiment II, appendix E)."""
 
-    init: str = ""  # a Hugging Face model folder or an sdcstudy run folder; "" = random init
+    # a Hugging Face model folder or an sdcstudy run folder, whose model replaces model.* but
+    # model.dtype; "" = random init
+    init: str = ""
     task: str = "synthetic"  # synthetic, cosmosqa, mathqa, scienceqa, openbookqa, boolq, race
     test_split: str | None = None  # null: the task's labelled evaluation split
     # order of the training questions; null = experiment.seed (non-negative or null)

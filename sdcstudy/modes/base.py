@@ -7,6 +7,8 @@ wrap the compiled step, and add to `summary.json`. A mode overrides only what di
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any, ClassVar
 
 from sdcstudy.abft import tables as abft_tables
@@ -14,10 +16,63 @@ from sdcstudy.core import data as D
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import tablelog as TL
 from sdcstudy.core.config import Config
+from sdcstudy.core.errors import ConfigError
 
 # Run-folder tables a trainer may name in `TABLES`, with their columns.
 TABLE_COLUMNS = {RF.FAULTS: TL.FAULT_COLUMNS, RF.MISMATCH: TL.MISMATCH_COLUMNS,
                  RF.ABFT: abft_tables.COLUMNS}
+
+# Config sections every mode reads; a mode names the others it reads in `Mode.reads`, and
+# refuses a key of any other section set to other than its default (`Mode.check`).
+COMMON_SECTIONS = ("experiment", "model", "mesh", "optim", "data", "logging")
+# Keys of a section a mode reads that the mode itself never reads, whatever their value:
+# mode -> {key: why it is unread, or None where it is harmless and left alone}. `Mode.check`
+# refuses the others set to other than their default; docs/config.md leaves the mode out of
+# each key's "read by".
+UNREAD = {
+    "paft": {"suspect.fault_kind": "paft's workers draw each spec's faults as the profile "
+                                   "gives them"},
+    "finetune": {"data.text_field": "finetune's questions are finetune.task's, not a corpus's",
+                 "data.synthetic_tokens": None, "data.cache_dir": None},
+}
+# The ABFT checker's settings, which mean nothing where the step checks no matmul.
+ABFT_SETTINGS = ("abft.recompute", "abft.threshold", "abft.operand_rounding",
+                 "abft.output_partials")
+
+
+def changed(cfg: Config, keys) -> list[tuple[str, Any, Any]]:
+    """(key, value, default) of each of `keys` (dotted; a section stands for every key in it)
+    that `cfg` sets to other than its default."""
+    out = []
+    for key in keys:
+        value, default = cfg, Config()
+        for part in key.split("."):
+            value, default = getattr(value, part), getattr(default, part)
+        if dataclasses.is_dataclass(value):
+            out += changed(cfg, [f"{key}.{f.name}" for f in dataclasses.fields(value)])
+        elif value != default:
+            out.append((key, value, default))
+    return out
+
+
+def refuse_sorted_embedding_grad(cfg: Config) -> None:
+    """For a mode whose step runs inside `shard_map`: model.embedding_grad=sorted, refused there
+    while the step was traced (core/embedding.py), refused before anything is built."""
+    if cfg.model.embedding_grad == "sorted":
+        raise ConfigError(f"model.embedding_grad=sorted runs only in steps outside shard_map "
+                          f"(modes train, abft, detect), and experiment.mode "
+                          f"{cfg.experiment.mode}'s step is inside one; use "
+                          f"model.embedding_grad=scatter there.")
+
+
+def refuse_ignored(cfg: Config, keys, why: str, fix: str = "") -> None:
+    """One sentence (a ConfigError) for the first of `keys` that `cfg` sets to other than its
+    default, which the run would ignore because `why`: its config.yaml would say the setting
+    was on and its results nothing of it."""
+    for key, value, default in changed(cfg, keys):
+        raise ConfigError(f"{key}: {json.dumps(value)} would be ignored, since {why}; "
+                          f"{fix or f'remove it (its default is {json.dumps(default)})'}.")
+
 
 # summary.json fields every run writes, whatever its mode (runner.run).
 COMMON_SUMMARY = {
@@ -45,7 +100,8 @@ COMMON_METRICS = {
 class Mode:
     """One experiment mode. Subclasses set `name` and `build`; the rest has defaults.
 
-    - `check(cfg)`: reject settings of this mode's sections (a `ConfigError`, one sentence);
+    - `check(cfg)`: reject settings of this mode's sections, and any key the mode would
+      ignore (`refuse_ignored`) (a `ConfigError`, one sentence, before anything is built);
     - `build()`: the trainer, with `init_state`, `make_batch`, `shardings`, `train_step`,
       `TABLES` and `host_tables` (see `core.train.Trainer`);
     - `batches()`: the data, with `batch(i)` and `seq_len`;
@@ -75,7 +131,15 @@ class Mode:
 
     @classmethod
     def check(cls, cfg: Config) -> None:
-        del cfg
+        """Refuse what this mode would ignore: a key of a section it does not read, or one of
+        its `UNREAD` keys, set to other than its default."""
+        for section in dataclasses.fields(cfg):
+            if section.name not in COMMON_SECTIONS + cls.reads:
+                refuse_ignored(cfg, [section.name], f"experiment.mode {cls.name} does not read "
+                                                    f"the {section.name} section")
+        for key, why in UNREAD.get(cls.name, {}).items():
+            if why is not None:
+                refuse_ignored(cfg, [key], f"experiment.mode {cls.name} does not read it ({why})")
 
     def build(self) -> Any:
         raise NotImplementedError

@@ -3,12 +3,12 @@ data-parallel ranks, judged on the host every step (and rolled back with `detect
 
 from __future__ import annotations
 
-from sdcstudy.detect.plan import validate
+from sdcstudy.detect.plan import parse_detectors, validate
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import tablelog as TL
 from sdcstudy.detect.tables import DETECTION_COLUMNS, DETECTIONS, run_scores
 from sdcstudy.detect.trainer import DetectTrainer
-from sdcstudy.modes.base import Mode
+from sdcstudy.modes.base import ABFT_SETTINGS, Mode, refuse_ignored
 from sdcstudy.paired.summary import paired_summary
 
 
@@ -61,6 +61,19 @@ class DetectMode(Mode):
     @classmethod
     def check(cls, cfg) -> None:
         validate(cfg)
+        super().check(cfg)
+        named = parse_detectors(cfg.detect.detectors)
+        # Settings of one detector mean nothing where detect.detectors leaves it out.
+        for keys, detector in ((ABFT_SETTINGS, "abft"), (["detect.shadow_rank"], "shadow"),
+                               (["detect.replicas"], "localize"),
+                               (["detect.spike_window", "detect.spike_loss", "detect.spike_grad"],
+                                "monitor")):
+            if detector not in named:
+                refuse_ignored(cfg, keys, f"detect.detectors does not name {detector}",
+                               f"add {detector} to detect.detectors, or remove it")
+        if not cfg.detect.rollback:
+            refuse_ignored(cfg, ["detect.max_retries"], "detect.rollback is false",
+                           "set detect.rollback true, or remove it")
 
     def build(self):
         return DetectTrainer.from_config(self.cfg)

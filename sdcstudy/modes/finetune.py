@@ -4,14 +4,22 @@ evaluated on the test questions."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
+from sdcstudy.core import config as C
+from sdcstudy.core import runfolder as RF
+from sdcstudy.core.errors import ConfigError
 from sdcstudy.finetune.trainer import FinetuneTrainer
+from sdcstudy.modes.base import changed, refuse_ignored
 from sdcstudy.modes.paired import FREE_SUMMARY, PairedMode
 
 
 class FinetuneMode(PairedMode):
     name = "finetune"
     description = "RQ3: fine-tune a pretrained model on QA on both nodes, then test them"
-    reads = ("suspect", "abft", "finetune")
+    reads = ("suspect", "abft", "collectives", "finetune")  # the pair is free mode's
     summary = {**FREE_SUMMARY,  # free-running: its wcnts is not eq. (5) either
                "qa/ta/<node>": "TA, per cent of test questions answered right: `initial` (the "
                                "model before fine-tuning), `healthy`, `suspect`",
@@ -24,6 +32,47 @@ class FinetuneMode(PairedMode):
                "qa/train_questions": "training questions",
                "qa/test_questions": "test questions",
                "qa/truncated_<split>": "questions of `train` or `test` cut to data.seq_len"}
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        super().check(cfg)  # abft; data.text_field
+        task = cfg.finetune.task
+        if task == "synthetic":
+            refuse_ignored(cfg, ["data.source", "data.split", "data.hub_config"],
+                           "finetune.task synthetic makes its own questions",
+                           "remove it, or name a dataset task in finetune.task")
+        else:
+            refuse_ignored(cfg, ["finetune.synthetic_train", "finetune.synthetic_test"],
+                           f"finetune.task {task} reads its questions from data.source",
+                           "remove it, or set finetune.task synthetic")
+        # finetune.init gives the model (finetune/trainer.py, initial_model): a model key
+        # other than model.dtype is refused where it asks for another model than that.
+        init = Path(cfg.finetune.init).expanduser()
+        given = [(k, v) for k, v, _ in changed(cfg, ["model"]) if k != "model.dtype"]
+        if not (cfg.finetune.init and given):
+            return
+        if (init / "config.json").is_file():  # a Hugging Face folder: its sizes, no tensors
+            from sdcstudy.core.hf import _dims_from_config
+
+            theirs = _dims_from_config(json.loads((init / "config.json").read_text()), init,
+                                       cfg.model.dtype, cfg.data.seq_len)
+        elif (init / RF.CONFIG).is_file():  # a run folder: its model, in model.dtype
+            theirs = dataclasses.replace(C.model_dims(C.load(init / RF.CONFIG).model),
+                                         dtype=cfg.model.dtype)
+        else:
+            return  # the trainer says what finetune.init should be
+        ours = C.model_dims(cfg.model)
+        sizes = [f.name for f in dataclasses.fields(ours)
+                 if f.name not in ("dtype", "param_dtype", "attention", "embedding_grad")]
+        for key, value in given:
+            name = key.split(".")[1]
+            differ = [f for f in (sizes if name == "preset" else [name])  # preset: its sizes
+                      if getattr(ours, f) != getattr(theirs, f)]
+            if differ:
+                raise ConfigError(f"{key}: {json.dumps(value)} would be ignored, since "
+                                  f"finetune.init {cfg.finetune.init!r} gives the model "
+                                  f"({differ[0]} {getattr(theirs, differ[0])!r} there); "
+                                  f"remove it.")
 
     def build(self):
         return FinetuneTrainer.from_config(self.cfg)

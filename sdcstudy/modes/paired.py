@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from sdcstudy.modes.base import Mode
+from sdcstudy.modes.base import (ABFT_SETTINGS, Mode, refuse_ignored,
+                                 refuse_sorted_embedding_grad)
 from sdcstudy.paired.summary import paired_summary
 from sdcstudy.paired.trainer import PairedTrainer
 
@@ -57,6 +58,14 @@ class PairedMode(Mode):
     pairs_processes = True
     metrics = METRICS
     summary = SUMMARY
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        super().check(cfg)
+        refuse_sorted_embedding_grad(cfg)
+        if not cfg.abft.enabled:
+            refuse_ignored(cfg, ABFT_SETTINGS, "abft.enabled is false",
+                           "set abft.enabled true, or remove it")
 
     def build(self):
         return PairedTrainer.from_config(self.cfg)

@@ -3,8 +3,9 @@ faults of `suspect.profile` and ABFT when `abft.enabled`."""
 
 from __future__ import annotations
 
+from sdcstudy.core.errors import ConfigError
 from sdcstudy.faults.trainer import NodeTrainer
-from sdcstudy.modes.base import Mode
+from sdcstudy.modes.base import ABFT_SETTINGS, Mode, refuse_ignored
 
 
 class TrainMode(Mode):
@@ -22,6 +23,16 @@ class TrainMode(Mode):
         "faults/landed": "corruptions made over the run",
         "faults/unlogged": "corruptions made but not logged",
     }
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        super().check(cfg)
+        if cfg.mesh.tp > 1:  # before anything compiles (core.train.Trainer.shardings says so too)
+            raise ConfigError(f"mesh.tp > 1 needs a paired mode (lockstep, paramsync, free); "
+                              f"experiment.mode {cls.name!r} runs data-parallel only.")
+        if not (cfg.abft.enabled or cls.name == "abft"):
+            refuse_ignored(cfg, ABFT_SETTINGS, "abft.enabled is false",
+                           "set abft.enabled true, or remove it")
 
     def build(self):
         return NodeTrainer.from_config(self.cfg)
