@@ -251,7 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     # count; a GPU or TPU backend ignores it.
     determinism.configure(device_count=SIMULATED_CPU_DEVICES)
     xlaflags.tolerate_slow_threads()  # a starved thread must not abort a healthy run
-    with _sigterm_as_interrupt():
+    from sdcstudy.core import interrupts
+
+    # A stop that Python swallowed (raised in a garbage-collection callback after a long call
+    # into XLA) is sent again, so no command goes on to exit 0 past a Ctrl-C.
+    with _sigterm_as_interrupt(), interrupts.resent_when_swallowed():
         return _dispatch(args)
 
 

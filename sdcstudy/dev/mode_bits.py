@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -320,8 +321,10 @@ def main(argv=None) -> int:
             say(f"mode-bits: not lowered (compiled when built; use the full record): "
                 f"{', '.join(skipped)}")
         modes = [m for m in modes if m in bits]
-    if args.out:
-        args.out.write_text(json.dumps(bits, indent=1, sort_keys=True) + "\n")
+    if args.out:  # whole or not at all: a stop while it is written leaves no half of it
+        from sdcstudy.core.runfolder import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps(bits, indent=1, sort_keys=True) + "\n")
     if base is None:
         return 0
     for mode in modes:
@@ -336,5 +339,26 @@ def main(argv=None) -> int:
     return 0
 
 
+def command(argv=None) -> int:
+    """`main` as a command: Ctrl-C or SIGTERM (143, as the CLI's `Terminated` carries it)
+    ends it with one line and 130 or 143, and a stop Python swallowed is sent again."""
+    from sdcstudy.core import interrupts
+
+    def terminated(signum, frame):
+        raise interrupts.Stopped(signum, "run it again")
+
+    before = signal.signal(signal.SIGTERM, terminated)
+    try:
+        with interrupts.resent_when_swallowed():
+            return main(argv)
+    except KeyboardInterrupt as stop:
+        signum = interrupts.signum_of(stop)
+        print(f"mode-bits: interrupted by {signal.Signals(signum).name}; run it again (--out is "
+              f"written whole or not at all)", file=sys.stderr)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

@@ -14,10 +14,11 @@ import os
 import sys
 
 from sdcstudy.core import config as C
-from sdcstudy.core import errors, reports, runlock
+from sdcstudy.core import errors, interrupts, reports, runlock
 from sdcstudy.core.config import UserError
 from sdcstudy.golden import contents
-from sdcstudy.golden.manifest import RECORD_FOLDER, RECORD_HINT, GoldenError, expect_sha_arg
+from sdcstudy.golden.manifest import (
+    MANIFEST, RECORD_FOLDER, RECORD_HINT, GoldenError, expect_sha_arg)
 from sdcstudy.golden.report import junit_xml, node_junit_xml, refused_report, report_json
 from sdcstudy.golden.sizing import MAX_MEMORY_SHARE, TINY
 
@@ -76,8 +77,15 @@ def main_record(args) -> int:
     from sdcstudy.golden.record import record
     from sdcstudy.golden.telemetry import coverage_line
 
-    meta = record(cfg, args.out, device_index=args.device, progress=not args.no_progress,
-                  memory_share=args.memory_share)
+    try:
+        meta = record(cfg, args.out, device_index=args.device, progress=not args.no_progress,
+                      memory_share=args.memory_share)
+    except KeyboardInterrupt as stop:  # a record stopped before its manifest left no folder
+        kept = (args.out / MANIFEST).is_file()
+        raise interrupts.Stopped(interrupts.signum_of(stop), (
+            f"the golden record {str(args.out)!r} was written whole before the stop" if kept
+            else "nothing of the golden record was kept: run the same command again"
+        )) from None
     print(f"golden record: {meta['golden_dir']} ({meta['workload']} workload, {meta['steps']} "
           f"steps x {meta['microsteps']} microsteps, {len(meta['site_order'])} sites, "
           f"{meta['bytes'] / 1e6:.2f} MB)")

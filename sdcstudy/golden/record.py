@@ -62,11 +62,14 @@ def record(cfg: Config | None, out_dir: Path, *, device_index: int = 0, progress
     `cfg` None: the full workload, sized for the device (`golden.sizing`, `memory_share`).
 
     The folder is held (core.runlock) from the start: a second recorder is refused at once.
+    A record stopped before its manifest is written (Ctrl-C, SIGTERM, an error) leaves no
+    folder behind, so the same command may run again.
     """
     if cfg is not None:
         check_config(cfg)
     with runlock.hold(out_dir, create=True, what="golden folder",
-                      hint="a golden record is never overwritten: choose another --out"):
+                      hint="a golden record is never overwritten: choose another --out",
+                      keep=lambda folder: (folder / MANIFEST).is_file()):
         return _record(cfg, Path(out_dir), device_index, progress, memory_share)
 
 

@@ -14,15 +14,23 @@ wrote and this one did not. Imports no JAX, and no feature package. A run folder
 missing or damaged file still reports what the other files allow; `sdcstudy report` then
 names each such file on stderr and exits 2 (core/errors.py: input that is partly unreadable;
 1 is a FAIL verdict, which a report never gives). A report file that cannot be written ends
-the command with `ReportWriteError` naming it (exit 3).
+the command with `ReportWriteError` naming it (exit 3). Files are written in a hidden folder
+in --out, moved out at the end (`_commit`): a stop leaves no half report, an earlier one whole.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
 from pathlib import Path
 
 from sdcstudy import modes
-from sdcstudy.core import errors, reports, runlock
+from sdcstudy.core import errors, interrupts, reports, runlock
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core.config import UserError
 from sdcstudy.report.runs import DamagedFile, expand_run_dirs, label_runs, load_run
@@ -63,21 +71,24 @@ PUBLISHED_NOTE = (" Ma et al.'s published value in parentheses, of their whole r
 LOSSES = ("loss/healthy", "loss/suspect")
 SUMMARY_TABLES = ("runs.csv", "table1_frequency.csv", "table2_max_severity.csv", "wcnts.csv",
                   "abft_runs.csv")
+STAGING = ".report-partial-"  # the hidden folder inside --out a report is written into
 
 
-def _out_dir(out) -> Path:
-    """The report folder: new, empty, or an earlier report (whose files are replaced)."""
+def _out_dir(out) -> tuple[Path, Path]:
+    """The report folder (new, empty, or an earlier report, whose files are replaced) and the
+    hidden folder made inside it that the report is written into (`_commit`)."""
     if out is None:
         out = RF.default_run_dir("report")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {str(out)!r} is a file, not a folder.")
-    if out.exists() and any(out.iterdir()) and not (out / REPORT).is_file():
+    if out.exists() and not (out / REPORT).is_file() and any(
+            not p.name.startswith(STAGING) for p in out.iterdir()):  # one a kill left: no file
         raise UserError(f"--out {str(out)!r} already exists and holds no {REPORT}; choose a new "
                         f"folder (an earlier report folder is replaced).")
     with reports.writing(out, "report folder"):
         out.mkdir(parents=True, exist_ok=True)
-    return out
+        return out, Path(tempfile.mkdtemp(prefix=STAGING, dir=out))
 
 
 def _write(path: Path, text: str) -> None:
@@ -107,8 +118,6 @@ def distinguished(table, columns):
     """`table` with the cells of `columns` that `tables.fmt` would round to the same text in
     one row (a free pair's losses 5.02119 and 5.02154: "5.02" twice) written with the digits
     that tell them apart, up to 9."""
-    import math
-
     import pandas as pd
 
     from sdcstudy.report import tables as T
@@ -189,9 +198,8 @@ def write_report(run_dirs, out=None) -> dict:
     (a folder of run folders, as a sweep or the demo leaves, counts as its run folders),
     written into `out` (default runs/report-TIME). A file that is missing or damaged leaves
     out what needs it (`NEEDED_BY`) and is named in "problems" and in report.md. Returns
-    {"out", "files", "markdown", "summary", "problems"} where "summary" is the Markdown of the
-    runs, Table 1, Table 2, WCNTS and the ABFT runs table, and "problems" one sentence per
-    unreadable file."""
+    {"out", "files", "markdown", "summary", "problems"}: "summary" the Markdown of the runs,
+    Table 1, Table 2, WCNTS and the ABFT runs table, "problems" a sentence per unreadable file."""
     paths = [run for p in run_dirs for run in expand_run_dirs(p)]
     if not paths:
         raise UserError("sdcstudy report needs at least one run folder.")
@@ -201,18 +209,45 @@ def write_report(run_dirs, out=None) -> dict:
             raise UserError(f"run folder {str(p)!r} is given twice.")
         seen.add(p.resolve())
     runs, problems = load_runs(paths)
-    out = _out_dir(out)
-    drawing = draw_figures(runs, out)  # in worker processes while the tables are written
+    made = out is None or not Path(out).exists()
+    out, staging = _out_dir(out)
     try:
-        return _write_files(runs, problems, out, drawing)
-    except BaseException:
-        drawing(cancel=True)  # a file that could not be written: no figure workers left behind
-        raise
+        drawing = draw_figures(runs, staging)  # in worker processes while tables are written
+        try:
+            result = _write_files(runs, problems, staging, drawing)
+        except BaseException as e:
+            drawing(cancel=True)  # a file that could not be written: no figure workers left
+            if isinstance(e, errors.ReportWriteError):  # name the file in --out
+                raise errors.ReportWriteError(str(e).replace(str(staging), str(out))) from e
+            raise
+        _commit(staging, out, result["files"][1:], result["markdown"])
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if made:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only when empty: a folder made here that got nothing
+    return {**result, "out": out}
+
+
+def _commit(staging: Path, out: Path, files: list[str], markdown: str) -> None:
+    """Move `files` from `staging` into `out`, write report.md, and remove what an earlier
+    report wrote and this one did not; SIGINT and SIGTERM wait for it (milliseconds)."""
+    from sdcstudy.report import plots
+
+    section_files = [name for s in modes.report_sections().values() for name in s.files]
+    stale = [n for n in (*CSV_FILES, *plots.FIGURES, *section_files) if n not in files]
+    with interrupts.held_back():
+        for name in files:
+            with reports.writing(out / name):
+                os.replace(staging / name, out / name)
+        _write(out / REPORT, markdown)
+        for name in stale:  # from an earlier report into the same folder
+            with reports.writing(out / name):
+                (out / name).unlink(missing_ok=True)
 
 
 def _write_files(runs: dict, problems: list[str], out: Path, drawing) -> dict:
-    """write_report's files: the tables, the figures `drawing` waits for, and report.md."""
-    from sdcstudy.report import plots
+    """write_report's tables and the figures `drawing` waits for, into `out`; report.md's text."""
     from sdcstudy.report import tables as T
 
     mode_sections = run_sections(runs)
@@ -261,13 +296,6 @@ def _write_files(runs: dict, problems: list[str], out: Path, drawing) -> dict:
                 ] if problems else []
     markdown = "\n".join(["# sdcstudy report\n\nRun folders: " + ", ".join(
         f"`{r.path}`" for r in runs.values()) + "\n", *left_out, *sections, *figures]) + "\n"
-    _write(out / REPORT, markdown)
-    # From an earlier report into the same folder:
-    section_files = [name for s in modes.report_sections().values() for name in s.files]
-    for stale in [*CSV_FILES, *plots.FIGURES, *section_files]:
-        if stale not in produced:
-            with reports.writing(out / stale):
-                (out / stale).unlink(missing_ok=True)
     return {"out": out, "files": [REPORT, *produced], "markdown": markdown,
             "summary": "\n".join(summary), "problems": problems}
 
@@ -284,13 +312,11 @@ def _draw(name: str) -> bool:
 def draw_figures(runs: dict, out: Path):
     """Starts drawing every figure of `plots.FIGURES` that the runs have data for into `out`;
     returns a function that waits for them and returns their names (or, given cancel=True,
-    stops them). Each figure is seconds of
-    single-threaded matplotlib, so with more than one CPU they are drawn in forked worker
+    stops them). Each figure is seconds of single-threaded matplotlib, so with more than one
+    CPU they are drawn in forked worker
     processes (which inherit `runs` without a copy) while the caller writes the tables -
     unless JAX is loaded (a sweep's own report): forking XLA's threads is not safe."""
     import multiprocessing
-    import os
-    import sys
 
     from sdcstudy.report import plots
 
@@ -326,8 +352,6 @@ def _worker_signals() -> None:
     """A drawing worker ends quietly: SIGTERM (the pool's `terminate`) with the default action,
     not the CLI's handler it was forked with (which raised and printed a traceback), and
     Ctrl-C left to the parent, which stops the pool."""
-    import signal
-
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -363,8 +387,6 @@ def load_runs(paths) -> tuple[dict, list[str]]:
 def main(run_dirs, out=None, echo=print, warn=None) -> int:
     """`sdcstudy report RUN_DIR [RUN_DIR ...] [--out DIR]`: exit 0, or 2 when a file could not
     be read and the report left out what needs it (each named on stderr)."""
-    import sys
-
     warn = warn or (lambda line: print(line, file=sys.stderr))
     result = write_report(run_dirs, out)
     echo(result["summary"])
