@@ -39,7 +39,7 @@ FAST_TESTS := $(addprefix tests/test_,$(addsuffix .py,config architecture fault_
 	hostmem reproduce mode_bits ticker paired_summary profile_mistakes profile_descriptions \
 	pairing_checks resume_refusals reproduce_command doc_commands card_figures bitwise \
 	metrics_promises golden_promises reproduce_promises deploy_promises guide2_promises \
-	config_keys))
+	config_keys command_interrupts))
 
 test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadscope --no-loadscope-reorder --durations=10 -m "not slow" $(FAST_TESTS)
