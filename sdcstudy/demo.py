@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sdcstudy.core import config as C
-from sdcstudy.core import reports
+from sdcstudy.core import interrupts, reports
 from sdcstudy.faults import profiles
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
@@ -87,10 +87,19 @@ def plot_frequency(mismatch, path: Path, title: str) -> None:
 
 def main(out: Path | None, steps: int = DEMO_STEPS, progress: bool = True,
          profile: str = PROFILE) -> dict:
-    """Both runs into a new demo folder, held for as long as they write it (core.runlock)."""
-    with runlock.hold(out or RF.default_run_dir("demo"), create=True, what="demo folder",
-                      hint="choose another --out") as root:
-        return _demo(root, steps, progress, profile)
+    """Both runs into a new demo folder, held for as long as they write it (core.runlock). A
+    demo stopped (Ctrl-C, SIGTERM) or failed before its second run ended leaves no folder, so
+    the same command may run again (a demo has no --resume: its runs take minutes)."""
+    root = Path(out or RF.default_run_dir("demo"))
+    whole = lambda folder: (folder / "paramsync" / RF.SUMMARY).is_file()  # noqa: E731
+    try:
+        with runlock.hold(root, create=True, what="demo folder", hint="choose another --out",
+                          keep=whole):
+            return _demo(root, steps, progress, profile)
+    except KeyboardInterrupt as stop:
+        raise interrupts.Stopped(interrupts.signum_of(stop), (
+            f"both runs of the demo were done and {str(root)!r} is kept" if whole(root) else
+            f"the demo folder {str(root)!r} was not kept: run the same command again")) from None
 
 
 def _demo(root: Path, steps: int, progress: bool, profile: str) -> dict:

@@ -175,3 +175,62 @@ def test_a_stop_while_a_report_is_moved_into_place_waits_for_it(tmp_path, monkey
     files = _files(out)
     assert "runs.csv" in files and writer.REPORT in files
     assert not any(name.startswith(".") for name in files)
+
+
+def test_a_demo_stopped_leaves_no_folder_and_says_to_run_it_again(tmp_path, monkeypatch,
+                                                                   capsys):
+    # A demo stopped in its first run left DIR/lockstep and the sentence of that run alone
+    # (`sdcstudy run .../lockstep/config.yaml ... --resume`), and `sdcstudy demo --out DIR`
+    # again was refused (the folder is not empty): the demo has no --resume.
+    from sdcstudy import cli, runner
+    from sdcstudy.core import runfolder as RF
+
+    def stopped(cfg, out, **_):  # the lock-step run, stopped after its folder was written
+        out.mkdir(parents=True)
+        (out / RF.CONFIG).write_text("experiment: {mode: lockstep}\n")
+        raise interrupts.Interrupted(signal.SIGTERM, out)
+
+    monkeypatch.setattr(runner, "run", stopped)
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--out", str(out), "--no-progress"]) == 143
+    assert not out.exists()
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"sdcstudy: interrupted by SIGTERM; the demo folder {str(out)!r} was not kept: run the "
+        f"same command again")
+
+
+def test_a_bench_stopped_while_its_programs_compile_returns_without_waiting(monkeypatch):
+    # `sdcstudy bench` compiles its contenders in a thread pool; left with a `with`, a Ctrl-C
+    # (or SIGTERM) waited for the compiles under way before the command could exit (11.5 s,
+    # measured). The stop now returns at once; the compile left running ends with the process.
+    import threading
+    from types import SimpleNamespace
+
+    import jax
+    import jax.numpy as jnp
+
+    from sdcstudy.bench import timing
+
+    release, finished = threading.Event(), []
+    compile_program = jax.stages.Lowered.compile
+
+    def blocked_compile(self, *args, **kwargs):  # a compile that runs until the test is done
+        finished.append(release.wait(timeout=10))
+        return compile_program(self, *args, **kwargs)
+
+    def place(trainer, tokens, initial_states=None):
+        if trainer.name == "b":
+            raise KeyboardInterrupt  # Ctrl-C while the second contender is set up
+        return jnp.zeros(4), jnp.ones(4), None
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", blocked_compile)
+    monkeypatch.setattr(timing, "place", place)
+    trainers = {name: SimpleNamespace(name=name, train_step=lambda state, batch: state + batch)
+                for name in ("a", "b")}
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            timing.build_runners(trainers, None, threads=1, echo=lambda *_: None)
+        assert finished == []  # returned while a's compile still ran, not after it
+    finally:
+        release.set()

@@ -158,26 +158,34 @@ def build_runners(trainers: dict, tokens_MBL1, threads: int = 1, label: str = "{
 
     placed, lower_s, same_as, futures, by_text, initial_states = {}, {}, {}, {}, {}, {}
     init_s, first_compile = 0.0, None
-    with (ticking(f"{preset}: preparing and compiling", enabled=B.live_line()),
-          ThreadPoolExecutor(threads) as pool):
-        for variant, trainer in trainers.items():
-            t0 = time.perf_counter()
-            placed[variant] = place(trainer, tokens_MBL1, initial_states)
-            init_s += time.perf_counter() - t0
-            state, batch, shardings = placed[variant]
-            t0 = time.perf_counter()
-            jitted = jax.jit(trainer.train_step, donate_argnums=0,
-                             **({} if shardings is None else dict(in_shardings=shardings)))
-            lowered = jitted.lower(state, batch)
-            lower_s[variant] = time.perf_counter() - t0
-            same_as[variant] = by_text.setdefault(lowered.as_text(debug_info=True), variant)
-            if same_as[variant] == variant:
-                first_compile = first_compile or time.perf_counter()
-                futures[variant] = pool.submit(compile_one, lowered)
-                if not B.live_line():  # a log gets a line per program instead of the ticker
-                    futures[variant].add_done_callback(compiled_line(
-                        preset, label.format(variant), futures, echo))
-        compiled = {variant: future.result() for variant, future in futures.items()}
+    # Not a `with`: its exit waits for the compiles under way, so a Ctrl-C or SIGTERM would
+    # wait for them (seconds to minutes). An interrupt or error here returns at once: the
+    # programs not started never start, and the command's exit ends the others.
+    pool = ThreadPoolExecutor(threads)
+    try:
+        with ticking(f"{preset}: preparing and compiling", enabled=B.live_line()):
+            for variant, trainer in trainers.items():
+                t0 = time.perf_counter()
+                placed[variant] = place(trainer, tokens_MBL1, initial_states)
+                init_s += time.perf_counter() - t0
+                state, batch, shardings = placed[variant]
+                t0 = time.perf_counter()
+                jitted = jax.jit(trainer.train_step, donate_argnums=0,
+                                 **({} if shardings is None else dict(in_shardings=shardings)))
+                lowered = jitted.lower(state, batch)
+                lower_s[variant] = time.perf_counter() - t0
+                same_as[variant] = by_text.setdefault(lowered.as_text(debug_info=True), variant)
+                if same_as[variant] == variant:
+                    first_compile = first_compile or time.perf_counter()
+                    futures[variant] = pool.submit(compile_one, lowered)
+                    if not B.live_line():  # a log gets a line per program instead of the ticker
+                        futures[variant].add_done_callback(compiled_line(
+                            preset, label.format(variant), futures, echo))
+            compiled = {variant: future.result() for variant, future in futures.items()}
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     compile_s = time.perf_counter() - first_compile
     runners = {}
     for variant, trainer in trainers.items():
