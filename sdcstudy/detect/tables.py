@@ -36,7 +36,8 @@ from sdcstudy.report.sections import Section
 
 # detections.parquet: one row per flagged step. `class`: the step re-executed on the same
 # device from the same state (the reexec detector's execution) gave another result
-# ("transient") or the same wrong one ("persistent": a bad unit that will fail again);
+# ("transient") or the same one ("persistent": a bad unit that will fail again, or a false
+# alarm on a clean step, which re-execution alone cannot tell apart);
 # "unknown" without the reexec detector. `injected_kind`: what the injector's specs are
 # ("transient" draws afresh on a re-execution, anything else repeats; "none": healthy run).
 DETECTIONS = "detections.parquet"
