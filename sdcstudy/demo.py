@@ -119,9 +119,9 @@ def _demo(root: Path, steps: int, progress: bool, profile: str) -> dict:
     at_sites = int(faults["site"].isin(SITES).sum())
     print(f"   {at_sites} corruptions injected at the four compared sites (faults.parquet), "
           f"{sum(lock.get('mismatches', {}).values())} mismatches found (mismatch.parquet); "
-          f"{lock.get('faults/landed', 0) - at_sites} more in the weight gradients, which "
-          f"lock-step does not compare (docs/faults.md). Tables 1-2 are Ma et al.'s "
-          f"measurements of this node.")
+          f"{lock.get('faults/landed', 0) - at_sites} more in the weight gradients (a row on "
+          f"each device that holds one, docs/metrics.md), which lock-step does not compare. "
+          f"Tables 1-2 are Ma et al.'s measurements of this node.")
 
     sync = runner.run(C.from_dict(DEMO, base + ["experiment.mode=paramsync",
                                                 "experiment.name=paramsync"]),

@@ -21,7 +21,8 @@ METRICS = {
     "grad/nts": "grad/diff_l2 / grad/norm (eq. 5 before its max over steps)",
     "param/diff_l2": "||theta' - theta||2 after the update (before any synchronization)",
     "lr": "learning rate of the step",
-    "faults/landed": "corruptions the injector made this step",
+    "faults/landed": "corruptions the injector made this step, once per device that holds "
+                     "each",
     "faults/unlogged": "corruptions beyond suspect.log_limit, counted but not logged",
 }
 SUMMARY = {
@@ -33,7 +34,7 @@ SUMMARY = {
     "loss_spikes": "steps the loss-spike criterion flags (suspect loss over the healthy one "
                    "by more than 0.5 nats; core/metrics.py); a spike is 2 or more "
                    "consecutive",
-    "faults/landed": "corruptions made over the run",
+    "faults/landed": "corruptions made over the run, once per device that holds each",
     "faults/unlogged": "corruptions made but not logged",
 }
 # Without synchronization the gradients of the two nodes differ by their drift as well as by
