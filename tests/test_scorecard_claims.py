@@ -109,6 +109,28 @@ def test_figure5_shape_needs_something_that_falls():
     assert row.verdict == "fail"
 
 
+def test_figure5_shape_counts_each_weight_gradient_corruption_once():
+    """`faults/landed` counts every corruption, the weight gradients' too (faults.parquet's
+    `grad/` rows are among them): corruptions at the activations falling from 3 to 1 a step
+    beside 10 a step in the weight gradients fall 13/11 = 1.18x, and the row is judged. Adding
+    the `grad/` rows again (10 a step counted twice: 23/21 = 1.095x, under `FLAT`) read as
+    nothing falling: not applicable."""
+    from sdcstudy.core import tablelog as TL
+
+    norm = np.r_[np.full(99, 1.05), np.ones(101)]
+    landed = np.r_[np.full(99, 13.0), np.full(101, 11.0)]
+    grad_rows = pd.DataFrame([{**dict.fromkeys(TL.FAULT_COLUMNS, 0), "step": step,
+                               "site": "grad/head", "kind": "bitflip", "flat_index": i}
+                              for step in range(1, 201) for i in range(10)],
+                             columns=list(TL.FAULT_COLUMNS))
+    run = _paired(grad__diff_l2=0.04 / norm, grad__norm=norm, faults__landed=landed)
+    run = Run(path=run.path, config=run.config, summary=run.summary, metrics=run.metrics,
+              mismatch=run.mismatch, faults=grad_rows, abft=run.abft)
+    assert CR.faults_a_step(run).tolist() == landed.tolist()
+    row = CR.figure5_shape_row(10, run)
+    assert row.verdict == "fail", row.reason
+
+
 def test_figure6_gradient_norms_follow_the_healthy_ones():
     """A 1% median gap passes, a 5% one fails; the reason says the paper gives no number."""
     healthy = np.linspace(2.0, 1.0, 50)

@@ -189,15 +189,10 @@ def figure5_shape_row(node: int, run) -> Row:
 
 
 def faults_a_step(run) -> pd.Series:
-    """Corruptions per step: the activations' (`faults/landed`) and the weight gradients'
-    (faults.parquet's grad/ sites)."""
-    landed = series(run, "faults/landed").fillna(0.0)
-    counts = run.fault_counts["faults"]
-    if not len(counts):
-        return landed
-    sites = counts.index.get_level_values("site").astype(str)
-    weights = counts[sites.str.startswith("grad/")].groupby(level="step").sum()
-    return landed.add(weights.astype(float), fill_value=0.0)
+    """Corruptions per step at every site, the weight gradients' included: `faults/landed`
+    (logged or not; once per device that holds each, docs/metrics.md). faults.parquet's
+    `grad/` rows are among them, not beside them."""
+    return series(run, "faults/landed").fillna(0.0)
 
 
 def _rank_correlation(a: pd.Series, b: pd.Series) -> float | None:
