@@ -13,13 +13,11 @@ unfinished one continues from its last checkpoint.
 from __future__ import annotations
 
 import shlex
-import signal
-import sys
 from pathlib import Path
 
 from sdcstudy.core import config as C
 from sdcstudy.report import writer as R
-from sdcstudy.core import reports
+from sdcstudy.core import interrupts, reports
 from sdcstudy.core import runfolder as RF
 from sdcstudy.core import runlock
 from sdcstudy.core.config import UserError
@@ -158,9 +156,7 @@ def main(args) -> int:
                 f"{sweep_command(args, root, resume=True)}" if (root / SWEEP).is_file() else
                 f"no run had done a step, so {str(root)!r} was not kept: run again with: "
                 f"{sweep_command(args, root, resume=False)}")
-        print(f"sdcstudy: interrupted by {signal.Signals(stop.signum).name}; {then}",
-              file=sys.stderr)
-        return stop.exit_code
+        raise interrupts.Stopped(stop.signum, then) from None  # the CLI says it: 130, 143
     print(result["report"]["summary"])
     print(f"sweep folder: {result['root']}; report: {result['report']['out'] / R.REPORT}")
     return 0

@@ -39,18 +39,28 @@ def load_hf_checkpoint(path, *, dtype: str | None = None, max_length: int | None
     our model attends over the whole causal prefix.
     """
     folder = Path(path)
-    if not folder.is_dir():
-        raise UserError(f"Hugging Face checkpoint folder {str(folder)!r} does not exist.")
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise UserError(f"{str(folder)!r} has no config.json; is it a Hugging Face model folder?")
-    hf = json.loads(config_path.read_text())
+    hf = _read_config(folder)
     with contextlib.ExitStack() as stack:
         tensors = _open_tensors(folder, stack)
         stored = _stored_dtype(tensors)
         dims = _dims_from_config(hf, folder, dtype or stored, max_length)
         params = _convert(dims, tensors, folder)
     return dims, params
+
+
+def hf_dims(path, *, dtype: str, max_length: int | None = None) -> ModelDims:
+    """The model a local HF folder's config.json describes, in `dtype`; its tensors unread."""
+    folder = Path(path)
+    return _dims_from_config(_read_config(folder), folder, dtype, max_length)
+
+
+def _read_config(folder: Path) -> dict:
+    if not folder.is_dir():
+        raise UserError(f"Hugging Face checkpoint folder {str(folder)!r} does not exist.")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{str(folder)!r} has no config.json; is it a Hugging Face model folder?")
+    return json.loads(config_path.read_text())
 
 
 def _dims_from_config(hf: dict, folder: Path, dtype: str, max_length: int | None) -> ModelDims:

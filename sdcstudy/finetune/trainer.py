@@ -47,6 +47,23 @@ MANY_MODELS = {"lockstep": "a healthy/suspect pair", "paramsync": "a healthy/sus
                "paft": "one model per worker"}
 
 
+def init_dims(cfg: Config) -> C.ModelDims | None:
+    """The model `finetune.init` gives, from its config alone (no tensors, no checkpoint): a
+    Hugging Face folder's config.json or a run folder's config.yaml, in model.dtype; None for
+    "" (the random init) or a folder that is neither (`initial_model` refuses it)."""
+    if not cfg.finetune.init:
+        return None
+    folder = Path(cfg.finetune.init).expanduser()
+    if (folder / "config.json").is_file():
+        from sdcstudy.core.hf import hf_dims
+
+        return hf_dims(folder, dtype=cfg.model.dtype, max_length=cfg.data.seq_len)
+    if (folder / RF.CONFIG).is_file():
+        pretrained = C.load(folder / RF.CONFIG)
+        return dataclasses.replace(C.model_dims(pretrained.model), dtype=cfg.model.dtype)
+    return None
+
+
 def initial_model(cfg: Config) -> tuple[C.ModelDims, Any]:
     """(dims, params or None) of `finetune.init`: a Hugging Face folder (config.json), an
     sdcstudy run folder (config.yaml + checkpoints), or "" for the seed's random init."""
@@ -70,8 +87,7 @@ def initial_model(cfg: Config) -> tuple[C.ModelDims, Any]:
             raise UserError(f"finetune.init {source!r} was trained with tokenizer "
                             f"{pretrained.data.tokenizer!r}, not data.tokenizer "
                             f"{cfg.data.tokenizer!r}; use the same tokenizer.")
-        dims = dataclasses.replace(C.model_dims(pretrained.model), dtype=cfg.model.dtype)
-        return dims, final_params(folder, pretrained)
+        return init_dims(cfg), final_params(folder, pretrained)
     raise UserError(f"finetune.init {source!r} is neither a Hugging Face model folder "
                     f"(config.json) nor an sdcstudy run folder (config.yaml); give one of those "
                     f"or \"\" for a random init.")

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 from sdcstudy.core import config as C
-from sdcstudy.core import runfolder as RF
 from sdcstudy.core.errors import ConfigError
-from sdcstudy.finetune.trainer import FinetuneTrainer
+from sdcstudy.finetune.trainer import FinetuneTrainer, init_dims
 from sdcstudy.modes.base import changed, refuse_ignored
 from sdcstudy.modes.paired import FREE_SUMMARY, PairedMode
 
@@ -47,20 +45,10 @@ class FinetuneMode(PairedMode):
                            "remove it, or set finetune.task synthetic")
         # finetune.init gives the model (finetune/trainer.py, initial_model): a model key
         # other than model.dtype is refused where it asks for another model than that.
-        init = Path(cfg.finetune.init).expanduser()
         given = [(k, v) for k, v, _ in changed(cfg, ["model"]) if k != "model.dtype"]
-        if not (cfg.finetune.init and given):
+        theirs = init_dims(cfg) if given else None  # None: the trainer says what init should be
+        if theirs is None:
             return
-        if (init / "config.json").is_file():  # a Hugging Face folder: its sizes, no tensors
-            from sdcstudy.core.hf import _dims_from_config
-
-            theirs = _dims_from_config(json.loads((init / "config.json").read_text()), init,
-                                       cfg.model.dtype, cfg.data.seq_len)
-        elif (init / RF.CONFIG).is_file():  # a run folder: its model, in model.dtype
-            theirs = dataclasses.replace(C.model_dims(C.load(init / RF.CONFIG).model),
-                                         dtype=cfg.model.dtype)
-        else:
-            return  # the trainer says what finetune.init should be
         ours = C.model_dims(cfg.model)
         sizes = [f.name for f in dataclasses.fields(ours)
                  if f.name not in ("dtype", "param_dtype", "attention", "embedding_grad")]
